@@ -1,0 +1,1 @@
+"""kvrouter: a KV-cache-aware request router for LLM inference fleets."""

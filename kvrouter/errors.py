@@ -1,0 +1,88 @@
+"""Every exception kvrouter raises, in one hierarchy.
+
+```
+KvRouterError
+├── InvalidTokens            (also a ValueError) token ids outside u32, bad block size
+└── EventError               an event could not be applied; ``kind`` names why
+    ├── BadEvent             bad_event: the input does not decode into an event
+    ├── ParentNotFound       parent_not_found
+    ├── BlockNotFound        block_not_found
+    └── InvalidBlockSequence invalid_block_sequence
+```
+
+``EventError.kind`` equals the error names of the fixtures and of Dynamo's ``KvCacheEventError``
+variants, so counters and tests speak one vocabulary. Foreign errors (msgpack, json, zmq) are
+mapped to these at the boundary with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Final
+
+__all__ = [
+    "BadEvent",
+    "BlockNotFound",
+    "EventError",
+    "InvalidBlockSequence",
+    "InvalidTokens",
+    "KvRouterError",
+    "ParentNotFound",
+]
+
+
+class KvRouterError(Exception):
+    """Base class of every error kvrouter raises on purpose; catch it to catch them all."""
+
+
+class InvalidTokens(KvRouterError, ValueError):
+    """Token ids that cannot be hashed (outside u32) or a block size below 1.
+
+    The request cannot be routed by content; the caller should reject it as malformed (HTTP 400).
+    """
+
+
+class EventError(KvRouterError):
+    """A KV event could not be applied (or decoded).
+
+    Index and applier callers count it by ``kind`` against the worker and carry on serving: one bad
+    event never stops the process.
+    """
+
+    kind: ClassVar[str] = "event_error"
+
+
+class BadEvent(EventError, ValueError):
+    """The input does not decode into an event: malformed frame, wrong type, value out of range,
+    missing field, unknown variant. The message names the offending value and its path, e.g.
+    ``vllm batch: $[1][0].block_hashes[2]: expected an integer hash, got str``. Nothing of it is applied.
+    """
+
+    kind: ClassVar[str] = "bad_event"
+
+
+class ParentNotFound(EventError):
+    """A Stored event names a parent this (worker, dp_rank) does not hold, even if another worker
+    does. Nothing of the event is applied, as in the reference; the caller counts it against the
+    worker and carries on."""
+
+    kind: ClassVar[str] = "parent_not_found"
+
+
+class BlockNotFound(EventError):
+    """A Removed event names a block this worker does not hold. The other hashes of the batch are
+    still removed (best effort); this reports the first unknown one."""
+
+    kind: ClassVar[str] = "block_not_found"
+
+
+class InvalidBlockSequence(EventError):
+    """A Stored event is self-contradictory (its parent is one of its own blocks, or it repeats an
+    engine hash). Rejected whole, before anything is applied."""
+
+    kind: ClassVar[str] = "invalid_block_sequence"
+
+
+EVENT_ERROR_KINDS: Final[dict[str, type[EventError]]] = {
+    cls.kind: cls for cls in (BadEvent, ParentNotFound, BlockNotFound, InvalidBlockSequence)
+}
+"""Kind name → class, for counters and for tests that replay fixture expectations."""

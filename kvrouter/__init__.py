@@ -1,1 +1,80 @@
-"""kvrouter: a KV-cache-aware request router for LLM inference fleets."""
+"""kvrouter: a KV-cache-aware request router for LLM inference fleets.
+
+Layout (one folder per component; ``docs/ARCHITECTURE.md`` draws the whole picture):
+
+- ``hashing/``   tokens → local block hashes → router sequence hashes (bit-exact with Dynamo)
+- ``events/``    the event model and one codec per wire format (``events/codecs/``)
+- ``errors.py``  the one exception hierarchy
+- ``cli/``       the ``kvrouter`` command
+
+This module only re-exports the public names; it holds no logic.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    BadEvent as BadEvent,
+    BlockNotFound as BlockNotFound,
+    EncodeError as EncodeError,
+    EventError as EventError,
+    InvalidBlockSequence as InvalidBlockSequence,
+    InvalidTokens as InvalidTokens,
+    KvRouterError as KvRouterError,
+    ParentNotFound as ParentNotFound,
+)
+from .events.model import (
+    Cleared as Cleared,
+    EngineHash as EngineHash,
+    EventBatch as EventBatch,
+    KvEvent as KvEvent,
+    LocalHash as LocalHash,
+    Removed as Removed,
+    SeqHash as SeqHash,
+    StorageTier as StorageTier,
+    Stored as Stored,
+    StoredBlock as StoredBlock,
+    WorkerKey as WorkerKey,
+    parse_tier as parse_tier,
+)
+from .hashing import (
+    block_hashes as block_hashes,
+    sequence_hashes as sequence_hashes,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BadEvent",
+    "BlockNotFound",
+    "Cleared",
+    "EncodeError",
+    "EngineHash",
+    "EventBatch",
+    "EventError",
+    "InvalidBlockSequence",
+    "InvalidTokens",
+    "KvEvent",
+    "KvRouterError",
+    "LocalHash",
+    "ParentNotFound",
+    "Removed",
+    "SeqHash",
+    "StorageTier",
+    "Stored",
+    "StoredBlock",
+    "WorkerKey",
+    "block_hashes",
+    "parse_tier",
+    "sequence_hashes",
+]
+
+
+def _present_public_path() -> None:
+    """Show exported classes and functions as ``kvrouter.X`` in reprs, tracebacks and pickles."""
+    for name in __all__:
+        obj = globals()[name]
+        if getattr(obj, "__module__", "").startswith("kvrouter.") and hasattr(obj, "__qualname__"):
+            obj.__module__ = "kvrouter"
+
+
+_present_public_path()

@@ -3,6 +3,7 @@
 ```
 KvRouterError
 ├── InvalidTokens            (also a ValueError) token ids outside u32, bad block size
+├── EncodeError              (also a ValueError) events that a wire format cannot express
 └── EventError               an event could not be applied; ``kind`` names why
     ├── BadEvent             bad_event: the input does not decode into an event
     ├── ParentNotFound       parent_not_found
@@ -22,6 +23,7 @@ from typing import ClassVar, Final
 __all__ = [
     "BadEvent",
     "BlockNotFound",
+    "EncodeError",
     "EventError",
     "InvalidBlockSequence",
     "InvalidTokens",
@@ -39,6 +41,11 @@ class InvalidTokens(KvRouterError, ValueError):
 
     The request cannot be routed by content; the caller should reject it as malformed (HTTP 400).
     """
+
+
+class EncodeError(KvRouterError, ValueError):
+    """A batch cannot be written in the requested wire format: it mixes workers or dp ranks, or an
+    engine format needs token ids the blocks do not carry. A programming error on the sending side."""
 
 
 class EventError(KvRouterError):

@@ -1,0 +1,5 @@
+"""``python -m kvrouter`` runs the command-line interface."""
+
+from kvrouter.cli import main
+
+main()

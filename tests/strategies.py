@@ -32,15 +32,16 @@ def events(
 ) -> KvEvent:
     wid = draw(u32) if worker_id is None else worker_id
     rank = draw(st.integers(0, 7)) if dp_rank is None else dp_rank
-    common = {"dp_rank": rank, "event_id": draw(u64), "tier": draw(tiers)}
+    event_id, tier = draw(u64), draw(tiers)
     kind = draw(st.sampled_from(["stored", "removed", "cleared"]))
     if kind == "stored":
         parent = draw(st.none() | u64.map(EngineHash))
         blocks = draw(st.lists(stored_blocks(with_tokens=with_tokens), max_size=6))
-        return Stored(wid, parent, tuple(blocks), **common)
+        return Stored(wid, parent, tuple(blocks), dp_rank=rank, event_id=event_id, tier=tier)
     if kind == "removed":
-        return Removed(wid, tuple(draw(st.lists(u64.map(EngineHash), max_size=6))), **common)
-    return Cleared(wid, **common)
+        hashes = tuple(draw(st.lists(u64.map(EngineHash), max_size=6)))
+        return Removed(wid, hashes, dp_rank=rank, event_id=event_id, tier=tier)
+    return Cleared(wid, dp_rank=rank, event_id=event_id, tier=tier)
 
 
 @st.composite

@@ -70,9 +70,7 @@ def event_from_dict(
     if kind == "removed":
         body = expect_map(body, f"{here}.removed")
         hashes = expect_list(field(body, "block_hashes", f"{here}.removed"), f"{here}.removed.block_hashes")
-        engine = tuple(
-            EngineHash(expect_u64(h, f"{here}.removed.block_hashes[{i}]")) for i, h in enumerate(hashes)
-        )
+        engine = tuple(EngineHash(expect_u64(h, f"{here}.removed.block_hashes[{i}]")) for i, h in enumerate(hashes))
         return Removed(worker_id, engine, dp_rank=dp_rank, event_id=event_id, tier=tier)
     raise BadEvent(f"{here}: unknown variant {kind!r}; expected 'cleared', 'stored' or 'removed'")
 

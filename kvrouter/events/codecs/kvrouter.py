@@ -127,9 +127,7 @@ class Decoder:
         worker_id = expect_u64(field(batch, "worker_id", "$"), "$.worker_id")
         dp_rank = expect_int(field(batch, "dp_rank", "$"), "$.dp_rank", hi=(1 << 32) - 1)
         raw_events = expect_list(field(batch, "events", "$"), "$.events")
-        events = tuple(
-            _decode_event(raw, worker_id, dp_rank, f"$.events[{i}]") for i, raw in enumerate(raw_events)
-        )
+        events = tuple(_decode_event(raw, worker_id, dp_rank, f"$.events[{i}]") for i, raw in enumerate(raw_events))
         return EventBatch(events, timestamp=timestamp, dp_rank=dp_rank)
 
 

@@ -37,7 +37,9 @@ def test_contract_events_decode_exactly_when_the_reference_accepts_them(contract
 
 def test_decodes_each_variant():
     decoder = dynamo.Decoder(worker_id=7)
-    stored = b'{"event_id":3,"dp_rank":1,"data":{"stored":{"parent_hash":9,"blocks":[{"block_hash":1,"tokens_hash":2}]}}}'
+    stored = (
+        b'{"event_id":3,"dp_rank":1,"data":{"stored":{"parent_hash":9,"blocks":[{"block_hash":1,"tokens_hash":2}]}}}'
+    )
     assert decoder.decode(stored).events == (
         Stored(7, EngineHash(9), (StoredBlock(EngineHash(1), LocalHash(2)),), dp_rank=1, event_id=3),
     )
@@ -94,5 +96,7 @@ def test_reference_reads_what_we_write_and_we_read_its_dump():
     assert tree.find_matches([1, 2, 3]).scores == {(1, 2): 2}
     dump = [json.loads(line) for line in tree.dump_tree_as_events()]
     events = dynamo.Decoder(worker_id=0).decode(json.dumps(dump).encode()).events
-    rebuilt = [(e.worker_id, e.dp_rank, b.engine_hash, b.local_hash) for e in events if isinstance(e, Stored) for b in e.blocks]
+    rebuilt = [
+        (e.worker_id, e.dp_rank, b.engine_hash, b.local_hash) for e in events if isinstance(e, Stored) for b in e.blocks
+    ]
     assert rebuilt == [(1, 2, EngineHash(100), LocalHash(1)), (1, 2, EngineHash(101), LocalHash(2))]

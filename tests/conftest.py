@@ -7,11 +7,30 @@ test ids (see ``pytest_generate_tests``).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import strategies as st
+
+from kvrouter.events.codecs import BatchDecoder
+from kvrouter.events.codecs.frames import parse_live
+from kvrouter.events.model import (
+    Cleared,
+    EngineHash,
+    EventBatch,
+    KvEvent,
+    LocalHash,
+    Removed,
+    StorageTier,
+    Stored,
+    StoredBlock,
+    parse_tier,
+)
+from kvrouter.hashing import block_hashes
+from tests.strategies import u32, u64
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 ENGINES = ("vllm-0.33.0", "vllm-0.23.0", "sglang-0.5.23")
@@ -71,3 +90,78 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "contract_scenario" in metafunc.fixturenames:
         scenarios = _cached("radix_contract.json")["scenarios"]
         metafunc.parametrize("contract_scenario", scenarios, ids=[s["name"] for s in scenarios])
+
+
+def expected_engine_event(
+    twin_event: Mapping[str, Any], *, worker_id: int, dp_rank: int, event_id: int, block_size: int
+) -> KvEvent:
+    """What an engine event of a JSON twin (map form, ``"type"`` first) must decode to, derived from the
+    twin alone: hashes cast to u64, blocks of another block size dropped, token ids split into
+    blocks and hashed with the event's ``lora_name``, tier from ``medium``."""
+    if twin_event["type"] == "AllBlocksCleared":
+        return Cleared(worker_id, dp_rank=dp_rank, event_id=event_id)
+    tier = parse_tier(twin_event.get("medium"))
+    hashes = [EngineHash(h % (1 << 64)) for h in twin_event["block_hashes"]]
+    if twin_event["type"] == "BlockRemoved":
+        return Removed(worker_id, tuple(hashes), dp_rank=dp_rank, event_id=event_id, tier=tier)
+    parent = twin_event.get("parent_block_hash")
+    tokens = twin_event["token_ids"]
+    blocks: list[StoredBlock] = []
+    if twin_event["block_size"] == block_size:
+        local = block_hashes(tokens, block_size, lora_name=twin_event.get("lora_name"))
+        blocks = [
+            StoredBlock(h, LocalHash(local[j]), tuple(tokens[j * block_size : (j + 1) * block_size]))
+            for j, h in enumerate(hashes)
+        ]
+    engine_parent = None if parent is None else EngineHash(parent % (1 << 64))
+    return Stored(worker_id, engine_parent, tuple(blocks), dp_rank=dp_rank, event_id=event_id, tier=tier)
+
+
+def decode_in_router_view_order(
+    decoder: BatchDecoder, captured: Mapping[str, Any], view: Mapping[str, Any]
+) -> Iterator[tuple[EventBatch, Mapping[str, Any]]]:
+    """Decode an engine's captured live batches in ``router_view.json``'s order (rank 0, then rank 1),
+    numbering event ids on across batches as the view does; yields each batch with its view entry."""
+    payloads = {
+        (group["dp_rank"], live.seq): live.payload
+        for group in captured["live"]
+        for live in map(parse_live, group["messages"])
+    }
+    next_event_id = 0
+    for entry in view["batches"]:
+        batch = decoder.decode(payloads[entry["dp_rank"], entry["seq"]], first_event_id=next_event_id)
+        next_event_id += len(batch.events)
+        yield batch, entry
+
+
+@st.composite
+def engine_batches(
+    draw: st.DrawFn, *, worker_id: int, block_size: int, tiers: Sequence[StorageTier], max_blocks: int
+) -> EventBatch:
+    """Batches an engine wire can carry whole, so ``decode(encode(batch)) == batch``: one worker and
+    rank, ids from 0, a timestamp, every block with ``block_size`` tokens and its plain local hash."""
+    dp_rank = draw(st.integers(0, 7))
+    kinds = draw(st.lists(st.sampled_from(["stored", "removed", "cleared"]), max_size=5))
+    events: list[KvEvent] = []
+    for event_id, kind in enumerate(kinds):
+        if kind == "cleared":
+            events.append(Cleared(worker_id, dp_rank=dp_rank, event_id=event_id))
+            continue
+        tier = draw(st.sampled_from(tiers))
+        if kind == "removed":
+            hashes = tuple(draw(st.lists(u64.map(EngineHash), max_size=4)))
+            events.append(Removed(worker_id, hashes, dp_rank=dp_rank, event_id=event_id, tier=tier))
+            continue
+        count = draw(st.integers(0, max_blocks))
+        tokens = draw(st.lists(u32, min_size=count * block_size, max_size=count * block_size))
+        local = block_hashes(tokens, block_size)
+        blocks = tuple(
+            StoredBlock(
+                EngineHash(draw(u64)), LocalHash(local[j]), tuple(tokens[j * block_size : (j + 1) * block_size])
+            )
+            for j in range(count)
+        )
+        parent = draw(st.none() | u64.map(EngineHash))
+        events.append(Stored(worker_id, parent, blocks, dp_rank=dp_rank, event_id=event_id, tier=tier))
+    timestamp = draw(st.floats(min_value=0, max_value=2e9, allow_nan=False))
+    return EventBatch(tuple(events), timestamp=timestamp, dp_rank=dp_rank)

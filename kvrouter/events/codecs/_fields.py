@@ -7,11 +7,12 @@ message reads like msgspec's "expected `int`, got `str` - at `$.x`".
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from ...errors import BadEvent
-from ..model import U64_MAX, EngineHash
+from ..model import U64_MAX, EngineHash, StorageTier, parse_tier
 
 __all__ = [
     "describe",
@@ -21,11 +22,15 @@ __all__ = [
     "expect_list",
     "expect_map",
     "expect_opt_str",
+    "expect_str",
+    "expect_tier",
+    "expect_tokens",
     "expect_u64",
     "field",
 ]
 
 I64_MIN: Final = -(1 << 63)
+U32_MAX: Final = (1 << 32) - 1
 
 
 def describe(value: object) -> str:
@@ -94,3 +99,34 @@ def expect_opt_str(value: object, where: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
     raise BadEvent(f"{where}: expected a string or null, got {describe(value)}")
+
+
+def expect_str(value: object, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    raise BadEvent(f"{where}: expected a string, got {describe(value)}")
+
+
+def expect_tier(value: object, where: str) -> StorageTier:
+    """A medium / tier name (``None`` = device), mapped by :func:`~kvrouter.events.model.parse_tier`."""
+    name = expect_opt_str(value, where)
+    try:
+        return parse_tier(name)
+    except BadEvent as exc:
+        raise BadEvent(f"{where}: {exc}") from None
+
+
+def expect_tokens(value: object, where: str) -> array[int]:
+    """A list of u32 token ids (Dynamo's ``Vec<u32>``), as the ``array('I')`` the hasher reads in place.
+
+    Token lists are the longest arrays in an event, so the check is two C-level passes (element types,
+    then the ``array`` conversion, which range-checks); only when one fails are the elements walked
+    one by one, to name the first bad one. Comparing exact types also rejects msgpack booleans.
+    """
+    items = expect_list(value, where)
+    if set(map(type, items)) <= {int}:
+        try:
+            return array("I", items)
+        except OverflowError:
+            pass
+    return array("I", [expect_int(t, f"{where}[{i}]", hi=U32_MAX) for i, t in enumerate(items)])

@@ -1,0 +1,391 @@
+"""What the vLLM and SGLang codecs share: one event parser for both encodings, one re-hash, one writer.
+
+SGLang's publisher began as a copy of vLLM's, so the two wires differ only in facts a table holds:
+the positional layout of array-encoded events, the keys a map-encoded event always carries, how
+hashes are written (u64 or signed i64), the medium names, and whether a store is one event per block.
+Each engine's module states those facts in a :class:`Dialect` and subclasses :class:`EngineDecoder`
+and :class:`EngineEncoder`; everything else lives here, once, so a decoding fix reaches both engines.
+The cost is one indirection: an array-encoded event is first turned into the name -> value mapping a
+map-encoded one already is, instead of a positional reader per version.
+
+Decoding follows Dynamo's ZMQ listener (``lib/kv-router/src/zmq_wire.rs``; ``spec/wire-formats.md``
+§3): unknown keys and extra trailing elements are ignored, hashes are cast to u64, events of a
+non-main attention group are skipped, and each store's ``token_ids`` are re-hashed into local hashes,
+because engine hashes cannot be recomputed (§1.8). Unlike Dynamo, which logs and drops a batch it
+cannot read, every malformed input raises :class:`~kvrouter.errors.BadEvent` naming its path.
+"""
+
+from __future__ import annotations
+
+import string
+import time
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final, Literal
+
+import msgpack
+
+from ...errors import BadEvent, EncodeError, InvalidTokens
+from ...hashing import block_hashes
+from ..model import (
+    U64_MAX,
+    Cleared,
+    EngineHash,
+    EventBatch,
+    KvEvent,
+    LocalHash,
+    Removed,
+    StorageTier,
+    Stored,
+    StoredBlock,
+)
+from ._fields import (
+    U32_MAX,
+    describe,
+    expect_float,
+    expect_hash,
+    expect_int,
+    expect_list,
+    expect_opt_str,
+    expect_str,
+    expect_tier,
+    expect_tokens,
+    field,
+)
+
+__all__ = ["Dialect", "EngineDecoder", "EngineEncoder"]
+
+BLOCK_STORED: Final = "BlockStored"
+BLOCK_REMOVED: Final = "BlockRemoved"
+ALL_BLOCKS_CLEARED: Final = "AllBlocksCleared"
+
+I32_MAX: Final = (1 << 31) - 1
+"""Dynamo reads the batch's dp rank as ``Option<i32>``."""
+
+MAIN_ATTENTION_KINDS: Final = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+"""``kv_cache_spec_kind`` values of the main attention group, whose blocks a router indexes (Dynamo's
+``KvCacheSpecKind::is_main_attention``). When an event names its kind, the kind alone decides, as in
+Dynamo; otherwise only ``group_idx`` None or 0 is kept. MLA models (DeepSeek) publish ``mla_attention``."""
+
+_HEX_DIGITS: Final = frozenset(string.hexdigits)
+_MM_ID_LEN: Final = 64
+"""vLLM's multimodal identifiers in ``extra_keys`` are 64-hex-digit digests; Dynamo keeps the first 16."""
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """The facts in which one engine's wire differs from the others'."""
+
+    name: str
+    """Prefix of every error message: ``"vllm"`` gives ``vllm batch: $[1][0]...``."""
+    stored_fields: tuple[str, ...]
+    """BlockStored fields after the tag, in declaration order: the positions of the array encoding."""
+    removed_fields: tuple[str, ...]
+    """BlockRemoved fields after the tag, likewise."""
+    stored_map_keys: tuple[str, ...]
+    """The keys, in order, the engine writes in a map-encoded BlockStored (defaulted ones are omitted)."""
+    removed_map_keys: tuple[str, ...]
+    """Likewise for BlockRemoved."""
+    fixed_values: Mapping[str, object]
+    """Values the encoder writes that the model does not hold (vLLM's ``group_idx`` 0)."""
+    mediums: Mapping[StorageTier, str]
+    """The encoder's tier -> ``medium``; a tier missing here cannot be sent in this dialect."""
+    signed_hashes: bool
+    """The encoder writes hashes as signed i64 (SGLang) rather than u64."""
+    store_per_block: bool
+    """The encoder writes one BlockStored per block, each the parent of the next (SGLang's pages)."""
+
+
+class EngineDecoder:
+    """Turns one engine batch ``[ts, events, dp_rank]`` into an :class:`EventBatch`.
+
+    Engines send neither a worker id nor event ids: the decoder is built with the worker id, and
+    numbers the events it returns ``first_event_id``, ``first_event_id + 1``, ... in batch order, so
+    the next batch starts at ``first_event_id + len(batch.events)``. Skipped events (another
+    attention group) take no number. Every event gets the batch's dp rank (nil or absent: 0).
+    """
+
+    dialect: ClassVar[Dialect]
+
+    def __init__(self, worker_id: int, block_size: int) -> None:
+        """
+        Args:
+            worker_id: the worker the payloads come from.
+            block_size: the router's ``kv_block_size``; blocks of any other size are not indexed.
+
+        Raises:
+            InvalidTokens: ``block_size`` below 1.
+        """
+        if block_size < 1:
+            raise InvalidTokens(f"{self.dialect.name} decoder: block_size must be >= 1, got {block_size}")
+        self.worker_id = worker_id
+        self.block_size = block_size
+
+    def decode(self, payload: bytes, *, first_event_id: int = 0) -> EventBatch:
+        """Decode one payload, numbering its events from ``first_event_id``.
+
+        Raises:
+            BadEvent: not msgpack, not a batch, or a malformed event; the message names the path,
+                e.g. ``vllm batch: $[1][0].block_hashes[2]: expected an integer or bytes hash, got str``.
+        """
+        root = f"{self.dialect.name} batch: $"
+        try:
+            tree = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises ValueError, TypeError and its own types for bad bytes
+            raise BadEvent(f"{self.dialect.name} batch: not msgpack: {exc}") from exc
+        batch = expect_list(tree, root)
+        if len(batch) < 2:
+            raise BadEvent(f"{root}: expected [ts, events, dp_rank], got an array of {len(batch)} items")
+        timestamp = expect_float(batch[0], f"{root}[0]")
+        raw_events = expect_list(batch[1], f"{root}[1]")
+        rank = batch[2] if len(batch) > 2 else None
+        dp_rank = 0 if rank is None else expect_int(rank, f"{root}[2]", hi=I32_MAX)
+        events: list[KvEvent] = []
+        for i, raw in enumerate(raw_events):  # hot path: one pass per engine event
+            event = self._event(raw, f"{root}[1][{i}]", dp_rank, first_event_id + len(events))
+            if event is not None:
+                events.append(event)
+        return EventBatch(tuple(events), timestamp=timestamp, dp_rank=dp_rank)
+
+    def _event(self, raw: object, where: str, dp_rank: int, event_id: int) -> KvEvent | None:
+        tag, fields = self._fields(raw, where)
+        if tag == BLOCK_STORED:
+            return self._stored(fields, where, dp_rank, event_id)
+        if tag == BLOCK_REMOVED:
+            hashes = _hashes(field(fields, "block_hashes", where), f"{where}.block_hashes")
+            tier = expect_tier(fields.get("medium"), f"{where}.medium")
+            if not _main_attention(fields, where):
+                return None
+            return Removed(self.worker_id, tuple(hashes), dp_rank=dp_rank, event_id=event_id, tier=tier)
+        if tag == ALL_BLOCKS_CLEARED:
+            return Cleared(self.worker_id, dp_rank=dp_rank, event_id=event_id)
+        raise BadEvent(
+            f"{where}: unknown event type {tag!r}; expected "
+            f"{BLOCK_STORED!r}, {BLOCK_REMOVED!r} or {ALL_BLOCKS_CLEARED!r}"
+        )
+
+    def _fields(self, raw: object, where: str) -> tuple[str, Mapping[Any, Any]]:
+        """The event's tag and its fields by name, from a ``"type"`` map or a tag-first array.
+
+        Array positions beyond the dialect's layout are ignored; positions an older engine did not
+        send are simply absent, so a missing required field reads the same in both encodings.
+        """
+        if isinstance(raw, dict):
+            return expect_str(field(raw, "type", where), f"{where}.type"), raw
+        if isinstance(raw, list | tuple):
+            if not raw:
+                raise BadEvent(f"{where}: empty event array; expected the event type first")
+            tag = expect_str(raw[0], f"{where}[0]")
+            layout = {BLOCK_STORED: self.dialect.stored_fields, BLOCK_REMOVED: self.dialect.removed_fields}
+            return tag, dict(zip(layout.get(tag, ()), raw[1:], strict=False))
+        raise BadEvent(f"{where}: expected an event map or array, got {describe(raw)}")
+
+    def _stored(self, fields: Mapping[Any, Any], where: str, dp_rank: int, event_id: int) -> Stored | None:
+        hashes = _hashes(field(fields, "block_hashes", where), f"{where}.block_hashes")
+        parent_raw = fields.get("parent_block_hash")
+        parent = None if parent_raw is None else expect_hash(parent_raw, f"{where}.parent_block_hash")
+        tokens, eagle = _token_ids(field(fields, "token_ids", where), f"{where}.token_ids")
+        size = expect_int(field(fields, "block_size", where), f"{where}.block_size")
+        lora_name = expect_opt_str(fields.get("lora_name"), f"{where}.lora_name")
+        mm_infos = _mm_infos(fields.get("extra_keys"), f"{where}.extra_keys")
+        tier = expect_tier(fields.get("medium"), f"{where}.medium")
+        if not _main_attention(fields, where):
+            return None
+        blocks: tuple[StoredBlock, ...] = ()
+        if size == self.block_size:
+            # Blocks of another size ("Block not published" in Dynamo) go, and with them every later one
+            # of the event: here that is all of them, since one event has one block_size.
+            blocks = self._blocks(hashes, tokens, lora_name, mm_infos, eagle, f"{where}.token_ids")
+        return Stored(self.worker_id, parent, blocks, dp_rank=dp_rank, event_id=event_id, tier=tier)
+
+    def _blocks(
+        self,
+        hashes: Sequence[EngineHash],
+        tokens: array[int],
+        lora_name: str | None,
+        mm_infos: list[dict[str, Any] | None] | None,
+        eagle: bool,
+        where: str,
+    ) -> tuple[StoredBlock, ...]:
+        """Pairs each engine hash with the local hash of its block of tokens.
+
+        Blocks past the last full block of tokens are dropped, as Dynamo does ("token_ids too
+        short"); tokens beyond the last hash are ignored.
+        """
+        size = self.block_size
+        try:
+            local = block_hashes(tokens, size, lora_name=lora_name, mm_infos=mm_infos, eagle=eagle)
+        except InvalidTokens as exc:  # tokens are checked already; kept so nothing else escapes
+            raise BadEvent(f"{where}: {exc}") from exc
+        count = min(len(hashes), len(local))
+        return tuple(
+            StoredBlock(hashes[j], LocalHash(local[j]), tuple(tokens[j * size : (j + 1) * size])) for j in range(count)
+        )
+
+
+def _hashes(value: object, where: str) -> list[EngineHash]:
+    return [expect_hash(h, f"{where}[{j}]") for j, h in enumerate(expect_list(value, where))]
+
+
+def _main_attention(fields: Mapping[Any, Any], where: str) -> bool:
+    """Whether the event belongs to the main attention group (see :data:`MAIN_ATTENTION_KINDS`)."""
+    group_raw = fields.get("group_idx")
+    group = None if group_raw is None else expect_int(group_raw, f"{where}.group_idx", hi=U32_MAX)
+    kind = expect_opt_str(fields.get("kv_cache_spec_kind"), f"{where}.kv_cache_spec_kind")
+    if kind is not None:
+        return kind in MAIN_ATTENTION_KINDS
+    return group in (None, 0)
+
+
+def _token_ids(value: object, where: str) -> tuple[array[int], bool]:
+    """Plain token ids, or SGLang's EAGLE bigram keys ``[[t0, t1], [t1, t2], ...]``.
+
+    Bigram pairs become the first token of each pair plus the last pair's second, hashed with
+    ``eagle=True`` (windows of ``block_size + 1`` tokens). Inferred, not captured: this is how
+    Dynamo's decoder reads them (``KvTokenIds::Bigram`` in ``zmq_wire.rs``); the fixtures carry no
+    EAGLE batch. An array whose first element is an array is read as pairs.
+
+    Returns:
+        The tokens and whether they came from bigram pairs.
+    """
+    items = expect_list(value, where)
+    if not items or not isinstance(items[0], list | tuple):
+        return expect_tokens(items, where), False
+    firsts: list[int] = []
+    last = 0
+    for j, raw in enumerate(items):
+        pair = expect_list(raw, f"{where}[{j}]")
+        if len(pair) != 2:
+            raise BadEvent(f"{where}[{j}]: expected an EAGLE [token, next token] pair, got {len(pair)} items")
+        firsts.append(expect_int(pair[0], f"{where}[{j}][0]", hi=U32_MAX))
+        last = expect_int(pair[1], f"{where}[{j}][1]", hi=U32_MAX)
+    return array("I", [*firsts, last]), True
+
+
+def _mm_infos(value: object, where: str) -> list[dict[str, Any] | None] | None:
+    """vLLM's per-block ``extra_keys`` as the hasher's per-block multimodal infos.
+
+    ``extra_keys`` mixes multimodal identifiers with LoRA names, cache salts and prompt-embed
+    digests; as in Dynamo (``extra_keys_to_block_mm_infos``), only 64-hex-digit strings, alone or as
+    ``[identifier, offset]``, are multimodal, and each contributes ``int(first 16 hex digits, 16)``.
+
+    Returns:
+        One entry per block (None: no multimodal content), or None when no block has any.
+    """
+    if value is None:
+        return None
+    infos: list[dict[str, Any] | None] = []
+    for j, keys in enumerate(expect_list(value, where)):
+        mm = [] if keys is None else [h for h in map(_mm_hash, expect_list(keys, f"{where}[{j}]")) if h is not None]
+        infos.append({"mm_objects": [{"mm_hash": h, "offsets": []} for h in mm]} if mm else None)
+    return infos if any(infos) else None
+
+
+def _mm_hash(key: object) -> int | None:
+    if isinstance(key, list | tuple) and len(key) == 2:
+        key = key[0]  # (identifier, block-relative offset), vLLM 0.19+
+    if isinstance(key, str) and len(key) == _MM_ID_LEN and _HEX_DIGITS.issuperset(key):
+        return int(key[:16], 16)
+    return None
+
+
+class EngineEncoder:
+    """Writes batches as the engine's own publisher does, for the mock engine and for tests.
+
+    The wire has no worker id, event ids or local hashes: a decoder takes the worker id as given,
+    renumbers events and re-hashes the tokens, so every block must carry its ``token_ids``. The model
+    holds no LoRA name or multimodal keys either, so a store is written as a base-model one: a LoRA
+    or multimodal block's local hash does not survive the trip; one without does, exactly.
+    """
+
+    dialect: ClassVar[Dialect]
+
+    def __init__(self, encoding: Literal["map", "array"] = "map") -> None:
+        """
+        Args:
+            encoding: ``"map"``, events as ``"type"``-tagged maps (vLLM >= 0.24, SGLang >= 0.5.20), or
+                ``"array"``, tag-first positional arrays (vLLM <= 0.23, SGLang <= 0.5.18).
+
+        Raises:
+            EncodeError: any other ``encoding``.
+        """
+        if encoding not in ("map", "array"):
+            raise EncodeError(f"{self.dialect.name} encoder: unknown encoding {encoding!r}; use 'map' or 'array'")
+        self.encoding = encoding
+
+    def encode(self, batch: EventBatch) -> bytes:
+        """Encode one batch; ``timestamp`` None is stamped with the current time, as publishers do.
+
+        Raises:
+            EncodeError: events of several workers or of another dp rank than the batch's, a block
+                without token ids, blocks of unequal sizes in one store, or a tier the engine has no
+                medium for.
+        """
+        name = self.dialect.name
+        if len({e.worker_id for e in batch.events}) > 1:
+            raise EncodeError(f"{name} encode: an engine batch holds one worker's events")
+        wire: list[object] = []
+        for i, event in enumerate(batch.events):
+            where = f"{name} encode: event {i}"
+            if event.dp_rank != batch.dp_rank:
+                raise EncodeError(f"{where}: dp rank {event.dp_rank} differs from the batch's {batch.dp_rank}")
+            wire.extend(self._events(event, where))
+        timestamp = time.time() if batch.timestamp is None else batch.timestamp
+        packed: bytes = msgpack.packb([timestamp, wire, batch.dp_rank], use_bin_type=True)
+        return packed
+
+    def _events(self, event: KvEvent, where: str) -> list[object]:
+        d = self.dialect
+        if isinstance(event, Stored):
+            medium = self._medium(event.tier, where)
+            if d.store_per_block and len(event.blocks) > 1:
+                parents = [event.parent, *(b.engine_hash for b in event.blocks[:-1])]
+                pages = [(parent, (block,)) for parent, block in zip(parents, event.blocks, strict=True)]
+                return [self._stored(parent, blocks, medium, where) for parent, blocks in pages]
+            return [self._stored(event.parent, event.blocks, medium, where)]
+        if isinstance(event, Removed):
+            values = {
+                "block_hashes": [self._hash(h) for h in event.engine_hashes],
+                "medium": self._medium(event.tier, where),
+            }
+            return [self._write(BLOCK_REMOVED, values, d.removed_fields, d.removed_map_keys)]
+        return [self._write(ALL_BLOCKS_CLEARED, {}, (), ())]
+
+    def _stored(self, parent: EngineHash | None, blocks: Sequence[StoredBlock], medium: str, where: str) -> object:
+        tokens: list[int] = []
+        sizes = set()
+        for j, block in enumerate(blocks):
+            if block.token_ids is None:
+                raise EncodeError(f"{where}: block {j} has no token_ids; engine events carry tokens")
+            tokens.extend(block.token_ids)
+            sizes.add(len(block.token_ids))
+        if len(sizes) > 1:
+            raise EncodeError(f"{where}: blocks of one store have unequal token counts {sorted(sizes)}")
+        values = {
+            "block_hashes": [self._hash(b.engine_hash) for b in blocks],
+            "parent_block_hash": None if parent is None else self._hash(parent),
+            "token_ids": tokens,
+            "block_size": sizes.pop() if sizes else 0,
+            "medium": medium,
+        }
+        return self._write(BLOCK_STORED, values, self.dialect.stored_fields, self.dialect.stored_map_keys)
+
+    def _write(self, tag: str, values: Mapping[str, object], fields: Sequence[str], map_keys: Sequence[str]) -> object:
+        """One event in the chosen encoding; fields with no value are written as nil."""
+        merged = {**self.dialect.fixed_values, **values}
+        if self.encoding == "array":
+            return [tag, *(merged.get(name) for name in fields)]
+        return {"type": tag, **{key: merged.get(key) for key in map_keys}}
+
+    def _medium(self, tier: StorageTier, where: str) -> str:
+        medium = self.dialect.mediums.get(tier)
+        if medium is None:
+            known = ", ".join(t.value for t in self.dialect.mediums)
+            raise EncodeError(f"{where}: tier {tier.value!r} has no {self.dialect.name} medium; expected {known}")
+        return medium
+
+    def _hash(self, value: int) -> int:
+        if self.dialect.signed_hashes and value > U64_MAX >> 1:
+            return value - (1 << 64)
+        return value

@@ -18,7 +18,7 @@ from .errors import (
     EncodeError as EncodeError,
     EventError as EventError,
     InvalidBlockSequence as InvalidBlockSequence,
-    InvalidTokens as InvalidTokens,
+    InvalidHashInput as InvalidHashInput,
     KvRouterError as KvRouterError,
     ParentNotFound as ParentNotFound,
 )
@@ -52,7 +52,7 @@ __all__ = [
     "EventBatch",
     "EventError",
     "InvalidBlockSequence",
-    "InvalidTokens",
+    "InvalidHashInput",
     "KvEvent",
     "KvRouterError",
     "LocalHash",

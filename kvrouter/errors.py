@@ -2,7 +2,7 @@
 
 ```
 KvRouterError
-├── InvalidTokens            (also a ValueError) token ids outside u32, bad block size
+├── InvalidHashInput         (also a ValueError) token ids outside u32, hashes outside u64, block size < 1
 ├── EncodeError              (also a ValueError) events that a wire format cannot express
 └── EventError               an event could not be applied; ``kind`` names why
     ├── BadEvent             bad_event: the input does not decode into an event
@@ -26,7 +26,7 @@ __all__ = [
     "EncodeError",
     "EventError",
     "InvalidBlockSequence",
-    "InvalidTokens",
+    "InvalidHashInput",
     "KvRouterError",
     "ParentNotFound",
 ]
@@ -36,8 +36,9 @@ class KvRouterError(Exception):
     """Base class of every error kvrouter raises on purpose; catch it to catch them all."""
 
 
-class InvalidTokens(KvRouterError, ValueError):
-    """Token ids that cannot be hashed (outside u32) or a block size below 1.
+class InvalidHashInput(KvRouterError, ValueError):
+    """Input the hashing functions cannot take: token ids outside u32 or not integers, local or
+    multimodal hashes outside u64, a block size below 1.
 
     The request cannot be routed by content; the caller should reject it as malformed (HTTP 400).
     """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .blocks import block_hashes
-from .chain import sequence_hashes
+from .blocks import block_hashes, block_hashes_array
+from .chain import sequence_hashes, sequence_hashes_array
 
-__all__ = ["block_hashes", "sequence_hashes"]
+__all__ = ["block_hashes", "block_hashes_array", "sequence_hashes", "sequence_hashes_array"]

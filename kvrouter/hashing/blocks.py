@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from ..errors import InvalidTokens
+from ..errors import InvalidHashInput
 from ._xxh3 import hash_blocks
 
 __all__ = ["XXH3_SEED", "block_hashes", "block_hashes_array"]
@@ -56,10 +56,10 @@ def _token_words(tokens: Tokens) -> npt.NDArray[np.uint32]:
     """Tokens as a contiguous ``uint32`` array, copying only when the input is not one already."""
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise InvalidTokens(f"tokens: expected a 1-d integer array, got {tokens.ndim}-d {tokens.dtype}")
+            raise InvalidHashInput(f"tokens: expected a 1-d integer array, got {tokens.ndim}-d {tokens.dtype}")
         if tokens.dtype != np.uint32:
             if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > _U32_MAX):
-                raise InvalidTokens(
+                raise InvalidHashInput(
                     f"tokens: ids must fit in u32, got range [{tokens.min()}, {tokens.max()}] ({tokens.dtype})"
                 )
             return tokens.astype(np.uint32)
@@ -69,7 +69,7 @@ def _token_words(tokens: Tokens) -> npt.NDArray[np.uint32]:
         try:
             words.fromlist(tokens if isinstance(tokens, list) else list(tokens))
         except (OverflowError, TypeError) as exc:
-            raise InvalidTokens(f"tokens: ids must be integers in [0, 2**32), {exc}") from exc
+            raise InvalidHashInput(f"tokens: ids must be integers in [0, 2**32), {exc}") from exc
         tokens = words
     # The buffer's format "I" (C unsigned int) is uint32 on every platform numba supports; asarray
     # reads it without a copy in half the time of frombuffer.
@@ -83,7 +83,7 @@ def _mm_suffix(info: Mapping[str, Any] | None) -> bytes:
     try:
         return b"".join(h.to_bytes(8, "little") for h in sorted(o["mm_hash"] for o in info["mm_objects"]))
     except OverflowError as exc:
-        raise InvalidTokens(f"mm_hash must fit in u64: {exc}") from exc
+        raise InvalidHashInput(f"mm_hash must fit in u64: {exc}") from exc
 
 
 def block_hashes_array(
@@ -97,7 +97,7 @@ def block_hashes_array(
 ) -> npt.NDArray[np.uint64]:
     """Local hash of every full block, as a ``uint64`` array (see ``block_hashes``)."""
     if block_size < 1:
-        raise InvalidTokens(f"block_size must be >= 1, got {block_size}")
+        raise InvalidHashInput(f"block_size must be >= 1, got {block_size}")
     words = _token_words(tokens)
     window = block_size + 1 if eagle else block_size
     count = (words.size - window) // block_size + 1 if words.size >= window else 0
@@ -139,7 +139,7 @@ def block_hashes(
         One u64 per full block (window), in order.
 
     Raises:
-        InvalidTokens: a token id outside u32 or not an integer, a non-1-d array, ``block_size < 1``,
+        InvalidHashInput: a token id outside u32 or not an integer, a non-1-d array, ``block_size < 1``,
             or an ``mm_hash`` outside u64.
     """
     hashes: list[int] = block_hashes_array(

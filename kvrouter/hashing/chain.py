@@ -14,6 +14,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import InvalidHashInput
 from ._xxh3 import chain_hashes
 from .blocks import XXH3_SEED
 
@@ -28,11 +29,16 @@ LocalHashes = Sequence[int] | npt.NDArray[np.integer[Any]]
 def sequence_hashes_array(local_hashes: LocalHashes) -> npt.NDArray[np.uint64]:
     """Sequence hash of every prefix, as a ``uint64`` array (see ``sequence_hashes``)."""
     if isinstance(local_hashes, np.ndarray):
-        if local_hashes.dtype.kind not in "iu":
-            raise TypeError(f"local_hashes: expected an integer array, got {local_hashes.dtype}")
+        if local_hashes.ndim != 1 or local_hashes.dtype.kind not in "iu":
+            raise InvalidHashInput(
+                f"local_hashes: expected a 1-d integer array, got {local_hashes.ndim}-d {local_hashes.dtype}"
+            )
         local = np.ascontiguousarray(local_hashes, dtype=np.uint64)
     else:
-        local = np.asarray(array("Q", local_hashes))
+        try:
+            local = np.asarray(array("Q", local_hashes))
+        except (OverflowError, TypeError) as exc:
+            raise InvalidHashInput(f"local_hashes: hashes must be integers in [0, 2**64), {exc}") from exc
     out = np.empty(local.size, dtype=np.uint64)
     chain_hashes(local, _SEED, out)
     return out
@@ -49,8 +55,8 @@ def sequence_hashes(local_hashes: LocalHashes) -> list[int]:
         One u64 per block; the first equals the first local hash.
 
     Raises:
-        OverflowError: a listed hash is outside u64.
-        TypeError: an ndarray that does not hold integers.
+        InvalidHashInput: a listed hash outside u64 or not an integer, or an ndarray that is not a 1-d
+            integer array.
     """
     hashes: list[int] = sequence_hashes_array(local_hashes).tolist()
     return hashes

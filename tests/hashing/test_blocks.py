@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvrouter.errors import InvalidTokens
+from kvrouter.errors import InvalidHashInput
 from kvrouter.hashing.blocks import block_hashes, block_hashes_array
 
 
@@ -74,7 +74,7 @@ def test_u32_bounds_are_accepted():
     ],
 )
 def test_rejects_tokens_outside_u32(tokens: Any):
-    with pytest.raises(InvalidTokens, match="tokens"):
+    with pytest.raises(InvalidHashInput, match="tokens"):
         block_hashes(tokens, 1)
     with pytest.raises(ValueError, match="tokens"):
         block_hashes(tokens, 1)
@@ -82,11 +82,11 @@ def test_rejects_tokens_outside_u32(tokens: Any):
 
 @pytest.mark.parametrize("block_size", [0, -16])
 def test_rejects_block_size_below_one(block_size: int):
-    with pytest.raises(InvalidTokens, match="block_size"):
+    with pytest.raises(InvalidHashInput, match="block_size"):
         block_hashes([1, 2, 3], block_size)
 
 
 def test_rejects_mm_hash_outside_u64():
     infos = [{"mm_objects": [{"mm_hash": 1 << 64, "offsets": [[0, 1]]}]}]
-    with pytest.raises(InvalidTokens, match="mm_hash"):
+    with pytest.raises(InvalidHashInput, match="mm_hash"):
         block_hashes([1, 2], 2, mm_infos=infos)

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvrouter.errors import InvalidHashInput
 from kvrouter.hashing.chain import sequence_hashes, sequence_hashes_array
 
 
@@ -26,11 +27,14 @@ def test_signed_array_is_read_as_u64_bits(hash_case: dict[str, Any]):
     assert sequence_hashes(signed) == hash_case["sequence_hashes"]
 
 
-def test_rejects_hash_outside_u64():
-    with pytest.raises(OverflowError):
-        sequence_hashes([1, -1])
+@pytest.mark.parametrize("bad", [[1, -1], [1, 1 << 64], [1, "2"], [1.5]])
+def test_rejects_hash_outside_u64(bad: list[Any]):
+    with pytest.raises(InvalidHashInput, match="local_hashes"):
+        sequence_hashes(bad)
 
 
 def test_rejects_non_integer_array():
-    with pytest.raises(TypeError, match="float64"):
+    with pytest.raises(InvalidHashInput, match="float64"):
         sequence_hashes(np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="2-d"):
+        sequence_hashes(np.zeros((2, 2), dtype=np.uint64))

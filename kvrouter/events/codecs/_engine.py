@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Final, Literal
 
 import msgpack
 
-from ...errors import BadEvent, EncodeError, InvalidTokens
+from ...errors import BadEvent, EncodeError, InvalidHashInput
 from ...hashing import block_hashes
 from ..model import (
     U64_MAX,
@@ -115,10 +115,10 @@ class EngineDecoder:
             block_size: the router's ``kv_block_size``; blocks of any other size are not indexed.
 
         Raises:
-            InvalidTokens: ``block_size`` below 1.
+            InvalidHashInput: ``block_size`` below 1.
         """
         if block_size < 1:
-            raise InvalidTokens(f"{self.dialect.name} decoder: block_size must be >= 1, got {block_size}")
+            raise InvalidHashInput(f"{self.dialect.name} decoder: block_size must be >= 1, got {block_size}")
         self.worker_id = worker_id
         self.block_size = block_size
 
@@ -216,7 +216,7 @@ class EngineDecoder:
         size = self.block_size
         try:
             local = block_hashes(tokens, size, lora_name=lora_name, mm_infos=mm_infos, eagle=eagle)
-        except InvalidTokens as exc:  # tokens are checked already; kept so nothing else escapes
+        except InvalidHashInput as exc:  # tokens are checked already; kept so nothing else escapes
             raise BadEvent(f"{where}: {exc}") from exc
         count = min(len(hashes), len(local))
         return tuple(

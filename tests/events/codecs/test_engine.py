@@ -1,0 +1,38 @@
+"""The engine codecs end to end against the reference: every captured engine's live batches, decoded
+and converted, leave the reference's own ``RadixTree`` with router_view.json's scores after each batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from dynamo._core import RadixTree
+
+from kvrouter.events.codecs import dynamo, sglang, vllm
+from kvrouter.events.codecs._engine import EngineDecoder
+from tests.conftest import ENGINES, decode_in_router_view_order, load_engine_frames
+
+WORKER_ID = 1
+"""router_view.json converts every engine's events as worker 1."""
+
+DECODERS: dict[str, type[EngineDecoder]] = {"vllm": vllm.Decoder, "sglang": sglang.Decoder}
+
+
+def _scores(tree: RadixTree, query: list[int]) -> list[list[int]]:
+    # The binding's stub types scores as dict[int, int]; at run time the keys are (worker_id, dp_rank).
+    scores: dict[tuple[int, int], int] = tree.find_matches(query).scores  # type: ignore[assignment]
+    return sorted([worker, rank, score] for (worker, rank), score in scores.items())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_reference_tree_fed_our_events_scores_as_router_view(engine: str, router_view: dict[str, Any]):
+    captured, twin = load_engine_frames(engine)
+    view = router_view[engine]
+    decoder = DECODERS[twin["engine"]](WORKER_ID, twin["scenario"]["block_size"])
+    encoder = dynamo.Encoder()
+    tree = RadixTree()
+    for batch, entry in decode_in_router_view_order(decoder, captured, view):
+        for event in batch.events:
+            tree.apply_event(WORKER_ID, encoder.encode_event(event))
+        for prompt, query in view["query_tokens_hashes"].items():
+            assert _scores(tree, query) == entry["scores_after"][prompt], (entry["dp_rank"], entry["seq"], prompt)

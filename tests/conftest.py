@@ -16,7 +16,7 @@ import pytest
 from hypothesis import strategies as st
 
 from kvrouter.events.codecs import BatchDecoder
-from kvrouter.events.codecs.frames import parse_live
+from kvrouter.events.codecs.frames import ReplayFrame, parse_live, parse_replay_reply
 from kvrouter.events.model import (
     Cleared,
     EngineHash,
@@ -115,6 +115,21 @@ def expected_engine_event(
         ]
     engine_parent = None if parent is None else EngineHash(parent % (1 << 64))
     return Stored(worker_id, engine_parent, tuple(blocks), dp_rank=dp_rank, event_id=event_id, tier=tier)
+
+
+def captured_payloads(captured: Mapping[str, Any], twin: Mapping[str, Any]) -> list[tuple[bytes, Mapping[str, Any]]]:
+    """(payload, twin message) of every captured live message and replayed batch of one engine."""
+    pairs = [
+        (parse_live(frames).payload, expected)
+        for group, twin_group in zip(captured["live"], twin["live"], strict=True)
+        for frames, expected in zip(group["messages"], twin_group["messages"], strict=True)
+    ]
+    for replay, twin_replay in zip(captured["replay"], twin["replay"], strict=True):
+        for frames, expected in zip(replay["replies"], twin_replay["replies"], strict=True):
+            reply = parse_replay_reply(frames)
+            if isinstance(reply, ReplayFrame):
+                pairs.append((reply.payload, expected))
+    return pairs
 
 
 def decode_in_router_view_order(

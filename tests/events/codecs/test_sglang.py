@@ -9,11 +9,11 @@ from hypothesis import given
 
 from kvrouter.errors import BadEvent
 from kvrouter.events.codecs import dynamo, sglang
-from kvrouter.events.codecs.frames import ReplayFrame, parse_live, parse_replay_reply
 from kvrouter.events.model import EngineHash, EventBatch, LocalHash, StorageTier, Stored, StoredBlock
 from kvrouter.hashing import block_hashes
 from tests.conftest import (
     ENGINES,
+    captured_payloads,
     decode_in_router_view_order,
     engine_batches,
     expected_engine_event,
@@ -32,27 +32,12 @@ def sglang_frames(request: pytest.FixtureRequest) -> SglangFrames:
     return request.param, *load_engine_frames(request.param)
 
 
-def _captured_batches(captured: dict[str, Any], twin: dict[str, Any]) -> list[tuple[bytes, dict[str, Any]]]:
-    """(payload, twin message) of every live message and every replayed batch."""
-    pairs = [
-        (parse_live(frames).payload, expected)
-        for group, twin_group in zip(captured["live"], twin["live"], strict=True)
-        for frames, expected in zip(group["messages"], twin_group["messages"], strict=True)
-    ]
-    for replay, twin_replay in zip(captured["replay"], twin["replay"], strict=True):
-        for frames, expected in zip(replay["replies"], twin_replay["replies"], strict=True):
-            reply = parse_replay_reply(frames)
-            if isinstance(reply, ReplayFrame):
-                pairs.append((reply.payload, expected))
-    return pairs
-
-
 def test_captured_batches_decode_as_the_twin_says(sglang_frames: SglangFrames):
     """Signed hashes cast to u64, one Stored per page, the partial page's Stored left without blocks."""
     _, captured, twin = sglang_frames
     page_size = twin["scenario"]["block_size"]
     decoder = sglang.Decoder(WORKER_ID, page_size)
-    for payload, expected in _captured_batches(captured, twin):
+    for payload, expected in captured_payloads(captured, twin):
         ts, twin_events, rank = expected["payload"]
         batch = decoder.decode(payload, first_event_id=100)
         assert batch.timestamp == ts
@@ -80,7 +65,7 @@ def test_encoder_writes_what_sglang_published(sglang_frames: SglangFrames):
     decoder = sglang.Decoder(WORKER_ID, page_size)
     encoder = sglang.Encoder(twin["scenario"]["event_encoding"])
     compared = 0
-    for payload, expected in _captured_batches(captured, twin):
+    for payload, expected in captured_payloads(captured, twin):
         events = expected["payload"][1]
         if any(e.get("lora_name") is not None or e.get("block_size", page_size) != page_size for e in events):
             continue

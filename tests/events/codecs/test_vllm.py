@@ -11,7 +11,6 @@ from hypothesis import given
 from kvrouter.errors import BadEvent, EncodeError
 from kvrouter.events.codecs import dynamo, vllm
 from kvrouter.events.codecs._fields import expect_hash
-from kvrouter.events.codecs.frames import ReplayFrame, parse_live, parse_replay_reply
 from kvrouter.events.model import (
     Cleared,
     EngineHash,
@@ -25,6 +24,7 @@ from kvrouter.events.model import (
 from kvrouter.hashing import block_hashes
 from tests.conftest import (
     ENGINES,
+    captured_payloads,
     decode_in_router_view_order,
     engine_batches,
     expected_engine_event,
@@ -70,26 +70,11 @@ def _twin_fields(event: Any) -> dict[str, Any]:
     return {"type": tag, **dict(zip(ARRAY_LAYOUT[tag], values, strict=False))}
 
 
-def _captured_batches(captured: dict[str, Any], twin: dict[str, Any]) -> list[tuple[bytes, dict[str, Any]]]:
-    """(payload, twin message) of every live message and every replayed batch."""
-    pairs = [
-        (parse_live(frames).payload, expected)
-        for group, twin_group in zip(captured["live"], twin["live"], strict=True)
-        for frames, expected in zip(group["messages"], twin_group["messages"], strict=True)
-    ]
-    for replay, twin_replay in zip(captured["replay"], twin["replay"], strict=True):
-        for frames, expected in zip(replay["replies"], twin_replay["replies"], strict=True):
-            reply = parse_replay_reply(frames)
-            if isinstance(reply, ReplayFrame):
-                pairs.append((reply.payload, expected))
-    return pairs
-
-
 def test_captured_batches_decode_as_the_twin_says(vllm_frames: VllmFrames):
     _, captured, twin = vllm_frames
     block_size = twin["scenario"]["block_size"]
     decoder = vllm.Decoder(WORKER_ID, block_size)
-    for payload, expected in _captured_batches(captured, twin):
+    for payload, expected in captured_payloads(captured, twin):
         ts, twin_events, rank = expected["payload"]
         batch = decoder.decode(payload, first_event_id=100)
         assert batch.timestamp == ts
@@ -118,7 +103,7 @@ def test_encoder_writes_what_vllm_published(vllm_frames: VllmFrames):
     decoder = vllm.Decoder(WORKER_ID, twin["scenario"]["block_size"])
     encoder = vllm.Encoder(twin["scenario"]["event_encoding"])
     compared = 0
-    for payload, expected in _captured_batches(captured, twin):
+    for payload, expected in captured_payloads(captured, twin):
         if any(_twin_fields(e).get("lora_name") is not None for e in expected["payload"][1]):
             continue
         repacked = msgpack.packb(msgpack.unpackb(payload, raw=False), use_bin_type=True)

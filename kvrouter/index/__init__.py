@@ -1,0 +1,7 @@
+"""The KV index: which worker holds which blocks, and how many leading blocks of a query each holds."""
+
+from __future__ import annotations
+
+from .reference import RadixIndex
+
+__all__ = ["RadixIndex"]

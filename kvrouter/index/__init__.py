@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .approximate import ApproxIndex
 from .reference import RadixIndex
 
-__all__ = ["RadixIndex"]
+__all__ = ["ApproxIndex", "RadixIndex"]

@@ -4,6 +4,7 @@ Layout (one folder per component; ``docs/ARCHITECTURE.md`` draws the whole pictu
 
 - ``hashing/``   tokens → local block hashes → router sequence hashes (bit-exact with Dynamo)
 - ``events/``    the event model and one codec per wire format (``events/codecs/``)
+- ``index/``     who holds which blocks: ``RadixIndex`` (the contract's oracle), ``ApproxIndex`` (TTL)
 - ``errors.py``  the one exception hierarchy
 - ``cli/``       the ``kvrouter`` command
 
@@ -40,10 +41,12 @@ from .hashing import (
     block_hashes as block_hashes,
     sequence_hashes as sequence_hashes,
 )
+from .index import ApproxIndex as ApproxIndex, RadixIndex as RadixIndex
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApproxIndex",
     "BadEvent",
     "BlockNotFound",
     "Cleared",
@@ -57,6 +60,7 @@ __all__ = [
     "KvRouterError",
     "LocalHash",
     "ParentNotFound",
+    "RadixIndex",
     "Removed",
     "SeqHash",
     "StorageTier",

@@ -214,6 +214,18 @@ class RadixIndex:
                 nodes.setdefault(key, set()).update(map(id, lookup.values()))
         return {key: len(ids) for key, ids in nodes.items()}
 
+    def holdings(self) -> dict[tuple[WorkerKey, StorageTier], dict[EngineHash, tuple[LocalHash, ...]]]:
+        """Everything held, per (worker, tier): each engine hash and the path of local hashes it names.
+
+        The index's whole observable state, for comparing indexes (a dump round trip, the shared-memory
+        engine) and for debugging; holders with no blocks are left out.
+        """
+        return {
+            holder: {engine_hash: _path(node) for engine_hash, node in lookup.items()}
+            for holder, lookup in self._lookup.items()
+            if lookup
+        }
+
     def workers(self) -> set[WorkerKey]:
         """Every (worker, dp_rank) seen and not removed, holding blocks or not."""
         return set(self._workers)
@@ -267,6 +279,14 @@ class RadixIndex:
                 event_id += 1
         if gaps:
             yield Removed(worker_id, tuple(gaps), dp_rank=dp_rank, event_id=event_id, tier=tier)
+
+
+def _path(node: _Node) -> tuple[LocalHash, ...]:
+    path: list[LocalHash] = []
+    while node.parent is not None:
+        path.append(node.local_hash)
+        node = node.parent
+    return tuple(reversed(path))
 
 
 def _spare_hashes(used: Iterable[EngineHash]) -> Iterator[EngineHash]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from .errors import (
     BadEvent as BadEvent,
     BlockNotFound as BlockNotFound,
+    DuplicateRequest as DuplicateRequest,
     EncodeError as EncodeError,
     EventError as EventError,
     InvalidBlockSequence as InvalidBlockSequence,
@@ -50,6 +51,7 @@ __all__ = [
     "BadEvent",
     "BlockNotFound",
     "Cleared",
+    "DuplicateRequest",
     "EncodeError",
     "EngineHash",
     "EventBatch",

@@ -4,6 +4,7 @@
 KvRouterError
 ├── InvalidHashInput         (also a ValueError) token ids outside u32, hashes outside u64, block size < 1
 ├── EncodeError              (also a ValueError) events that a wire format cannot express
+├── DuplicateRequest         a request id the slot tracker already holds
 └── EventError               an event could not be applied; ``kind`` names why
     ├── BadEvent             bad_event: the input does not decode into an event
     ├── ParentNotFound       parent_not_found
@@ -23,6 +24,7 @@ from typing import ClassVar, Final
 __all__ = [
     "BadEvent",
     "BlockNotFound",
+    "DuplicateRequest",
     "EncodeError",
     "EventError",
     "InvalidBlockSequence",
@@ -47,6 +49,12 @@ class InvalidHashInput(KvRouterError, ValueError):
 class EncodeError(KvRouterError, ValueError):
     """A batch cannot be written in the requested wire format: it mixes workers or dp ranks, or an
     engine format needs token ids the blocks do not carry. A programming error on the sending side."""
+
+
+class DuplicateRequest(KvRouterError):
+    """A request id is added to the slot tracker while a request of that id is still active. Nothing
+    is changed: the first request keeps its worker and its load. Free the old id first, or give each
+    request a unique id."""
 
 
 class EventError(KvRouterError):

@@ -5,6 +5,7 @@ Layout (one folder per component; ``docs/ARCHITECTURE.md`` draws the whole pictu
 - ``hashing/``   tokens → local block hashes → router sequence hashes (bit-exact with Dynamo)
 - ``events/``    the event model and one codec per wire format (``events/codecs/``)
 - ``index/``     who holds which blocks: ``RadixIndex`` (the contract's oracle), ``ApproxIndex`` (TTL)
+- ``routing/``   config, cost, selection, slot tracking, and the ``Router`` that ties them to an index
 - ``errors.py``  the one exception hierarchy
 - ``cli/``       the ``kvrouter`` command
 
@@ -16,12 +17,14 @@ from __future__ import annotations
 from .errors import (
     BadEvent as BadEvent,
     BlockNotFound as BlockNotFound,
+    ConfigError as ConfigError,
     DuplicateRequest as DuplicateRequest,
     EncodeError as EncodeError,
     EventError as EventError,
     InvalidBlockSequence as InvalidBlockSequence,
     InvalidHashInput as InvalidHashInput,
     KvRouterError as KvRouterError,
+    NoWorkerAvailable as NoWorkerAvailable,
     ParentNotFound as ParentNotFound,
 )
 from .events.model import (
@@ -43,6 +46,13 @@ from .hashing import (
     sequence_hashes as sequence_hashes,
 )
 from .index import ApproxIndex as ApproxIndex, RadixIndex as RadixIndex
+from .routing import (
+    Router as Router,
+    RouterConfig as RouterConfig,
+    Selection as Selection,
+    SlotManager as SlotManager,
+    WorkerExplanation as WorkerExplanation,
+)
 
 __version__ = "0.1.0"
 
@@ -51,6 +61,7 @@ __all__ = [
     "BadEvent",
     "BlockNotFound",
     "Cleared",
+    "ConfigError",
     "DuplicateRequest",
     "EncodeError",
     "EngineHash",
@@ -61,13 +72,19 @@ __all__ = [
     "KvEvent",
     "KvRouterError",
     "LocalHash",
+    "NoWorkerAvailable",
     "ParentNotFound",
     "RadixIndex",
     "Removed",
+    "Router",
+    "RouterConfig",
+    "Selection",
     "SeqHash",
+    "SlotManager",
     "StorageTier",
     "Stored",
     "StoredBlock",
+    "WorkerExplanation",
     "WorkerKey",
     "block_hashes",
     "parse_tier",

@@ -5,6 +5,8 @@ KvRouterError
 ├── InvalidHashInput         (also a ValueError) token ids outside u32, hashes outside u64, block size < 1
 ├── EncodeError              (also a ValueError) events that a wire format cannot express
 ├── DuplicateRequest         a request id the slot tracker already holds
+├── ConfigError              (also a ValueError) a setting out of range; names the field
+├── NoWorkerAvailable        no candidate worker is eligible (none given, or all busy)
 └── EventError               an event could not be applied; ``kind`` names why
     ├── BadEvent             bad_event: the input does not decode into an event
     ├── ParentNotFound       parent_not_found
@@ -24,12 +26,14 @@ from typing import ClassVar, Final
 __all__ = [
     "BadEvent",
     "BlockNotFound",
+    "ConfigError",
     "DuplicateRequest",
     "EncodeError",
     "EventError",
     "InvalidBlockSequence",
     "InvalidHashInput",
     "KvRouterError",
+    "NoWorkerAvailable",
     "ParentNotFound",
 ]
 
@@ -49,6 +53,16 @@ class InvalidHashInput(KvRouterError, ValueError):
 class EncodeError(KvRouterError, ValueError):
     """A batch cannot be written in the requested wire format: it mixes workers or dp ranks, or an
     engine format needs token ids the blocks do not carry. A programming error on the sending side."""
+
+
+class ConfigError(KvRouterError, ValueError):
+    """A configuration value out of range (a negative weight, a zero TTL). Raised at construction, so a
+    router never starts with it; the message names the field."""
+
+
+class NoWorkerAvailable(KvRouterError):
+    """No candidate worker can take the request: none was given, or every one is over a busy threshold.
+    The service answers 503 (none) or 529 (all busy) and the client retries later."""
 
 
 class DuplicateRequest(KvRouterError):

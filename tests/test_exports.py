@@ -11,7 +11,13 @@ import pytest
 
 import kvrouter
 
-COMPONENT_PACKAGES = ("kvrouter.events", "kvrouter.events.codecs", "kvrouter.hashing", "kvrouter.index")
+COMPONENT_PACKAGES = (
+    "kvrouter.events",
+    "kvrouter.events.codecs",
+    "kvrouter.hashing",
+    "kvrouter.index",
+    "kvrouter.routing",
+)
 
 
 def test_all_is_sorted_and_unique():

@@ -1,0 +1,115 @@
+"""The cost of sending one request to one worker: cached overlap per tier against queued load.
+
+The reference's ``worker_logit`` (``scheduling/selector/default.rs``; ``spec/dynamo-semantics.md``
+§4.2), term for term; lower is better::
+
+    raw_prefill     = (active_prefill_tokens + ISL) / B          0 when prefill tracking is off
+    credit_decay    = 1 / (1 + decay * max(0, active_prefill - min_active_prefill) / B / ceil(ISL / B))
+    overlap_credit  = credit * credit_decay * device + host_w * (host - device)
+                    + disk_w * (disk - host) + shared_w * (shared - disk)
+    adjusted        = max(0, raw_prefill - overlap_credit)
+    cost            = prefill_load_scale * adjusted + potential_decode_blocks + request_w * active_requests
+
+Tier overlaps arrive cumulative, as an index reports them (``device <= host <= disk <= shared``), and each
+slower tier is credited only for the blocks it adds: the frontend docs' ``host_extra`` / ``disk_extra``
+reading (§4.2, inferred there, not verified against the binding). Every field of :class:`Cost` is kept,
+not just the total, because the explanation of a decision is these numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..events.model import StorageTier, WorkerKey
+from .config import RouterConfig
+
+__all__ = ["Cost", "Load", "Overlap", "worker_cost"]
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """Leading request blocks a worker holds, cumulative by tier: ``device <= host <= disk <= shared``."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+    shared: int = 0
+
+    @classmethod
+    def from_tiers(cls, by_tier: Mapping[StorageTier, Mapping[WorkerKey, int]], worker: WorkerKey) -> Overlap:
+        """One worker's overlap out of an index's ``find_matches_by_tier`` answer."""
+        return cls(*(by_tier.get(tier, {}).get(worker, 0) for tier in StorageTier))
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What a worker is already doing, as the slot manager sees it for this request."""
+
+    active_prefill_tokens: int = 0
+    """Prompt tokens routed to it whose prefill has not finished."""
+    potential_decode_blocks: int = 0
+    """Its active blocks plus the blocks this request would add (``SlotManager.potential_decode_blocks``)."""
+    active_requests: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """Every term of one worker's cost, in blocks."""
+
+    raw_prefill_blocks: float
+    overlap_credit_blocks: float
+    adjusted_prefill_blocks: float
+    prefill_cost: float
+    """``prefill_load_scale * adjusted_prefill_blocks``."""
+    decode_blocks: int
+    request_cost: float
+    """``decode_active_request_weight * active_requests``."""
+    total: float
+
+
+def worker_cost(
+    config: RouterConfig,
+    *,
+    isl_tokens: int,
+    block_size: int,
+    overlap: Overlap,
+    load: Load,
+    min_active_prefill_tokens: int,
+) -> Cost:
+    """The cost of one candidate worker.
+
+    Args:
+        config: the weights.
+        isl_tokens: the request's prompt length in tokens.
+        block_size: tokens per KV block.
+        overlap: the request's cached overlap on this worker, per tier.
+        load: this worker's load.
+        min_active_prefill_tokens: the least active prefill among the candidates (for the credit decay).
+    """
+    track_prefill = config.router_track_prefill_tokens
+    raw_prefill = (load.active_prefill_tokens + isl_tokens) / block_size if track_prefill else 0.0
+    decay = 1.0
+    if config.overlap_score_credit_decay and track_prefill:
+        request_blocks = max(1, math.ceil(isl_tokens / block_size))
+        queued_beyond_least = max(0, load.active_prefill_tokens - min_active_prefill_tokens)
+        decay = 1.0 / (1.0 + config.overlap_score_credit_decay * queued_beyond_least / block_size / request_blocks)
+    credit = (
+        config.overlap_score_credit * decay * overlap.device
+        + config.host_cache_hit_weight * max(0, overlap.host - overlap.device)
+        + config.disk_cache_hit_weight * max(0, overlap.disk - overlap.host)
+        + config.shared_credit * max(0, overlap.shared - overlap.disk)
+    )
+    adjusted = max(0.0, raw_prefill - credit)
+    prefill_cost = config.prefill_load_scale * adjusted
+    request_cost = config.decode_active_request_weight * load.active_requests
+    return Cost(
+        raw_prefill_blocks=raw_prefill,
+        overlap_credit_blocks=credit,
+        adjusted_prefill_blocks=adjusted,
+        prefill_cost=prefill_cost,
+        decode_blocks=load.potential_decode_blocks,
+        request_cost=request_cost,
+        total=prefill_cost + load.potential_decode_blocks + request_cost,
+    )

@@ -1,0 +1,135 @@
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvrouter.errors import ConfigError, NoWorkerAvailable
+from kvrouter.events.model import EngineHash, LocalHash, StorageTier, Stored, StoredBlock
+from kvrouter.hashing import block_hashes
+from kvrouter.index import ApproxIndex, RadixIndex
+from kvrouter.routing import Router, RouterConfig
+
+B = 4
+W1, W2, W3 = (1, 0), (2, 0), (3, 0)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _cache(index: RadixIndex, worker: int, local: list[int], tier: StorageTier = StorageTier.DEVICE) -> None:
+    blocks = tuple(StoredBlock(EngineHash(1000 + i), LocalHash(h)) for i, h in enumerate(local))
+    index.apply_event(worker, Stored(worker, None, blocks, tier=tier))
+
+
+def test_the_worker_holding_the_prefix_wins_and_the_explanation_shows_why():
+    tokens = list(range(8 * B))
+    local = block_hashes(tokens, B)
+    index = RadixIndex()
+    _cache(index, 2, local[:6])
+    _cache(index, 3, local[:2])
+    selection = Router(block_size=B, seed=1).select(index, [W1, W2, W3], tokens=tokens, explain=True)
+    assert selection.worker == W2
+    assert selection.overlap_blocks == 6
+    assert selection.isl_tokens == 8 * B
+    assert selection.explanation is not None
+    rows = {row.worker: row for row in selection.explanation}
+    assert {w: r.overlap.device for w, r in rows.items()} == {W1: 0, W2: 6, W3: 2}
+    assert {w: r.cost.total for w, r in rows.items()} == {W1: 16, W2: 10, W3: 14}
+    assert [w for w, r in rows.items() if r.selected] == [W2]
+    assert rows[W2].probability == 1.0
+    assert rows[W2].cost.adjusted_prefill_blocks == 2
+    assert rows[W2].cost.decode_blocks == 8
+
+
+def test_booked_requests_load_their_worker_until_freed():
+    router = Router(block_size=B, seed=0)
+    index = RadixIndex()
+    local = list(range(1, 9))
+    first = router.select(index, [W1, W2], local_hashes=local, request_id="a")
+    second = router.select(index, [W1, W2], local_hashes=[9, 10, 11, 12], request_id="b")
+    assert second.worker != first.worker  # the first request's load pushes the second away
+    assert router.slots.active_prefill_tokens(first.worker) == 8 * B
+    router.slots.mark_prefill_completed("a")
+    router.slots.free("a")
+    router.slots.free("b")
+    assert router.slots.workers() == set()
+
+
+def test_host_overlap_counts_for_less_than_device_overlap():
+    index = RadixIndex()
+    local = [1, 2, 3, 4]
+    _cache(index, 1, local[:3], tier=StorageTier.HOST)  # cost 4 - 0.75 * 3 + 4 = 5.75
+    _cache(index, 2, local[:3])  # cost 4 - 3 + 4 = 5
+    selection = Router(block_size=B, seed=0).select(index, [W1, W2], local_hashes=local, explain=True)
+    assert selection.worker == W2
+    assert selection.explanation is not None
+    host_row = next(r for r in selection.explanation if r.worker == W1)
+    assert (host_row.overlap.device, host_row.overlap.host) == (0, 3)
+    assert host_row.cost.overlap_credit_blocks == 0.75 * 3
+
+
+def test_ties_are_split_over_many_seeded_draws():
+    router = Router(block_size=B, seed=5)
+    counts = Counter(router.select(RadixIndex(), [W1, W2, W3], local_hashes=[1, 2]).worker for _ in range(3000))
+    assert set(counts) == {W1, W2, W3}
+    assert min(counts.values()) > 850
+
+
+def test_busy_workers_are_not_candidates():
+    config = RouterConfig(active_prefill_tokens_threshold=10)
+    router = Router(config, block_size=B, seed=0)
+    index = RadixIndex()
+    _cache(index, 1, [1, 2, 3, 4])
+    router.slots.add_request("load", W1, [77], isl_tokens=40, overlap_blocks=0)
+    selection = router.select(index, [W1, W2], local_hashes=[1, 2, 3, 4], explain=True)
+    assert selection.worker == W2
+    assert selection.explanation is not None
+    assert {r.worker: (r.busy, r.probability) for r in selection.explanation} == {W1: (True, 0.0), W2: (False, 1.0)}
+    router.slots.add_request("load2", W2, [78], isl_tokens=40, overlap_blocks=0)
+    with pytest.raises(NoWorkerAvailable, match="busy"):
+        router.select(index, [W1, W2], local_hashes=[1, 2, 3, 4])
+
+
+def test_decode_threshold_is_a_fraction_of_capacity():
+    router = Router(RouterConfig(active_decode_blocks_threshold=0.5), block_size=B, seed=0)
+    router.slots.add_request("r", W1, [1, 2, 3], isl_tokens=3 * B, overlap_blocks=0)
+    index = RadixIndex()
+    assert router.select(index, [W1], local_hashes=[9], capacities={W1: 8}).worker == W1
+    with pytest.raises(NoWorkerAvailable):
+        router.select(index, [W1], local_hashes=[9], capacities={W1: 4})
+
+
+def test_no_candidates_is_an_error():
+    with pytest.raises(NoWorkerAvailable, match="no candidate"):
+        Router(block_size=B).select(RadixIndex(), [], local_hashes=[1])
+
+
+def test_approximate_mode_records_each_decision():
+    clock = FakeClock()
+    index = ApproxIndex(ttl=120.0, clock=clock)
+    router = Router(RouterConfig(use_kv_events=False), block_size=B, seed=0)
+    first = router.select(index, [W1, W2], local_hashes=[1, 2, 3])
+    assert index.find_matches([1, 2, 3]) == {first.worker: 3}
+    assert router.select(index, [W1, W2], local_hashes=[1, 2, 3, 4]).worker == first.worker
+    clock.now = 500.0
+    assert index.find_matches([1, 2, 3]) == {}
+    with pytest.raises(ConfigError, match="ApproxIndex"):
+        router.select(RadixIndex(), [W1], local_hashes=[1])
+
+
+def test_stale_requests_are_swept_while_routing():
+    clock = FakeClock()
+    router = Router(block_size=B, seed=0, clock=clock)
+    router.select(RadixIndex(), [W1], local_hashes=[1, 2], request_id="forgotten")
+    clock.now = 299.0
+    router.select(RadixIndex(), [W1], local_hashes=[3])
+    assert router.slots.active_requests(W1) == 1
+    clock.now = 360.0
+    router.select(RadixIndex(), [W1], local_hashes=[3])
+    assert router.slots.active_requests(W1) == 0

@@ -31,7 +31,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["chain_hashes", "hash_blocks"]
+__all__ = ["chain_hashes", "chain_step", "hash_blocks"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -280,13 +280,18 @@ def hash_blocks(tokens: Words, block_size: int, window: int, seed: np.uint64, ou
 
 
 @_kernel
+def chain_step(previous: np.uint64, local: np.uint64, seed: np.uint64) -> np.uint64:
+    """One link of the sequence-hash chain: ``xxh3_64(u64le(previous) ‖ u64le(local), seed)``."""
+    return _len_9to16(previous, local, np.uint64(16), seed)
+
+
+@_kernel
 def chain_hashes(local: Hashes, seed: np.uint64, out: Hashes) -> None:
-    """``out[0] = local[0]``; ``out[i] = xxh3_64(u64le(out[i-1]) ‖ u64le(local[i]), seed)``."""
+    """``out[0] = local[0]``; ``out[i] = chain_step(out[i-1], local[i], seed)``."""
     if local.size == 0:
         return
     previous = local[0]
     out[0] = previous
-    sixteen = np.uint64(16)
     for i in range(1, local.size):
-        previous = _len_9to16(previous, local[i], sixteen, seed)
+        previous = chain_step(previous, local[i], seed)
         out[i] = previous

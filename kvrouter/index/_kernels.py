@@ -1,0 +1,504 @@
+"""The compiled loops of the shared-memory index: table writes under a per-slot seqlock, and the walk.
+
+Everything here runs once per block, so it is numba, over arrays laid out by ``layout.py``
+(``docs/shm-engine.md``). Rules that hold for every function in this file:
+
+- numpy arrays in; scalars or preallocated arrays out; no Python objects, no logging;
+- integers taken from u64 words become ``np.int64`` explicitly: numba keeps ``int(u64)`` unsigned, and
+  a u64 unified with a signed value (a ``-1`` "absent") silently becomes float64;
+- no allocation inside a per-block loop;
+- a shard table has one writer (its applier); every store to a slot a reader may see sits between the
+  slot's version going odd and going even again, with a fence on each side (``_fence``);
+- readers never write to a shard table, not even a counter; a read is version, fence, data, fence,
+  version, retried while the versions differ or are odd, and abandoned after ``MAX_READ_RETRIES`` (the
+  writer died mid-write: the shard is reported recovering rather than the reader spinning forever).
+
+The fences compile to no instruction on x86-64 (TSO keeps loads with loads and stores with stores in
+order); they stop LLVM from moving the data accesses across the version accesses, and emit the needed
+barriers on AArch64 (``spec/shm-engine.md`` §3.5).
+
+The applier's private maps (engine hash → sequence hash; per-holder reference counts) are open
+addressing tables of ``[key, holder + 1, value, 0]`` rows; holder word 0 is empty, ``TOMB`` deleted.
+A holder is ``bit * TIERS + tier``: one worker in one tier of this shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final, TypeVar, cast
+
+import numpy as np
+import numpy.typing as npt
+from numba import njit, types
+from numba.extending import intrinsic
+
+from ..hashing._xxh3 import chain_step
+from .layout import (
+    H_CAPACITY,
+    H_LIVE,
+    H_NWORDS,
+    H_TOMBS,
+    H_USED,
+    HEADER_WORDS,
+    SLOT_MASKS,
+    SLOT_VERSION,
+    TIERS,
+    ZERO_KEY,
+)
+
+__all__ = [
+    "INVALID_SEQUENCE",
+    "MAX_READ_RETRIES",
+    "OK",
+    "PARENT_NOT_FOUND",
+    "clear_holder",
+    "copy_live",
+    "init_map",
+    "rehash_map",
+    "remove",
+    "store",
+    "walk",
+]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+Table = npt.NDArray[np.uint64]
+Map = npt.NDArray[np.uint64]
+Meta = npt.NDArray[np.int64]
+Counts = npt.NDArray[np.int64]
+
+
+def _kernel(fn: _F) -> _F:
+    return cast(_F, njit(cache=True, nogil=True)(fn))
+
+
+def _inlined(fn: _F) -> _F:
+    """Array-taking helpers are inlined: called out of line, numba increfs each array argument per call."""
+    return cast(_F, njit(cache=True, nogil=True, inline="always")(fn))
+
+
+OK: Final = 0
+PARENT_NOT_FOUND: Final = 1
+INVALID_SEQUENCE: Final = 2
+MAX_READ_RETRIES: Final = 1 << 20
+"""Reads of one slot that may see it mid-write before the reader gives the shard up (a live writer holds
+a slot odd for nanoseconds; a million retries is milliseconds of a dead one)."""
+
+M_CAPACITY, M_USED, M_TOMBS = 0, 1, 2
+"""Private map meta words: capacity, used rows (live + deleted), deleted rows."""
+TOMB: Final = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+_ONE: Final = np.uint64(1)
+_ZERO: Final = np.uint64(0)
+_KEY_MIX: Final = np.uint64(0x9E37_79B9_7F4A_7C15)
+_SEED: Final = np.uint64(1337)
+_ZERO_KEY: Final = np.uint64(ZERO_KEY)
+
+
+def _fence_typer(typingctx: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        builder.fence("acq_rel")
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+_fence = cast(Callable[[], None], intrinsic(_fence_typer))
+_i64 = cast(Callable[[object], int], np.int64)
+"""``np.int64``, typed for mypy as returning ``int`` (numba sees the numpy type itself)."""
+
+
+# -- shard table ------------------------------------------------------------------------------
+
+
+@_inlined
+def _row_words(table: Table) -> int:
+    return SLOT_MASKS + TIERS * _i64(table[H_NWORDS])
+
+
+@_inlined
+def _table_key(seq: np.uint64) -> np.uint64:
+    return seq if seq != _ZERO else _ZERO_KEY
+
+
+@_inlined
+def _find(table: Table, key: np.uint64) -> int:
+    """The writer's probe (no seqlock: it is the only writer). -1 when absent."""
+    mask = np.uint64(table[H_CAPACITY] - _ONE)
+    width = _row_words(table)
+    slot = _i64(key & mask)
+    while True:
+        found = table[HEADER_WORDS + slot * width]
+        if found == key:
+            return slot
+        if found == _ZERO:
+            return -1
+        slot = _i64((np.uint64(slot) + _ONE) & mask)
+
+
+@_inlined
+def _is_tomb(table: Table, base: int, width: int) -> bool:
+    for w in range(base + SLOT_MASKS, base + width):  # noqa: SIM110 (numba compiles no generator)
+        if table[w] != _ZERO:
+            return False
+    return True
+
+
+@_inlined
+def _claim(table: Table, key: np.uint64) -> int:
+    """The slot of ``key``, inserting it (into the first tombstone passed, else the empty slot ending the
+    probe) when absent. The caller has made sure the table has room."""
+    mask = np.uint64(table[H_CAPACITY] - _ONE)
+    width = _row_words(table)
+    slot = _i64(key & mask)
+    reuse = -1
+    while True:
+        base = HEADER_WORDS + slot * width
+        found = table[base]
+        if found == key:
+            return slot
+        if found == _ZERO:
+            break
+        if reuse < 0 and _is_tomb(table, base, width):
+            reuse = slot
+        slot = _i64((np.uint64(slot) + _ONE) & mask)
+    if reuse >= 0:
+        slot = reuse
+        table[H_TOMBS] -= _ONE
+    else:
+        table[H_USED] += _ONE
+    base = HEADER_WORDS + slot * width
+    table[base + SLOT_VERSION] += _ONE
+    _fence()
+    table[base] = key
+    _fence()
+    table[base + SLOT_VERSION] += _ONE
+    return slot
+
+
+@_inlined
+def _set_bit(table: Table, slot: int, tier: int, bit: int) -> None:
+    width = _row_words(table)
+    base = HEADER_WORDS + slot * width
+    was_tomb = _is_tomb(table, base, width)
+    word = base + SLOT_MASKS + tier * _i64(table[H_NWORDS]) + bit // 64
+    table[base + SLOT_VERSION] += _ONE
+    _fence()
+    table[word] |= _ONE << np.uint64(bit % 64)
+    _fence()
+    table[base + SLOT_VERSION] += _ONE
+    if was_tomb:
+        table[H_LIVE] += _ONE
+
+
+@_inlined
+def _clear_bit(table: Table, slot: int, tier: int, bit: int) -> None:
+    width = _row_words(table)
+    base = HEADER_WORDS + slot * width
+    word = base + SLOT_MASKS + tier * _i64(table[H_NWORDS]) + bit // 64
+    table[base + SLOT_VERSION] += _ONE
+    _fence()
+    table[word] &= ~(_ONE << np.uint64(bit % 64))
+    _fence()
+    table[base + SLOT_VERSION] += _ONE
+    if _is_tomb(table, base, width):  # the soft tombstone: key kept, no holder left
+        table[H_LIVE] -= _ONE
+        table[H_TOMBS] += _ONE
+
+
+@_inlined
+def _release_bit(table: Table, seq: np.uint64, tier: int, bit: int) -> None:
+    slot = _find(table, _table_key(seq))
+    if slot >= 0:
+        _clear_bit(table, slot, tier, bit)
+
+
+# -- private maps -----------------------------------------------------------------------------
+
+
+@_inlined
+def _map_home(key: np.uint64, holder: int, mask: np.uint64) -> int:
+    mixed = (key ^ (np.uint64(holder + 1) * _KEY_MIX)) * _KEY_MIX
+    return _i64((mixed ^ (mixed >> np.uint64(29))) & mask)
+
+
+@_inlined
+def _map_find(rows: Map, meta: Meta, key: np.uint64, holder: int) -> int:
+    mask = np.uint64(meta[M_CAPACITY] - 1)
+    tag = np.uint64(holder + 1)
+    row = _map_home(key, holder, mask)
+    while True:
+        owner = rows[row, 1]
+        if owner == _ZERO:
+            return -1
+        if owner == tag and rows[row, 0] == key:
+            return row
+        row = _i64((np.uint64(row) + _ONE) & mask)
+
+
+@_inlined
+def _map_insert(rows: Map, meta: Meta, key: np.uint64, holder: int, value: np.uint64) -> int:
+    """Insert a key known to be absent, into the first deleted or empty row of its probe."""
+    mask = np.uint64(meta[M_CAPACITY] - 1)
+    row = _map_home(key, holder, mask)
+    while rows[row, 1] != _ZERO and rows[row, 1] != TOMB:
+        row = _i64((np.uint64(row) + _ONE) & mask)
+    if rows[row, 1] == TOMB:
+        meta[M_TOMBS] -= 1
+    else:
+        meta[M_USED] += 1
+    rows[row, 0] = key
+    rows[row, 1] = np.uint64(holder + 1)
+    rows[row, 2] = value
+    return row
+
+
+@_inlined
+def _map_delete(rows: Map, meta: Meta, row: int) -> None:
+    rows[row, 1] = TOMB
+    meta[M_TOMBS] += 1
+
+
+@_kernel
+def init_map(rows: Map, meta: Meta) -> None:
+    """An empty map over ``rows`` (its length a power of two)."""
+    rows[:] = 0
+    meta[M_CAPACITY] = rows.shape[0]
+    meta[M_USED] = 0
+    meta[M_TOMBS] = 0
+
+
+@_kernel
+def rehash_map(old: Map, new: Map, new_meta: Meta) -> None:
+    """Copy the live rows of ``old`` into the empty map ``new`` (growth, and dropping deleted rows)."""
+    for row in range(old.shape[0]):
+        owner = old[row, 1]
+        if owner != _ZERO and owner != TOMB:
+            _map_insert(new, new_meta, old[row, 0], _i64(owner) - 1, old[row, 2])
+
+
+@_inlined
+def _ref(table: Table, refs: Map, rmeta: Meta, cached: Counts, seq: np.uint64, bit: int, tier: int, delta: int) -> None:
+    """Add ``delta`` (+1 / -1) to the holder's count of ``seq``: the mask bit follows 0 <-> 1 transitions."""
+    holder = bit * TIERS + tier
+    row = _map_find(refs, rmeta, seq, holder)
+    if row < 0:
+        if delta < 0:
+            return  # nothing to release (cannot happen while the maps agree; never corrupt the table for it)
+        _map_insert(refs, rmeta, seq, holder, np.uint64(1))
+        _set_bit(table, _claim(table, _table_key(seq)), tier, bit)
+        if tier == 0:
+            cached[bit] += 1
+        return
+    count = _i64(refs[row, 2]) + delta
+    if count > 0:
+        refs[row, 2] = np.uint64(count)
+        return
+    _map_delete(refs, rmeta, row)
+    _release_bit(table, seq, tier, bit)
+    if tier == 0:
+        cached[bit] -= 1
+
+
+# -- events -----------------------------------------------------------------------------------
+
+
+@_kernel
+def store(
+    table: Table,
+    emap: Map,
+    emeta: Meta,
+    refs: Map,
+    rmeta: Meta,
+    cached: Counts,
+    bit: int,
+    tier: int,
+    has_parent: bool,
+    parent: np.uint64,
+    engine: npt.NDArray[np.uint64],
+    local: npt.NDArray[np.uint64],
+) -> int:
+    """A Stored event of one holder: validated whole first, then applied (all or nothing).
+
+    Returns ``OK``, ``PARENT_NOT_FOUND`` or ``INVALID_SEQUENCE`` (the parent is one of the blocks, or an
+    engine hash repeats). The caller has made room for ``len(engine)`` new keys in every table.
+    """
+    holder = bit * TIERS + tier
+    n = engine.size
+    ordered = np.sort(engine)
+    for i in range(n):
+        if (has_parent and engine[i] == parent) or (i > 0 and ordered[i] == ordered[i - 1]):
+            return INVALID_SEQUENCE
+    seq = _ZERO
+    if has_parent:
+        row = _map_find(emap, emeta, parent, holder)
+        if row < 0:
+            return PARENT_NOT_FOUND
+        seq = emap[row, 2]
+    for i in range(n):  # hot path: one chain step and a few probes per block
+        seq = chain_step(seq, local[i], _SEED) if (has_parent or i > 0) else local[i]
+        row = _map_find(emap, emeta, engine[i], holder)
+        if row >= 0:
+            previous = emap[row, 2]
+            if previous == seq:
+                continue  # re-stored where it already is
+            emap[row, 2] = seq
+            _ref(table, refs, rmeta, cached, seq, bit, tier, 1)
+            _ref(table, refs, rmeta, cached, previous, bit, tier, -1)  # the engine re-used the hash: it moved
+        else:
+            _map_insert(emap, emeta, engine[i], holder, seq)
+            _ref(table, refs, rmeta, cached, seq, bit, tier, 1)
+    return OK
+
+
+@_kernel
+def remove(
+    table: Table,
+    emap: Map,
+    emeta: Meta,
+    refs: Map,
+    rmeta: Meta,
+    cached: Counts,
+    bit: int,
+    tier: int,
+    engine: npt.NDArray[np.uint64],
+) -> int:
+    """A Removed event: every known hash released; returns the index of the first unknown one, or -1."""
+    holder = bit * TIERS + tier
+    first_missing = -1
+    for i in range(engine.size):
+        row = _map_find(emap, emeta, engine[i], holder)
+        if row < 0:
+            if first_missing < 0:
+                first_missing = i
+            continue
+        seq = emap[row, 2]
+        _map_delete(emap, emeta, row)
+        _ref(table, refs, rmeta, cached, seq, bit, tier, -1)
+    return first_missing
+
+
+@_kernel
+def clear_holder(
+    table: Table, emap: Map, emeta: Meta, refs: Map, rmeta: Meta, cached: Counts, bit: int, tier: int
+) -> None:
+    """Release everything one holder has (Cleared, clear_all_blocks, remove_worker): two scans of the maps."""
+    tag = np.uint64(bit * TIERS + tier + 1)
+    for row in range(emap.shape[0]):
+        if emap[row, 1] == tag:
+            _map_delete(emap, emeta, row)
+    for row in range(refs.shape[0]):
+        if refs[row, 1] == tag:
+            _map_delete(refs, rmeta, row)
+            _release_bit(table, refs[row, 0], tier, bit)
+            if tier == 0:
+                cached[bit] -= 1
+
+
+@_kernel
+def copy_live(old: Table, new: Table) -> None:
+    """Copy every live key with its masks into the empty, not yet published table ``new`` (which may have
+    wider masks); tombstones are dropped, which is the compaction."""
+    old_words, new_words = _i64(old[H_NWORDS]), _i64(new[H_NWORDS])
+    old_width, new_width = _row_words(old), _row_words(new)
+    mask = np.uint64(new[H_CAPACITY] - _ONE)
+    for slot in range(_i64(old[H_CAPACITY])):
+        base = HEADER_WORDS + slot * old_width
+        key = old[base]
+        if key == _ZERO or _is_tomb(old, base, old_width):
+            continue
+        target = _i64(key & mask)
+        while new[HEADER_WORDS + target * new_width] != _ZERO:
+            target = _i64((np.uint64(target) + _ONE) & mask)
+        dest = HEADER_WORDS + target * new_width
+        new[dest] = key
+        for tier in range(TIERS):
+            for w in range(old_words):
+                new[dest + SLOT_MASKS + tier * new_words + w] = old[base + SLOT_MASKS + tier * old_words + w]
+        new[H_USED] += _ONE
+        new[H_LIVE] += _ONE
+
+
+# -- reads ------------------------------------------------------------------------------------
+
+
+@_kernel
+def walk(table: Table, seqs: npt.NDArray[np.uint64], ntiers: int, scores: Counts, scratch: Table) -> int:
+    """Per worker bit and tier, the leading query blocks held in that tier or a faster one.
+
+    ``scores`` is ``[ntiers, nwords * 64]``, zeroed by the caller; ``scratch`` holds at least
+    ``2 * ntiers * nwords + 1`` words (the running masks, and the prefetch's sink). Returns the blocks
+    walked, or -1 when a slot stayed mid-write for ``MAX_READ_RETRIES`` reads. The walk ends at the first
+    block the shard does not hold, or as soon as no worker of the shard is left.
+    """
+    nwords = _i64(table[H_NWORDS])
+    width = SLOT_MASKS + TIERS * nwords
+    mask = np.uint64(table[H_CAPACITY] - _ONE)
+    n = seqs.size
+    alive = scratch[: ntiers * nwords]
+    seen = scratch[ntiers * nwords : 2 * ntiers * nwords]
+    alive[:] = _ZERO
+    warm = _ZERO
+    for i in range(n):  # prefetch: independent loads of every home slot overlap their cache misses
+        warm ^= table[HEADER_WORDS + _i64(_table_key(seqs[i]) & mask) * width]
+    scratch[2 * ntiers * nwords] = warm  # a stored result, so the loads are not optimised away
+    for i in range(n):  # hot path: one seqlocked probe per block
+        key = _table_key(seqs[i])
+        slot = _i64(key & mask)
+        found = False
+        while True:
+            base = HEADER_WORDS + slot * width
+            tries = 0
+            while True:
+                before = table[base + SLOT_VERSION]
+                _fence()
+                current = table[base]
+                if current == key:
+                    for t in range(ntiers):
+                        for w in range(nwords):
+                            held = table[base + SLOT_MASKS + t * nwords + w]
+                            seen[t * nwords + w] = held if t == 0 else held | seen[(t - 1) * nwords + w]
+                _fence()
+                after = table[base + SLOT_VERSION]
+                if before == after and (before & _ONE) == _ZERO:
+                    break
+                tries += 1
+                if tries > MAX_READ_RETRIES:
+                    return -1
+            if current == key:
+                found = True
+                break
+            if current == _ZERO:
+                break
+            slot = _i64((np.uint64(slot) + _ONE) & mask)
+        if not found:
+            _finish(alive, scores, ntiers, nwords, i)
+            return i
+        left = False
+        for j in range(ntiers * nwords):
+            before_mask = seen[j] if i == 0 else alive[j]
+            now = before_mask & seen[j]
+            if i > 0:
+                _drop(scores, j // nwords, (j % nwords) * 64, before_mask & ~now, i)
+            alive[j] = now
+            if now != _ZERO:
+                left = True
+        if not left:
+            return i + 1
+    _finish(alive, scores, ntiers, nwords, n)
+    return n
+
+
+@_inlined
+def _drop(scores: Counts, tier: int, first_bit: int, dropped: np.uint64, depth: int) -> None:
+    bit = first_bit
+    while dropped != _ZERO:
+        if dropped & _ONE:
+            scores[tier, bit] = depth
+        dropped >>= _ONE
+        bit += 1
+
+
+@_inlined
+def _finish(alive: Table, scores: Counts, ntiers: int, nwords: int, depth: int) -> None:
+    for j in range(ntiers * nwords):
+        _drop(scores, j // nwords, (j % nwords) * 64, alive[j], depth)

@@ -1,0 +1,258 @@
+"""Where every word of the shared-memory index lives: segment names, the control segment, shard tables.
+
+``docs/shm-engine.md`` draws the layout; this module is its single source: the kernels, the writer and
+the readers all index segments through these constants, and nothing else knows an offset.
+
+Segments are files in ``/dev/shm`` opened with ``os.open`` and mapped with ``mmap``, never through
+``multiprocessing.shared_memory``: in Python 3.11 its resource tracker unlinks a segment when any
+process that merely attached it exits (``spec/shm-engine.md`` §4.5). Here only the owner unlinks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "STATUS_RECOVERING",
+    "STATUS_STARTING",
+    "STATUS_STOPPED",
+    "STATUS_UP",
+    "Control",
+    "Segment",
+    "control_name",
+    "lock_path",
+    "shard_name",
+    "unlink_segment",
+]
+
+SHM_DIR: Final = "/dev/shm"
+PREFIX: Final = "kvrouter-"
+"""Every segment, lock and socket kvrouter makes starts with this, so a sweep can find leftovers."""
+
+TIERS: Final = 4
+"""Masks per slot: device, host, disk, shared (``StorageTier`` order)."""
+WORD_BITS: Final = 64
+
+# -- shard segment ------------------------------------------------------------------------------
+SHARD_MAGIC: Final = 0x6B76_7273_6861_7264  # "kvrshard"
+HEADER_WORDS: Final = 8
+H_MAGIC, H_CAPACITY, H_NWORDS, H_USED, H_EPOCH, H_TOMBS, H_LIVE = range(7)
+"""Shard header words: magic, slot capacity, mask words per tier, used slots (live + tombstones),
+epoch, tombstones, live keys."""
+SLOT_KEY, SLOT_VERSION, SLOT_MASKS = 0, 1, 2
+"""Within a slot row: the key, the seqlock version, then ``TIERS * nwords`` mask words."""
+ZERO_KEY: Final = 0x9E37_79B9_7F4A_7C15
+"""Stored instead of a sequence hash of 0, since key 0 marks an empty slot (odds 2**-64 either way)."""
+MIN_CAPACITY: Final = 1024
+MAX_LOAD: Final = 0.5
+"""Grow when used slots pass this share of capacity: linear probing stays short (``spec`` §3.1)."""
+
+# -- control segment ----------------------------------------------------------------------------
+CONTROL_MAGIC: Final = 0x6B76_7263_7472_6C00  # "kvrctrl"
+LAYOUT_VERSION: Final = 1
+C_MAGIC, C_VERSION, C_SHARDS, C_ROWS = range(4)
+"""Control header words: magic, layout version, shard count, worker rows per shard."""
+SHARD_BLOCK_WORDS: Final = 24
+S_EPOCH, S_STATUS, S_PID, S_NWORDS, S_EVENTS, S_ERRORS = range(6)
+ERROR_KINDS: Final = ("bad_event", "parent_not_found", "block_not_found", "invalid_block_sequence")
+"""Per-shard error counters, in this order from word ``S_ERRORS``."""
+S_LAST_EVENT: Final = S_ERRORS + len(ERROR_KINDS)
+S_FLUSHED: Final = S_LAST_EVENT + 1
+S_RESTARTS: Final = S_FLUSHED + 1
+S_NAME: Final = 16
+NAME_BYTES: Final = 64
+WORKER_ROWS: Final = 4096
+"""Worker rows per shard: row b describes mask bit b. 4096 leaves room for any fleet one router serves."""
+W_WORKER_ID, W_DP_RANK, W_IN_USE, W_CACHED = range(4)
+WORKER_ROW_WORDS: Final = 4
+
+STATUS_STARTING: Final = 0
+STATUS_UP: Final = 1
+STATUS_RECOVERING: Final = 2
+STATUS_STOPPED: Final = 3
+
+
+def control_name(owner_pid: int) -> str:
+    return f"{PREFIX}{owner_pid}-ctl"
+
+
+def shard_name(owner_pid: int, shard: int, epoch: int) -> str:
+    return f"{PREFIX}{owner_pid}-s{shard}-e{epoch}"
+
+
+def lock_path(owner_pid: int, shard: int) -> str:
+    return f"{SHM_DIR}/{PREFIX}{owner_pid}-s{shard}.lock"
+
+
+def unlink_segment(name: str) -> None:
+    """Remove ``/dev/shm/<name>``; a name already gone is fine (the owner may be cleaning up twice)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"{SHM_DIR}/{name}")
+
+
+def row_words(nwords: int) -> int:
+    return SLOT_MASKS + TIERS * nwords
+
+
+def shard_words(capacity: int, nwords: int) -> int:
+    return HEADER_WORDS + capacity * row_words(nwords)
+
+
+@dataclass(eq=False)
+class Segment:
+    """One mapped segment: its name, the mapping, and a u64 view of all of it."""
+
+    name: str
+    mapping: mmap.mmap
+    words: npt.NDArray[np.uint64]
+
+    @classmethod
+    def create(cls, name: str, n_words: int) -> Segment:
+        """A new zeroed segment; fails if the name exists (a stale owner must be swept first)."""
+        fd = os.open(f"{SHM_DIR}/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, n_words * 8)
+            mapping = mmap.mmap(fd, n_words * 8)
+        finally:
+            os.close(fd)
+        return cls(name, mapping, np.frombuffer(mapping, dtype=np.uint64))
+
+    @classmethod
+    def attach(cls, name: str, *, writable: bool) -> Segment:
+        """Map an existing segment; read-only mappings are ``PROT_READ``: a reader cannot write by mistake."""
+        fd = os.open(f"{SHM_DIR}/{name}", os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+            mapping = mmap.mmap(fd, 0, access=access)
+        finally:
+            os.close(fd)
+        return cls(name, mapping, np.frombuffer(mapping, dtype=np.uint64))
+
+    def close(self) -> None:
+        """Unmap. Our numpy view is dropped first; if another view of it is still alive somewhere (a
+        caller's local variable), the mapping is left to close when that view is collected."""
+        del self.words
+        with contextlib.suppress(BufferError):
+            self.mapping.close()
+
+
+class Control:
+    """The control segment: shard epochs, segment names, statuses, counters and worker rows.
+
+    Each shard's block and rows are written only by that shard's applier (the supervisor writes status and
+    restarts while no applier runs for the shard); everyone else reads.
+    """
+
+    def __init__(self, segment: Segment) -> None:
+        words = segment.words
+        if int(words[C_MAGIC]) != CONTROL_MAGIC or int(words[C_VERSION]) != LAYOUT_VERSION:
+            raise ValueError(f"{segment.name} is not a kvrouter control segment of layout {LAYOUT_VERSION}")
+        self.segment = segment
+        self.name = segment.name
+        self.shards = int(words[C_SHARDS])
+        self.rows = int(words[C_ROWS])
+        self._blocks = words[HEADER_WORDS : HEADER_WORDS + self.shards * SHARD_BLOCK_WORDS].reshape(
+            self.shards, SHARD_BLOCK_WORDS
+        )
+        start = HEADER_WORDS + self.shards * SHARD_BLOCK_WORDS
+        self._workers = words[start : start + self.shards * self.rows * WORKER_ROW_WORDS].reshape(
+            self.shards, self.rows, WORKER_ROW_WORDS
+        )
+
+    @classmethod
+    def create(cls, name: str, shards: int) -> Control:
+        total = HEADER_WORDS + shards * (SHARD_BLOCK_WORDS + WORKER_ROWS * WORKER_ROW_WORDS)
+        segment = Segment.create(name, total)
+        segment.words[C_SHARDS] = shards
+        segment.words[C_ROWS] = WORKER_ROWS
+        segment.words[C_VERSION] = LAYOUT_VERSION
+        segment.words[C_MAGIC] = CONTROL_MAGIC
+        return cls(segment)
+
+    @classmethod
+    def attach(cls, name: str, *, writable: bool = False) -> Control:
+        return cls(Segment.attach(name, writable=writable))
+
+    # -- per-shard words ----------------------------------------------------------------------
+    def block(self, shard: int) -> npt.NDArray[np.uint64]:
+        """The shard's block of words (writable only through a writable attachment)."""
+        block: npt.NDArray[np.uint64] = self._blocks[shard]
+        return block
+
+    def worker_rows(self, shard: int) -> npt.NDArray[np.uint64]:
+        """The shard's worker rows, ``[rows, WORKER_ROW_WORDS]``; row b describes mask bit b."""
+        rows: npt.NDArray[np.uint64] = self._workers[shard]
+        return rows
+
+    def epoch(self, shard: int) -> int:
+        return int(self._blocks[shard, S_EPOCH])
+
+    def status(self, shard: int) -> int:
+        return int(self._blocks[shard, S_STATUS])
+
+    def set_status(self, shard: int, status: int) -> None:
+        self._blocks[shard, S_STATUS] = status
+
+    def pid(self, shard: int) -> int:
+        return int(self._blocks[shard, S_PID])
+
+    def set_pid(self, shard: int, pid: int) -> None:
+        self._blocks[shard, S_PID] = pid
+
+    def flushed(self, shard: int) -> int:
+        return int(self._blocks[shard, S_FLUSHED])
+
+    def set_flushed(self, shard: int, token: int) -> None:
+        self._blocks[shard, S_FLUSHED] = token
+
+    def restarts(self, shard: int) -> int:
+        return int(self._blocks[shard, S_RESTARTS])
+
+    def add_restart(self, shard: int) -> None:
+        self._blocks[shard, S_RESTARTS] += 1
+
+    def segment_name(self, shard: int) -> str:
+        raw = self._blocks[shard, S_NAME : S_NAME + NAME_BYTES // 8].tobytes()
+        return raw.rstrip(b"\0").decode("ascii")
+
+    def publish_segment(self, shard: int, name: str, epoch: int, nwords: int) -> None:
+        """Point readers at a new shard segment: name and mask width first, the epoch last, so a reader
+        that sees the new epoch finds the new name."""
+        raw = name.encode("ascii").ljust(NAME_BYTES, b"\0")
+        if len(raw) > NAME_BYTES:
+            raise ValueError(f"segment name {name!r} is longer than {NAME_BYTES} bytes")
+        self._blocks[shard, S_NAME : S_NAME + NAME_BYTES // 8] = np.frombuffer(raw, dtype=np.uint64)
+        self._blocks[shard, S_NWORDS] = nwords
+        self._blocks[shard, S_EPOCH] = epoch
+
+    def count_event(self, shard: int, now_ns: int) -> None:
+        self._blocks[shard, S_EVENTS] += 1
+        self._blocks[shard, S_LAST_EVENT] = now_ns
+
+    def count_error(self, shard: int, kind: str) -> None:
+        self._blocks[shard, S_ERRORS + ERROR_KINDS.index(kind)] += 1
+
+    def stats(self, shard: int) -> dict[str, int]:
+        block = self._blocks[shard]
+        counters = {kind: int(block[S_ERRORS + i]) for i, kind in enumerate(ERROR_KINDS)}
+        return {"events_applied": int(block[S_EVENTS]), **counters, "last_event_ns": int(block[S_LAST_EVENT])}
+
+    def workers(self, shard: int) -> dict[int, tuple[int, int, int]]:
+        """Rows in use: mask bit → (worker_id, dp_rank, cached device blocks)."""
+        rows = self._workers[shard]
+        used = np.flatnonzero(rows[:, W_IN_USE])
+        return {int(b): (int(rows[b, W_WORKER_ID]), int(rows[b, W_DP_RANK]), int(rows[b, W_CACHED])) for b in used}
+
+    def close(self) -> None:
+        del self._blocks, self._workers
+        self.segment.close()
+
+    def unlink(self) -> None:
+        unlink_segment(self.name)

@@ -1,0 +1,243 @@
+"""``ShardWriter``: everything an applier does to its shard, in one process, with no sockets.
+
+It owns the shard's current segment and the private maps the kernels need (``docs/shm-engine.md``),
+turns events into kernel calls with the index contract of ``index/reference.py``, and grows the table
+by publishing a new segment. Keeping this apart from the applier's socket loop is what lets the tests
+drive the shared-memory index in-process against ``RadixIndex`` (``tests/index/test_writer.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import BadEvent, BlockNotFound, InvalidBlockSequence, ParentNotFound
+from ..events.codecs.kvrouter import Decoder
+from ..events.model import Cleared, KvEvent, Removed, Stored, WorkerKey
+from . import _kernels as kernels
+from .layout import (
+    H_CAPACITY,
+    H_EPOCH,
+    H_LIVE,
+    H_MAGIC,
+    H_NWORDS,
+    H_USED,
+    MAX_LOAD,
+    MIN_CAPACITY,
+    SHARD_MAGIC,
+    TIERS,
+    W_CACHED,
+    W_DP_RANK,
+    W_IN_USE,
+    W_WORKER_ID,
+    WORD_BITS,
+    Control,
+    Segment,
+    shard_name,
+    shard_words,
+    unlink_segment,
+)
+
+__all__ = ["ShardWriter"]
+
+log = logging.getLogger(__name__)
+
+MAP_ROW_WORDS: Final = 4
+MIN_MAP_ROWS: Final = 1024
+_STORE_ERRORS: Final = {
+    kernels.PARENT_NOT_FOUND: ParentNotFound.kind,
+    kernels.INVALID_SEQUENCE: InvalidBlockSequence.kind,
+}
+
+
+def _map(rows: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
+    table = np.zeros((rows, MAP_ROW_WORDS), dtype=np.uint64)
+    meta = np.zeros(3, dtype=np.int64)
+    kernels.init_map(table, meta)
+    return table, meta
+
+
+def _capacity_for(keys: int, minimum: int) -> int:
+    """The power of two that holds ``keys`` at a quarter load: room for as many again before the next grow."""
+    return max(minimum, 1 << math.ceil(math.log2(max(1, keys) / (MAX_LOAD / 2))))
+
+
+class ShardWriter:
+    """The single writer of one shard: applies events, grows the table, keeps the control rows current."""
+
+    def __init__(self, control: Control, shard: int, owner_pid: int, *, workers: Iterable[WorkerKey] = ()) -> None:
+        self.control = control
+        self.shard = shard
+        self.owner_pid = owner_pid
+        self._bits: dict[WorkerKey, int] = {}
+        self._cached = np.zeros(control.rows, dtype=np.int64)
+        self._emap, self._emeta = _map(MIN_MAP_ROWS)
+        self._refs, self._rmeta = _map(MIN_MAP_ROWS)
+        self._decoder = Decoder()
+        self._segment = self._publish(MIN_CAPACITY, nwords=1)
+        for worker in workers:
+            self._bit(worker)
+
+    @property
+    def segment_name(self) -> str:
+        return self._segment.name
+
+    @property
+    def table(self) -> npt.NDArray[np.uint64]:
+        return self._segment.words
+
+    def workers(self) -> set[WorkerKey]:
+        return set(self._bits)
+
+    # -- events -------------------------------------------------------------------------------
+
+    def apply(self, event: KvEvent) -> str | None:
+        """Apply one event under the index contract; count it, and its error kind if any, in the control
+        segment. Returns the error kind (``parent_not_found``, ``block_not_found``,
+        ``invalid_block_sequence``, ``bad_event``) or None."""
+        kind = self._apply(event)
+        self.control.count_event(self.shard, time.time_ns())
+        if kind is not None:
+            self.control.count_error(self.shard, kind)
+        return kind
+
+    def apply_payload(self, payload: bytes) -> None:
+        """Apply one kvrouter-format batch; a batch that does not decode counts one ``bad_event``."""
+        try:
+            batch = self._decoder.decode(payload)
+        except BadEvent as exc:
+            log.warning("bad batch shard=%d error=%s", self.shard, exc)
+            self.control.count_error(self.shard, BadEvent.kind)
+            return
+        for event in batch.events:  # hot path: one kernel call per event
+            self.apply(event)
+
+    def _apply(self, event: KvEvent) -> str | None:
+        worker = (event.worker_id, event.dp_rank)
+        bit = self._bit(worker)
+        if bit < 0:
+            return BadEvent.kind
+        if isinstance(event, Stored):
+            self._make_room(len(event.blocks))  # may replace the table and maps: read them after
+        args = (self.table, self._emap, self._emeta, self._refs, self._rmeta, self._cached, bit, event.tier.rank)
+        match event:
+            case Stored(parent=parent, blocks=blocks):
+                engine = np.fromiter((b.engine_hash for b in blocks), dtype=np.uint64, count=len(blocks))
+                local = np.fromiter((b.local_hash for b in blocks), dtype=np.uint64, count=len(blocks))
+                status = kernels.store(*args, parent is not None, np.uint64(parent or 0), engine, local)
+                result = _STORE_ERRORS.get(status)
+            case Removed(engine_hashes=hashes):
+                engine = np.fromiter(hashes, dtype=np.uint64, count=len(hashes))
+                result = BlockNotFound.kind if kernels.remove(*args, engine) >= 0 else None
+            case Cleared():
+                kernels.clear_holder(*args)
+                result = None
+        self._sync_cached(bit)
+        return result
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget every dp rank of ``worker_id``: its bits are cleared, then its rows freed for reuse."""
+        for worker in [w for w in self._bits if w[0] == worker_id]:
+            bit = self._bits.pop(worker)
+            self._clear_bit_everywhere(bit)
+            self.control.worker_rows(self.shard)[bit, W_IN_USE] = 0
+
+    def clear_all_blocks(self, worker_id: int) -> None:
+        """Release every block of every dp rank and tier of ``worker_id``; its rows stay."""
+        for worker, bit in self._bits.items():
+            if worker[0] == worker_id:
+                self._clear_bit_everywhere(bit)
+
+    def _clear_bit_everywhere(self, bit: int) -> None:
+        for tier in range(TIERS):
+            kernels.clear_holder(self.table, self._emap, self._emeta, self._refs, self._rmeta, self._cached, bit, tier)
+        self._sync_cached(bit)
+
+    def _sync_cached(self, bit: int) -> None:
+        self.control.worker_rows(self.shard)[bit, W_CACHED] = self._cached[bit]
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _bit(self, worker: WorkerKey) -> int:
+        """The worker's mask bit, giving it the lowest free row on first sight (-1 when all are taken)."""
+        bit = self._bits.get(worker)
+        if bit is not None:
+            return bit
+        rows = self.control.worker_rows(self.shard)
+        free = np.flatnonzero(rows[:, W_IN_USE] == 0)
+        if free.size == 0:
+            log.error("no free worker row shard=%d worker=%s rows=%d", self.shard, worker, len(rows))
+            return -1
+        bit = int(free[0])
+        nwords = int(self.table[H_NWORDS])
+        if bit >= nwords * WORD_BITS:
+            self._rebuild(int(self.table[H_LIVE]), nwords=nwords * 2)
+        self._cached[bit] = 0
+        rows[bit, W_WORKER_ID] = worker[0]
+        rows[bit, W_DP_RANK] = worker[1]
+        rows[bit, W_CACHED] = 0
+        rows[bit, W_IN_USE] = 1  # last: a reader that sees the row in use sees the whole row
+        self._bits[worker] = bit
+        return bit
+
+    # -- growth -------------------------------------------------------------------------------
+
+    def _make_room(self, new_keys: int) -> None:
+        """Before a store of ``new_keys`` blocks: every table must take them without passing its load."""
+        used, capacity, live, nwords = (int(self.table[h]) for h in (H_USED, H_CAPACITY, H_LIVE, H_NWORDS))
+        if used + new_keys > capacity * MAX_LOAD:
+            self._rebuild(live + new_keys, nwords=nwords)
+        self._emap, self._emeta = self._fit(self._emap, self._emeta, new_keys)
+        self._refs, self._rmeta = self._fit(self._refs, self._rmeta, new_keys)
+
+    @staticmethod
+    def _fit(
+        rows: npt.NDArray[np.uint64], meta: npt.NDArray[np.int64], new_keys: int
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
+        capacity, used, tombs = (int(v) for v in meta)
+        if used + new_keys <= capacity * MAX_LOAD:
+            return rows, meta
+        bigger, bigger_meta = _map(_capacity_for(used - tombs + new_keys, MIN_MAP_ROWS))
+        kernels.rehash_map(rows, bigger, bigger_meta)
+        return bigger, bigger_meta
+
+    def _rebuild(self, keys: int, *, nwords: int) -> None:
+        """Copy the live keys into a new segment sized for ``keys`` (and ``nwords`` mask words), publish it,
+        unlink the old one. Tombstones are left behind: this is also the compaction."""
+        old = self._segment
+        new = self._publish(_capacity_for(keys, MIN_CAPACITY), nwords=nwords, before=old)
+        self._segment = new
+        old.close()
+        unlink_segment(old.name)
+        log.info(
+            "shard grown shard=%d segment=%s capacity=%d nwords=%d",
+            self.shard,
+            new.name,
+            int(new.words[H_CAPACITY]),
+            nwords,
+        )
+
+    def _publish(self, capacity: int, *, nwords: int, before: Segment | None = None) -> Segment:
+        epoch = self.control.epoch(self.shard) + 1
+        segment = Segment.create(shard_name(self.owner_pid, self.shard, epoch), shard_words(capacity, nwords))
+        words = segment.words
+        words[H_CAPACITY] = capacity
+        words[H_NWORDS] = nwords
+        words[H_EPOCH] = epoch
+        if before is not None:
+            kernels.copy_live(before.words, words)
+        words[H_MAGIC] = SHARD_MAGIC
+        self.control.publish_segment(self.shard, segment.name, epoch, nwords)
+        return segment
+
+    def close(self, *, unlink: bool) -> None:
+        name = self._segment.name
+        self._segment.close()
+        if unlink:
+            unlink_segment(name)

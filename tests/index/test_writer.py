@@ -1,0 +1,202 @@
+"""The shared-memory index (writers + reader, in-process) against the oracle: every contract scenario and
+hypothesis streams, with 1, 2 and 4 shards; growth; worker rows."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvrouter.events.model import (
+    Cleared,
+    EngineHash,
+    KvEvent,
+    LocalHash,
+    Removed,
+    StorageTier,
+    Stored,
+    StoredBlock,
+)
+from kvrouter.index import RadixIndex
+from kvrouter.index.layout import H_CAPACITY, H_LIVE, H_NWORDS
+from tests.index.contract import error_kind, replay
+from tests.index.shm import InProcessShards
+
+
+@pytest.fixture(params=[1, 2, 4], ids=lambda n: f"{n}-shards")
+def shards(request: pytest.FixtureRequest) -> Iterator[InProcessShards]:
+    engine = InProcessShards(request.param)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def test_contract_scenario(contract_scenario: dict[str, Any], shards: InProcessShards):
+    for where, got, expected in replay(shards, contract_scenario):
+        assert got == expected, where
+
+
+CONTENT = st.integers(1, 4)
+ENGINE_HASHES = st.integers(1, 40).map(EngineHash)
+WORKER_IDS = st.integers(1, 12)
+
+
+class AgreesWithOracle(RuleBasedStateMachine):
+    """Arbitrary streams over many workers, dp ranks and tiers into RadixIndex and the shared-memory
+    index with 1, 2 and 4 shards: every event fares the same, every query answers the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.oracle = RadixIndex()
+        self.shards = [InProcessShards(n) for n in (1, 2, 4)]
+        self.queries: set[tuple[int, ...]] = set()
+
+    def teardown(self) -> None:
+        for index in self.shards:
+            index.close()
+
+    def apply(self, event: KvEvent) -> None:
+        expected = error_kind(self.oracle, event.worker_id, event)
+        for index in self.shards:
+            assert error_kind(index, event.worker_id, event) == expected, (len(index.writers), event)
+
+    def held(self, worker: int, rank: int, tier: StorageTier) -> list[EngineHash]:
+        return sorted(self.oracle.holdings().get(((worker, rank), tier), {}))
+
+    @rule(
+        worker=WORKER_IDS,
+        rank=st.integers(0, 2),
+        tier=st.sampled_from(list(StorageTier)),
+        data=st.data(),
+        blocks=st.lists(st.tuples(ENGINE_HASHES, CONTENT), max_size=6),
+    )
+    def store(self, worker: int, rank: int, tier: StorageTier, data: st.DataObject, blocks: list[tuple[int, int]]):
+        held = self.held(worker, rank, tier)
+        parent = data.draw(st.none() | (st.sampled_from(held) if held else ENGINE_HASHES), label="parent")
+        stored = tuple(StoredBlock(EngineHash(e), LocalHash(h)) for e, h in blocks)
+        self.apply(Stored(worker, parent, stored, dp_rank=rank, tier=tier))
+
+    @rule(worker=WORKER_IDS, rank=st.integers(0, 2), tier=st.sampled_from(list(StorageTier)), data=st.data())
+    def remove(self, worker: int, rank: int, tier: StorageTier, data: st.DataObject):
+        held = self.held(worker, rank, tier)
+        chosen = data.draw(st.lists(st.sampled_from(held), max_size=4), label="held") if held else []
+        unknown = data.draw(st.lists(ENGINE_HASHES, max_size=1), label="unknown")
+        self.apply(Removed(worker, tuple(chosen + unknown), dp_rank=rank, tier=tier))
+
+    @rule(worker=WORKER_IDS, rank=st.integers(0, 2), tier=st.sampled_from(list(StorageTier)))
+    def clear(self, worker: int, rank: int, tier: StorageTier):
+        self.apply(Cleared(worker, dp_rank=rank, tier=tier))
+
+    @rule(worker=WORKER_IDS, everything=st.booleans())
+    def drop_worker(self, worker: int, everything: bool):
+        indexes: list[RadixIndex | InProcessShards] = [self.oracle, *self.shards]
+        for index in indexes:
+            if everything:
+                index.remove_worker(worker)
+            else:
+                index.clear_all_blocks(worker)
+
+    @rule(query=st.lists(CONTENT, min_size=1, max_size=7))
+    def remember_query(self, query: list[int]):
+        self.queries.add(tuple(query))
+
+    @invariant()
+    def same_answers(self) -> None:
+        paths = {p for held in self.oracle.holdings().values() for p in held.values()}
+        for query in paths | self.queries:
+            expected = self.oracle.find_matches_by_tier(query)
+            for index in self.shards:
+                assert index.find_matches_by_tier(query) == expected, (len(index.writers), query)
+                assert index.find_matches(query) == expected[StorageTier.DEVICE]
+
+
+AgreesWithOracle.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestAgreesWithOracle = AgreesWithOracle.TestCase
+
+
+def _chain_event(worker: int, locals_: list[int], first_engine: int, dp_rank: int = 0) -> Stored:
+    blocks = tuple(StoredBlock(EngineHash(first_engine + i), LocalHash(h)) for i, h in enumerate(locals_))
+    return Stored(worker, None, blocks, dp_rank=dp_rank)
+
+
+def test_growth_keeps_every_answer_and_unlinks_old_segments():
+    index, oracle = InProcessShards(1), RadixIndex()
+    try:
+        first_segment = index.writers[0].segment_name
+        for doc in range(40):  # 40 chains of 100 blocks: several doublings from 1024 slots
+            event = _chain_event(1 + doc % 3, [doc * 1000 + i for i in range(100)], doc * 1000)
+            index.apply_event(event.worker_id, event)
+            oracle.apply_event(event.worker_id, event)
+        assert index.control.epoch(0) > 1
+        assert not os.path.exists(f"/dev/shm/{first_segment}")
+        for doc in range(40):
+            query = [doc * 1000 + i for i in range(120)]
+            assert index.find_matches_by_tier(query) == oracle.find_matches_by_tier(query)
+    finally:
+        index.close()
+
+
+def test_compaction_drops_tombstones_without_growing():
+    index = InProcessShards(1)
+    try:
+        for round_ in range(30):
+            event = _chain_event(1, [round_ * 1000 + i for i in range(100)], round_ * 1000)
+            index.apply_event(1, event)
+            index.apply_event(1, Removed(1, tuple(b.engine_hash for b in event.blocks)))
+        table = index.writers[0].table
+        assert int(table[H_LIVE]) == 0
+        assert int(table[H_CAPACITY]) <= 1024  # churn alone never grew the table: rebuilds compacted it
+        assert index.find_matches([29_000]) == {}
+    finally:
+        index.close()
+
+
+def test_masks_widen_past_64_workers_and_rows_are_reused():
+    index, oracle = InProcessShards(1), RadixIndex()
+    try:
+        for worker in range(1, 151):
+            event = _chain_event(worker, [1, 2, worker + 100], 10 * worker)
+            index.apply_event(worker, event)
+            oracle.apply_event(worker, event)
+        assert int(index.writers[0].table[H_NWORDS]) == 4
+        assert index.find_matches([1, 2, 3]) == oracle.find_matches([1, 2, 3])
+        assert index.find_matches([1, 2, 150]) == {(w, 0): 2 for w in range(1, 151)} | {(50, 0): 3}
+        index.remove_worker(7)
+        rows_in_use = len(index.control.workers(0))
+        index.apply_event(999, _chain_event(999, [1], 5))
+        assert len(index.control.workers(0)) == rows_in_use + 1
+        assert index.control.workers(0)[6] == (999, 0, 1)  # worker 7's freed row (bit 6) went to the newcomer
+    finally:
+        index.close()
+
+
+def test_worker_rows_count_cached_device_blocks():
+    index = InProcessShards(1)
+    try:
+        index.apply_event(3, _chain_event(3, [1, 2, 3], 100, dp_rank=1))
+        index.apply_event(3, Removed(3, (EngineHash(101),), dp_rank=1))
+        assert index.control.workers(0) == {0: (3, 1, 2)}
+        index.clear_all_blocks(3)
+        assert index.control.workers(0) == {0: (3, 1, 0)}
+    finally:
+        index.close()
+
+
+def test_a_reader_follows_the_shard_across_growth():
+    index = InProcessShards(1)
+    try:
+        index.apply_event(1, _chain_event(1, [1, 2], 10))
+        assert index.find_matches([1, 2]) == {(1, 0): 2}
+        for doc in range(30):
+            index.apply_event(2, _chain_event(2, [doc * 1000 + i for i in range(100)], 100_000 + doc * 1000))
+        assert index.find_matches([1, 2]) == {(1, 0): 2}
+        assert index.find_matches([29_000, 29_001]) == {(2, 0): 2}
+    finally:
+        index.close()

@@ -8,10 +8,14 @@ Everything here runs once per block, so it is numba, over arrays laid out by ``l
   a u64 unified with a signed value (a ``-1`` "absent") silently becomes float64;
 - no allocation inside a per-block loop;
 - a shard table has one writer (its applier); every store to a slot a reader may see sits between the
-  slot's version going odd and going even again, with a fence on each side (``_fence``);
+  slot's version going odd and going even again, with a fence on each side (``_seqlocked_store``);
+- every shared word a reader looks at, and every word the writer stores under the seqlock, goes through
+  ``_load`` / ``_store`` (atomic acquire / release): plain loads from a read-only array may be treated as
+  invariant and hoisted out of the retry loop;
 - readers never write to a shard table, not even a counter; a read is version, fence, data, fence,
-  version, retried while the versions differ or are odd, and abandoned after ``MAX_READ_RETRIES`` (the
-  writer died mid-write: the shard is reported recovering rather than the reader spinning forever).
+  version, retried while the versions differ or are odd, and abandoned when the version stays odd for
+  ``MAX_STUCK_READS`` reads (the writer died mid-write: the shard is reported recovering rather than the
+  reader spinning forever).
 
 The fences compile to no instruction on x86-64 (TSO keeps loads with loads and stores with stores in
 order); they stop LLVM from moving the data accesses across the version accesses, and emit the needed
@@ -30,6 +34,7 @@ from typing import Any, Final, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..hashing._xxh3 import chain_step
@@ -49,11 +54,13 @@ from .layout import (
 __all__ = [
     "INVALID_SEQUENCE",
     "MAX_READ_RETRIES",
+    "MAX_STUCK_READS",
     "OK",
     "PARENT_NOT_FOUND",
     "clear_holder",
     "copy_live",
     "init_map",
+    "lookup",
     "rehash_map",
     "remove",
     "store",
@@ -80,9 +87,14 @@ def _inlined(fn: _F) -> _F:
 OK: Final = 0
 PARENT_NOT_FOUND: Final = 1
 INVALID_SEQUENCE: Final = 2
-MAX_READ_RETRIES: Final = 1 << 20
-"""Reads of one slot that may see it mid-write before the reader gives the shard up (a live writer holds
-a slot odd for nanoseconds; a million retries is milliseconds of a dead one)."""
+MAX_STUCK_READS: Final = 1 << 27
+"""Reads that see one slot at the same odd version before the reader gives the shard up, about half a
+second. A live writer holds a slot odd for nanoseconds, but the scheduler can preempt it inside that
+window for a time slice or more (a million reads, a few milliseconds, was seen to be too few on a loaded
+2-core machine); only a writer that died mid-write leaves it odd for this long."""
+MAX_READ_RETRIES: Final = 1 << 28
+"""Retries of one slot whose version keeps moving (a live writer rewriting it flat out) before the reader
+gives up anyway: seconds of starvation, a bound rather than an expectation."""
 
 M_CAPACITY, M_USED, M_TOMBS = 0, 1, 2
 """Private map meta words: capacity, used rows (live + deleted), deleted rows."""
@@ -103,6 +115,34 @@ def _fence_typer(typingctx: Any) -> Any:
 
 
 _fence = cast(Callable[[], None], intrinsic(_fence_typer))
+
+
+def _load_typer(typingctx: Any, array: Any, index: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        array_type = signature.args[0]
+        view = context.make_array(array_type)(context, builder, args[0])
+        pointer = cgutils.get_item_pointer(context, builder, array_type, view, [args[1]])  # type: ignore[no-untyped-call]
+        return builder.load_atomic(pointer, "acquire", 8)
+
+    return array.dtype(array, index), codegen
+
+
+def _store_typer(typingctx: Any, array: Any, index: Any, value: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        array_type = signature.args[0]
+        view = context.make_array(array_type)(context, builder, args[0])
+        pointer = cgutils.get_item_pointer(context, builder, array_type, view, [args[1]])  # type: ignore[no-untyped-call]
+        builder.store_atomic(args[2], pointer, "release", 8)
+        return context.get_dummy_value()
+
+    return types.none(array, index, array.dtype), codegen
+
+
+_load = cast(Callable[[Table, int], np.uint64], intrinsic(_load_typer))
+"""An acquire load of one shared word: never merged with another load or hoisted out of a retry loop
+(numba marks a read-only array's plain loads invariant, which let LLVM spin on one stale version)."""
+_store = cast(Callable[[Table, int, np.uint64], None], intrinsic(_store_typer))
+"""A release store of one shared word: the writer's side of the same protocol."""
 _i64 = cast(Callable[[object], int], np.int64)
 """``np.int64``, typed for mypy as returning ``int`` (numba sees the numpy type itself)."""
 
@@ -167,12 +207,19 @@ def _claim(table: Table, key: np.uint64) -> int:
     else:
         table[H_USED] += _ONE
     base = HEADER_WORDS + slot * width
-    table[base + SLOT_VERSION] += _ONE
-    _fence()
-    table[base] = key
-    _fence()
-    table[base + SLOT_VERSION] += _ONE
+    _seqlocked_store(table, base, base, key)
     return slot
+
+
+@_inlined
+def _seqlocked_store(table: Table, base: int, word: int, value: np.uint64) -> None:
+    """Write one word of the slot at ``base`` inside its version window: odd, the word, even again."""
+    version = table[base + SLOT_VERSION]
+    _store(table, base + SLOT_VERSION, version + _ONE)
+    _fence()
+    _store(table, word, value)
+    _fence()
+    _store(table, base + SLOT_VERSION, version + np.uint64(2))
 
 
 @_inlined
@@ -181,11 +228,7 @@ def _set_bit(table: Table, slot: int, tier: int, bit: int) -> None:
     base = HEADER_WORDS + slot * width
     was_tomb = _is_tomb(table, base, width)
     word = base + SLOT_MASKS + tier * _i64(table[H_NWORDS]) + bit // 64
-    table[base + SLOT_VERSION] += _ONE
-    _fence()
-    table[word] |= _ONE << np.uint64(bit % 64)
-    _fence()
-    table[base + SLOT_VERSION] += _ONE
+    _seqlocked_store(table, base, word, table[word] | (_ONE << np.uint64(bit % 64)))
     if was_tomb:
         table[H_LIVE] += _ONE
 
@@ -195,11 +238,7 @@ def _clear_bit(table: Table, slot: int, tier: int, bit: int) -> None:
     width = _row_words(table)
     base = HEADER_WORDS + slot * width
     word = base + SLOT_MASKS + tier * _i64(table[H_NWORDS]) + bit // 64
-    table[base + SLOT_VERSION] += _ONE
-    _fence()
-    table[word] &= ~(_ONE << np.uint64(bit % 64))
-    _fence()
-    table[base + SLOT_VERSION] += _ONE
+    _seqlocked_store(table, base, word, table[word] & ~(_ONE << np.uint64(bit % 64)))
     if _is_tomb(table, base, width):  # the soft tombstone: key kept, no holder left
         table[H_LIVE] -= _ONE
         table[H_TOMBS] += _ONE
@@ -421,6 +460,48 @@ def copy_live(old: Table, new: Table) -> None:
 # -- reads ------------------------------------------------------------------------------------
 
 
+@_inlined
+def _lookup(table: Table, key: np.uint64, ntiers: int, masks: Table) -> int:
+    """Find ``key`` and copy its first ``ntiers`` masks, each OR-ed with the faster tiers', into ``masks``,
+    all from one consistent version of the slot. 1: found; 0: absent; -1: a slot stayed mid-write (its
+    writer died there) or was rewritten for ``MAX_READ_RETRIES`` reads in a row."""
+    nwords = _i64(table[H_NWORDS])
+    width = SLOT_MASKS + TIERS * nwords
+    mask = np.uint64(table[H_CAPACITY] - _ONE)
+    slot = _i64(key & mask)
+    while True:
+        base = HEADER_WORDS + slot * width
+        tries = stuck = 0
+        while True:
+            before = _load(table, base + SLOT_VERSION)
+            _fence()
+            current = _load(table, base)
+            if current == key:
+                for t in range(ntiers):
+                    for w in range(nwords):
+                        held = _load(table, base + SLOT_MASKS + t * nwords + w)
+                        masks[t * nwords + w] = held if t == 0 else held | masks[(t - 1) * nwords + w]
+            _fence()
+            after = _load(table, base + SLOT_VERSION)
+            if before == after and (before & _ONE) == _ZERO:
+                break
+            stuck = stuck + 1 if before == after else 0
+            tries += 1
+            if stuck > MAX_STUCK_READS or tries > MAX_READ_RETRIES:
+                return -1
+        if current == key:
+            return 1
+        if current == _ZERO:
+            return 0
+        slot = _i64((np.uint64(slot) + _ONE) & mask)
+
+
+@_kernel
+def lookup(table: Table, key: np.uint64, ntiers: int, masks: Table) -> int:
+    """``_lookup`` for callers outside this module (the seqlock stress test); the walk inlines it."""
+    return _lookup(table, key, ntiers, masks)
+
+
 @_kernel
 def walk(table: Table, seqs: npt.NDArray[np.uint64], ntiers: int, scores: Counts, scratch: Table) -> int:
     """Per worker bit and tier, the leading query blocks held in that tier or a faster one.
@@ -442,35 +523,10 @@ def walk(table: Table, seqs: npt.NDArray[np.uint64], ntiers: int, scores: Counts
         warm ^= table[HEADER_WORDS + _i64(_table_key(seqs[i]) & mask) * width]
     scratch[2 * ntiers * nwords] = warm  # a stored result, so the loads are not optimised away
     for i in range(n):  # hot path: one seqlocked probe per block
-        key = _table_key(seqs[i])
-        slot = _i64(key & mask)
-        found = False
-        while True:
-            base = HEADER_WORDS + slot * width
-            tries = 0
-            while True:
-                before = table[base + SLOT_VERSION]
-                _fence()
-                current = table[base]
-                if current == key:
-                    for t in range(ntiers):
-                        for w in range(nwords):
-                            held = table[base + SLOT_MASKS + t * nwords + w]
-                            seen[t * nwords + w] = held if t == 0 else held | seen[(t - 1) * nwords + w]
-                _fence()
-                after = table[base + SLOT_VERSION]
-                if before == after and (before & _ONE) == _ZERO:
-                    break
-                tries += 1
-                if tries > MAX_READ_RETRIES:
-                    return -1
-            if current == key:
-                found = True
-                break
-            if current == _ZERO:
-                break
-            slot = _i64((np.uint64(slot) + _ONE) & mask)
-        if not found:
+        status = _lookup(table, _table_key(seqs[i]), ntiers, seen)
+        if status < 0:
+            return -1
+        if status == 0:
             _finish(alive, scores, ntiers, nwords, i)
             return i
         left = False

@@ -1,0 +1,218 @@
+"""Readers against a writer running flat out in another process.
+
+1. The seqlock itself: a writer process rewrites every mask word of 64 hot slots in each version window
+   (W = 256 workers, 4 words a tier), each word encoding (key, generation); a reader attached read-only
+   checks through the library's own seqlocked lookup that every read shows one generation in all its
+   words. At least 10 million slot reads per run; one torn read fails the test.
+2. The real writer: a ``ShardWriter`` process churns, grows the table and clears a worker while the test
+   process queries through ``IndexReader``; every answer must be one the index could have held.
+3. A writer that died mid-write: a reader gives up after bounded retries and reports the shard recovering.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from numba import njit
+
+from kvrouter.events.model import EngineHash, LocalHash, Removed, Stored, StoredBlock
+from kvrouter.index import _kernels as kernels
+from kvrouter.index.layout import (
+    H_CAPACITY,
+    H_NWORDS,
+    HEADER_WORDS,
+    SLOT_MASKS,
+    SLOT_VERSION,
+    TIERS,
+    Control,
+    Segment,
+    control_name,
+    shard_words,
+)
+from kvrouter.index.reader import IndexReader
+from kvrouter.index.writer import ShardWriter
+
+HOT_SLOTS = 64
+NWORDS = 4
+CAPACITY = 1024
+SLOT_READS = 10_000_000
+STOP_WORD = 7
+"""The spare shard-header word the parent sets to stop the writer."""
+FORK = multiprocessing.get_context("fork")
+_names = itertools.count()
+
+
+def _unique_name() -> str:
+    return f"kvrouter-{os.getpid()}-test-{next(_names)}"
+
+
+@njit(cache=True)
+def _pattern(key: np.uint64, word: int) -> np.uint64:
+    return (key * np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(word * 0x1000193)
+
+
+@njit(cache=True)
+def _flip_until_stopped(table: npt.NDArray[np.uint64], keys: npt.NDArray[np.uint64]) -> int:
+    """Rewrite every mask word of every hot slot with the next generation, seqlocked, until stopped."""
+    width = SLOT_MASKS + TIERS * NWORDS
+    generation = np.uint64(0)
+    while kernels._load(table, STOP_WORD) == 0:
+        generation += np.uint64(1)
+        for i in range(keys.size):
+            base = HEADER_WORDS + kernels._i64(keys[i] & np.uint64(CAPACITY - 1)) * width
+            version = table[base + SLOT_VERSION]
+            kernels._store(table, base + SLOT_VERSION, version + np.uint64(1))
+            kernels._fence()
+            for w in range(TIERS * NWORDS):
+                kernels._store(table, base + SLOT_MASKS + w, _pattern(keys[i], w % NWORDS) ^ generation)
+            kernels._fence()
+            kernels._store(table, base + SLOT_VERSION, version + np.uint64(2))
+    return kernels._i64(generation)
+
+
+@njit(cache=True)
+def _check_reads(table: npt.NDArray[np.uint64], keys: npt.NDArray[np.uint64], reads: int) -> tuple[int, int, int, int]:
+    """(consistent reads, torn reads, failed lookups, reads that saw a new generation since the last)."""
+    masks = np.empty(NWORDS, dtype=np.uint64)
+    good = torn = failed = changed = 0
+    last = np.zeros(keys.size, dtype=np.uint64)
+    while good + torn + failed < reads:
+        for i in range(keys.size):
+            if kernels.lookup(table, keys[i], 1, masks) != 1:
+                failed += 1
+                continue
+            generation = masks[0] ^ _pattern(keys[i], 0)
+            consistent = True
+            for w in range(1, NWORDS):
+                if masks[w] ^ _pattern(keys[i], w) != generation:
+                    consistent = False
+            if consistent:
+                good += 1
+                if generation != last[i]:
+                    changed += 1
+                    last[i] = generation
+            else:
+                torn += 1
+    return good, torn, failed, changed
+
+
+@pytest.fixture
+def hot_table() -> Iterator[tuple[Segment, npt.NDArray[np.uint64]]]:
+    """A shard segment with 64 hot keys, one per home slot, all masks at generation 0."""
+    segment = Segment.create(_unique_name(), shard_words(CAPACITY, NWORDS))
+    try:
+        words = segment.words
+        words[H_CAPACITY], words[H_NWORDS] = CAPACITY, NWORDS
+        keys = np.arange(1, HOT_SLOTS + 1, dtype=np.uint64)
+        width = SLOT_MASKS + TIERS * NWORDS
+        for key in keys:
+            base = HEADER_WORDS + int(key) * width
+            words[base] = key
+            for w in range(TIERS * NWORDS):
+                words[base + SLOT_MASKS + w] = _pattern(key, w % NWORDS)
+        yield segment, keys
+    finally:
+        segment.close()
+        os.unlink(f"/dev/shm/{segment.name}")
+
+
+@pytest.mark.timeout(120)
+def test_no_torn_slot_in_ten_million_reads(hot_table: tuple[Segment, npt.NDArray[np.uint64]]):
+    segment, keys = hot_table
+    writer = FORK.Process(target=_flip_until_stopped, args=(segment.words, keys))
+    writer.start()
+    reader = Segment.attach(segment.name, writable=False)
+    try:
+        good, torn, failed, changed = _check_reads(reader.words, keys, SLOT_READS)
+    finally:
+        segment.words[STOP_WORD] = 1
+        writer.join(timeout=30)
+        reader.close()
+    assert writer.exitcode == 0
+    assert (torn, failed) == (0, 0)
+    assert good >= SLOT_READS
+    assert changed > 1000, "the writer hardly ran: the reads proved nothing"
+
+
+def _churn(control_name_: str, owner: int, rounds: int) -> None:
+    """Writer process: worker 1 holds chain A throughout; worker 2 stores and removes chain A over and
+    over; worker 3 adds new documents until the table has grown several times, then is cleared."""
+    control = Control.attach(control_name_, writable=True)
+    writer = ShardWriter(control, 0, owner)
+    chain = tuple(StoredBlock(EngineHash(100 + i), LocalHash(i + 1)) for i in range(32))
+    writer.apply(Stored(1, None, chain))
+    control.set_flushed(0, 1)
+    for round_ in range(rounds):
+        writer.apply(Stored(2, None, chain))
+        writer.apply(Removed(2, tuple(b.engine_hash for b in chain)))
+        doc = tuple(
+            StoredBlock(EngineHash(10_000 + round_ * 64 + i), LocalHash(5000 + round_ * 64 + i)) for i in range(64)
+        )
+        writer.apply(Stored(3, None, doc))
+    writer.clear_all_blocks(3)
+    control.set_flushed(0, 2)
+    writer.close(unlink=False)  # the test unlinks what is left, as the supervisor does for a dead applier
+    control.close()
+
+
+@pytest.mark.timeout(120)
+def test_queries_under_churn_growth_and_clear_see_only_states_the_index_held():
+    owner = (os.getpid() << 20) + 900_000 + next(_names)
+    control = Control.create(control_name(owner), 1)
+    writer = FORK.Process(target=_churn, args=(control.name, owner, 150))
+    writer.start()
+    reader = IndexReader(control.name)
+    query = list(range(1, 33))
+    seen_partial = queries = 0
+    try:
+        while control.flushed(0) < 1:
+            pass
+        while control.flushed(0) < 2 or queries == 0:
+            scores = reader.find_matches(query)
+            queries += 1
+            assert scores.get((1, 0)) == 32, scores  # worker 1 never lost a block
+            assert set(scores) <= {(1, 0), (2, 0)}
+            seen_partial += 0 < scores.get((2, 0), 0) < 32
+        assert reader.find_matches([5000]) == {}  # worker 3 cleared
+        assert control.epoch(0) > 2  # the table grew while being read
+    finally:
+        writer.join(timeout=60)
+        reader.close()
+        for name in {control.segment_name(0)}:
+            if name:
+                Segment.attach(name, writable=False).close()
+                os.unlink(f"/dev/shm/{name}")
+        control.close()
+        control.unlink()
+    assert writer.exitcode == 0
+    assert queries > 100
+
+
+def test_a_writer_dead_mid_write_makes_the_shard_recovering_not_a_hang():
+    owner = (os.getpid() << 20) + 950_000 + next(_names)
+    control = Control.create(control_name(owner), 1)
+    writer = ShardWriter(control, 0, owner)
+    reader = IndexReader(control.name)
+    try:
+        writer.apply(Stored(1, None, (StoredBlock(EngineHash(7), LocalHash(42)),)))
+        assert reader.find_matches([42]) == {(1, 0): 1}
+        table = writer.table
+        slot = int(np.uint64(42) & np.uint64(int(table[H_CAPACITY]) - 1))
+        base = HEADER_WORDS + slot * (SLOT_MASKS + TIERS * int(table[H_NWORDS]))
+        table[base + SLOT_VERSION] += 1  # left odd, as by a writer killed between its two version stores
+        assert reader.find_matches([42]) == {}
+        assert reader.recovering() == {0}
+        table[base + SLOT_VERSION] += 1
+        assert reader.find_matches([42]) == {(1, 0): 1}
+        assert reader.recovering() == set()
+    finally:
+        reader.close()
+        writer.close(unlink=True)
+        control.close()
+        control.unlink()

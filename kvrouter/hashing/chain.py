@@ -18,7 +18,7 @@ from ..errors import InvalidHashInput
 from ._xxh3 import chain_hashes
 from .blocks import XXH3_SEED
 
-__all__ = ["sequence_hashes", "sequence_hashes_array"]
+__all__ = ["local_hash_array", "sequence_hashes", "sequence_hashes_array"]
 
 _SEED: Final = np.uint64(XXH3_SEED)
 """The chain's seed as the kernel takes it, built once (``np.uint64()`` costs 0.17 µs a call)."""
@@ -26,8 +26,12 @@ _SEED: Final = np.uint64(XXH3_SEED)
 LocalHashes = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 
-def sequence_hashes_array(local_hashes: LocalHashes) -> npt.NDArray[np.uint64]:
-    """Sequence hash of every prefix, as a ``uint64`` array (see ``sequence_hashes``)."""
+def local_hash_array(local_hashes: LocalHashes) -> npt.NDArray[np.uint64]:
+    """Local hashes as a contiguous ``uint64`` array, as the compiled walks take them (no copy for one).
+
+    Raises:
+        InvalidHashInput: as ``sequence_hashes``.
+    """
     if isinstance(local_hashes, np.ndarray):
         if local_hashes.ndim != 1 or local_hashes.dtype.kind not in "iu":
             raise InvalidHashInput(
@@ -39,6 +43,12 @@ def sequence_hashes_array(local_hashes: LocalHashes) -> npt.NDArray[np.uint64]:
             local = np.asarray(array("Q", local_hashes))
         except (OverflowError, TypeError) as exc:
             raise InvalidHashInput(f"local_hashes: hashes must be integers in [0, 2**64), {exc}") from exc
+    return local
+
+
+def sequence_hashes_array(local_hashes: LocalHashes) -> npt.NDArray[np.uint64]:
+    """Sequence hash of every prefix, as a ``uint64`` array (see ``sequence_hashes``)."""
+    local = local_hash_array(local_hashes)
     out = np.empty(local.size, dtype=np.uint64)
     chain_hashes(local, _SEED, out)
     return out

@@ -21,9 +21,10 @@ The fences compile to no instruction on x86-64 (TSO keeps loads with loads and s
 order); they stop LLVM from moving the data accesses across the version accesses, and emit the needed
 barriers on AArch64 (``spec/shm-engine.md`` §3.5).
 
-The applier's private maps (engine hash → sequence hash; per-holder reference counts) are open
-addressing tables of ``[key, holder + 1, value, 0]`` rows; holder word 0 is empty, ``TOMB`` deleted.
-A holder is ``bit * TIERS + tier``: one worker in one tier of this shard.
+The applier's private maps are open addressing tables of ``[key, holder + 1, value, 0]`` rows (holder
+word 0 empty, ``TOMB`` deleted): the engine map, engine hash → sequence hash, and ``refs``, the count of
+a holder's engine hashes naming one sequence, kept only where that count is 2 or more (a set mask bit
+is the count of 1). A holder is ``bit * TIERS + tier``: one worker in one tier of this shard.
 """
 
 from __future__ import annotations
@@ -45,9 +46,13 @@ from .layout import (
     H_TOMBS,
     H_USED,
     HEADER_WORDS,
+    MAX_LOAD,
     SLOT_MASKS,
     SLOT_VERSION,
     TIERS,
+    W_DP_RANK,
+    W_IN_USE,
+    W_WORKER_ID,
     ZERO_KEY,
 )
 
@@ -55,12 +60,14 @@ __all__ = [
     "INVALID_SEQUENCE",
     "MAX_READ_RETRIES",
     "MAX_STUCK_READS",
+    "NEED_ROOM",
     "OK",
     "PARENT_NOT_FOUND",
     "clear_holder",
     "copy_live",
     "init_map",
     "lookup",
+    "query",
     "rehash_map",
     "remove",
     "store",
@@ -87,6 +94,8 @@ def _inlined(fn: _F) -> _F:
 OK: Final = 0
 PARENT_NOT_FOUND: Final = 1
 INVALID_SEQUENCE: Final = 2
+NEED_ROOM: Final = 3
+"""``store`` changed nothing: a table or map would pass ``MAX_LOAD``; the caller grows it and calls again."""
 MAX_STUCK_READS: Final = 1 << 27
 """Reads that see one slot at the same odd version before the reader gives the shard up, about half a
 second. A live writer holds a slot odd for nanoseconds, but the scheduler can preempt it inside that
@@ -96,8 +105,9 @@ MAX_READ_RETRIES: Final = 1 << 28
 """Retries of one slot whose version keeps moving (a live writer rewriting it flat out) before the reader
 gives up anyway: seconds of starvation, a bound rather than an expectation."""
 
-M_CAPACITY, M_USED, M_TOMBS = 0, 1, 2
-"""Private map meta words: capacity, used rows (live + deleted), deleted rows."""
+M_CAPACITY, M_USED, M_TOMBS, M_PREFETCH_SINK = 0, 1, 2, 3
+"""Private map meta words: capacity, used rows (live + deleted), deleted rows, and a word the prefetch
+pass stores into so its loads are not optimised away."""
 TOMB: Final = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 _ONE: Final = np.uint64(1)
 _ZERO: Final = np.uint64(0)
@@ -316,26 +326,51 @@ def rehash_map(old: Map, new: Map, new_meta: Meta) -> None:
 
 
 @_inlined
-def _ref(table: Table, refs: Map, rmeta: Meta, cached: Counts, seq: np.uint64, bit: int, tier: int, delta: int) -> None:
-    """Add ``delta`` (+1 / -1) to the holder's count of ``seq``: the mask bit follows 0 <-> 1 transitions."""
-    holder = bit * TIERS + tier
-    row = _map_find(refs, rmeta, seq, holder)
-    if row < 0:
-        if delta < 0:
-            return  # nothing to release (cannot happen while the maps agree; never corrupt the table for it)
-        _map_insert(refs, rmeta, seq, holder, np.uint64(1))
-        _set_bit(table, _claim(table, _table_key(seq)), tier, bit)
+def _mask_word(table: Table, slot: int, tier: int, bit: int) -> int:
+    return HEADER_WORDS + slot * _row_words(table) + SLOT_MASKS + tier * _i64(table[H_NWORDS]) + bit // 64
+
+
+@_inlined
+def _holds(table: Table, slot: int, tier: int, bit: int) -> bool:
+    return bool((table[_mask_word(table, slot, tier, bit)] >> np.uint64(bit % 64)) & _ONE == _ONE)
+
+
+@_inlined
+def _hold(table: Table, refs: Map, rmeta: Meta, cached: Counts, seq: np.uint64, bit: int, tier: int) -> None:
+    """One more of the holder's engine hashes names ``seq``. The first sets the mask bit; only a second
+    (the same content under two engine hashes, rare) needs a count, kept in ``refs``: stores touch
+    nothing but the table in the common case."""
+    slot = _claim(table, _table_key(seq))
+    if not _holds(table, slot, tier, bit):
+        _set_bit(table, slot, tier, bit)
         if tier == 0:
             cached[bit] += 1
         return
-    count = _i64(refs[row, 2]) + delta
-    if count > 0:
-        refs[row, 2] = np.uint64(count)
-        return
-    _map_delete(refs, rmeta, row)
-    _release_bit(table, seq, tier, bit)
-    if tier == 0:
-        cached[bit] -= 1
+    holder = bit * TIERS + tier
+    row = _map_find(refs, rmeta, seq, holder)
+    if row < 0:
+        _map_insert(refs, rmeta, seq, holder, np.uint64(2))
+    else:
+        refs[row, 2] += _ONE
+
+
+@_inlined
+def _release(table: Table, refs: Map, rmeta: Meta, cached: Counts, seq: np.uint64, bit: int, tier: int) -> None:
+    """One fewer of the holder's engine hashes names ``seq``; the last one clears the mask bit."""
+    if rmeta[M_USED] > rmeta[M_TOMBS]:  # some content is held twice somewhere: look for a count
+        holder = bit * TIERS + tier
+        row = _map_find(refs, rmeta, seq, holder)
+        if row >= 0:
+            if refs[row, 2] > np.uint64(2):
+                refs[row, 2] -= _ONE
+            else:
+                _map_delete(refs, rmeta, row)
+            return
+    slot = _find(table, _table_key(seq))
+    if slot >= 0 and _holds(table, slot, tier, bit):
+        _clear_bit(table, slot, tier, bit)
+        if tier == 0:
+            cached[bit] -= 1
 
 
 # -- events -----------------------------------------------------------------------------------
@@ -358,11 +393,17 @@ def store(
 ) -> int:
     """A Stored event of one holder: validated whole first, then applied (all or nothing).
 
-    Returns ``OK``, ``PARENT_NOT_FOUND`` or ``INVALID_SEQUENCE`` (the parent is one of the blocks, or an
-    engine hash repeats). The caller has made room for ``len(engine)`` new keys in every table.
+    Returns ``OK``, ``PARENT_NOT_FOUND``, ``INVALID_SEQUENCE`` (the parent is one of the blocks, or an
+    engine hash repeats) or ``NEED_ROOM`` (checked first, so nothing is half applied).
     """
     holder = bit * TIERS + tier
     n = engine.size
+    if (
+        _i64(table[H_USED]) + n > _i64(table[H_CAPACITY]) * MAX_LOAD
+        or emeta[M_USED] + n > emeta[M_CAPACITY] * MAX_LOAD
+        or rmeta[M_USED] + n > rmeta[M_CAPACITY] * MAX_LOAD
+    ):
+        return NEED_ROOM
     ordered = np.sort(engine)
     for i in range(n):
         if (has_parent and engine[i] == parent) or (i > 0 and ordered[i] == ordered[i - 1]):
@@ -373,20 +414,42 @@ def store(
         if row < 0:
             return PARENT_NOT_FOUND
         seq = emap[row, 2]
-    for i in range(n):  # hot path: one chain step and a few probes per block
+    seqs = np.empty(n, dtype=np.uint64)
+    for i in range(n):
         seq = chain_step(seq, local[i], _SEED) if (has_parent or i > 0) else local[i]
+        seqs[i] = seq
+    _prefetch(table, emap, emeta, engine, seqs, holder)
+    for i in range(n):  # hot path: a few probes per block, their cache lines already on their way
+        seq = seqs[i]
         row = _map_find(emap, emeta, engine[i], holder)
         if row >= 0:
             previous = emap[row, 2]
             if previous == seq:
                 continue  # re-stored where it already is
             emap[row, 2] = seq
-            _ref(table, refs, rmeta, cached, seq, bit, tier, 1)
-            _ref(table, refs, rmeta, cached, previous, bit, tier, -1)  # the engine re-used the hash: it moved
+            _hold(table, refs, rmeta, cached, seq, bit, tier)
+            _release(table, refs, rmeta, cached, previous, bit, tier)  # the engine re-used the hash: it moved
         else:
             _map_insert(emap, emeta, engine[i], holder, seq)
-            _ref(table, refs, rmeta, cached, seq, bit, tier, 1)
+            _hold(table, refs, rmeta, cached, seq, bit, tier)
     return OK
+
+
+@_inlined
+def _prefetch(
+    table: Table, emap: Map, emeta: Meta, engine: npt.NDArray[np.uint64], seqs: npt.NDArray[np.uint64], holder: int
+) -> None:
+    """Touch every block's home row in the engine map and home slot in the table in one pass of
+    independent loads, so their cache misses overlap instead of queueing behind each other (spec §3.3)."""
+    map_mask = np.uint64(emeta[M_CAPACITY] - 1)
+    table_mask = np.uint64(table[H_CAPACITY] - _ONE)
+    width = _row_words(table)
+    warm = _ZERO
+    for i in range(engine.size):
+        warm ^= emap[_map_home(engine[i], holder, map_mask), 1]
+        if seqs.size:
+            warm ^= table[HEADER_WORDS + _i64(_table_key(seqs[i]) & table_mask) * width]
+    emeta[M_PREFETCH_SINK] = _i64(warm & np.uint64(1))
 
 
 @_kernel
@@ -403,6 +466,7 @@ def remove(
 ) -> int:
     """A Removed event: every known hash released; returns the index of the first unknown one, or -1."""
     holder = bit * TIERS + tier
+    _prefetch(table, emap, emeta, engine, engine[:0], holder)
     first_missing = -1
     for i in range(engine.size):
         row = _map_find(emap, emeta, engine[i], holder)
@@ -412,7 +476,7 @@ def remove(
             continue
         seq = emap[row, 2]
         _map_delete(emap, emeta, row)
-        _ref(table, refs, rmeta, cached, seq, bit, tier, -1)
+        _release(table, refs, rmeta, cached, seq, bit, tier)
     return first_missing
 
 
@@ -422,15 +486,13 @@ def clear_holder(
 ) -> None:
     """Release everything one holder has (Cleared, clear_all_blocks, remove_worker): two scans of the maps."""
     tag = np.uint64(bit * TIERS + tier + 1)
-    for row in range(emap.shape[0]):
-        if emap[row, 1] == tag:
-            _map_delete(emap, emeta, row)
     for row in range(refs.shape[0]):
         if refs[row, 1] == tag:
             _map_delete(refs, rmeta, row)
-            _release_bit(table, refs[row, 0], tier, bit)
-            if tier == 0:
-                cached[bit] -= 1
+    for row in range(emap.shape[0]):
+        if emap[row, 1] == tag:
+            _map_delete(emap, emeta, row)
+            _release(table, refs, rmeta, cached, emap[row, 2], bit, tier)
 
 
 @_kernel
@@ -542,6 +604,35 @@ def walk(table: Table, seqs: npt.NDArray[np.uint64], ntiers: int, scores: Counts
             return i + 1
     _finish(alive, scores, ntiers, nwords, n)
     return n
+
+
+@_kernel
+def query(table: Table, rows: Table, local: npt.NDArray[np.uint64], ntiers: int) -> Counts:
+    """``walk`` from local hashes, with its answer in worker terms, in one call: rows ``[tier, worker_id,
+    dp_rank, depth]`` for every worker row in use that holds at least one block; a single row
+    ``[-1, 0, 0, 0]`` when the walk gave up. ``rows`` is the shard's worker rows of the control segment
+    (``layout.Control.worker_rows``). The sequence hashes are chained here: one call, no Python step."""
+    seqs = np.empty(local.size, dtype=np.uint64)
+    for i in range(local.size):
+        seqs[i] = local[0] if i == 0 else chain_step(seqs[i - 1], local[i], _SEED)
+    nbits = _i64(table[H_NWORDS]) * 64
+    scores = np.zeros((ntiers, nbits), dtype=np.int64)
+    scratch = np.empty(2 * ntiers * (nbits // 64) + 1, dtype=np.uint64)
+    found = np.empty((ntiers * nbits, 4), dtype=np.int64)
+    if walk(table, seqs, ntiers, scores, scratch) < 0:
+        found[0, 0] = -1
+        found[0, 1:] = 0
+        return found[:1]
+    count = 0
+    for tier in range(ntiers):
+        for bit in range(nbits):
+            if scores[tier, bit] > 0 and rows[bit, W_IN_USE] != _ZERO:
+                found[count, 0] = tier
+                found[count, 1] = _i64(rows[bit, W_WORKER_ID])
+                found[count, 2] = _i64(rows[bit, W_DP_RANK])
+                found[count, 3] = scores[tier, bit]
+                count += 1
+    return found[:count]
 
 
 @_inlined

@@ -232,8 +232,8 @@ class Control:
         self._blocks[shard, S_NWORDS] = nwords
         self._blocks[shard, S_EPOCH] = epoch
 
-    def count_event(self, shard: int, now_ns: int) -> None:
-        self._blocks[shard, S_EVENTS] += 1
+    def count_events(self, shard: int, events: int, now_ns: int) -> None:
+        self._blocks[shard, S_EVENTS] += events
         self._blocks[shard, S_LAST_EVENT] = now_ns
 
     def count_error(self, shard: int, kind: str) -> None:

@@ -17,19 +17,9 @@ import numpy as np
 import numpy.typing as npt
 
 from ..events.model import StorageTier, WorkerKey
-from ..hashing import sequence_hashes_array
+from ..hashing import local_hash_array
 from . import _kernels as kernels
-from .layout import (
-    H_LIVE,
-    H_NWORDS,
-    STATUS_RECOVERING,
-    W_DP_RANK,
-    W_IN_USE,
-    W_WORKER_ID,
-    WORD_BITS,
-    Control,
-    Segment,
-)
+from .layout import H_LIVE, STATUS_RECOVERING, Control, Segment
 
 __all__ = ["IndexReader"]
 
@@ -66,26 +56,20 @@ class IndexReader:
         results: list[dict[WorkerKey, int]] = [{} for _ in range(ntiers)]
         if len(local_hashes) == 0:
             return results
-        seqs = sequence_hashes_array(local_hashes)
-        for shard in range(self.control.shards):  # hot path: one compiled walk per shard with live keys
+        local = local_hash_array(local_hashes)
+        for shard in range(self.control.shards):  # hot path: one compiled query per shard with live keys
             table = self._table(shard)
-            if table is None or int(table[H_LIVE]) == 0:
+            if table is None or table[H_LIVE] == 0:
                 continue
-            nwords = int(table[H_NWORDS])
-            scores = np.zeros((ntiers, nwords * WORD_BITS), dtype=np.int64)
-            scratch = np.empty(2 * ntiers * nwords + 1, dtype=np.uint64)
-            if kernels.walk(table, seqs, ntiers, scores, scratch) < 0:
+            found = kernels.query(table, self.control.worker_rows(shard), local, ntiers)
+            if len(found) and found[0, 0] < 0:
                 if shard not in self._torn:
                     log.warning("shard unreadable shard=%d reason=slot-left-mid-write", shard)
                 self._torn.add(shard)
                 continue
             self._torn.discard(shard)
-            rows = self.control.worker_rows(shard)
-            for tier in range(ntiers):
-                for bit in np.flatnonzero(scores[tier]):
-                    if rows[bit, W_IN_USE]:
-                        worker = (int(rows[bit, W_WORKER_ID]), int(rows[bit, W_DP_RANK]))
-                        results[tier][worker] = int(scores[tier, bit])
+            for tier, worker_id, dp_rank, depth in found.tolist():
+                results[tier][(worker_id, dp_rank)] = depth
         return results
 
     def _table(self, shard: int) -> npt.NDArray[np.uint64] | None:

@@ -12,7 +12,7 @@ from typing import Any
 from kvrouter.errors import EVENT_ERROR_KINDS
 from kvrouter.events.codecs.dynamo import event_from_dict
 from kvrouter.events.model import KvEvent, StorageTier, WorkerKey
-from kvrouter.index.layout import Control, control_name
+from kvrouter.index.layout import MIN_CAPACITY, Control, control_name
 from kvrouter.index.reader import IndexReader
 from kvrouter.index.writer import ShardWriter
 
@@ -20,10 +20,11 @@ _owners = itertools.count((os.getpid() << 20) + 1)
 
 
 class InProcessShards:
-    def __init__(self, shards: int) -> None:
+    def __init__(self, shards: int, *, capacity: int = MIN_CAPACITY) -> None:
+        """Tables start at the smallest capacity, so the tests grow them often."""
         self.owner = next(_owners)
         self.control = Control.create(control_name(self.owner), shards)
-        self.writers = [ShardWriter(self.control, k, self.owner) for k in range(shards)]
+        self.writers = [ShardWriter(self.control, k, self.owner, capacity=capacity) for k in range(shards)]
         self.assignment: dict[WorkerKey, int] = {}
         self.reader = IndexReader(self.control.name)
 

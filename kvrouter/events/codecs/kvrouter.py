@@ -11,10 +11,12 @@ field can be appended without a version bump.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Final
 
 import msgpack
 import numpy as np
+import numpy.typing as npt
 
 from ...errors import BadEvent, EncodeError
 from ..model import (
@@ -24,19 +26,21 @@ from ..model import (
     KvEvent,
     LocalHash,
     Removed,
+    StorageTier,
     Stored,
     StoredBlock,
     parse_tier,
 )
 from ._fields import describe, expect_float, expect_int, expect_list, expect_map, expect_u64, field
 
-__all__ = ["FORMAT_VERSION", "Decoder", "Encoder"]
+__all__ = ["FORMAT_VERSION", "Decoder", "Encoder", "RawBatch", "RawEvent"]
 
 FORMAT_VERSION: Final = 1
 """The ``v`` of a batch; a decoder rejects versions it does not know."""
 
 _U64: Final = np.dtype("<u8")
 _U32: Final = np.dtype("<u4")
+_NO_HASHES: Final = np.empty(0, dtype=np.uint64)
 _STORED: Final = "S"
 _REMOVED: Final = "R"
 _CLEARED: Final = "C"
@@ -46,13 +50,13 @@ def _pack_u64(values: Any) -> bytes:
     return np.asarray(values, dtype=_U64).tobytes()
 
 
-def _unpack(blob: object, dtype: np.dtype[Any], where: str) -> list[int]:
+def _unpack(blob: object, dtype: np.dtype[Any], where: str) -> Any:
+    """A packed ``bin`` field as a read-only array over the message's own bytes (no copy)."""
     if not isinstance(blob, bytes):
         raise BadEvent(f"{where}: expected packed bytes, got {describe(blob)}")
     if len(blob) % dtype.itemsize:
         raise BadEvent(f"{where}: {len(blob)} bytes is not a whole number of {dtype.itemsize}-byte values")
-    values: list[int] = np.frombuffer(blob, dtype=dtype).tolist()
-    return values
+    return np.frombuffer(blob, dtype=dtype)
 
 
 class Encoder:
@@ -105,14 +109,48 @@ class Encoder:
                 return [_CLEARED, event.event_id, tier]
 
 
+@dataclass(frozen=True, slots=True)
+class RawEvent:
+    """One event as the wire holds it: hashes still packed arrays, for callers that index them whole
+    (the applier hands ``engine`` and ``local`` straight to its kernels)."""
+
+    tag: str
+    """``"S"`` stored, ``"R"`` removed, ``"C"`` cleared."""
+    event_id: int
+    tier: StorageTier
+    parent: EngineHash | None
+    engine: npt.NDArray[np.uint64]
+    local: npt.NDArray[np.uint64]
+    tokens: npt.NDArray[np.uint32] | None
+    """Every block's tokens, concatenated: ``len(engine)`` equal runs."""
+
+
+@dataclass(frozen=True, slots=True)
+class RawBatch:
+    worker_id: int
+    dp_rank: int
+    timestamp: float | None
+    events: tuple[RawEvent, ...]
+
+
 class Decoder:
     """Decodes kvrouter batches; the worker id, dp rank and event ids come from the batch itself."""
 
     def decode(self, payload: bytes, *, first_event_id: int = 0) -> EventBatch:
-        """Decode one batch; ``first_event_id`` is unused (events carry their ids).
+        """Decode one batch into model events; ``first_event_id`` is unused (events carry their ids).
 
         Raises:
             BadEvent: not msgpack, an unknown version, or a malformed event; the message names the place.
+        """
+        raw = self.decode_raw(payload)
+        events = tuple(_to_model(event, raw.worker_id, raw.dp_rank) for event in raw.events)
+        return EventBatch(events, timestamp=raw.timestamp, dp_rank=raw.dp_rank)
+
+    def decode_raw(self, payload: bytes) -> RawBatch:
+        """Decode and validate one batch, leaving hashes as arrays (no object per block).
+
+        Raises:
+            BadEvent: as ``decode``.
         """
         try:
             obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
@@ -127,11 +165,11 @@ class Decoder:
         worker_id = expect_u64(field(batch, "worker_id", "$"), "$.worker_id")
         dp_rank = expect_int(field(batch, "dp_rank", "$"), "$.dp_rank", hi=(1 << 32) - 1)
         raw_events = expect_list(field(batch, "events", "$"), "$.events")
-        events = tuple(_decode_event(raw, worker_id, dp_rank, f"$.events[{i}]") for i, raw in enumerate(raw_events))
-        return EventBatch(events, timestamp=timestamp, dp_rank=dp_rank)
+        events = tuple(_decode_event(raw, f"$.events[{i}]") for i, raw in enumerate(raw_events))
+        return RawBatch(worker_id, dp_rank, timestamp, events)
 
 
-def _decode_event(raw: object, worker_id: int, dp_rank: int, where: str) -> KvEvent:
+def _decode_event(raw: object, where: str) -> RawEvent:
     items = expect_list(raw, where)
     if len(items) < 3:
         raise BadEvent(f"{where}: expected [tag, event_id, tier, ...], got {len(items)} elements")
@@ -151,22 +189,37 @@ def _decode_event(raw: object, worker_id: int, dp_rank: int, where: str) -> KvEv
         local = _unpack(items[5], _U64, f"{where}[5]")
         if len(engine) != len(local):
             raise BadEvent(f"{where}: {len(engine)} engine hashes but {len(local)} local hashes")
-        tokens: list[tuple[int, ...] | None] = [None] * len(engine)
+        tokens = None
         if items[6] is not None:
-            flat = _unpack(items[6], _U32, f"{where}[6]")
-            if not engine or len(flat) % len(engine):
-                raise BadEvent(f"{where}[6]: {len(flat)} tokens do not split evenly into {len(engine)} blocks")
-            size = len(flat) // len(engine)
-            tokens = [tuple(flat[i * size : (i + 1) * size]) for i in range(len(engine))]
-        blocks = tuple(
-            StoredBlock(EngineHash(e), LocalHash(h), t) for e, h, t in zip(engine, local, tokens, strict=True)
-        )
-        return Stored(worker_id, parent, blocks, dp_rank=dp_rank, event_id=event_id, tier=tier)
+            tokens = _unpack(items[6], _U32, f"{where}[6]")
+            if not len(engine) or len(tokens) % len(engine):
+                raise BadEvent(f"{where}[6]: {len(tokens)} tokens do not split evenly into {len(engine)} blocks")
+        return RawEvent(_STORED, event_id, tier, parent, engine, local, tokens)
     if tag == _REMOVED:
         if len(items) < 4:
             raise BadEvent(f"{where}: a removed event has 4 elements, got {len(items)}")
-        hashes = tuple(EngineHash(h) for h in _unpack(items[3], _U64, f"{where}[3]"))
-        return Removed(worker_id, hashes, dp_rank=dp_rank, event_id=event_id, tier=tier)
+        return RawEvent(_REMOVED, event_id, tier, None, _unpack(items[3], _U64, f"{where}[3]"), _NO_HASHES, None)
     if tag == _CLEARED:
-        return Cleared(worker_id, dp_rank=dp_rank, event_id=event_id, tier=tier)
+        return RawEvent(_CLEARED, event_id, tier, None, _NO_HASHES, _NO_HASHES, None)
     raise BadEvent(f"{where}[0]: unknown event tag {tag!r}; expected 'S', 'R' or 'C'")
+
+
+def _to_model(event: RawEvent, worker_id: int, dp_rank: int) -> KvEvent:
+    event_id, tier = event.event_id, event.tier
+    if event.tag == _REMOVED:
+        hashes = tuple(map(EngineHash, event.engine.tolist()))
+        return Removed(worker_id, hashes, dp_rank=dp_rank, event_id=event_id, tier=tier)
+    if event.tag == _CLEARED:
+        return Cleared(worker_id, dp_rank=dp_rank, event_id=event_id, tier=tier)
+    count = len(event.engine)
+    if event.tokens is None:
+        tokens: list[tuple[int, ...] | None] = [None] * count
+    else:
+        size = len(event.tokens) // count
+        flat = event.tokens.tolist()
+        tokens = [tuple(flat[i * size : (i + 1) * size]) for i in range(count)]
+    blocks = tuple(
+        StoredBlock(EngineHash(e), LocalHash(h), t)
+        for e, h, t in zip(event.engine.tolist(), event.local.tolist(), tokens, strict=True)
+    )
+    return Stored(worker_id, event.parent, blocks, dp_rank=dp_rank, event_id=event_id, tier=tier)

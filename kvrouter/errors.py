@@ -7,6 +7,8 @@ KvRouterError
 ├── DuplicateRequest         a request id the slot tracker already holds
 ├── ConfigError              (also a ValueError) a setting out of range; names the field
 ├── NoWorkerAvailable        no candidate worker is eligible (none given, or all busy)
+├── EngineError              the shared-memory engine is not running, or could not start
+│   └── FlushTimeout         (also a TimeoutError) an applier did not reach a flush in time
 └── EventError               an event could not be applied; ``kind`` names why
     ├── BadEvent             bad_event: the input does not decode into an event
     ├── ParentNotFound       parent_not_found
@@ -29,7 +31,9 @@ __all__ = [
     "ConfigError",
     "DuplicateRequest",
     "EncodeError",
+    "EngineError",
     "EventError",
+    "FlushTimeout",
     "InvalidBlockSequence",
     "InvalidHashInput",
     "KvRouterError",
@@ -69,6 +73,19 @@ class DuplicateRequest(KvRouterError):
     """A request id is added to the slot tracker while a request of that id is still active. Nothing
     is changed: the first request keeps its worker and its load. Free the old id first, or give each
     request a unique id."""
+
+
+class EngineError(KvRouterError):
+    """The shared-memory engine cannot serve the call: it was used before ``start`` or after ``close``,
+    an applier process could not start, or another engine already runs in this process (segment names
+    carry the owner's pid, so one process owns one engine). The message says which; restart the engine
+    or fix what its message names."""
+
+
+class FlushTimeout(EngineError, TimeoutError):
+    """``Engine.flush`` gave up: some shard's applier did not apply everything sent before the flush
+    within the timeout (it is busy with a large backlog, or restarting). Nothing is lost by the
+    timeout itself; flush again with a longer timeout, or look at ``Engine.stats()`` for the shard."""
 
 
 class EventError(KvRouterError):

@@ -7,7 +7,9 @@ test ids (see ``pytest_generate_tests``).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +182,33 @@ def engine_batches(
         events.append(Stored(worker_id, parent, blocks, dp_rank=dp_rank, event_id=event_id, tier=tier))
     timestamp = draw(st.floats(min_value=0, max_value=2e9, allow_nan=False))
     return EventBatch(tuple(events), timestamp=timestamp, dp_rank=dp_rank)
+
+
+# -- the shared-memory engine's process tests ------------------------------------------------------
+
+
+def _wait_until(condition: Callable[[], object], *, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll ``condition`` with a short backoff until it is true; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+@pytest.fixture
+def wait_until() -> Callable[..., None]:
+    """``wait_until(condition, timeout=30.0, what="...")``: wait on a condition, never sleep-then-assert."""
+    return _wait_until
+
+
+@pytest.fixture
+def shm_entries() -> Callable[[int], list[str]]:
+    """``shm_entries(pid)``: what ``/dev/shm`` holds under an owner's prefix ``kvrouter-<pid>-``."""
+
+    def entries(pid: int) -> list[str]:
+        return sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{pid}-"))
+
+    return entries

@@ -1,0 +1,339 @@
+"""``Engine``: the shared-memory index as one object: start, feed events, flush, query, stop.
+
+The engine is the supervisor of ``index/supervisor.py`` plus an ``IndexReader``: events go to the
+applier owning their worker's shard and are applied there, asynchronously; queries read the shards'
+tables directly, lock-free (``docs/shm-engine.md``). So an event is not visible the moment
+``apply_event`` returns, and its error, if any, is counted in the control segment rather than
+raised: ``flush()`` is the barrier that makes everything sent before it visible, and ``stats()`` the
+place errors show up, by kind. The rejected alternative, a synchronous round trip per event, would
+cost the applier's throughput (``spec/shm-engine.md`` §5) for an answer the event plane only counts.
+What is checked at once is what the caller got wrong: an event dict that does not decode, or an
+event of another worker, raises ``BadEvent`` before anything is sent.
+
+Any other process reads the same index through :func:`attach` with the picklable
+:meth:`Engine.reader_handle`; it maps the segments read-only and never writes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Final
+
+from .errors import BadEvent, ConfigError, EngineError, FlushTimeout
+from .events.codecs.dynamo import event_from_dict
+from .events.codecs.kvrouter import Encoder
+from .events.model import EventBatch, KvEvent, StorageTier, WorkerKey
+from .index.applier import EVENTS, clear_frames, flush_frames, remove_frames
+from .index.layout import STATUS_RECOVERING, STATUS_STARTING, STATUS_STOPPED, STATUS_UP
+from .index.reader import IndexReader
+from .index.supervisor import STOP_TIMEOUT, Supervisor
+
+__all__ = ["Engine", "ReaderHandle", "ShardStats", "attach", "default_shards"]
+
+log = logging.getLogger(__name__)
+
+FLUSH_TIMEOUT: Final = 10.0
+"""Seconds ``flush`` waits by default for every applier to reach its token [s]."""
+START_TIMEOUT: Final = 120.0
+"""Seconds ``start`` waits for every applier to come up; the first start of a machine compiles the
+numba kernels, which takes tens of seconds on a small VM [s]."""
+SMALL_MACHINE_CORES: Final = 4
+"""Up to this many cores one applier is right (``DESIGN.md`` component 4, ``spec/shm-engine.md`` §4.1)."""
+LARGE_MACHINE_SHARDS: Final = 4
+FIRST_POLL_S: Final = 20e-6
+MAX_POLL_S: Final = 1e-3
+"""Waits poll the control segment starting at ``FIRST_POLL_S``, doubling up to ``MAX_POLL_S`` [s]."""
+START_POLL_MAX_S: Final = 0.05
+"""The start waits longer between polls: it lasts up to a numba compile [s]."""
+
+STATUS_NAMES: Final = {
+    STATUS_STARTING: "starting",
+    STATUS_UP: "up",
+    STATUS_RECOVERING: "recovering",
+    STATUS_STOPPED: "stopped",
+}
+
+
+def default_shards() -> int:
+    """1 shard on machines with up to 4 cores, else 4."""
+    return 1 if (os.cpu_count() or 1) <= SMALL_MACHINE_CORES else LARGE_MACHINE_SHARDS
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderHandle:
+    """What another process needs to read an engine's index: pickle it, send it, :func:`attach` it."""
+
+    control_name: str
+    """The engine's control segment in ``/dev/shm``."""
+
+
+def attach(handle: ReaderHandle) -> IndexReader:
+    """Map an engine's index read-only in this process; close the reader when done.
+
+    The reader answers as :meth:`Engine.find_matches` does and never writes to the segments, so any
+    number of processes may attach. It follows shard growth and applier restarts on its own.
+    """
+    return IndexReader(handle.control_name)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardStats:
+    """One shard as its control block shows it at the time of the call."""
+
+    shard: int
+    status: str
+    """``starting``, ``up``, ``recovering`` (restarted, content being rebuilt) or ``stopped``."""
+    pid: int
+    """The applier process writing the shard (0 before the first one took it up)."""
+    epoch: int
+    """Bumped with every new segment: growth, compaction, restart."""
+    restarts: int
+    segment: str
+    """The shard segment's name in ``/dev/shm``."""
+    flushed: int
+    """The last flush token the applier reached."""
+    events_applied: int
+    last_event_ns: int
+    """When the last event was applied, ``time.time_ns()``; 0 if none was."""
+    errors: Mapping[str, int] = field(default_factory=dict)
+    """Events rejected, by kind (``bad_event``, ``parent_not_found``, ...)."""
+    workers: Mapping[WorkerKey, int] = field(default_factory=dict)
+    """The (worker_id, dp_rank) the shard holds, with their cached device blocks."""
+
+
+class Engine:
+    """The shared-memory index: ``shards`` applier processes writing, lock-free readers.
+
+    Use it as a context manager (or call :meth:`start` and :meth:`close`); leaving the ``with`` stops
+    the appliers and removes every segment, also when the block raised. One engine per process: the
+    segment names carry the owner's pid. Any thread may call any method; queries through the engine
+    take turns on its one reader, so a thread that queries a lot should :func:`attach` its own.
+
+    Args:
+        shards: applier processes; 1 on machines with up to 4 cores, else 4, by default.
+        flush_timeout: seconds :meth:`flush` waits by default.
+        start_timeout: seconds :meth:`start` waits for every applier to come up.
+        stop_timeout: seconds :meth:`close` gives the appliers before killing them.
+
+    Raises:
+        ConfigError: ``shards`` below 1.
+    """
+
+    def __init__(
+        self,
+        shards: int | None = None,
+        *,
+        flush_timeout: float = FLUSH_TIMEOUT,
+        start_timeout: float = START_TIMEOUT,
+        stop_timeout: float = STOP_TIMEOUT,
+    ) -> None:
+        shards = default_shards() if shards is None else shards
+        if shards < 1:
+            raise ConfigError(f"Engine shards: expected at least 1, got {shards}")
+        self.shards = shards
+        """Number of shards (applier processes)."""
+        self.flush_timeout = flush_timeout
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self._supervisor: Supervisor | None = None
+        self._reader: IndexReader | None = None
+        self._query_lock = threading.Lock()
+        """The engine's reader remaps segments as they move: one query at a time through it."""
+        self._encoder = Encoder()
+        self._tokens = itertools.count(1)
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        """Fork the appliers and wait until every shard is up.
+
+        Raises:
+            EngineError: already started, another engine runs in this process, or an applier did not come up.
+        """
+        if self._supervisor is not None:
+            raise EngineError("the engine is already started")
+        self._supervisor = Supervisor(self.shards, stop_timeout=self.stop_timeout)
+        try:
+            self._wait_up(self._supervisor)
+            self._reader = IndexReader(self._supervisor.control.name)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _wait_up(self, supervisor: Supervisor) -> None:
+        control = supervisor.control
+        deadline = time.monotonic() + self.start_timeout
+        delay = FIRST_POLL_S
+        while True:
+            statuses = [control.status(shard) for shard in range(self.shards)]
+            serving = [control.pid(shard) == pid for shard, pid in enumerate(supervisor.pids())]
+            if all(serving) and all(status in (STATUS_UP, STATUS_RECOVERING) for status in statuses):
+                return  # recovering: restarted during the start, and serving
+            if STATUS_STOPPED in statuses or time.monotonic() > deadline:
+                names = [STATUS_NAMES.get(s, str(s)) for s in statuses]
+                raise EngineError(f"engine start: appliers did not come up within {self.start_timeout}s: {names}")
+            time.sleep(delay)
+            delay = min(delay * 2, START_POLL_MAX_S)
+
+    def close(self) -> None:
+        """Stop the appliers and remove every segment; safe to call again."""
+        with self._query_lock:
+            reader, self._reader = self._reader, None
+        supervisor = self._supervisor
+        try:
+            if reader is not None:
+                reader.close()
+        finally:
+            if supervisor is not None:
+                supervisor.close()
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _running(self) -> Supervisor:
+        supervisor = self._supervisor
+        if supervisor is None or self._reader is None:
+            raise EngineError("the engine is not running: use it inside `with Engine(...)`, or call start()")
+        return supervisor
+
+    # -- events -------------------------------------------------------------------------------
+
+    def apply_event(self, worker_id: int, event: KvEvent | Mapping[str, Any]) -> None:
+        """Send one event of ``worker_id`` to its shard: a kvrouter event or the reference's
+        ``KvCacheEvent`` dict. It is applied asynchronously; :meth:`flush` waits for it, and an error it
+        meets there is counted in :meth:`stats` by kind.
+
+        Raises:
+            BadEvent: the dict is not a valid event, or the event belongs to another worker.
+            EngineError: the engine is not running.
+        """
+        supervisor = self._running()
+        if isinstance(event, Mapping):
+            event = event_from_dict(event, worker_id)
+        elif event.worker_id != worker_id:
+            raise BadEvent(f"event {event.event_id} of worker {event.worker_id} applied as worker {worker_id}")
+        try:
+            payload = self._encoder.encode(EventBatch((event,), dp_rank=event.dp_rank))
+        except (OverflowError, TypeError, ValueError) as exc:  # numpy / msgpack on out-of-range values
+            raise BadEvent(f"event {event.event_id} of worker {worker_id}: {exc}") from exc
+        supervisor.send(supervisor.shard_for((worker_id, event.dp_rank)), [EVENTS, payload])
+
+    def apply_payload(self, worker: WorkerKey, payload: bytes) -> None:
+        """Send one pre-encoded kvrouter batch of ``worker`` to its shard, undecoded: the fast path.
+
+        The batch must carry ``worker``'s events (it names its worker and dp rank itself); a payload
+        that does not decode is counted as ``bad_event`` by the applier.
+
+        Raises:
+            EngineError: the engine is not running.
+        """
+        supervisor = self._running()
+        supervisor.send(supervisor.shard_for(worker), [EVENTS, payload])
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget every dp rank of ``worker_id``: its blocks and its rows, in order with its events."""
+        supervisor = self._running()
+        for shard in supervisor.forget(worker_id):
+            supervisor.send(shard, remove_frames(worker_id))
+
+    def clear_all_blocks(self, worker_id: int) -> None:
+        """Release every block of every dp rank of ``worker_id``; the worker stays known."""
+        supervisor = self._running()
+        for shard in supervisor.shards_of(worker_id):
+            supervisor.send(shard, clear_frames(worker_id))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every shard has applied everything sent to it before this call.
+
+        A shard whose applier restarts meanwhile is sent the flush again (what the dead one had not
+        applied is gone; the replacement answers for what it received).
+
+        Raises:
+            FlushTimeout: some shard did not get there within ``timeout`` (default ``flush_timeout``).
+            EngineError: the engine is not running.
+        """
+        supervisor = self._running()
+        control = supervisor.control
+        timeout = self.flush_timeout if timeout is None else timeout
+        token = next(self._tokens)
+        restarts = [control.restarts(shard) for shard in range(self.shards)]
+        for shard in range(self.shards):
+            supervisor.send(shard, flush_frames(token))
+        pending = list(range(self.shards))
+        deadline = time.monotonic() + timeout
+        delay = FIRST_POLL_S
+        while True:
+            for shard in list(pending):
+                if control.flushed(shard) >= token:
+                    pending.remove(shard)
+                elif control.restarts(shard) != restarts[shard]:
+                    restarts[shard] = control.restarts(shard)
+                    supervisor.send(shard, flush_frames(token))
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                states = {shard: STATUS_NAMES.get(control.status(shard), "?") for shard in pending}
+                raise FlushTimeout(f"flush {token}: shards {states} did not apply their queue within {timeout}s")
+            time.sleep(delay)
+            delay = min(delay * 2, MAX_POLL_S)
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def find_matches(self, local_hashes: Sequence[int], early_exit: bool = False) -> dict[WorkerKey, int]:
+        """Per worker, the leading query blocks it holds on device (``RadixIndex.find_matches``).
+
+        Reads what the appliers have applied so far; :meth:`flush` first to see every event sent.
+        """
+        self._running()
+        with self._query_lock:
+            assert self._reader is not None
+            return self._reader.find_matches(local_hashes, early_exit)
+
+    def find_matches_by_tier(self, local_hashes: Sequence[int]) -> dict[StorageTier, dict[WorkerKey, int]]:
+        """Per tier, per worker, the leading query blocks held in that tier or a faster one."""
+        self._running()
+        with self._query_lock:
+            assert self._reader is not None
+            return self._reader.find_matches_by_tier(local_hashes)
+
+    def reader_handle(self) -> ReaderHandle:
+        """A picklable handle for :func:`attach` in another process."""
+        return ReaderHandle(self._running().control.name)
+
+    def stats(self) -> list[ShardStats]:
+        """Every shard's status, applier, segment and counters, read from the control segment."""
+        control = self._running().control
+        shards = []
+        for shard in range(self.shards):
+            counters = control.stats(shard)
+            events_applied = counters.pop("events_applied")
+            last_event_ns = counters.pop("last_event_ns")
+            shards.append(
+                ShardStats(
+                    shard=shard,
+                    status=STATUS_NAMES.get(control.status(shard), "unknown"),
+                    pid=control.pid(shard),
+                    epoch=control.epoch(shard),
+                    restarts=control.restarts(shard),
+                    segment=control.segment_name(shard),
+                    flushed=control.flushed(shard),
+                    events_applied=events_applied,
+                    last_event_ns=last_event_ns,
+                    errors=counters,
+                    workers={(wid, rank): cached for wid, rank, cached in control.workers(shard).values()},
+                )
+            )
+        return shards

@@ -1,0 +1,231 @@
+"""The applier process: the one writer of one shard, fed over a ZMQ PULL socket.
+
+One process per shard rather than a thread, because decoding, re-hashing and the table writes are
+CPU-bound Python and numba work that a thread would serialise on the GIL, and because a crash then
+costs one shard, not the router (``DESIGN.md`` component 4). Messages arrive over ZMQ PUSH/PULL on an
+``ipc://`` socket: 375 k events/s, 84% of the bare decode rate, with bursts buffered in the queue
+while the applier is busy growing its table (``spec/shm-engine.md`` §5). The price is one copy of
+each payload through the kernel; a shared ring would only pay above ~400 k events/s.
+
+Every message is a multipart frame list whose first frame is a one-byte tag:
+
+| tag | frames | meaning |
+|---|---|---|
+| ``E`` | payload | one kvrouter batch (``events/codecs/kvrouter.py``); the batch names its worker |
+| ``F`` | token (u64 LE) | flush: reached once every earlier message is applied; written to the control segment |
+| ``R`` | worker id (u64 LE) | remove every dp rank of the worker from this shard |
+| ``C`` | worker id (u64 LE) | release every block of every dp rank of the worker; it stays known |
+| ``Q`` | (none) | stop: unlink the shard segment, status stopped, exit 0 |
+
+The socket orders messages, so a flush token is a barrier for everything sent before it, and worker
+operations apply in order with events. A malformed message is counted as ``bad_event`` (the first of
+each sort is logged) and skipped: bad input never ends the loop.
+
+Fencing: before it writes anything the applier takes ``fcntl.flock`` on its shard's lock file and
+keeps it until it exits; the kernel drops the lock when the process dies, even by SIGKILL, so a
+replacement can start writing only once the previous writer is gone (``docs/shm-engine.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import struct
+import time
+from collections.abc import Sequence
+from typing import Final
+
+import zmq
+
+from ..events.model import WorkerKey
+from .layout import STATUS_STOPPED, Control, lock_path, unlink_segment
+from .writer import ShardWriter
+
+__all__ = [
+    "CLEAR_WORKER",
+    "EVENTS",
+    "FLUSH",
+    "QUEUE_LIMIT",
+    "REMOVE_WORKER",
+    "STOP",
+    "clear_frames",
+    "flush_frames",
+    "remove_frames",
+    "run_applier",
+    "stop_frames",
+]
+
+log = logging.getLogger(__name__)
+
+EVENTS: Final = b"E"
+FLUSH: Final = b"F"
+REMOVE_WORKER: Final = b"R"
+CLEAR_WORKER: Final = b"C"
+STOP: Final = b"Q"
+
+QUEUE_LIMIT: Final = 1 << 20
+"""Messages a shard's queue holds (sender and receiver high-water marks). Deep enough to absorb a
+table growth at full event rate (tens of ms, ``spec/shm-engine.md`` §4.3); beyond it the sender
+blocks, which is back pressure rather than loss."""
+PARENT_CHECK_MS: Final = 1000
+"""How long a receive waits before the applier checks that its supervisor is still alive."""
+FENCE_POLL_MAX_S: Final = 0.05
+"""Longest sleep between two attempts to take the fence; the wait itself has no end but the owner's death."""
+
+_U64: Final = struct.Struct("<Q")
+
+
+def flush_frames(token: int) -> list[bytes]:
+    return [FLUSH, _U64.pack(token)]
+
+
+def remove_frames(worker_id: int) -> list[bytes]:
+    return [REMOVE_WORKER, _U64.pack(worker_id)]
+
+
+def clear_frames(worker_id: int) -> list[bytes]:
+    return [CLEAR_WORKER, _U64.pack(worker_id)]
+
+
+def stop_frames() -> list[bytes]:
+    return [STOP]
+
+
+def run_applier(
+    control_name: str, shard: int, owner_pid: int, endpoint: str, workers: Sequence[WorkerKey], status: int
+) -> None:
+    """The applier's whole life, run in a process forked by the supervisor.
+
+    Takes the shard's fence (waiting for as long as another process holds it), builds a fresh shard
+    segment with ``workers`` registered, publishes its pid and ``status`` (up on a first start,
+    recovering on a restart: the content is rebuilt from the workers by the event plane), then serves
+    ``endpoint`` until it receives a stop, or until its supervisor dies (it then removes what the
+    supervisor can no longer remove).
+
+    Args:
+        control_name: the control segment to attach read-write.
+        shard: the shard this process writes.
+        owner_pid: the supervisor's pid, which every segment and lock name carries.
+        endpoint: the ``ipc://`` address to bind the PULL socket to.
+        workers: the (worker_id, dp_rank) the shard owns already (empty on a first start).
+        status: the status to publish once the shard is writable.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when appliers stop
+    parent = os.getppid()
+    fence = _take_fence(lock_path(owner_pid, shard), parent)
+    if fence is None:
+        log.warning("applier gave up waiting for the fence shard=%d: supervisor %d is gone", shard, parent)
+        return
+    control = Control.attach(control_name, writable=True)
+    writer = ShardWriter(control, shard, owner_pid, workers=workers)
+    control.set_pid(shard, os.getpid())
+    control.set_status(shard, status)
+    log.info(
+        "applier up shard=%d pid=%d segment=%s workers=%d status=%d",
+        shard,
+        os.getpid(),
+        writer.segment_name,
+        len(workers),
+        status,
+    )
+    context = zmq.Context()  # never the parent's: a forked copy of a context must not be used
+    socket = context.socket(zmq.PULL)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVHWM, QUEUE_LIMIT)
+    socket.setsockopt(zmq.RCVTIMEO, PARENT_CHECK_MS)
+    socket.bind(endpoint)
+    orphaned = False
+    try:
+        orphaned = _serve(socket, control, writer, shard, parent)
+    finally:
+        control.set_status(shard, STATUS_STOPPED)
+        writer.close(unlink=True)
+        socket.close(linger=0)
+        context.term()
+        if orphaned:  # nobody else will remove them now
+            unlink_segment(control.name)
+            _remove_file(lock_path(owner_pid, shard))
+            socket_path = endpoint.removeprefix("ipc://")
+            _remove_file(socket_path)
+            with contextlib.suppress(OSError):  # the last applier out removes the directory
+                os.rmdir(os.path.dirname(socket_path))
+        control.close()
+        os.close(fence)  # releases the lock
+    log.info("applier stopped shard=%d pid=%d orphaned=%s", shard, os.getpid(), orphaned)
+
+
+def _serve(socket: zmq.Socket[bytes], control: Control, writer: ShardWriter, shard: int, parent: int) -> bool:
+    """Apply messages until a stop (returns False) or the supervisor's death (returns True)."""
+    apply_payload = writer.apply_payload
+    recv = socket.recv_multipart
+    logged: set[str] = set()
+    while True:  # hot path: one receive and one dispatch per message
+        try:
+            frames = recv()
+        except zmq.Again:
+            if os.getppid() != parent:
+                return True
+            continue
+        tag = frames[0] if frames else b""
+        if tag == EVENTS and len(frames) == 2:
+            apply_payload(frames[1])
+            continue
+        if tag == STOP and len(frames) == 1:
+            return False
+        if tag in (FLUSH, REMOVE_WORKER, CLEAR_WORKER) and len(frames) == 2 and len(frames[1]) == _U64.size:
+            (value,) = _U64.unpack(frames[1])
+            if tag == FLUSH:
+                if value > control.flushed(shard):
+                    control.set_flushed(shard, value)
+            elif tag == REMOVE_WORKER:
+                writer.remove_worker(value)
+            else:
+                writer.clear_all_blocks(value)
+            continue
+        control.count_error(shard, "bad_event")
+        what = f"tag {tag[:8]!r} with {len(frames)} frames"
+        if what not in logged:
+            logged.add(what)
+            log.warning("malformed applier message shard=%d message=%s: counted as bad_event", shard, what)
+
+
+def _take_fence(path: str, parent: int) -> int | None:
+    """Hold an exclusive ``flock`` on ``path`` and write our pid in it; None if the supervisor died first.
+
+    The wait is a poll with a short, bounded sleep rather than a blocking ``flock``, so that an applier
+    whose supervisor died does not wait for ever; the lock itself is the same kernel lock either way.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    delay = 0.001
+    waited = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if not waited:
+                waited = True
+                log.info("applier waiting for fence path=%s holder=%s", path, _holder(fd))
+            if os.getppid() != parent:
+                os.close(fd)
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, FENCE_POLL_MAX_S)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    if waited:
+        log.info("applier took fence path=%s", path)
+    return fd
+
+
+def _holder(fd: int) -> str:
+    """The pid the current holder wrote, for the log line only."""
+    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+
+
+def _remove_file(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

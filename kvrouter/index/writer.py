@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import time
 from collections.abc import Iterable
 from typing import Final
@@ -61,7 +62,9 @@ _STORE_ERRORS: Final = {
 
 
 def _map(rows: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
-    table = np.zeros((rows, MAP_ROW_WORDS), dtype=np.uint64)
+    """An empty private map in pre-faulted memory (see ``layout.Segment.create`` for why)."""
+    memory = mmap.mmap(-1, rows * MAP_ROW_WORDS * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    table = np.frombuffer(memory, dtype=np.uint64).reshape(rows, MAP_ROW_WORDS)
     meta = np.zeros(4, dtype=np.int64)
     kernels.init_map(table, meta)
     return table, meta

@@ -6,6 +6,7 @@ Layout (one folder per component; ``docs/ARCHITECTURE.md`` draws the whole pictu
 - ``events/``    the event model and one codec per wire format (``events/codecs/``)
 - ``index/``     who holds which blocks: ``RadixIndex`` (the contract's oracle), ``ApproxIndex`` (TTL)
 - ``routing/``   config, cost, selection, slot tracking, and the ``Router`` that ties them to an index
+- ``engine.py``  the shared-memory index engine: supervisor, applier processes, lock-free readers
 - ``errors.py``  the one exception hierarchy
 - ``cli/``       the ``kvrouter`` command
 
@@ -14,13 +15,16 @@ This module only re-exports the public names; it holds no logic.
 
 from __future__ import annotations
 
+from .engine import Engine as Engine, ReaderHandle as ReaderHandle, ShardStats as ShardStats
 from .errors import (
     BadEvent as BadEvent,
     BlockNotFound as BlockNotFound,
     ConfigError as ConfigError,
     DuplicateRequest as DuplicateRequest,
     EncodeError as EncodeError,
+    EngineError as EngineError,
     EventError as EventError,
+    FlushTimeout as FlushTimeout,
     InvalidBlockSequence as InvalidBlockSequence,
     InvalidHashInput as InvalidHashInput,
     KvRouterError as KvRouterError,
@@ -64,9 +68,12 @@ __all__ = [
     "ConfigError",
     "DuplicateRequest",
     "EncodeError",
+    "Engine",
+    "EngineError",
     "EngineHash",
     "EventBatch",
     "EventError",
+    "FlushTimeout",
     "InvalidBlockSequence",
     "InvalidHashInput",
     "KvEvent",
@@ -75,11 +82,13 @@ __all__ = [
     "NoWorkerAvailable",
     "ParentNotFound",
     "RadixIndex",
+    "ReaderHandle",
     "Removed",
     "Router",
     "RouterConfig",
     "Selection",
     "SeqHash",
+    "ShardStats",
     "SlotManager",
     "StorageTier",
     "Stored",

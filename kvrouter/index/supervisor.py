@@ -248,7 +248,6 @@ class Supervisor:
                 took_up,
             )
             self._remove_segments(shard)
-            control.worker_rows(shard)[:] = 0  # the dead writer's rows; its replacement registers its own
             if self._start_failures[shard] >= MAX_START_FAILURES:
                 self._processes[shard] = None
                 control.set_status(shard, STATUS_STOPPED)

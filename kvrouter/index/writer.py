@@ -95,6 +95,8 @@ class ShardWriter:
         self._emap, self._emeta = _map(capacity)
         self._refs, self._rmeta = _map(MIN_MAP_ROWS)
         self._decoder = Decoder()
+        self._bad_batches = 0
+        control.worker_rows(shard)[:] = 0  # a dead predecessor's rows: this writer registers its own
         self._segment = self._publish(capacity, nwords=1)
         for worker in workers:
             self._bit(worker)
@@ -136,7 +138,9 @@ class ShardWriter:
         try:
             batch = self._decoder.decode_raw(payload)
         except BadEvent as exc:
-            log.warning("bad batch shard=%d error=%s", self.shard, exc)
+            self._bad_batches += 1
+            level = logging.WARNING if self._bad_batches == 1 else logging.DEBUG  # once, then counted only
+            log.log(level, "bad batch shard=%d count=%d error=%s", self.shard, self._bad_batches, exc)
             self._count(0, [BadEvent.kind])
             return
         worker = (batch.worker_id, batch.dp_rank)

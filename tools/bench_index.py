@@ -18,18 +18,27 @@ Figures, for 1, 2 and 4 shards (applier processes; workers given to shards round
   with the 1-shard ones. Median over ``--repeat``.
 - find_matches p50/p99 through ``Engine.find_matches``, each query timed alone and alternating with
   the reference's answer to the same query, so both share the machine's noise; every answer is
-  compared with the reference's, and a mismatch fails the run.
+  compared with the reference's, and a mismatch fails the run. A second pass gives the same queries
+  as ``uint64`` arrays (what a tokenizer's array saves: the list conversion). Alternating costs
+  kvrouter a few µs a query (the reference's thread wakes the other core and evicts cache lines), so
+  the tight loop of a reader process (queries/s) is the kinder figure and shown beside it.
 - queries/s per reader process: 1, then 2 forked processes attached by handle, started together at a
   barrier, each counting queries over a fixed wall time. ``two_readers_scaling`` is the aggregate of
   two over one; it cannot reach 2 while anything else runs on a 2-core machine (the load line).
-- bytes per block: the shard segments' sizes in ``/dev/shm`` ÷ the workload's distinct blocks.
+- bytes per block: the shard segments' sizes in ``/dev/shm`` ÷ the workload's distinct blocks; beside it
+  the appliers' private maps (growth of their anonymous memory since the engine started).
+- an in-process ``ShardWriter`` apply rate on the same batches, labelled: the applier's own work
+  without processes or sockets (it also compiles the kernels before the engine forks).
 
 The ``ratios`` are > 1 when kvrouter is better (times: reference ÷ kvrouter; rates: kvrouter ÷
-reference), from the 1-shard figures, the lower of the worker counts (``ratio_basis`` in the JSON).
+reference), from the 1-shard figures, the lower of the worker counts (``ratio_basis`` in the JSON);
+``ratios_by_config`` has every worker count and shard count.
 
 ``--capacity`` loads ``--capacity-blocks`` distinct blocks (10 M by default) as chains from 1024 workers
-and reports bytes per cached block and the apply rate, without the reference. It stops early, and says
-so, when the next table growth might not fit the machine's free memory.
+(round-robin) and reports bytes per cached block (shard segments ÷ distinct blocks), the appliers' private
+maps and the apply rate (sends and a flush per chunk; encoding is not timed), without the reference.
+Between chunks it predicts which tables the next chunk grows and stops early, saying so, when that
+growth might not fit the machine's free memory or ``/dev/shm``: a benchmark must not take the machine down.
 """
 
 from __future__ import annotations
@@ -42,7 +51,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -55,10 +63,10 @@ import numpy as np
 
 from kvrouter.engine import Engine, ReaderHandle, attach
 from kvrouter.events.codecs import dynamo as dynamo_codec
-from kvrouter.events.codecs.kvrouter import Encoder
+from kvrouter.events.codecs.kvrouter import Decoder, Encoder
 from kvrouter.events.model import EngineHash, EventBatch, LocalHash, Stored, StoredBlock, WorkerKey
 from kvrouter.hashing import sequence_hashes, sequence_hashes_array
-from kvrouter.index.layout import H_CAPACITY, H_LIVE, SHM_DIR, Control, Segment, control_name
+from kvrouter.index.layout import H_CAPACITY, H_LIVE, H_USED, MAX_LOAD, SHM_DIR, Control, Segment, control_name
 from kvrouter.index.reader import IndexReader
 from kvrouter.index.writer import ShardWriter
 
@@ -94,8 +102,13 @@ CHAIN_BLOCKS: Final = 128
 EVENT_BLOCKS: Final = 64
 """Capacity chains: 128 distinct blocks each, sent as Stored events of 64 (the second names the first's
 last block as parent), as the shm workload sends its documents (spec §1)."""
+CAPACITY_PROBES: Final = 100
+"""Chains queried after the capacity load, each expected whole for its worker."""
 CHUNK_BLOCKS: Final = 500_000
 """The capacity load flushes after this many blocks and checks memory before the next chunk."""
+GROWTH_FACTOR: Final = 4
+"""A growing table (and an applier's maps) may take up to 4x its size: the writer sizes the new one for a
+quarter load rounded up to a power of two (``index/writer.py`` ``_capacity_for``)."""
 MEMORY_MARGIN: Final = 2 << 30
 """Free memory kept beyond what a growth of every shard at once could take [bytes]."""
 
@@ -121,9 +134,7 @@ class Workload:
 
 def build_workload(workers: int, sequences: int, queries: int, seed: int) -> Workload:
     rng = random.Random(seed * 1_000_003 + workers)
-    groups = [
-        [rng.getrandbits(64) for _ in range(rng.randint(*PREFIX_BLOCKS))] for _ in range(PREFIX_GROUPS)
-    ]
+    groups = [[rng.getrandbits(64) for _ in range(rng.randint(*PREFIX_BLOCKS))] for _ in range(PREFIX_GROUPS)]
     encoder = Encoder()
     reference_encoder = dynamo_codec.Encoder()
     stored: list[list[int]] = []
@@ -172,7 +183,7 @@ def _reference_tree() -> Callable[[], Any]:
             "bench_index: the reference `dynamo._core` is missing; install the anchors extra: "
             "pip install -e '.[anchors]' (ai-dynamo-runtime)"
         ) from exc
-    return RadixTree  # type: ignore[no-any-return]
+    return RadixTree
 
 
 def apply_reference(make_tree: Callable[[], Any], workload: Workload) -> tuple[Any, float]:
@@ -209,32 +220,61 @@ def check_applied(engine: Engine, events: int) -> None:
         raise SystemExit(f"bench_index: the engine applied {applied} of {events} events, errors {errors}")
 
 
-def segment_bytes(engine: Engine) -> tuple[int, int, int]:
-    """Bytes of the shard segments in ``/dev/shm``, their slots and live keys."""
-    total = slots = keys = 0
+@dataclass
+class ShardSize:
+    """One shard's table and applier as seen after a flush."""
+
+    segment_bytes: int
+    """The shard segment's size in ``/dev/shm``."""
+    slots: int
+    used: int
+    """Slots taken by live keys and tombstones: the table grows when these pass half the slots."""
+    keys: int
+    applier_anon_bytes: int
+    """Growth of the applier's anonymous memory (proportional set size) since ``baseline``: its private
+    maps, without the pages it shares with the process that forked it."""
+
+
+def anon_pss(pid: int) -> int:
+    """A process's anonymous memory by proportional set size, in bytes (0 if it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith("Pss_Anon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def applier_baseline(engine: Engine) -> dict[int, int]:
+    """Every applier's anonymous memory now, before any event: what ``shard_sizes`` subtracts."""
+    return {shard.pid: anon_pss(shard.pid) for shard in engine.stats()}
+
+
+def shard_sizes(engine: Engine, baseline: dict[int, int]) -> list[ShardSize]:
+    sizes = []
     for shard in engine.stats():
-        total += os.stat(f"{SHM_DIR}/{shard.segment}").st_size
         segment = Segment.attach(shard.segment, writable=False)
         try:
-            slots += int(segment.words[H_CAPACITY])
-            keys += int(segment.words[H_LIVE])
+            words = segment.words
+            slots, used, keys = int(words[H_CAPACITY]), int(words[H_USED]), int(words[H_LIVE])
         finally:
             segment.close()
-    return total, slots, keys
+        anon = anon_pss(shard.pid) - baseline.get(shard.pid, 0)
+        sizes.append(ShardSize(os.stat(f"{SHM_DIR}/{shard.segment}").st_size, slots, used, keys, anon))
+    return sizes
 
 
-def applier_memory(engine: Engine) -> int:
-    """The appliers' anonymous memory (their private maps) by proportional set size, in bytes."""
-    total = 0
-    for shard in engine.stats():
-        try:
-            text = Path(f"/proc/{shard.pid}/smaps_rollup").read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith("Pss_Anon:"):
-                total += int(line.split()[1]) * 1024
-    return total
+def size_figures(sizes: list[ShardSize], distinct_blocks: int) -> dict[str, Any]:
+    total = sum(s.segment_bytes for s in sizes)
+    return {
+        "segment_bytes": total,
+        "slots": sum(s.slots for s in sizes),
+        "keys": sum(s.keys for s in sizes),
+        "bytes_per_block": total / max(1, distinct_blocks),
+        "applier_anon_bytes": sum(s.applier_anon_bytes for s in sizes),
+    }
 
 
 def in_process_owner() -> int:
@@ -256,10 +296,12 @@ def apply_in_process(workload: Workload) -> float:
                 apply_payload(payload)
             rate = workload.blocks / ((perf_counter_ns() - start) / 1e9)
             reader = IndexReader(control.name)
-            for query in workload.queries[QUERY_LENGTHS[0]][:WARM_QUERIES]:
-                reader.find_matches(query)
-                reader.find_matches(np.array(query, dtype=np.uint64))  # type: ignore[arg-type]
-            reader.close()
+            try:
+                for query in workload.queries[QUERY_LENGTHS[0]][:WARM_QUERIES]:
+                    reader.find_matches(query)
+                    reader.find_matches(np.array(query, dtype=np.uint64))  # type: ignore[arg-type]
+            finally:
+                reader.close()
         finally:
             writer.close(unlink=True)
     finally:
@@ -276,14 +318,20 @@ def _percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def time_queries(engine: Engine, tree: Any, queries: list[list[int]]) -> tuple[dict[str, float], int, float]:
-    """Per-query µs of both sides, alternating who goes first; returns the figures, the mismatches
-    against the reference, and the mean longest match (blocks)."""
-    find = engine.find_matches
-    reference = tree.find_matches
-    for query in queries[:WARM_QUERIES]:
-        find(query)
-        reference(query)
+@dataclass
+class Timed:
+    """One pass of queries, each timed alone on both sides."""
+
+    ours: list[float]
+    theirs: list[float]
+    """µs per query, kvrouter and the reference."""
+    mismatches: int
+    depth: float
+    """Mean longest match, in blocks."""
+
+
+def alternate(find: Callable[[Any], dict[WorkerKey, int]], reference: Any, queries: Sequence[Any]) -> Timed:
+    """Time ``find`` and the reference on every query, alternating who goes first, and compare answers."""
     ours: list[float] = []
     theirs: list[float] = []
     mismatches = 0
@@ -310,20 +358,28 @@ def time_queries(engine: Engine, tree: Any, queries: list[list[int]]) -> tuple[d
             if mismatches <= 3:
                 print(f"mismatch: kvrouter {sorted(answer.items())[:4]} reference {sorted(expected.items())[:4]}")
         depth += max(expected.values(), default=0)
-    arrays = [np.array(query, dtype=np.uint64) for query in queries]
-    ndarray: list[float] = []
-    for array in arrays:
-        start = perf_counter_ns()
-        find(array)  # type: ignore[arg-type]  # local_hash_array takes an ndarray as is
-        ndarray.append((perf_counter_ns() - start) / 1000)
-    figures = {
-        "p50_us": statistics.median(ours),
-        "p99_us": _percentile(ours, 0.99),
-        "p50_ndarray_us": statistics.median(ndarray),
-        "reference_p50_us": statistics.median(theirs),
-        "reference_p99_us": _percentile(theirs, 0.99),
+    return Timed(ours, theirs, mismatches, depth / len(queries))
+
+
+def time_queries(engine: Engine, tree: Any, queries: list[list[int]]) -> dict[str, Any]:
+    """Latency of both sides on every query, given as lists (the figures and the reference's) and then
+    as ``uint64`` arrays, each pass alternating with the reference so both meet the same noise."""
+    reference = tree.find_matches
+    for query in queries[:WARM_QUERIES]:
+        engine.find_matches(query)
+        reference(query)
+    lists = alternate(engine.find_matches, reference, queries)
+    arrays = alternate(engine.find_matches, reference, [np.array(query, dtype=np.uint64) for query in queries])
+    return {
+        "p50_us": statistics.median(lists.ours),
+        "p99_us": _percentile(lists.ours, 0.99),
+        "p50_ndarray_us": statistics.median(arrays.ours),
+        "reference_p50_us": statistics.median(lists.theirs),
+        "reference_p99_us": _percentile(lists.theirs, 0.99),
+        "mismatches": lists.mismatches + arrays.mismatches,
+        "compared": 2 * len(queries),
+        "mean_depth": lists.depth,
     }
-    return figures, mismatches, depth / len(queries)
 
 
 def reference_rate(tree: Any, queries: list[list[int]], seconds: float) -> float:
@@ -412,30 +468,23 @@ def run_workers(workload: Workload, make_tree: Callable[[], Any], args: argparse
                 tree, rate = apply_reference(make_tree, workload)
                 reference_applies.append(rate)
             with Engine(shards=shards) as engine:
+                baseline = applier_baseline(engine)
                 applies.append(apply_engine(engine, workload))
                 check_applied(engine, len(workload.events))
                 if r < args.repeat - 1:
                     continue
-                seg_bytes, slots, keys = segment_bytes(engine)
                 row: dict[str, Any] = {
                     "apply_blocks_per_s": statistics.median(applies),
                     "apply_samples": applies,
-                    "segment_bytes": seg_bytes,
-                    "slots": slots,
-                    "keys": keys,
-                    "bytes_per_block": seg_bytes / workload.distinct_blocks,
-                    "applier_anon_bytes": applier_memory(engine),
+                    **size_figures(shard_sizes(engine, baseline), workload.distinct_blocks),
                     "find_matches": {},
                 }
                 for length in QUERY_LENGTHS:
                     queries = workload.queries[length]
-                    figures, mismatches, depth = time_queries(engine, tree, queries)
+                    figures = time_queries(engine, tree, queries)
                     one = reader_rates(engine, queries, 1, args.window)
                     two = reader_rates(engine, queries, 2, args.window)
                     figures |= {
-                        "mismatches": mismatches,
-                        "compared": len(queries),
-                        "mean_depth": depth,
                         "qps_1_reader": one[0],
                         "qps_2_readers": sum(two),
                         "qps_2_readers_each": two,
@@ -443,7 +492,9 @@ def run_workers(workload: Workload, make_tree: Callable[[], Any], args: argparse
                     }
                     row["find_matches"][str(length)] = figures
                 shards_out[str(shards)] = row
-    reference_qps = {str(length): reference_rate(tree, workload.queries[length], args.window) for length in QUERY_LENGTHS}
+    reference_qps = {
+        str(length): reference_rate(tree, workload.queries[length], args.window) for length in QUERY_LENGTHS
+    }
     del tree
     return {
         "workers": workload.workers,
@@ -479,7 +530,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         workload = build_workload(workers, args.sequences, args.queries, args.seed)
         configs[f"w{workers}"] = run_workers(workload, make_tree, args)
     basis = str(args.shards[0])
-    detail = {key: {shards: ratios_of(config, shards) for shards in config["shards"]} for key, config in configs.items()}
+    detail = {
+        key: {shards: ratios_of(config, shards) for shards in config["shards"]} for key, config in configs.items()
+    }
     first = [detail[key][basis] for key in configs]
     ratios = {
         "find_matches_64": min(r["find_matches_64"] for r in first),
@@ -512,7 +565,7 @@ def mismatches_of(result: dict[str, Any]) -> int:
 def print_table(result: dict[str, Any]) -> None:
     print(
         f"{'apply':<7} {'W':>4} {'shards':>6} {'kvrouter Mblk/s':>15} {'reference':>10} {'ratio':>6} "
-        f"{'bytes/block':>11} {'segments MiB':>12} {'slots/key':>9} {'applier anon MiB':>16}"
+        f"{'bytes/block':>11} {'segments MiB':>12} {'slots/key':>9} {'applier maps MiB':>16}"
     )
     for config in result["configs"].values():
         reference = config["reference"]["apply_blocks_per_s"] / 1e6
@@ -563,6 +616,47 @@ def print_table(result: dict[str, Any]) -> None:
 # -- capacity -----------------------------------------------------------------------------------
 
 
+Chain = tuple[WorkerKey, bytes, int]
+"""One capacity event: its worker, its kvrouter batch, its blocks."""
+
+
+def build_chains(blocks: int, workers: int, seed: int) -> list[Chain]:
+    """``blocks`` distinct blocks as chains of ``CHAIN_BLOCKS``, chain ``c`` cached by worker ``c % workers``."""
+    generator = np.random.default_rng(seed)
+    encoder = Encoder()
+    events: list[Chain] = []
+    for chain, first in enumerate(range(0, blocks, CHAIN_BLOCKS)):
+        size = min(CHAIN_BLOCKS, blocks - first)
+        local = generator.integers(0, 2**64 - 1, size=size, dtype=np.uint64, endpoint=True)
+        seq = sequence_hashes_array(local).tolist()
+        local_list = local.tolist()
+        worker = (chain % workers, 0)
+        for at in range(0, size, EVENT_BLOCKS):
+            part = range(at, min(at + EVENT_BLOCKS, size))
+            event = Stored(
+                worker_id=worker[0],
+                parent=EngineHash(seq[at - 1]) if at else None,
+                blocks=tuple(StoredBlock(EngineHash(seq[i]), LocalHash(local_list[i])) for i in part),
+            )
+            events.append((worker, encoder.encode(EventBatch((event,), dp_rank=0)), len(part)))
+    return events
+
+
+def check_chains(engine: Engine, events: list[Chain]) -> int:
+    """Query the first event of about ``CAPACITY_PROBES`` chains spread over the load; the count not
+    found whole for their worker."""
+    decoder = Decoder()
+    per_chain = CHAIN_BLOCKS // EVENT_BLOCKS
+    step = max(per_chain, len(events) // CAPACITY_PROBES // per_chain * per_chain)
+    missed = 0
+    for at in range(0, len(events), step):
+        worker, payload, _ = events[at]
+        local = decoder.decode_raw(payload).events[0].local
+        if engine.find_matches(local.tolist()) != {worker: len(local)}:
+            missed += 1
+    return missed
+
+
 def _mem_available() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -570,93 +664,166 @@ def _mem_available() -> int:
     return 0
 
 
-def build_chains(blocks: int, workers: int, seed: int) -> list[tuple[WorkerKey, bytes]]:
-    """``blocks`` distinct blocks as chains of ``CHAIN_BLOCKS``, chain ``c`` cached by worker ``c % workers``."""
-    generator = np.random.default_rng(seed)
-    encoder = Encoder()
-    events: list[tuple[WorkerKey, bytes]] = []
-    for chain, first in enumerate(range(0, blocks, CHAIN_BLOCKS)):
-        local = generator.integers(0, 2**64 - 1, size=min(CHAIN_BLOCKS, blocks - first), dtype=np.uint64, endpoint=True)
-        seq = sequence_hashes_array(local).tolist()
-        local_list = local.tolist()
-        worker = (chain % workers, 0)
-        for at in range(0, len(seq), EVENT_BLOCKS):
-            part = range(at, min(at + EVENT_BLOCKS, len(seq)))
-            event = Stored(
-                worker_id=worker[0],
-                parent=EngineHash(seq[at - 1]) if at else None,
-                blocks=tuple(StoredBlock(EngineHash(seq[i]), LocalHash(local_list[i])) for i in part),
-            )
-            events.append((worker, encoder.encode(EventBatch((event,), dp_rank=0))))
-    return events
+def growth_need(sizes: list[ShardSize], new_blocks: int) -> int:
+    """Bytes the next ``new_blocks`` could take at once: every shard whose table would pass its load
+    grows, and the writer sizes the new table (and its private maps, which fill at the same pace) for a
+    quarter load, rounded up to a power of two: up to 4x, while the old one is still mapped."""
+    share = new_blocks // max(1, len(sizes))
+    return sum(
+        GROWTH_FACTOR * (s.segment_bytes + s.applier_anon_bytes) for s in sizes if s.used + share > s.slots * MAX_LOAD
+    )
 
 
 def run_capacity(args: argparse.Namespace) -> dict[str, Any]:
     build_start = perf_counter()
     events = build_chains(args.capacity_blocks, args.capacity_workers, args.seed)
     print(f"capacity: {len(events):,} events encoded in {perf_counter() - build_start:.1f} s", flush=True)
-    applied_blocks = 0
-    applied_events = 0
+    applied_blocks = applied_events = 0
     stopped: str | None = None
     elapsed = 0.0
     with Engine(shards=args.capacity_shards) as engine:
+        baseline = applier_baseline(engine)
         apply_payload = engine.apply_payload
-        at = 0
-        while at < len(events):
-            seg_bytes, _, _ = segment_bytes(engine)
-            anon = applier_memory(engine)
-            need = 2 * (seg_bytes + anon) + MEMORY_MARGIN
+        while applied_events < len(events):
+            chunk: list[Chain] = []
+            blocks = 0
+            while applied_events + len(chunk) < len(events) and blocks < CHUNK_BLOCKS:
+                chunk.append(events[applied_events + len(chunk)])
+                blocks += chunk[-1][2]
+            need = growth_need(shard_sizes(engine, baseline), blocks) + MEMORY_MARGIN
             shm = os.statvfs(SHM_DIR)
-            if _mem_available() < need or shm.f_bavail * shm.f_frsize < 2 * seg_bytes + MEMORY_MARGIN:
+            available = min(_mem_available(), shm.f_bavail * shm.f_frsize)
+            if available < need:
                 stopped = (
-                    f"stopped after {applied_blocks:,} blocks: a growth of every shard could need "
-                    f"{need / 2**30:.1f} GiB, {_mem_available() / 2**30:.1f} GiB available"
+                    f"stopped after {applied_blocks:,} blocks: the next {blocks:,} would grow tables that could "
+                    f"need {need / 2**30:.1f} GiB with the margin, {available / 2**30:.1f} GiB available"
                 )
                 break
-            chunk = []
-            blocks = 0
-            while at < len(events) and blocks < CHUNK_BLOCKS:
-                chunk.append(events[at])
-                blocks += EVENT_BLOCKS
-                at += 1
             start = perf_counter_ns()
-            for worker, payload in chunk:  # hot path
+            for worker, payload, _ in chunk:  # hot path
                 apply_payload(worker, payload)
             engine.flush(timeout=FLUSH_TIMEOUT_S)
             elapsed += (perf_counter_ns() - start) / 1e9
             applied_events += len(chunk)
-            applied_blocks = min(args.capacity_blocks, applied_events * EVENT_BLOCKS)
-            print(
-                f"capacity: {applied_blocks:,} blocks in {elapsed:.1f} s; segments {seg_bytes / 2**30:.2f} GiB "
-                f"(before this chunk)",
-                flush=True,
-            )
+            applied_blocks += blocks
+            if args.progress:
+                print(f"capacity: {applied_blocks:,} blocks in {elapsed:.1f} s", flush=True)
         check_applied(engine, applied_events)
-        seg_bytes, slots, keys = segment_bytes(engine)
-        anon = applier_memory(engine)
-        probes = 0
-        for chain in range(0, min(len(events), applied_events) - 1, max(2, applied_events // 200) * 2):
-            worker = events[chain][0]
-            # the first event of every chain starts at the root: check that its blocks are found
-            if chain % (CHAIN_BLOCKS // EVENT_BLOCKS) == 0:
-                probes += 1
-        stats = engine.stats()
-    blocks_applied = min(args.capacity_blocks, sum(1 for _ in range(applied_events)) * EVENT_BLOCKS)
-    del worker, blocks_applied
+        sizes = size_figures(shard_sizes(engine, baseline), applied_blocks)
+        missed = check_chains(engine, events[:applied_events])
+        workers_per_shard = [len(shard.workers) for shard in engine.stats()]
     return {
         "blocks": applied_blocks,
         "target_blocks": args.capacity_blocks,
         "workers": args.capacity_workers,
         "shards": args.capacity_shards,
+        "workers_per_shard": workers_per_shard,
         "events": applied_events,
         "seconds": elapsed,
         "apply_blocks_per_s": applied_blocks / elapsed if elapsed else 0.0,
-        "segment_bytes": seg_bytes,
-        "slots": slots,
-        "keys": keys,
-        "bytes_per_block": seg_bytes / max(1, applied_blocks),
-        "applier_anon_bytes": anon,
-        "workers_per_shard": [len(shard.workers) for shard in stats],
+        **sizes,
         "stopped": stopped,
-        "reference": "not run: the reference is not measured in capacity mode",
+        "chains_missing": missed,
+        "reference": "not run: capacity mode measures the engine alone",
     }
+
+
+def print_capacity(result: dict[str, Any]) -> None:
+    print(
+        f"capacity: {result['blocks']:,} distinct blocks (target {result['target_blocks']:,}) from "
+        f"{result['workers']} workers on {result['shards']} shards {result['workers_per_shard']}"
+    )
+    print(
+        f"  apply: {result['seconds']:.1f} s, {result['apply_blocks_per_s'] / 1e6:.2f} M blocks/s "
+        f"(sends and a flush per {CHUNK_BLOCKS:,}-block chunk)"
+    )
+    print(
+        f"  shard segments: {result['segment_bytes'] / 2**30:.2f} GiB in {SHM_DIR}, "
+        f"{result['bytes_per_block']:.0f} bytes per cached block ({result['slots']:,} slots, {result['keys']:,} keys)"
+    )
+    print(
+        f"  appliers' private maps (anonymous PSS growth since start): {result['applier_anon_bytes'] / 2**30:.2f} GiB, "
+        f"{result['applier_anon_bytes'] / max(1, result['blocks']):.0f} bytes per block"
+    )
+    print(f"  sample check: {result['chains_missing']} of the probed chains not found whole")
+    if result["stopped"]:
+        print(f"  {result['stopped']}")
+    print(f"  {result['reference']}")
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def _machine() -> dict[str, Any]:
+    return {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpu_count": os.cpu_count()}
+
+
+def leftovers() -> list[str]:
+    """Segments, locks and socket folders of this process's engines or in-process writer still present."""
+    prefixes = (f"kvrouter-{os.getpid()}-", f"kvrouter-{in_process_owner()}-")
+    names = [f"{SHM_DIR}/{n}" for n in os.listdir(SHM_DIR) if n.startswith(prefixes)]
+    tmp = tempfile.gettempdir()
+    return names + [f"{tmp}/{n}" for n in os.listdir(tmp) if n.startswith(prefixes)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--workers", type=int, nargs="+", default=list(WORKER_COUNTS), help="worker counts")
+    parser.add_argument(
+        "--shards", type=int, nargs="+", default=list(SHARD_COUNTS), help="shard counts; ratios use the first"
+    )
+    parser.add_argument("--sequences", type=int, default=SEQUENCES, help="Stored events (one sequence each)")
+    parser.add_argument("--queries", type=int, default=QUERIES, help="queries per length")
+    parser.add_argument("--window", type=float, default=WINDOW_S, help="seconds each reader process counts over")
+    parser.add_argument("--repeat", type=int, default=3, help="apply repeats per side and shard count (median)")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--quick", action="store_true", help=f"a tiny workload, for tests: {QUICK}")
+    parser.add_argument("--capacity", action="store_true", help="load --capacity-blocks distinct blocks instead")
+    parser.add_argument("--capacity-blocks", type=int, default=CAPACITY_BLOCKS)
+    parser.add_argument("--capacity-workers", type=int, default=CAPACITY_WORKERS)
+    parser.add_argument("--capacity-shards", type=int, default=CAPACITY_SHARDS)
+    parser.add_argument("--progress", action="store_true", help="capacity: print a line per chunk")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    if args.queries < CORRECTNESS_MIN:
+        parser.error(f"--queries: at least {CORRECTNESS_MIN} per length are compared with the reference")
+    before = _machine()
+    status = 0
+    result: dict[str, Any]
+    if args.capacity:
+        result = {"capacity": run_capacity(args)}
+        print_capacity(result["capacity"])
+        status = 1 if result["capacity"]["chains_missing"] else 0
+        settings = f"seed {args.seed}"
+    else:
+        result = run(args)
+        print_table(result)
+        status = 1 if mismatches_of(result) else 0
+        settings = (
+            f"{args.sequences} sequences, {args.queries} queries per length, {args.window} s reader windows, "
+            f"apply median of {args.repeat}, seed {args.seed}"
+        )
+    after = _machine()
+    print(
+        f"machine: {after['cpu_count']} CPUs; load average (1/5/15 min) {before['loadavg']} before, "
+        f"{after['loadavg']} after; python {sys.version.split()[0]}; {settings}"
+    )
+    left = leftovers()
+    print(f"shm: {'clean' if not left else 'left behind: ' + ', '.join(left)}")
+    if left:
+        status = 1
+    if args.json:
+        figures = {
+            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "machine": {"before": before, "after": after},
+            **result,
+        }
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

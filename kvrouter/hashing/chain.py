@@ -40,7 +40,9 @@ def local_hash_array(local_hashes: LocalHashes) -> npt.NDArray[np.uint64]:
         local = np.ascontiguousarray(local_hashes, dtype=np.uint64)
     else:
         try:
-            local = np.asarray(array("Q", local_hashes))
+            words = array("Q")
+            words.fromlist(local_hashes if isinstance(local_hashes, list) else list(local_hashes))
+            local = np.asarray(words)
         except (OverflowError, TypeError) as exc:
             raise InvalidHashInput(f"local_hashes: hashes must be integers in [0, 2**64), {exc}") from exc
     return local

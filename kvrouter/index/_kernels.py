@@ -564,32 +564,44 @@ def lookup(table: Table, key: np.uint64, ntiers: int, masks: Table) -> int:
     return _lookup(table, key, ntiers, masks)
 
 
+PREFETCH_AHEAD: Final = 16
+"""Blocks whose home slots the walk touches ahead of the probe: enough misses in flight to fill the
+core's line-fill buffers, without chaining and touching a long query the walk will never reach."""
+
+
 @_kernel
-def walk(table: Table, seqs: npt.NDArray[np.uint64], ntiers: int, scores: Counts, scratch: Table) -> int:
+def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Counts, scratch: Table) -> int:
     """Per worker bit and tier, the leading query blocks held in that tier or a faster one.
 
-    ``scores`` is ``[ntiers, nwords * 64]``, zeroed by the caller; ``scratch`` holds at least
-    ``2 * ntiers * nwords + 1`` words (the running masks, and the prefetch's sink). Returns the blocks
-    walked, or -1 when a slot stayed mid-write for ``MAX_READ_RETRIES`` reads. The walk ends at the first
-    block the shard does not hold, or as soon as no worker of the shard is left.
+    ``local`` holds the query's local hashes; the sequence hashes are chained here, only as far as the
+    walk goes. ``scores`` is ``[ntiers, nwords * 64]``, zeroed by the caller; ``scratch`` holds at least
+    ``2 * ntiers * nwords + 1 + len(local)`` words (running masks, the prefetch's sink, sequence hashes).
+    Returns the blocks walked, or -1 when a slot stayed mid-write. The walk ends at the first block the
+    shard does not hold, or as soon as no worker of the shard is left.
     """
     nwords = _i64(table[H_NWORDS])
     width = SLOT_MASKS + TIERS * nwords
     mask = np.uint64(table[H_CAPACITY] - _ONE)
-    n = seqs.size
+    n = local.size
     alive = scratch[: ntiers * nwords]
     seen = scratch[ntiers * nwords : 2 * ntiers * nwords]
+    sink = 2 * ntiers * nwords
+    seqs = scratch[sink + 1 : sink + 1 + n]
     alive[:] = _ZERO
     warm = _ZERO
-    for i in range(n):  # prefetch: independent loads of every home slot overlap their cache misses
-        warm ^= table[HEADER_WORDS + _i64(_table_key(seqs[i]) & mask) * width]
-    scratch[2 * ntiers * nwords] = warm  # a stored result, so the loads are not optimised away
+    chained = 0
     for i in range(n):  # hot path: one seqlocked probe per block
+        while chained < n and chained <= i + PREFETCH_AHEAD:
+            seq = local[0] if chained == 0 else chain_step(seqs[chained - 1], local[chained], _SEED)
+            seqs[chained] = seq
+            warm ^= table[HEADER_WORDS + _i64(_table_key(seq) & mask) * width]  # independent loads overlap
+            chained += 1
         status = _lookup(table, _table_key(seqs[i]), ntiers, seen)
         if status < 0:
             return -1
         if status == 0:
             _finish(alive, scores, ntiers, nwords, i)
+            scratch[sink] = warm
             return i
         left = False
         for j in range(ntiers * nwords):
@@ -601,8 +613,10 @@ def walk(table: Table, seqs: npt.NDArray[np.uint64], ntiers: int, scores: Counts
             if now != _ZERO:
                 left = True
         if not left:
+            scratch[sink] = warm
             return i + 1
     _finish(alive, scores, ntiers, nwords, n)
+    scratch[sink] = warm  # a stored result, so the prefetching loads are not optimised away
     return n
 
 
@@ -611,15 +625,12 @@ def query(table: Table, rows: Table, local: npt.NDArray[np.uint64], ntiers: int)
     """``walk`` from local hashes, with its answer in worker terms, in one call: rows ``[tier, worker_id,
     dp_rank, depth]`` for every worker row in use that holds at least one block; a single row
     ``[-1, 0, 0, 0]`` when the walk gave up. ``rows`` is the shard's worker rows of the control segment
-    (``layout.Control.worker_rows``). The sequence hashes are chained here: one call, no Python step."""
-    seqs = np.empty(local.size, dtype=np.uint64)
-    for i in range(local.size):
-        seqs[i] = local[0] if i == 0 else chain_step(seqs[i - 1], local[i], _SEED)
+    (``layout.Control.worker_rows``). One call per shard, no Python step between."""
     nbits = _i64(table[H_NWORDS]) * 64
     scores = np.zeros((ntiers, nbits), dtype=np.int64)
-    scratch = np.empty(2 * ntiers * (nbits // 64) + 1, dtype=np.uint64)
+    scratch = np.empty(2 * ntiers * (nbits // 64) + 1 + local.size, dtype=np.uint64)
     found = np.empty((ntiers * nbits, 4), dtype=np.int64)
-    if walk(table, seqs, ntiers, scores, scratch) < 0:
+    if walk(table, local, ntiers, scores, scratch) < 0:
         found[0, 0] = -1
         found[0, 1:] = 0
         return found[:1]

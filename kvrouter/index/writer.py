@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 MAP_ROW_WORDS: Final = 4
 MIN_MAP_ROWS: Final = 1024
+GROWN_LOAD: Final = MAX_LOAD * 0.75
+"""The load a rebuilt table may start at: room for a third more keys before the next rebuild."""
 INITIAL_CAPACITY: Final = 1 << 16
 """Slots of a new shard table (3 MiB at 64 workers): a fleet's working set fills it in seconds, and
 starting there skips six doublings (each a copy and fresh page faults). Tests start smaller."""
@@ -71,8 +73,9 @@ def _map(rows: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
 
 
 def _capacity_for(keys: int, minimum: int) -> int:
-    """The power of two that holds ``keys`` at a quarter load: room for as many again before the next grow."""
-    return max(minimum, 1 << math.ceil(math.log2(max(1, keys) / (MAX_LOAD / 2))))
+    """The smallest power of two holding ``keys`` below ``GROWN_LOAD``: a full table (load 0.5) doubles,
+    one that is mostly tombstones is rebuilt at its own size."""
+    return max(minimum, 1 << math.ceil(math.log2(max(1, keys) / GROWN_LOAD)))
 
 
 class ShardWriter:
@@ -210,7 +213,7 @@ class ShardWriter:
         bit = int(free[0])
         nwords = int(self.table[H_NWORDS])
         if bit >= nwords * WORD_BITS:
-            self._rebuild(int(self.table[H_LIVE]), nwords=nwords * 2)
+            self._rebuild(int(self.table[H_LIVE]), nwords=nwords * 2, keep_capacity=True)
         self._cached[bit] = 0
         rows[bit, W_WORKER_ID] = worker[0]
         rows[bit, W_DP_RANK] = worker[1]
@@ -240,11 +243,14 @@ class ShardWriter:
         kernels.rehash_map(rows, bigger, bigger_meta)
         return bigger, bigger_meta
 
-    def _rebuild(self, keys: int, *, nwords: int) -> None:
+    def _rebuild(self, keys: int, *, nwords: int, keep_capacity: bool = False) -> None:
         """Copy the live keys into a new segment sized for ``keys`` (and ``nwords`` mask words), publish it,
         unlink the old one. Tombstones are left behind: this is also the compaction."""
         old = self._segment
-        new = self._publish(_capacity_for(keys, MIN_CAPACITY), nwords=nwords, before=old)
+        capacity = _capacity_for(keys, MIN_CAPACITY)
+        if keep_capacity:  # widening the masks: keep the size the table was given or grew to
+            capacity = max(capacity, int(old.words[H_CAPACITY]))
+        new = self._publish(capacity, nwords=nwords, before=old)
         self._segment = new
         old.close()
         unlink_segment(old.name)

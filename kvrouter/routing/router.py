@@ -74,6 +74,8 @@ class Router:
         seed: seeds the tie-break / sampling RNG; None draws a fresh seed.
         clock: seconds, monotonic; drives the slot manager's stale sweep, run from ``select`` once a
             minute (requests older than 300 s are dropped).
+        slots: a slot manager shared with whoever drives the request lifecycle (the simulator); by
+            default the router makes its own from ``config``.
     """
 
     def __init__(
@@ -83,13 +85,14 @@ class Router:
         block_size: int,
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        slots: SlotManager | None = None,
     ) -> None:
         self.config = config or RouterConfig()
         self.block_size = block_size
         self.rng = random.Random(seed)
         self._clock = clock
         self._next_sweep = clock() + SWEEP_INTERVAL_SECS
-        self.slots = SlotManager(
+        self.slots = slots or SlotManager(
             block_size=block_size,
             track_active_blocks=self.config.router_track_active_blocks,
             track_prefill_tokens=self.config.router_track_prefill_tokens,

@@ -1,0 +1,266 @@
+"""Simulation results as a table, JSON rows and a PNG: one row per (trace, workers, speedup, policy).
+
+``spec/routing-benchmark.md`` §5 asks for each policy relative to round robin in the same simulation,
+because ratios transfer between simulators better than milliseconds; so the table adds a ``xRR`` column
+whenever its group (same trace, workers and speedup) has a ``round_robin`` row, and a ``ceiling``
+column (hit over the pooled-LRU ceiling, §6.3). The JSON keeps absolute figures only, with a fixed key
+set (``JSON_KEYS``), so files from different runs compare field by field; ratios are derived data.
+
+The plot imports matplotlib lazily (the ``plot`` extra), with the Agg backend so it runs headless;
+everything else needs only rich, which typer already brings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from rich import box
+from rich.table import Table
+
+__all__ = [
+    "JSON_KEYS",
+    "ReportRow",
+    "format_table",
+    "hit_ratios",
+    "rich_table",
+    "to_json",
+    "write_json",
+    "write_plot",
+]
+
+JSON_KEYS: Final = (
+    "trace",
+    "workers",
+    "speedup",
+    "policy",
+    "hit_rate",
+    "ttft_ms",
+    "itl_ms",
+    "imbalance",
+    "decision_us",
+    "ceiling_fraction",
+)
+"""Every JSON row has exactly these keys (tests/sim/test_report.py::test_json_keys_are_exact)."""
+
+BASELINE: Final = "round_robin"
+"""The policy the ``xRR`` column divides by (spec §5)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReportRow:
+    """One policy's run on one workload, in the units the report prints."""
+
+    trace: str
+    workers: int
+    speedup: float
+    policy: str
+    """The policy's name, or a variant label such as ``kvrouter T=0.5``."""
+    hit_rate: float
+    """Reused input tokens over input tokens, measured by the engines at admission (§5)."""
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    imbalance: float
+    """Uncached prefill tokens, max over mean across workers."""
+    decision_p50_us: float
+    decision_p99_us: float
+    ceiling: float | None = None
+    """The pooled-LRU hit-rate ceiling of this trace and worker count; None if not computed."""
+    ttfts_ms: tuple[float, ...] = field(default=(), repr=False)
+    """Every request's TTFT, for the plot; not part of the JSON."""
+
+    @property
+    def group(self) -> tuple[str, int, float]:
+        """Rows of one group ran the same requests on the same fleet and compare directly."""
+        return (self.trace, self.workers, self.speedup)
+
+    @property
+    def ceiling_fraction(self) -> float | None:
+        if not self.ceiling:
+            return None
+        return self.hit_rate / self.ceiling
+
+
+def hit_ratios(rows: Sequence[ReportRow]) -> list[float | None]:
+    """Per row, its hit over round_robin's hit in the same group; None where the group has no round_robin."""
+    baseline = {row.group: row.hit_rate for row in rows if row.policy == BASELINE}
+    out: list[float | None] = []
+    for row in rows:
+        base = baseline.get(row.group)
+        if base is None:
+            out.append(None)
+        else:
+            out.append(row.hit_rate / base if base > 0 else math.inf)
+    return out
+
+
+def to_json(row: ReportRow) -> dict[str, Any]:
+    """The row with exactly ``JSON_KEYS``: nested ``ttft_ms``, ``itl_ms`` and ``decision_us`` percentiles."""
+    return {
+        "trace": row.trace,
+        "workers": row.workers,
+        "speedup": row.speedup,
+        "policy": row.policy,
+        "hit_rate": row.hit_rate,
+        "ttft_ms": {"p50": row.ttft_p50_ms, "p90": row.ttft_p90_ms, "p99": row.ttft_p99_ms},
+        "itl_ms": {"p50": row.itl_p50_ms},
+        "imbalance": row.imbalance,
+        "decision_us": {"p50": row.decision_p50_us, "p99": row.decision_p99_us},
+        "ceiling_fraction": row.ceiling_fraction,
+    }
+
+
+def write_json(rows: Iterable[ReportRow], path: Path, **extra: Any) -> None:
+    """``{"rows": [...], **extra}`` as indented JSON; ``extra`` carries run metadata (seed, machine)."""
+    import json
+
+    path.write_text(json.dumps({"rows": [to_json(row) for row in rows], **extra}, indent=2) + "\n")
+
+
+_HEADERS: Final = (
+    "trace",
+    "W",
+    "speedup",
+    "policy",
+    "hit",
+    "xRR",
+    "TTFT p50",
+    "p90",
+    "p99 ms",
+    "ITL p50",
+    "imbal",
+    "dec µs p50",
+    "p99",
+    "ceiling",
+)
+
+
+def _cells(rows: Sequence[ReportRow]) -> tuple[list[list[str]], bool]:
+    """Formatted cells per row, and whether any row has a xRR figure (else the column is left out)."""
+    ratios = hit_ratios(rows)
+    out = []
+    for row, ratio in zip(rows, ratios, strict=True):
+        fraction = row.ceiling_fraction
+        out.append(
+            [
+                row.trace,
+                str(row.workers),
+                f"{row.speedup:g}",
+                row.policy,
+                f"{row.hit_rate:.3f}",
+                "" if ratio is None else f"x{ratio:.2f}",
+                f"{row.ttft_p50_ms:.0f}",
+                f"{row.ttft_p90_ms:.0f}",
+                f"{row.ttft_p99_ms:.0f}",
+                f"{row.itl_p50_ms:.2f}",
+                f"{row.imbalance:.2f}",
+                f"{row.decision_p50_us:.1f}",
+                f"{row.decision_p99_us:.1f}",
+                "" if fraction is None else f"{fraction:.0%}",
+            ]
+        )
+    return out, any(ratio is not None for ratio in ratios)
+
+
+def _columns(with_ratio: bool) -> list[int]:
+    return [i for i, name in enumerate(_HEADERS) if with_ratio or name != "xRR"]
+
+
+def format_table(rows: Sequence[ReportRow]) -> str:
+    """A plain-text table (for logs, CI output and files), one line per row, columns aligned."""
+    cells, with_ratio = _cells(rows)
+    keep = _columns(with_ratio)
+    table = [[_HEADERS[i] for i in keep], *([line[i] for i in keep] for line in cells)]
+    widths = [max(len(line[c]) for line in table) for c in range(len(keep))]
+    left = {_HEADERS.index("trace"), _HEADERS.index("policy")}
+    lines = []
+    for line in table:
+        parts = [
+            text.ljust(width) if keep[c] in left else text.rjust(width)
+            for c, (text, width) in enumerate(zip(line, widths, strict=True))
+        ]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def rich_table(rows: Sequence[ReportRow], *, title: str | None = None) -> Table:
+    """The same table for a terminal, with a rule between groups."""
+    cells, with_ratio = _cells(rows)
+    keep = _columns(with_ratio)
+    table = Table(title=title, box=box.SIMPLE_HEAD)
+    for i in keep:
+        name = _HEADERS[i]
+        table.add_column(name, justify="left" if name in ("trace", "policy") else "right", no_wrap=True)
+    previous = None
+    for row, line in zip(rows, cells, strict=True):
+        if previous is not None and row.group != previous:
+            table.add_section()
+        previous = row.group
+        table.add_row(*(line[i] for i in keep))
+    return table
+
+
+def _label(row: ReportRow, many_groups: bool) -> str:
+    return f"{row.trace} W={row.workers} x{row.speedup:g} {row.policy}" if many_groups else row.policy
+
+
+def write_plot(rows: Sequence[ReportRow], path: Path, *, title: str | None = None) -> None:
+    """A PNG: TTFT cumulative distribution per row (left) and hit rate per row (right).
+
+    Raises:
+        RuntimeError: matplotlib is not installed (``pip install 'kvrouter[plot]'``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError("plotting needs matplotlib, which is not installed: pip install 'kvrouter[plot]'") from exc
+
+    many_groups = len({row.group for row in rows}) > 1
+    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
+    try:
+        for row in rows:
+            if not row.ttfts_ms:
+                continue
+            values = sorted(row.ttfts_ms)
+            n = len(values)
+            cdf.step(values, [(i + 1) / n for i in range(n)], where="post", label=_label(row, many_groups))
+        cdf.set_xscale("log")
+        cdf.set_xlabel("TTFT [ms] (log scale)")
+        cdf.set_ylabel("fraction of requests")
+        cdf.set_title("TTFT distribution")
+        cdf.grid(True, which="both", alpha=0.3)
+        if any(row.ttfts_ms for row in rows):
+            cdf.legend(fontsize="small")
+        labels = [_label(row, many_groups) for row in rows]
+        positions = list(range(len(rows)))
+        bars.barh(positions, [row.hit_rate for row in rows], color="tab:blue", label="hit rate")
+        ceilings = [(p, row.ceiling) for p, row in zip(positions, rows, strict=True) if row.ceiling]
+        if ceilings:
+            bars.scatter(
+                [c for _, c in ceilings],
+                [p for p, _ in ceilings],
+                marker="|",
+                s=300,
+                color="black",
+                label="pooled-LRU ceiling",
+            )
+            bars.legend(fontsize="small", loc="lower right")
+        bars.set_yticks(positions, labels, fontsize="small")
+        bars.invert_yaxis()
+        bars.set_xlabel("prefix-cache hit rate")
+        bars.set_title("Hit rate")
+        bars.grid(True, axis="x", alpha=0.3)
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)

@@ -9,7 +9,7 @@ import logging
 
 import typer
 
-from . import version
+from . import simulate, version
 
 __all__ = ["app", "configure_logging", "main"]
 
@@ -21,6 +21,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command("version")(version.version)
+app.command("simulate", epilog=simulate.EPILOG)(simulate.simulate)
 
 
 def configure_logging(spec: str) -> None:

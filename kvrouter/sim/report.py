@@ -16,10 +16,12 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from rich import box
 from rich.table import Table
+
+from .metrics import RunResult
 
 __all__ = [
     "JSON_KEYS",
@@ -27,6 +29,7 @@ __all__ = [
     "format_table",
     "hit_ratios",
     "rich_table",
+    "row_from_result",
     "to_json",
     "write_json",
     "write_plot",
@@ -84,6 +87,43 @@ class ReportRow:
         if not self.ceiling:
             return None
         return self.hit_rate / self.ceiling
+
+
+def row_from_result(
+    result: RunResult,
+    *,
+    trace: str,
+    workers: int,
+    speedup: float,
+    policy: str | None = None,
+    ceiling: float | None = None,
+) -> ReportRow:
+    """The report's view of one simulation run.
+
+    Args:
+        result: what ``kvrouter.sim.simulator.simulate`` measured.
+        trace: the trace's or workload's name.
+        workers: the fleet size the run used.
+        speedup: the arrival speedup the requests were loaded with.
+        policy: the row's label; the policy's own name when None.
+        ceiling: the pooled-LRU ceiling of these requests on this fleet, if computed.
+    """
+    return ReportRow(
+        trace=trace,
+        workers=workers,
+        speedup=speedup,
+        policy=policy if policy is not None else result.policy,
+        hit_rate=result.hit_rate,
+        ttft_p50_ms=result.ttft_p50_ms,
+        ttft_p90_ms=result.ttft_p90_ms,
+        ttft_p99_ms=result.ttft_p99_ms,
+        itl_p50_ms=result.itl_p50_ms,
+        imbalance=result.prefill_imbalance,
+        decision_p50_us=result.decision_us_p50,
+        decision_p99_us=result.decision_us_p99,
+        ceiling=ceiling,
+        ttfts_ms=tuple(result.ttft_ms),
+    )
 
 
 def hit_ratios(rows: Sequence[ReportRow]) -> list[float | None]:
@@ -188,14 +228,34 @@ def format_table(rows: Sequence[ReportRow]) -> str:
     return "\n".join(lines)
 
 
+_RICH_HEADERS: Final = {
+    "TTFT p50": "TTFT ms\np50",
+    "p90": "\np90",
+    "p99 ms": "\np99",
+    "ITL p50": "ITL ms\np50",
+    "imbal": "prefill\nimbal",
+    "dec µs p50": "decide µs\np50",
+    "p99": "\np99",
+}
+"""Two-line headers for the terminal table, so it fits 80 columns."""
+
+
 def rich_table(rows: Sequence[ReportRow], *, title: str | None = None) -> Table:
-    """The same table for a terminal, with a rule between groups."""
+    """The same table for a terminal, with a rule between groups.
+
+    When every row is of one group, its trace, workers and speedup columns are left out: the title
+    should say them, and the table then fits an 80-column terminal.
+    """
     cells, with_ratio = _cells(rows)
     keep = _columns(with_ratio)
-    table = Table(title=title, box=box.SIMPLE_HEAD)
+    if len({row.group for row in rows}) <= 1:
+        keep = [i for i in keep if _HEADERS[i] not in ("trace", "W", "speedup")]
+    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))
     for i in keep:
         name = _HEADERS[i]
-        table.add_column(name, justify="left" if name in ("trace", "policy") else "right", no_wrap=True)
+        header = _RICH_HEADERS.get(name, name)
+        justify: Literal["left", "right"] = "left" if name in ("trace", "policy") else "right"
+        table.add_column(header, justify=justify, no_wrap=True)
     previous = None
     for row, line in zip(rows, cells, strict=True):
         if previous is not None and row.group != previous:
@@ -205,12 +265,15 @@ def rich_table(rows: Sequence[ReportRow], *, title: str | None = None) -> Table:
     return table
 
 
-def _label(row: ReportRow, many_groups: bool) -> str:
-    return f"{row.trace} W={row.workers} x{row.speedup:g} {row.policy}" if many_groups else row.policy
+def _group_title(group: tuple[str, int, float]) -> str:
+    trace, workers, speedup = group
+    return f"{trace}, {workers} workers, arrivals x{speedup:g}"
 
 
 def write_plot(rows: Sequence[ReportRow], path: Path, *, title: str | None = None) -> None:
-    """A PNG: TTFT cumulative distribution per row (left) and hit rate per row (right).
+    """A PNG with one line of panels per group: TTFT cumulative distribution per policy (left, log
+    scale) and hit rate per policy with the group's pooled-LRU ceiling (right). A policy keeps its
+    colour in every group.
 
     Raises:
         RuntimeError: matplotlib is not installed (``pip install 'kvrouter[plot]'``).
@@ -223,44 +286,49 @@ def write_plot(rows: Sequence[ReportRow], path: Path, *, title: str | None = Non
     except ImportError as exc:
         raise RuntimeError("plotting needs matplotlib, which is not installed: pip install 'kvrouter[plot]'") from exc
 
-    many_groups = len({row.group for row in rows}) > 1
-    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
+    groups: dict[tuple[str, int, float], list[ReportRow]] = {}
+    for row in rows:
+        groups.setdefault(row.group, []).append(row)
+    policies = list(dict.fromkeys(row.policy for row in rows))
+    palette = plt.get_cmap("tab20")  # dark shades for the first ten policies, then the light ones
+    colour = {name: palette((2 * i) % 20 + (2 * i // 20) % 2) for i, name in enumerate(policies)}
+    heights = [max(3.5, 0.3 * len(members) + 1.2) for members in groups.values()] or [3.5]
+    fig, axes = plt.subplots(
+        max(len(groups), 1),
+        2,
+        figsize=(13, sum(heights) + (0.5 if title else 0)),
+        gridspec_kw={"width_ratios": [3, 2], "height_ratios": heights},
+        squeeze=False,
+    )
     try:
-        for row in rows:
-            if not row.ttfts_ms:
-                continue
-            values = sorted(row.ttfts_ms)
-            n = len(values)
-            cdf.step(values, [(i + 1) / n for i in range(n)], where="post", label=_label(row, many_groups))
-        cdf.set_xscale("log")
-        cdf.set_xlabel("TTFT [ms] (log scale)")
-        cdf.set_ylabel("fraction of requests")
-        cdf.set_title("TTFT distribution")
-        cdf.grid(True, which="both", alpha=0.3)
-        if any(row.ttfts_ms for row in rows):
-            cdf.legend(fontsize="small")
-        labels = [_label(row, many_groups) for row in rows]
-        positions = list(range(len(rows)))
-        bars.barh(positions, [row.hit_rate for row in rows], color="tab:blue", label="hit rate")
-        ceilings = [(p, row.ceiling) for p, row in zip(positions, rows, strict=True) if row.ceiling]
-        if ceilings:
-            bars.scatter(
-                [c for _, c in ceilings],
-                [p for p, _ in ceilings],
-                marker="|",
-                s=300,
-                color="black",
-                label="pooled-LRU ceiling",
-            )
-            bars.legend(fontsize="small", loc="lower right")
-        bars.set_yticks(positions, labels, fontsize="small")
-        bars.invert_yaxis()
-        bars.set_xlabel("prefix-cache hit rate")
-        bars.set_title("Hit rate")
-        bars.grid(True, axis="x", alpha=0.3)
+        for (cdf, bars), (group, members) in zip(axes, groups.items(), strict=False):
+            for row in members:
+                if row.ttfts_ms:
+                    values = sorted(row.ttfts_ms)
+                    n = len(values)
+                    fractions = [(i + 1) / n for i in range(n)]
+                    cdf.step(values, fractions, where="post", color=colour[row.policy], label=row.policy)
+            cdf.set_xscale("log")
+            cdf.set_xlabel("TTFT [ms]")
+            cdf.set_ylabel("fraction of requests")
+            cdf.set_title(f"TTFT, {_group_title(group)}", fontsize="medium")
+            cdf.grid(True, which="both", alpha=0.3)
+            if any(row.ttfts_ms for row in members):
+                cdf.legend(fontsize="x-small", loc="lower right")
+            positions = list(range(len(members)))
+            bars.barh(positions, [row.hit_rate for row in members], color=[colour[row.policy] for row in members])
+            ceiling = next((row.ceiling for row in members if row.ceiling), None)
+            if ceiling:
+                bars.axvline(ceiling, color="black", linestyle="--", linewidth=1, label="pooled-LRU ceiling")
+                bars.legend(fontsize="x-small", loc="lower right")
+            bars.set_yticks(positions, [row.policy for row in members], fontsize="small")
+            bars.invert_yaxis()
+            bars.set_xlabel("prefix-cache hit rate")
+            bars.set_title("hit rate", fontsize="medium")
+            bars.grid(True, axis="x", alpha=0.3)
         if title:
             fig.suptitle(title)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=100, format="png")
     finally:
         plt.close(fig)

@@ -1,0 +1,74 @@
+"""``kvrouter simulate`` end to end on the packaged sample: two policies, a small fleet, a few hundred
+requests, with ``--json`` and ``--plot``; usage errors for unknown policies."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvrouter.cli import app
+from kvrouter.sim.policies import POLICIES
+from kvrouter.sim.report import JSON_KEYS
+
+runner = CliRunner()
+
+SMALL = ["simulate", "--workers", "2", "--limit", "300", "--policy", "round_robin,dynamo_t0"]
+
+
+def test_runs_on_the_sample_and_writes_json_and_plot(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "rows.json", tmp_path / "plot.png"
+    result = runner.invoke(app, [*SMALL, "--json", str(out), "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    assert "mooncake_conversation_2000.jsonl: 300 requests, 2 workers" in result.output
+    lines = result.output.splitlines()
+    assert any(line.startswith("mooncake_conversation_2000.jsonl") and "round_robin" in line for line in lines)
+    assert any("dynamo_t0" in line and "x" in line for line in lines)
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["policy"] for row in rows] == ["round_robin", "dynamo_t0"]
+    for row in rows:
+        assert tuple(row) == JSON_KEYS
+        assert row["workers"] == 2
+        assert 0.0 <= row["hit_rate"] <= 1.0
+        assert row["ttft_ms"]["p50"] <= row["ttft_ms"]["p90"] <= row["ttft_ms"]["p99"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_same_seed_same_rows(tmp_path: Path):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    for path in (first, second):
+        result = runner.invoke(app, [*SMALL, "--seed", "7", "--json", str(path)])
+        assert result.exit_code == 0, result.output
+
+    def without_timing(path: Path) -> list[dict[str, object]]:
+        return [{k: v for k, v in row.items() if k != "decision_us"} for row in json.loads(path.read_text())["rows"]]
+
+    assert without_timing(first) == without_timing(second)
+
+
+def test_unknown_policy_is_a_usage_error_naming_the_choices():
+    result = runner.invoke(app, ["simulate", "--policy", "round_robin,fastest"])
+    assert result.exit_code == 2
+    assert "fastest" in result.output
+    for name in POLICIES:
+        assert name in result.output
+
+
+def test_a_bad_trace_line_is_reported_and_the_rest_runs(tmp_path: Path):
+    trace = tmp_path / "trace.jsonl"
+    good = '{"timestamp": %d, "input_length": 1100, "output_length": 4, "hash_ids": [0, 1, 2]}'
+    trace.write_text("\n".join([good % 0, "{broken", good % 100]) + "\n")
+    result = runner.invoke(app, ["simulate", "--trace", str(trace), "--workers", "2", "--policy", "round_robin"])
+    assert result.exit_code == 0, result.output
+    assert "skipped 1 bad line(s) of trace.jsonl; first: line 2" in result.output
+    assert "trace.jsonl: 2 requests" in result.output
+
+
+def test_help_shows_units_defaults_env_vars_and_an_example():
+    result = runner.invoke(app, ["simulate", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for text in ("--workers", "[workers]", "[ms]", "KVROUTER_SIM_WORKERS", "default: 4", "Examples", "Workload"):
+        assert text in result.output

@@ -9,6 +9,7 @@ The reference's ``worker_logit`` (``scheduling/selector/default.rs``; ``spec/dyn
                     + disk_w * (disk - host) + shared_w * (shared - disk)
     adjusted        = max(0, raw_prefill - overlap_credit)
     cost            = prefill_load_scale * adjusted + potential_decode_blocks + request_w * active_requests
+    lmetric         = adjusted * (potential_decode_blocks + 1)   (router_selection_policy="lmetric")
 
 Tier overlaps arrive cumulative, as an index reports them (``device <= host <= disk <= shared``), and each
 slower tier is credited only for the blocks it adds: the frontend docs' ``host_extra`` / ``disk_extra``
@@ -67,6 +68,8 @@ class Cost:
     request_cost: float
     """``decode_active_request_weight * active_requests``."""
     total: float
+    """What selection minimises: the sum of the terms, or, under ``router_selection_policy="lmetric"``,
+    ``adjusted_prefill_blocks * (decode_blocks + 1)``."""
 
 
 def worker_cost(
@@ -104,6 +107,10 @@ def worker_cost(
     adjusted = max(0.0, raw_prefill - credit)
     prefill_cost = config.prefill_load_scale * adjusted
     request_cost = config.decode_active_request_weight * load.active_requests
+    if config.router_selection_policy == "lmetric":
+        total = adjusted * (load.potential_decode_blocks + 1)
+    else:
+        total = prefill_cost + load.potential_decode_blocks + request_cost
     return Cost(
         raw_prefill_blocks=raw_prefill,
         overlap_credit_blocks=credit,
@@ -111,5 +118,5 @@ def worker_cost(
         prefill_cost=prefill_cost,
         decode_blocks=load.potential_decode_blocks,
         request_cost=request_cost,
-        total=prefill_cost + load.potential_decode_blocks + request_cost,
+        total=total,
     )

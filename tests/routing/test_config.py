@@ -69,3 +69,9 @@ def test_shared_credit_defaults_only_when_a_shared_cache_is_on():
     assert RouterConfig().shared_credit == 0.0
     assert RouterConfig(shared_cache_type="hicache").shared_credit == 0.5
     assert RouterConfig(shared_cache_type="hicache", shared_cache_multiplier=0.2).shared_credit == 0.2
+
+
+def test_selection_policy_is_default_or_lmetric():
+    assert RouterConfig().router_selection_policy == "default"
+    with pytest.raises(ConfigError, match="router_selection_policy"):
+        RouterConfig(router_selection_policy="greedy")  # type: ignore[arg-type]

@@ -137,3 +137,17 @@ def test_costs_are_never_negative(
     assert cost.adjusted_prefill_blocks >= 0
     assert cost.total >= 0
     assert cost.total == pytest.approx(cost.prefill_cost + cost.decode_blocks + cost.request_cost)
+
+
+def test_lmetric_selection_multiplies_uncached_prefill_by_the_batch():
+    config = RouterConfig(router_selection_policy="lmetric")
+    cost = worker_cost(
+        config,
+        isl_tokens=10 * B,
+        block_size=B,
+        overlap=Overlap(device=4),
+        load=Load(potential_decode_blocks=9),
+        min_active_prefill_tokens=0,
+    )
+    assert (cost.adjusted_prefill_blocks, cost.decode_blocks) == (6, 9)
+    assert cost.total == 6 * (9 + 1)

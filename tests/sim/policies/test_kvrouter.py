@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from kvrouter.routing import RouterConfig
+from kvrouter.routing.config import KVROUTER_CONFIG
 from kvrouter.sim.policies import KvRouterPolicy
 
 from .cluster import W0, W1, W2, book, cache, make_cluster, request
@@ -8,8 +9,9 @@ from .cluster import W0, W1, W2, book, cache, make_cluster, request
 PROMPT = list(range(1, 9))
 
 
-def test_defaults_to_the_reference_config():
-    assert KvRouterPolicy().config == RouterConfig()
+def test_defaults_to_kvrouters_own_tuning():
+    assert KvRouterPolicy().config == KVROUTER_CONFIG
+    assert (KVROUTER_CONFIG.router_selection_policy, KVROUTER_CONFIG.overlap_score_credit) == ("lmetric", 1.5)
 
 
 def test_routes_by_its_config():

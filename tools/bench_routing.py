@@ -22,6 +22,7 @@ Runs are independent and deterministic (seeded); ``--jobs`` spreads them over pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -31,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
-from kvrouter.routing import RouterConfig
+from kvrouter.routing.config import KVROUTER_CONFIG
 from kvrouter.sim.ceiling import pooled_lru_ceiling
 from kvrouter.sim.policies import POLICIES, make_policy
 from kvrouter.sim.policy import Policy, Request
@@ -93,7 +94,8 @@ class Variant:
     def build(self, seed: int) -> Policy:
         if self.temperature is None:
             return make_policy(self.policy, seed=seed)
-        return make_policy(self.policy, seed=seed, config=RouterConfig(router_temperature=self.temperature))
+        tuned = dataclasses.replace(KVROUTER_CONFIG, router_temperature=self.temperature)
+        return make_policy(self.policy, seed=seed, config=tuned)  # the sweep is of kvrouter's own config
 
 
 def variants(policies: Sequence[str]) -> list[Variant]:

@@ -32,6 +32,7 @@ from kvrouter.events.model import (
     parse_tier,
 )
 from kvrouter.hashing import block_hashes
+from tests.clock import FakeClock
 from tests.strategies import u32, u64
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
@@ -212,3 +213,9 @@ def shm_entries() -> Callable[[int], list[str]]:
         return sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{pid}-"))
 
     return entries
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """Injected time that moves only when the test sets ``clock.now``."""
+    return FakeClock()

@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from kvrouter.events.model import StorageTier, WorkerKey
 from kvrouter.index import ApproxIndex, RadixIndex
 from kvrouter.index.approximate import STALE_HEAP_FACTOR
+from tests.clock import FakeClock
 
 TTL = 120.0
 W1: WorkerKey = (1, 0)
@@ -18,21 +19,6 @@ W2: WorkerKey = (2, 0)
 A = [11, 12, 13, 14]
 B = [21, 22, 23, 24]
 C = [31, 32, 33]
-
-
-class FakeClock:
-    """A clock that only moves when a test says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 @pytest.fixture

@@ -9,17 +9,10 @@ from kvrouter.events.model import EngineHash, LocalHash, StorageTier, Stored, St
 from kvrouter.hashing import block_hashes
 from kvrouter.index import ApproxIndex, RadixIndex
 from kvrouter.routing import Router, RouterConfig
+from tests.clock import FakeClock
 
 B = 4
 W1, W2, W3 = (1, 0), (2, 0), (3, 0)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _cache(index: RadixIndex, worker: int, local: list[int], tier: StorageTier = StorageTier.DEVICE) -> None:

@@ -14,6 +14,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 from kvrouter import DuplicateRequest, KvRouterError
 from kvrouter.events.model import WorkerKey
 from kvrouter.routing.slots import DEFAULT_EXPIRY_SECS, SlotManager
+from tests.clock import FakeClock
 
 BLOCK = 4
 W1: WorkerKey = (1, 0)
@@ -21,21 +22,6 @@ W2: WorkerKey = (1, 1)
 PREFIX = [11, 12, 13]
 R1 = [*PREFIX, 14]
 R2 = [*PREFIX, 25, 26]
-
-
-class FakeClock:
-    """A clock that only moves when a test says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
-"""The engine codecs end to end against the reference: every captured engine's live batches, decoded
-and converted, leave the reference's own ``RadixTree`` with router_view.json's scores after each batch."""
+"""The engine codecs end to end: every captured engine's live batches, decoded and converted, are exactly
+router_view.json's events, and leave the reference's own ``RadixTree`` with its scores after each batch."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -22,6 +23,17 @@ def _scores(tree: RadixTree, query: list[int]) -> list[list[int]]:
     # The binding's stub types scores as dict[int, int]; at run time the keys are (worker_id, dp_rank).
     scores: dict[tuple[int, int], int] = tree.find_matches(query).scores  # type: ignore[assignment]
     return sorted([worker, rank, score] for (worker, rank), score in scores.items())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_live_batches_convert_to_the_router_view(engine: str, router_view: dict[str, Any]):
+    """Every engine's live batches, decoded in router_view.json's order, are exactly its router events."""
+    captured, twin = load_engine_frames(engine)
+    decoder = DECODERS[twin["engine"]](WORKER_ID, twin["scenario"]["block_size"])
+    as_router_event = dynamo.Encoder().encode_event
+    for batch, entry in decode_in_router_view_order(decoder, captured, router_view[engine]):
+        assert all(r["error"] is None for r in entry["router_events"])
+        assert [json.loads(as_router_event(e)) for e in batch.events] == [r["event"] for r in entry["router_events"]]
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 import msgpack
@@ -8,13 +7,12 @@ import pytest
 from hypothesis import given
 
 from kvrouter.errors import BadEvent
-from kvrouter.events.codecs import dynamo, sglang
+from kvrouter.events.codecs import sglang
 from kvrouter.events.model import EngineHash, EventBatch, LocalHash, StorageTier, Stored, StoredBlock
 from kvrouter.hashing import block_hashes
 from tests.conftest import (
     ENGINES,
     captured_payloads,
-    decode_in_router_view_order,
     engine_batches,
     expected_engine_event,
     load_engine_frames,
@@ -46,15 +44,6 @@ def test_captured_batches_decode_as_the_twin_says(sglang_frames: SglangFrames):
             expected_engine_event(e, worker_id=WORKER_ID, dp_rank=rank, event_id=100 + i, block_size=page_size)
             for i, e in enumerate(twin_events)
         )
-
-
-def test_live_batches_convert_to_the_router_view(sglang_frames: SglangFrames, router_view: dict[str, Any]):
-    name, captured, twin = sglang_frames
-    decoder = sglang.Decoder(WORKER_ID, twin["scenario"]["block_size"])
-    as_router_event = dynamo.Encoder().encode_event
-    for batch, entry in decode_in_router_view_order(decoder, captured, router_view[name]):
-        assert all(r["error"] is None for r in entry["router_events"])
-        assert [json.loads(as_router_event(e)) for e in batch.events] == [r["event"] for r in entry["router_events"]]
 
 
 def test_encoder_writes_what_sglang_published(sglang_frames: SglangFrames):

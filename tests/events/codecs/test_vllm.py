@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 from typing import Any, Literal
 
 import msgpack
@@ -9,7 +8,7 @@ import pytest
 from hypothesis import given
 
 from kvrouter.errors import BadEvent, EncodeError
-from kvrouter.events.codecs import dynamo, vllm
+from kvrouter.events.codecs import vllm
 from kvrouter.events.codecs._fields import expect_hash
 from kvrouter.events.model import (
     Cleared,
@@ -25,7 +24,6 @@ from kvrouter.hashing import block_hashes
 from tests.conftest import (
     ENGINES,
     captured_payloads,
-    decode_in_router_view_order,
     engine_batches,
     expected_engine_event,
     load_engine_frames,
@@ -85,15 +83,6 @@ def test_captured_batches_decode_as_the_twin_says(vllm_frames: VllmFrames):
             )
             for i, e in enumerate(twin_events)
         )
-
-
-def test_live_batches_convert_to_the_router_view(vllm_frames: VllmFrames, router_view: dict[str, Any]):
-    name, captured, twin = vllm_frames
-    decoder = vllm.Decoder(WORKER_ID, twin["scenario"]["block_size"])
-    as_router_event = dynamo.Encoder().encode_event
-    for batch, entry in decode_in_router_view_order(decoder, captured, router_view[name]):
-        assert all(r["error"] is None for r in entry["router_events"])
-        assert [json.loads(as_router_event(e)) for e in batch.events] == [r["event"] for r in entry["router_events"]]
 
 
 def test_encoder_writes_what_vllm_published(vllm_frames: VllmFrames):

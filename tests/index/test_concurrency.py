@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -124,12 +124,21 @@ def hot_table() -> Iterator[tuple[Segment, npt.NDArray[np.uint64]]]:
 
 
 @pytest.mark.timeout(120)
-def test_no_torn_slot_in_ten_million_reads(hot_table: tuple[Segment, npt.NDArray[np.uint64]]):
+def test_no_torn_slot_in_ten_million_reads(
+    hot_table: tuple[Segment, npt.NDArray[np.uint64]], wait_until: Callable[..., None]
+):
     segment, keys = hot_table
+    reader = Segment.attach(segment.name, writable=False)
+    _check_reads(reader.words, keys[:1], 1)  # compile both sides here, so the fork starts writing at once
+    segment.words[STOP_WORD] = 1
+    _flip_until_stopped(segment.words, keys)
+    segment.words[STOP_WORD] = 0
+    version_word = HEADER_WORDS + int(keys[0]) * (SLOT_MASKS + TIERS * NWORDS) + SLOT_VERSION
+    first = int(reader.words[version_word])
     writer = FORK.Process(target=_flip_until_stopped, args=(segment.words, keys))
     writer.start()
-    reader = Segment.attach(segment.name, writable=False)
     try:
+        wait_until(lambda: int(reader.words[version_word]) > first, what="the writer's first generation")
         good, torn, failed, changed = _check_reads(reader.words, keys, SLOT_READS)
     finally:
         segment.words[STOP_WORD] = 1
@@ -163,7 +172,7 @@ def _churn(control_name_: str, owner: int, rounds: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_queries_under_churn_growth_and_clear_see_only_states_the_index_held():
+def test_queries_under_churn_growth_and_clear_see_only_states_the_index_held(wait_until: Callable[..., None]):
     owner = (os.getpid() << 20) + 900_000 + next(_names)
     control = Control.create(control_name(owner), 1)
     writer = FORK.Process(target=_churn, args=(control.name, owner, 150))
@@ -172,8 +181,7 @@ def test_queries_under_churn_growth_and_clear_see_only_states_the_index_held():
     query = list(range(1, 33))
     seen_partial = queries = 0
     try:
-        while control.flushed(0) < 1:
-            pass
+        wait_until(lambda: control.flushed(0) >= 1, what="worker 1's chain")
         while control.flushed(0) < 2 or queries == 0:
             scores = reader.find_matches(query)
             queries += 1

@@ -95,12 +95,39 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("contract_scenario", scenarios, ids=[s["name"] for s in scenarios])
 
 
-def expected_engine_event(
-    twin_event: Mapping[str, Any], *, worker_id: int, dp_rank: int, event_id: int, block_size: int
-) -> KvEvent:
-    """What an engine event of a JSON twin (map form, ``"type"`` first) must decode to, derived from the
-    twin alone: hashes cast to u64, blocks of another block size dropped, token ids split into
-    blocks and hashed with the event's ``lora_name``, tier from ``medium``."""
+VLLM_ARRAY_LAYOUT = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+    ),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "AllBlocksCleared": (),
+}
+"""vLLM 0.23.0's positional events (``spec/wire-formats.md`` §1.3), written out independently of the codec."""
+
+
+def twin_fields(event: Any) -> Mapping[str, Any]:
+    """A twin event as a map, whichever encoding the engine used (maps, or vLLM's tag-first arrays)."""
+    if isinstance(event, dict):
+        return event
+    tag, *values = event
+    return {"type": tag, **dict(zip(VLLM_ARRAY_LAYOUT[tag], values, strict=False))}
+
+
+def expected_engine_event(twin_event: Any, *, worker_id: int, dp_rank: int, event_id: int, block_size: int) -> KvEvent:
+    """What an engine event of a JSON twin (either encoding) must decode to, derived from the twin
+    alone: hashes cast to u64, blocks of another block size dropped, token ids split into blocks and
+    hashed with the event's ``lora_name``, tier from ``medium``."""
+    twin_event = twin_fields(twin_event)
     if twin_event["type"] == "AllBlocksCleared":
         return Cleared(worker_id, dp_rank=dp_rank, event_id=event_id)
     tier = parse_tier(twin_event.get("medium"))

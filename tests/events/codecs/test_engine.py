@@ -1,5 +1,6 @@
-"""The engine codecs end to end: every captured engine's live batches, decoded and converted, are exactly
-router_view.json's events, and leave the reference's own ``RadixTree`` with its scores after each batch."""
+"""The engine codecs end to end: every captured frame decodes to what its JSON twin says, and the live
+batches, converted, are exactly router_view.json's events and leave the reference's own ``RadixTree``
+with its scores after each batch."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from dynamo._core import RadixTree
 
 from kvrouter.events.codecs import dynamo, sglang, vllm
 from kvrouter.events.codecs._engine import EngineDecoder
-from tests.conftest import ENGINES, decode_in_router_view_order, load_engine_frames
+from tests.conftest import (
+    ENGINES,
+    captured_payloads,
+    decode_in_router_view_order,
+    expected_engine_event,
+    load_engine_frames,
+)
 
 WORKER_ID = 1
 """router_view.json converts every engine's events as worker 1."""
@@ -23,6 +30,24 @@ def _scores(tree: RadixTree, query: list[int]) -> list[list[int]]:
     # The binding's stub types scores as dict[int, int]; at run time the keys are (worker_id, dp_rank).
     scores: dict[tuple[int, int], int] = tree.find_matches(query).scores  # type: ignore[assignment]
     return sorted([worker, rank, score] for (worker, rank), score in scores.items())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_captured_batches_decode_as_the_twin_says(engine: str):
+    """Every live and replayed batch: hashes cast to u64 (SGLang's are signed), blocks of another size
+    dropped (SGLang's partial page), token ids re-hashed, event ids counted from ``first_event_id``."""
+    captured, twin = load_engine_frames(engine)
+    block_size = twin["scenario"]["block_size"]
+    decoder = DECODERS[twin["engine"]](WORKER_ID, block_size)
+    for payload, expected in captured_payloads(captured, twin):
+        ts, twin_events, rank = expected["payload"]
+        batch = decoder.decode(payload, first_event_id=100)
+        assert batch.timestamp == ts
+        assert batch.dp_rank == rank
+        assert batch.events == tuple(
+            expected_engine_event(e, worker_id=WORKER_ID, dp_rank=rank, event_id=100 + i, block_size=block_size)
+            for i, e in enumerate(twin_events)
+        )
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -14,7 +14,6 @@ from tests.conftest import (
     ENGINES,
     captured_payloads,
     engine_batches,
-    expected_engine_event,
     load_engine_frames,
 )
 
@@ -28,22 +27,6 @@ SglangFrames = tuple[str, dict[str, Any], dict[str, Any]]
 @pytest.fixture(scope="module", params=[name for name in ENGINES if name.startswith("sglang-")])
 def sglang_frames(request: pytest.FixtureRequest) -> SglangFrames:
     return request.param, *load_engine_frames(request.param)
-
-
-def test_captured_batches_decode_as_the_twin_says(sglang_frames: SglangFrames):
-    """Signed hashes cast to u64, one Stored per page, the partial page's Stored left without blocks."""
-    _, captured, twin = sglang_frames
-    page_size = twin["scenario"]["block_size"]
-    decoder = sglang.Decoder(WORKER_ID, page_size)
-    for payload, expected in captured_payloads(captured, twin):
-        ts, twin_events, rank = expected["payload"]
-        batch = decoder.decode(payload, first_event_id=100)
-        assert batch.timestamp == ts
-        assert batch.dp_rank == rank
-        assert batch.events == tuple(
-            expected_engine_event(e, worker_id=WORKER_ID, dp_rank=rank, event_id=100 + i, block_size=page_size)
-            for i, e in enumerate(twin_events)
-        )
 
 
 def test_encoder_writes_what_sglang_published(sglang_frames: SglangFrames):

@@ -25,32 +25,13 @@ from tests.conftest import (
     ENGINES,
     captured_payloads,
     engine_batches,
-    expected_engine_event,
     load_engine_frames,
+    twin_fields,
 )
 
 WORKER_ID = 7
 BLOCK_SIZE = 4
 """For the synthetic batches below; the captured ones state their own block size."""
-
-ARRAY_LAYOUT = {
-    "BlockStored": (
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-        "extra_keys",
-        "group_idx",
-        "kv_cache_spec_kind",
-        "kv_cache_spec_sliding_window",
-    ),
-    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
-    "AllBlocksCleared": (),
-}
-"""vLLM 0.23.0's positional events (``spec/wire-formats.md`` §1.3), written out independently of the codec."""
 
 VllmFrames = tuple[str, dict[str, Any], dict[str, Any]]
 
@@ -58,31 +39,6 @@ VllmFrames = tuple[str, dict[str, Any], dict[str, Any]]
 @pytest.fixture(scope="module", params=[name for name in ENGINES if name.startswith("vllm-")])
 def vllm_frames(request: pytest.FixtureRequest) -> VllmFrames:
     return request.param, *load_engine_frames(request.param)
-
-
-def _twin_fields(event: Any) -> dict[str, Any]:
-    """A twin event as a map, whichever encoding the engine used."""
-    if isinstance(event, dict):
-        return event
-    tag, *values = event
-    return {"type": tag, **dict(zip(ARRAY_LAYOUT[tag], values, strict=False))}
-
-
-def test_captured_batches_decode_as_the_twin_says(vllm_frames: VllmFrames):
-    _, captured, twin = vllm_frames
-    block_size = twin["scenario"]["block_size"]
-    decoder = vllm.Decoder(WORKER_ID, block_size)
-    for payload, expected in captured_payloads(captured, twin):
-        ts, twin_events, rank = expected["payload"]
-        batch = decoder.decode(payload, first_event_id=100)
-        assert batch.timestamp == ts
-        assert batch.dp_rank == rank
-        assert batch.events == tuple(
-            expected_engine_event(
-                _twin_fields(e), worker_id=WORKER_ID, dp_rank=rank, event_id=100 + i, block_size=block_size
-            )
-            for i, e in enumerate(twin_events)
-        )
 
 
 def test_encoder_writes_what_vllm_published(vllm_frames: VllmFrames):
@@ -93,7 +49,7 @@ def test_encoder_writes_what_vllm_published(vllm_frames: VllmFrames):
     encoder = vllm.Encoder(twin["scenario"]["event_encoding"])
     compared = 0
     for payload, expected in captured_payloads(captured, twin):
-        if any(_twin_fields(e).get("lora_name") is not None for e in expected["payload"][1]):
+        if any(twin_fields(e).get("lora_name") is not None for e in expected["payload"][1]):
             continue
         repacked = msgpack.packb(msgpack.unpackb(payload, raw=False), use_bin_type=True)
         assert encoder.encode(decoder.decode(payload)) == repacked

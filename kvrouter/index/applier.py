@@ -35,11 +35,13 @@ import os
 import signal
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import zmq
 
+from ..errors import BadEvent
+from ..events.codecs.kvrouter import Decoder
 from ..events.model import WorkerKey
 from .layout import STATUS_STOPPED, Control, lock_path, unlink_segment
 from .writer import ShardWriter
@@ -159,7 +161,7 @@ def run_applier(
 
 def _serve(socket: zmq.Socket[bytes], control: Control, writer: ShardWriter, shard: int, parent: int) -> bool:
     """Apply messages until a stop (returns False) or the supervisor's death (returns True)."""
-    apply_payload = writer.apply_payload
+    apply_payload = _payload_applier(writer, shard)
     recv = socket.recv_multipart
     logged: set[str] = set()
     while True:  # hot path: one receive and one dispatch per message
@@ -190,6 +192,28 @@ def _serve(socket: zmq.Socket[bytes], control: Control, writer: ShardWriter, sha
         if what not in logged:
             logged.add(what)
             log.warning("malformed applier message shard=%d message=%s: counted as bad_event", shard, what)
+
+
+def _payload_applier(writer: ShardWriter, shard: int) -> Callable[[bytes], None]:
+    """Decode kvrouter batches for ``writer``: decoding lives here, the writer takes arrays. A batch that does
+    not decode counts one ``bad_event``; the first is logged, later ones only counted."""
+    decode = Decoder().decode_raw
+    bad = 0
+
+    def apply_payload(payload: bytes) -> None:
+        nonlocal bad
+        try:
+            batch = decode(payload)
+        except BadEvent as exc:
+            bad += 1
+            log.log(
+                logging.WARNING if bad == 1 else logging.DEBUG, "bad batch shard=%d count=%d error=%s", shard, bad, exc
+            )
+            writer.count_bad_batch()
+            return
+        writer.apply_batch((batch.worker_id, batch.dp_rank), batch.events)
+
+    return apply_payload
 
 
 def _take_fence(path: str, parent: int) -> int | None:

@@ -56,7 +56,8 @@ MAX_LOAD: Final = 0.5
 
 # -- control segment ----------------------------------------------------------------------------
 CONTROL_MAGIC: Final = 0x6B76_7263_7472_6C00  # "kvrctrl"
-LAYOUT_VERSION: Final = 1
+LAYOUT_VERSION: Final = 2
+"""2: worker rows grew to 16 words (event-plane cursor, gap counters, trust state); shards got a rows generation."""
 C_MAGIC, C_VERSION, C_SHARDS, C_ROWS = range(4)
 """Control header words: magic, layout version, shard count, worker rows per shard."""
 SHARD_BLOCK_WORDS: Final = 24
@@ -66,12 +67,54 @@ ERROR_KINDS: Final = ("bad_event", "parent_not_found", "block_not_found", "inval
 S_LAST_EVENT: Final = S_ERRORS + len(ERROR_KINDS)
 S_FLUSHED: Final = S_LAST_EVENT + 1
 S_RESTARTS: Final = S_FLUSHED + 1
+S_ROWS_GEN: Final = S_RESTARTS + 1
+"""Bumped (to odd, then even) around every change of which worker a row names; a reader that sees it
+move during a query re-reads, so a walk's bits are never attributed to a row's next owner."""
 S_NAME: Final = 16
 NAME_BYTES: Final = 64
 WORKER_ROWS: Final = 4096
 """Worker rows per shard: row b describes mask bit b. 4096 leaves room for any fleet one router serves."""
-W_WORKER_ID, W_DP_RANK, W_IN_USE, W_CACHED = range(4)
-WORKER_ROW_WORDS: Final = 4
+(
+    W_WORKER_ID,
+    W_DP_RANK,
+    W_IN_USE,
+    W_CACHED,
+    W_LAST_ID,
+    W_LAST_EVENT_NS,
+    W_GAPS_DETECTED,
+    W_GAPS_RECOVERED,
+    W_GAPS_LOST,
+    W_STATE,
+    W_STALE,
+    W_DROPPED_BLOCKS,
+    W_SKIPPED_EVENTS,
+    W_BAD_FRAMES,
+    W_RESTARTS,
+    W_EVENTS,
+) = range(16)
+"""Worker row words: identity and cached device blocks (the writer), then the event plane's view of the
+worker: the last sequence number or event id applied (``NO_ID`` before the first), when its last message
+arrived, gaps detected / recovered / lost, the trust state (``WORKER_*``), the stale flag, blocks dropped
+for a wrong block size, events skipped (another attention group), undecodable frames, engine restarts
+seen, and events applied."""
+WORKER_ROW_WORDS: Final = 16
+NO_ID: Final = (1 << 64) - 1
+"""``W_LAST_ID`` before any message was applied."""
+
+WORKER_UNKNOWN: Final = 0
+"""Registered, nothing heard yet."""
+WORKER_EXACT: Final = 1
+"""Every event since the worker's (re)start accounted for: the index holds what the engine holds."""
+WORKER_PARTIAL: Final = 2
+"""Some history was lost (a gap not recovered, a join without replay): the index may miss blocks."""
+WORKER_RESTORING: Final = 3
+"""A restore or a gap recovery is in flight; live events are buffered meanwhile."""
+WORKER_STATES: Final = {
+    WORKER_UNKNOWN: "unknown",
+    WORKER_EXACT: "exact",
+    WORKER_PARTIAL: "partial",
+    WORKER_RESTORING: "restoring",
+}
 
 STATUS_STARTING: Final = 0
 STATUS_UP: Final = 1

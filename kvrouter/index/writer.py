@@ -12,14 +12,14 @@ import logging
 import math
 import mmap
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
 from ..errors import BadEvent, BlockNotFound, InvalidBlockSequence, ParentNotFound
-from ..events.codecs.kvrouter import Decoder, RawEvent
+from ..events.codecs.kvrouter import RawEvent
 from ..events.model import Cleared, KvEvent, Removed, Stored, WorkerKey
 from . import _kernels as kernels
 from .layout import (
@@ -31,11 +31,14 @@ from .layout import (
     H_USED,
     MAX_LOAD,
     MIN_CAPACITY,
+    NO_ID,
     SHARD_MAGIC,
     TIERS,
     W_CACHED,
     W_DP_RANK,
     W_IN_USE,
+    W_LAST_EVENT_NS,
+    W_LAST_ID,
     W_WORKER_ID,
     WORD_BITS,
     Control,
@@ -97,8 +100,6 @@ class ShardWriter:
         self._cached = np.zeros(control.rows, dtype=np.int64)
         self._emap, self._emeta = _map(capacity)
         self._refs, self._rmeta = _map(MIN_MAP_ROWS)
-        self._decoder = Decoder()
-        self._bad_batches = 0
         control.worker_rows(shard)[:] = 0  # a dead predecessor's rows: this writer registers its own
         self._segment = self._publish(capacity, nwords=1)
         for worker in workers:
@@ -135,20 +136,16 @@ class ShardWriter:
         self._count(1, [kind] if kind else [])
         return kind
 
-    def apply_payload(self, payload: bytes) -> None:
-        """Apply one kvrouter-format batch straight from its packed arrays (no object per block); a batch
-        that does not decode counts one ``bad_event`` and is logged."""
-        try:
-            batch = self._decoder.decode_raw(payload)
-        except BadEvent as exc:
-            self._bad_batches += 1
-            level = logging.WARNING if self._bad_batches == 1 else logging.DEBUG  # once, then counted only
-            log.log(level, "bad batch shard=%d count=%d error=%s", self.shard, self._bad_batches, exc)
-            self._count(0, [BadEvent.kind])
-            return
-        worker = (batch.worker_id, batch.dp_rank)
-        errors = [kind for event in batch.events if (kind := self._apply(worker, event))]  # hot path
-        self._count(len(batch.events), errors)
+    def apply_batch(self, worker: WorkerKey, events: Sequence[RawEvent]) -> list[str]:
+        """Apply one worker's events, already decoded into packed arrays (no object per block), in order;
+        count them once. Returns the error kinds met, one per failed event, in order."""
+        errors = [kind for event in events if (kind := self._apply(worker, event))]  # hot path
+        self._count(len(events), errors)
+        return errors
+
+    def count_bad_batch(self) -> None:
+        """A message for this shard did not decode: one ``bad_event``, no event applied."""
+        self._count(0, [BadEvent.kind])
 
     def _count(self, events: int, errors: list[str]) -> None:
         """Bump the shard's counters once per call, not per event: they are shared-memory words."""
@@ -180,9 +177,31 @@ class ShardWriter:
     def remove_worker(self, worker_id: int) -> None:
         """Forget every dp rank of ``worker_id``: its bits are cleared, then its rows freed for reuse."""
         for worker in [w for w in self._bits if w[0] == worker_id]:
-            bit = self._bits.pop(worker)
+            self.forget(worker)
+
+    def forget(self, worker: WorkerKey) -> None:
+        """Forget one (worker, dp_rank): its bits are cleared, then its row freed for reuse."""
+        bit = self._bits.pop(worker, None)
+        if bit is not None:
             self._clear_bit_everywhere(bit)
             self.control.worker_rows(self.shard)[bit, W_IN_USE] = 0
+
+    def clear_worker(self, worker: WorkerKey) -> None:
+        """Release every block of one (worker, dp_rank) in every tier (an engine restart, a dump about to
+        be applied); its row stays."""
+        bit = self._bits.get(worker)
+        if bit is not None:
+            self._clear_bit_everywhere(bit)
+
+    def register(self, worker: WorkerKey) -> int:
+        """Give the worker its row now (it is routable with overlap 0 before its first event); returns its
+        mask bit, or -1 when every row is taken."""
+        return self._bit(worker)
+
+    def row(self, worker: WorkerKey) -> npt.NDArray[np.uint64] | None:
+        """The worker's row of the control segment (the event plane writes its cursor and counters there)."""
+        bit = self._bits.get(worker)
+        return None if bit is None else self.control.worker_rows(self.shard)[bit]
 
     def clear_all_blocks(self, worker_id: int) -> None:
         """Release every block of every dp rank and tier of ``worker_id``; its rows stay."""
@@ -215,9 +234,11 @@ class ShardWriter:
         if bit >= nwords * WORD_BITS:
             self._rebuild(int(self.table[H_LIVE]), nwords=nwords * 2, keep_capacity=True)
         self._cached[bit] = 0
+        rows[bit, :] = 0
         rows[bit, W_WORKER_ID] = worker[0]
         rows[bit, W_DP_RANK] = worker[1]
-        rows[bit, W_CACHED] = 0
+        rows[bit, W_LAST_ID] = NO_ID
+        rows[bit, W_LAST_EVENT_NS] = time.time_ns()
         rows[bit, W_IN_USE] = 1  # last: a reader that sees the row in use sees the whole row
         self._bits[worker] = bit
         return bit

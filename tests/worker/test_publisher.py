@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import msgpack
 import pytest
 import zmq
+from hypothesis import given, settings, strategies as st
 
 from kvrouter import KvPublisher
 from kvrouter.errors import ConfigError, EncodeError, EngineError, InvalidHashInput
@@ -363,3 +364,55 @@ def test_an_endpoint_in_use_is_a_config_error(pub: KvPublisher, ctx: Context):
         KvPublisher(WORKER, block_size=BLOCK, endpoint=LOCAL, query_endpoint=pub.endpoint, context=ctx)
     with pytest.raises(ConfigError, match="block_size"):
         KvPublisher(WORKER, block_size=0, endpoint=LOCAL, context=ctx)
+
+
+Op = tuple[str, int, int]
+OPS = st.tuples(st.sampled_from(["store", "store", "remove", "clear"]), st.integers(0, 30), st.integers(1, 3))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(st.lists(OPS, min_size=1, max_size=3), min_size=1, max_size=8),
+    starts=st.lists(st.none() | st.integers(0, 30), min_size=1, max_size=5),
+)
+def test_every_answer_agrees_with_the_published_history(steps: list[list[Op]], starts: list[int | None]):
+    """Differential, without sockets: a dump rebuilds the publisher's index; the state a router held
+    after event ``start - 1`` plus an events answer from ``start`` is the publisher's state too."""
+    held: list[int] = []
+    next_hash = 1
+    with KvPublisher(WORKER, block_size=BLOCK, endpoint="inproc://events", buffer_events=3) as pub:
+        dumps = {-1: pub.answer(QueryRequest(None))}  # what a router held after each event id
+        for ops in steps:
+            for kind, pick, length in ops:
+                if kind == "store":
+                    parent = held[pick % len(held)] if held and pick % 3 else None
+                    blocks = list(range(next_hash, next_hash + length))
+                    next_hash += length
+                    pub.store(blocks, tokens(*(b % 5 for b in blocks)), parent=parent)
+                    held.extend(blocks)
+                elif kind == "remove" and held:
+                    pub.remove([held.pop(pick % len(held))])
+                elif kind == "clear":
+                    pub.clear()
+                    held.clear()
+            if pub.publish(send=False) is not None:
+                assert pub.last_event_id is not None
+                dumps[pub.last_event_id] = pub.answer(QueryRequest(None))
+        assert pub.index_errors == 0
+        last = -1 if pub.last_event_id is None else pub.last_event_id
+        for start in starts:
+            reply = pub.answer(QueryRequest(start))
+            assert reply.last_event_id == pub.last_event_id
+            if start is None or start < last + 1 - 3:
+                assert reply.reply == "tree_dump"
+                assert rebuilt(reply).holdings() == pub.index.holdings()
+            elif start > last + 1:
+                assert reply == QueryReply("too_new", pub.last_event_id)
+            else:
+                assert reply.reply == "events"
+                assert [e.event_id for e in reply_events(reply)] == list(range(start, last + 1))
+                if start - 1 in dumps:
+                    index = rebuilt(dumps[start - 1])
+                    for event in reply_events(reply):
+                        index.apply_event(WORKER, event)
+                    assert index.holdings() == pub.index.holdings()

@@ -209,7 +209,6 @@ class KvPublisher:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context() if context is None else context
         self._router: zmq.Socket[bytes] | None = None
         self._pub = self._bind(zmq.PUB, endpoint, "endpoint")
-        self._pub.setsockopt(zmq.SNDHWM, PUB_SNDHWM)
         self.endpoint: str = self._last_endpoint(self._pub)
         """The address the PUB is bound to (the port resolved when ``endpoint`` used ``*``)."""
         self.query_endpoint: str | None = None
@@ -221,6 +220,8 @@ class KvPublisher:
     def _bind(self, kind: int, endpoint: str, name: str) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.PUB:  # before bind: a pipe takes the HWM in force when its peer connects
+            sock.setsockopt(zmq.SNDHWM, PUB_SNDHWM)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_QUERY_BYTES)
         try:

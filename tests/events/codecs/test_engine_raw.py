@@ -176,7 +176,8 @@ def wire_event(draw: st.DrawFn, engine: str) -> dict[str, Any]:
     size = draw(st.sampled_from([BLOCK_SIZE, BLOCK_SIZE, BLOCK_SIZE, BLOCK_SIZE * 2, 1]))
     length = max(0, count * size + draw(st.integers(-size, size)))  # short, whole or with extra tokens
     ids = draw(st.lists(tokens, min_size=length, max_size=length))
-    if ids and draw(st.booleans()):  # EAGLE bigrams: len(ids) - 1 pairs
+    bigrams: bool = draw(st.booleans())
+    if ids and bigrams:  # EAGLE bigrams: len(ids) - 1 pairs
         token_ids: list[Any] = [list(pair) for pair in itertools.pairwise(ids)] or ids
     else:
         token_ids = ids

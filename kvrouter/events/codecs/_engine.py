@@ -19,22 +19,21 @@ from __future__ import annotations
 
 import string
 import time
-from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal
 
 import msgpack
+import numpy as np
+import numpy.typing as npt
 
 from ...errors import BadEvent, EncodeError, InvalidHashInput
-from ...hashing import block_hashes
+from ...hashing import block_hashes_array
 from ..model import (
     U64_MAX,
-    Cleared,
     EngineHash,
     EventBatch,
     KvEvent,
-    LocalHash,
     Removed,
     StorageTier,
     Stored,
@@ -53,6 +52,7 @@ from ._fields import (
     expect_tokens,
     field,
 )
+from .kvrouter import _CLEARED, _NO_HASHES, _REMOVED, _STORED, RawBatch, RawEvent, _to_model
 
 __all__ = ["Dialect", "EngineDecoder", "EngineEncoder"]
 
@@ -68,6 +68,7 @@ MAIN_ATTENTION_KINDS: Final = frozenset({"full_attention", "mla_attention", "sin
 ``KvCacheSpecKind::is_main_attention``). When an event names its kind, the kind alone decides, as in
 Dynamo; otherwise only ``group_idx`` None or 0 is kept. MLA models (DeepSeek) publish ``mla_attention``."""
 
+_NO_TOKENS: Final = np.empty(0, dtype=np.uint32)
 _HEX_DIGITS: Final = frozenset(string.hexdigits)
 _MM_ID_LEN: Final = 64
 """vLLM's multimodal identifiers in ``extra_keys`` are 64-hex-digit digests; Dynamo keeps the first 16."""
@@ -98,12 +99,15 @@ class Dialect:
 
 
 class EngineDecoder:
-    """Turns one engine batch ``[ts, events, dp_rank]`` into an :class:`EventBatch`.
+    """Turns one engine batch ``[ts, events, dp_rank]`` into a :class:`RawBatch` or an :class:`EventBatch`.
 
     Engines send neither a worker id nor event ids: the decoder is built with the worker id, and
     numbers the events it returns ``first_event_id``, ``first_event_id + 1``, ... in batch order, so
     the next batch starts at ``first_event_id + len(batch.events)``. Skipped events (another
     attention group) take no number. Every event gets the batch's dp rank (nil or absent: 0).
+
+    :meth:`decode_raw` is the one parser; :meth:`decode` converts its arrays into model objects, so
+    the two cannot disagree on anything but representation.
     """
 
     dialect: ClassVar[Dialect]
@@ -123,11 +127,26 @@ class EngineDecoder:
         self.block_size = block_size
 
     def decode(self, payload: bytes, *, first_event_id: int = 0) -> EventBatch:
-        """Decode one payload, numbering its events from ``first_event_id``.
+        """Decode one payload into model events, numbering them from ``first_event_id``.
 
         Raises:
             BadEvent: not msgpack, not a batch, or a malformed event; the message names the path,
                 e.g. ``vllm batch: $[1][0].block_hashes[2]: expected an integer or bytes hash, got str``.
+        """
+        raw = self.decode_raw(payload, first_event_id=first_event_id)
+        events = tuple(_to_model(event, raw.worker_id, raw.dp_rank) for event in raw.events)
+        return EventBatch(events, timestamp=raw.timestamp, dp_rank=raw.dp_rank)
+
+    def decode_raw(self, payload: bytes, *, first_event_id: int = 0) -> RawBatch:
+        """Decode one payload into array events (no object per block), numbering them from ``first_event_id``.
+
+        A store's ``engine`` and ``local`` hold one u64 per indexed block and its ``tokens`` those
+        blocks' tokens (u32, ``block_size`` a block); removals hold their engine hashes; a cleared
+        event is on the device tier, as :class:`Cleared` is. The batch counts the events it skipped
+        (another attention group) and the blocks it did not index.
+
+        Raises:
+            BadEvent: as :meth:`decode`.
         """
         root = f"{self.dialect.name} batch: $"
         try:
@@ -141,25 +160,29 @@ class EngineDecoder:
         raw_events = expect_list(batch[1], f"{root}[1]")
         rank = batch[2] if len(batch) > 2 else None
         dp_rank = 0 if rank is None else expect_int(rank, f"{root}[2]", hi=I32_MAX)
-        events: list[KvEvent] = []
+        events: list[RawEvent] = []
+        dropped = 0
         for i, raw in enumerate(raw_events):  # hot path: one pass per engine event
-            event = self._event(raw, f"{root}[1][{i}]", dp_rank, first_event_id + len(events))
+            event, lost = self._event(raw, f"{root}[1][{i}]", first_event_id + len(events))
+            dropped += lost
             if event is not None:
                 events.append(event)
-        return EventBatch(tuple(events), timestamp=timestamp, dp_rank=dp_rank)
+        skipped = len(raw_events) - len(events)
+        return RawBatch(self.worker_id, dp_rank, timestamp, tuple(events), skipped, dropped)
 
-    def _event(self, raw: object, where: str, dp_rank: int, event_id: int) -> KvEvent | None:
+    def _event(self, raw: object, where: str, event_id: int) -> tuple[RawEvent | None, int]:
+        """The event (None: another attention group) and how many of its blocks were not indexed."""
         tag, fields = self._fields(raw, where)
         if tag == BLOCK_STORED:
-            return self._stored(fields, where, dp_rank, event_id)
+            return self._stored(fields, where, event_id)
         if tag == BLOCK_REMOVED:
             hashes = _hashes(field(fields, "block_hashes", where), f"{where}.block_hashes")
             tier = expect_tier(fields.get("medium"), f"{where}.medium")
             if not _main_attention(fields, where):
-                return None
-            return Removed(self.worker_id, tuple(hashes), dp_rank=dp_rank, event_id=event_id, tier=tier)
+                return None, 0
+            return RawEvent(_REMOVED, event_id, tier, None, hashes, _NO_HASHES, None), 0
         if tag == ALL_BLOCKS_CLEARED:
-            return Cleared(self.worker_id, dp_rank=dp_rank, event_id=event_id)
+            return RawEvent(_CLEARED, event_id, StorageTier.DEVICE, None, _NO_HASHES, _NO_HASHES, None), 0
         raise BadEvent(
             f"{where}: unknown event type {tag!r}; expected "
             f"{BLOCK_STORED!r}, {BLOCK_REMOVED!r} or {ALL_BLOCKS_CLEARED!r}"
@@ -181,7 +204,7 @@ class EngineDecoder:
             return tag, dict(zip(layout.get(tag, ()), raw[1:], strict=False))
         raise BadEvent(f"{where}: expected an event map or array, got {describe(raw)}")
 
-    def _stored(self, fields: Mapping[Any, Any], where: str, dp_rank: int, event_id: int) -> Stored | None:
+    def _stored(self, fields: Mapping[Any, Any], where: str, event_id: int) -> tuple[RawEvent | None, int]:
         hashes = _hashes(field(fields, "block_hashes", where), f"{where}.block_hashes")
         parent_raw = fields.get("parent_block_hash")
         parent = None if parent_raw is None else expect_hash(parent_raw, f"{where}.parent_block_hash")
@@ -191,41 +214,25 @@ class EngineDecoder:
         mm_infos = _mm_infos(fields.get("extra_keys"), f"{where}.extra_keys")
         tier = expect_tier(fields.get("medium"), f"{where}.medium")
         if not _main_attention(fields, where):
-            return None
-        blocks: tuple[StoredBlock, ...] = ()
-        if size == self.block_size:
+            return None, 0
+        if size != self.block_size:
             # Blocks of another size ("Block not published" in Dynamo) go, and with them every later one
             # of the event: here that is all of them, since one event has one block_size.
-            blocks = self._blocks(hashes, tokens, lora_name, mm_infos, eagle, f"{where}.token_ids")
-        return Stored(self.worker_id, parent, blocks, dp_rank=dp_rank, event_id=event_id, tier=tier)
-
-    def _blocks(
-        self,
-        hashes: Sequence[EngineHash],
-        tokens: array[int],
-        lora_name: str | None,
-        mm_infos: list[dict[str, Any] | None] | None,
-        eagle: bool,
-        where: str,
-    ) -> tuple[StoredBlock, ...]:
-        """Pairs each engine hash with the local hash of its block of tokens.
-
-        Blocks past the last full block of tokens are dropped, as Dynamo does ("token_ids too
-        short"); tokens beyond the last hash are ignored.
-        """
-        size = self.block_size
+            return RawEvent(_STORED, event_id, tier, parent, _NO_HASHES, _NO_HASHES, _NO_TOKENS), len(hashes)
         try:
-            local = block_hashes(tokens, size, lora_name=lora_name, mm_infos=mm_infos, eagle=eagle)
+            local = block_hashes_array(tokens, size, lora_name=lora_name, mm_infos=mm_infos, eagle=eagle)
         except InvalidHashInput as exc:  # tokens are checked already; kept so nothing else escapes
-            raise BadEvent(f"{where}: {exc}") from exc
+            raise BadEvent(f"{where}.token_ids: {exc}") from exc
+        # Blocks past the last full block of tokens are dropped, as Dynamo does ("token_ids too short");
+        # tokens beyond the last hash are ignored.
         count = min(len(hashes), len(local))
-        return tuple(
-            StoredBlock(hashes[j], LocalHash(local[j]), tuple(tokens[j * size : (j + 1) * size])) for j in range(count)
-        )
+        event = RawEvent(_STORED, event_id, tier, parent, hashes[:count], local[:count], tokens[: count * size])
+        return event, len(hashes) - count
 
 
-def _hashes(value: object, where: str) -> list[EngineHash]:
-    return [expect_hash(h, f"{where}[{j}]") for j, h in enumerate(expect_list(value, where))]
+def _hashes(value: object, where: str) -> npt.NDArray[np.uint64]:
+    items = expect_list(value, where)
+    return np.array([expect_hash(h, f"{where}[{j}]") for j, h in enumerate(items)], dtype=np.uint64)
 
 
 def _main_attention(fields: Mapping[Any, Any], where: str) -> bool:
@@ -238,7 +245,7 @@ def _main_attention(fields: Mapping[Any, Any], where: str) -> bool:
     return group in (None, 0)
 
 
-def _token_ids(value: object, where: str) -> tuple[array[int], bool]:
+def _token_ids(value: object, where: str) -> tuple[npt.NDArray[np.uint32], bool]:
     """Plain token ids, or SGLang's EAGLE bigram keys ``[[t0, t1], [t1, t2], ...]``.
 
     Bigram pairs become the first token of each pair plus the last pair's second, hashed with
@@ -251,7 +258,7 @@ def _token_ids(value: object, where: str) -> tuple[array[int], bool]:
     """
     items = expect_list(value, where)
     if not items or not isinstance(items[0], list | tuple):
-        return expect_tokens(items, where), False
+        return np.frombuffer(expect_tokens(items, where), dtype=np.uint32), False
     firsts: list[int] = []
     last = 0
     for j, raw in enumerate(items):
@@ -260,7 +267,7 @@ def _token_ids(value: object, where: str) -> tuple[array[int], bool]:
             raise BadEvent(f"{where}[{j}]: expected an EAGLE [token, next token] pair, got {len(pair)} items")
         firsts.append(expect_int(pair[0], f"{where}[{j}][0]", hi=U32_MAX))
         last = expect_int(pair[1], f"{where}[{j}][1]", hi=U32_MAX)
-    return array("I", [*firsts, last]), True
+    return np.array([*firsts, last], dtype=np.uint32), True
 
 
 def _mm_infos(value: object, where: str) -> list[dict[str, Any] | None] | None:

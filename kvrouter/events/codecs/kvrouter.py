@@ -131,6 +131,11 @@ class RawBatch:
     dp_rank: int
     timestamp: float | None
     events: tuple[RawEvent, ...]
+    skipped_events: int = 0
+    """Engine events of another attention group (``group_idx`` != 0), skipped without an event id."""
+    dropped_blocks: int = 0
+    """Engine blocks not indexed: every block of a store whose ``block_size`` is not the router's, and
+    blocks past the last full block of ``token_ids``."""
 
 
 class Decoder:
@@ -212,7 +217,7 @@ def _to_model(event: RawEvent, worker_id: int, dp_rank: int) -> KvEvent:
     if event.tag == _CLEARED:
         return Cleared(worker_id, dp_rank=dp_rank, event_id=event_id, tier=tier)
     count = len(event.engine)
-    if event.tokens is None:
+    if event.tokens is None or not count:
         tokens: list[tuple[int, ...] | None] = [None] * count
     else:
         size = len(event.tokens) // count

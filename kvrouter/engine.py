@@ -30,12 +30,37 @@ from .errors import BadEvent, ConfigError, EngineError, FlushTimeout
 from .events.codecs.dynamo import event_from_dict
 from .events.codecs.kvrouter import Encoder
 from .events.model import EventBatch, KvEvent, StorageTier, WorkerKey
-from .index.applier import EVENTS, clear_frames, flush_frames, remove_frames
-from .index.layout import STATUS_RECOVERING, STATUS_STARTING, STATUS_STOPPED, STATUS_UP
+from .index.applier import EVENTS, clear_frames, flush_frames
+from .index.layout import (
+    NO_ID,
+    STATUS_RECOVERING,
+    STATUS_STARTING,
+    STATUS_STOPPED,
+    STATUS_UP,
+    W_BAD_FRAMES,
+    W_CACHED,
+    W_DP_RANK,
+    W_DROPPED_BLOCKS,
+    W_EVENTS,
+    W_GAPS_DETECTED,
+    W_GAPS_LOST,
+    W_GAPS_RECOVERED,
+    W_IN_USE,
+    W_LAST_EVENT_NS,
+    W_LAST_ID,
+    W_RESTARTS,
+    W_SKIPPED_EVENTS,
+    W_STALE,
+    W_STATE,
+    W_WORKER_ID,
+    WORKER_STATES,
+)
 from .index.reader import IndexReader
 from .index.supervisor import STOP_TIMEOUT, Supervisor
+from .plane.config import PlaneConfig
+from .plane.registry import WorkerSpec
 
-__all__ = ["Engine", "ReaderHandle", "ShardStats", "attach", "default_shards"]
+__all__ = ["Engine", "ReaderHandle", "ShardStats", "WorkerStats", "attach", "default_shards"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +133,55 @@ class ShardStats:
     """The (worker_id, dp_rank) the shard holds, with their cached device blocks."""
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One (worker, dp_rank) as the event plane follows it, from its row of the control segment."""
+
+    shard: int
+    state: str
+    """``exact`` (every event accounted for), ``partial`` (history lost), ``restoring`` (a restore or gap
+    recovery in flight) or ``unknown`` (nothing heard yet, no recovery endpoint to ask)."""
+    stale: bool
+    """Nothing heard for ``PlaneConfig.stale_after`` seconds."""
+    cached_blocks: int
+    """Device blocks the index holds for it."""
+    last_id: int | None
+    """The last sequence number (vLLM, SGLang) or event id (kvrouter format) applied."""
+    last_event_ns: int
+    """When its last message arrived (``time.time_ns()``), or when it was registered."""
+    gaps_detected: int
+    gaps_recovered: int
+    gaps_lost: int
+    dropped_blocks: int
+    """Blocks not indexed: their block size differs from the registered one."""
+    skipped_events: int
+    """Events of another attention group (``group_idx`` != 0), skipped."""
+    bad_frames: int
+    restarts: int
+    """Engine restarts seen (ids went back to 0)."""
+    events: int
+    """Events applied from its stream."""
+
+    @classmethod
+    def of_row(cls, shard: int, row: Sequence[int]) -> WorkerStats:
+        return cls(
+            shard=shard,
+            state=WORKER_STATES.get(row[W_STATE], "unknown"),
+            stale=bool(row[W_STALE]),
+            cached_blocks=row[W_CACHED],
+            last_id=None if row[W_LAST_ID] == NO_ID else row[W_LAST_ID],
+            last_event_ns=row[W_LAST_EVENT_NS],
+            gaps_detected=row[W_GAPS_DETECTED],
+            gaps_recovered=row[W_GAPS_RECOVERED],
+            gaps_lost=row[W_GAPS_LOST],
+            dropped_blocks=row[W_DROPPED_BLOCKS],
+            skipped_events=row[W_SKIPPED_EVENTS],
+            bad_frames=row[W_BAD_FRAMES],
+            restarts=row[W_RESTARTS],
+            events=row[W_EVENTS],
+        )
+
+
 class Engine:
     """The shared-memory index: ``shards`` applier processes writing, lock-free readers.
 
@@ -121,6 +195,7 @@ class Engine:
         flush_timeout: seconds :meth:`flush` waits by default.
         start_timeout: seconds :meth:`start` waits for every applier to come up.
         stop_timeout: seconds :meth:`close` gives the appliers before killing them.
+        plane: the event plane's timeouts and bounds for workers given to :meth:`add_worker`.
 
     Raises:
         ConfigError: ``shards`` below 1.
@@ -133,6 +208,7 @@ class Engine:
         flush_timeout: float = FLUSH_TIMEOUT,
         start_timeout: float = START_TIMEOUT,
         stop_timeout: float = STOP_TIMEOUT,
+        plane: PlaneConfig | None = None,
     ) -> None:
         shards = default_shards() if shards is None else shards
         if shards < 1:
@@ -142,6 +218,8 @@ class Engine:
         self.flush_timeout = flush_timeout
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
+        self.plane = plane or PlaneConfig()
+        """How appliers follow workers given to :meth:`add_worker`: timeouts, bounds."""
         self._supervisor: Supervisor | None = None
         self._reader: IndexReader | None = None
         self._query_lock = threading.Lock()
@@ -159,7 +237,7 @@ class Engine:
         """
         if self._supervisor is not None:
             raise EngineError("the engine is already started")
-        self._supervisor = Supervisor(self.shards, stop_timeout=self.stop_timeout)
+        self._supervisor = Supervisor(self.shards, stop_timeout=self.stop_timeout, plane=self.plane)
         try:
             self._wait_up(self._supervisor)
             self._reader = IndexReader(self._supervisor.control.name)
@@ -243,11 +321,25 @@ class Engine:
         supervisor = self._running()
         supervisor.send(supervisor.shard_for(worker), [EVENTS, payload])
 
+    def add_worker(self, spec: WorkerSpec) -> None:
+        """Follow a worker's KV events over ZMQ: each dp rank's applier subscribes to it, restores it from its
+        replay socket or local indexer, and tracks its gaps (``plane/stream.py``). The worker is routable at
+        once, with overlap 0 until its restore lands. Registering a worker again replaces it: its old
+        streams and blocks go first.
+
+        Raises:
+            EngineError: the engine is not running.
+        """
+        self._running().follow(spec)
+
     def remove_worker(self, worker_id: int) -> None:
-        """Forget every dp rank of ``worker_id``: its blocks and its rows, in order with its events."""
-        supervisor = self._running()
-        for shard in supervisor.forget(worker_id):
-            supervisor.send(shard, remove_frames(worker_id))
+        """Forget every dp rank of ``worker_id``: its subscriptions, its blocks and its rows, in order with its
+        events."""
+        self._running().unfollow(worker_id)
+
+    def followed(self) -> list[WorkerSpec]:
+        """The workers registered with :meth:`add_worker` and not removed since."""
+        return self._running().specs()
 
     def clear_all_blocks(self, worker_id: int) -> None:
         """Release every block of every dp rank of ``worker_id``; the worker stays known."""
@@ -312,6 +404,15 @@ class Engine:
     def reader_handle(self) -> ReaderHandle:
         """A picklable handle for :func:`attach` in another process."""
         return ReaderHandle(self._running().control.name)
+
+    def workers(self) -> dict[WorkerKey, WorkerStats]:
+        """Every (worker, dp_rank) of every shard as its row in the control segment shows it now."""
+        control = self._running().control
+        found: dict[WorkerKey, WorkerStats] = {}
+        for shard in range(self.shards):
+            for row in control.worker_rows(shard)[control.worker_rows(shard)[:, W_IN_USE] != 0].tolist():
+                found[row[W_WORKER_ID], row[W_DP_RANK]] = WorkerStats.of_row(shard, row)
+        return found
 
     def stats(self) -> list[ShardStats]:
         """Every shard's status, applier, segment and counters, read from the control segment."""

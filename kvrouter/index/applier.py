@@ -15,6 +15,7 @@ Every message is a multipart frame list whose first frame is a one-byte tag:
 | ``F`` | token (u64 LE) | flush: reached once every earlier message is applied; written to the control segment |
 | ``R`` | worker id (u64 LE) | remove every dp rank of the worker from this shard |
 | ``C`` | worker id (u64 LE) | release every block of every dp rank of the worker; it stays known |
+| ``W`` | spec, ranks (u64 LE) | follow these dp ranks of a worker (``plane/registry.py``) |
 | ``Q`` | (none) | stop: unlink the shard segment, status stopped, exit 0 |
 
 The socket orders messages, so a flush token is a barrier for everything sent before it, and worker
@@ -40,10 +41,22 @@ from typing import Final
 
 import zmq
 
-from ..errors import BadEvent
+from ..errors import BadEvent, ConfigError
 from ..events.codecs.kvrouter import Decoder
 from ..events.model import WorkerKey
-from .layout import STATUS_STOPPED, Control, lock_path, unlink_segment
+from ..plane.config import PlaneConfig
+from ..plane.ingest import Ingest
+from ..plane.registry import WorkerSpec
+from .layout import (
+    STATUS_RECOVERING,
+    STATUS_STOPPED,
+    STATUS_UP,
+    W_STATE,
+    WORKER_PARTIAL,
+    Control,
+    lock_path,
+    unlink_segment,
+)
 from .writer import ShardWriter
 
 __all__ = [
@@ -53,11 +66,13 @@ __all__ = [
     "QUEUE_LIMIT",
     "REMOVE_WORKER",
     "STOP",
+    "WORKER",
     "clear_frames",
     "flush_frames",
     "remove_frames",
     "run_applier",
     "stop_frames",
+    "worker_frames",
 ]
 
 log = logging.getLogger(__name__)
@@ -67,17 +82,28 @@ FLUSH: Final = b"F"
 REMOVE_WORKER: Final = b"R"
 CLEAR_WORKER: Final = b"C"
 STOP: Final = b"Q"
+WORKER: Final = b"W"
 
 QUEUE_LIMIT: Final = 1 << 20
 """Messages a shard's queue holds (sender and receiver high-water marks). Deep enough to absorb a
 table growth at full event rate (tens of ms, ``spec/shm-engine.md`` §4.3); beyond it the sender
 blocks, which is back pressure rather than loss."""
-PARENT_CHECK_MS: Final = 1000
-"""How long a receive waits before the applier checks that its supervisor is still alive."""
+TICK_MS: Final = 100
+"""How often the applier runs its timers (recovery timeouts, stale workers, a rebuilt shard) and checks
+that its supervisor is still alive; also the longest a poll waits."""
+PULL_DRAIN_LIMIT: Final = 1024
+"""Supervisor messages taken per wake-up before the workers' sockets get their turn."""
 FENCE_POLL_MAX_S: Final = 0.05
 """Longest sleep between two attempts to take the fence; the wait itself has no end but the owner's death."""
 
 _U64: Final = struct.Struct("<Q")
+
+
+def _ranks(frame: bytes) -> list[int]:
+    """The dp ranks of a ``W`` message: packed little-endian u64 values."""
+    if len(frame) % _U64.size:
+        raise ValueError(f"{len(frame)} bytes is not a list of u64")
+    return list(struct.unpack(f"<{len(frame) // _U64.size}Q", frame))
 
 
 def flush_frames(token: int) -> list[bytes]:
@@ -96,16 +122,28 @@ def stop_frames() -> list[bytes]:
     return [STOP]
 
 
+def worker_frames(spec: WorkerSpec, ranks: Sequence[int]) -> list[bytes]:
+    return [WORKER, spec.to_wire(), struct.pack(f"<{len(ranks)}Q", *ranks)]
+
+
 def run_applier(
-    control_name: str, shard: int, owner_pid: int, endpoint: str, workers: Sequence[WorkerKey], status: int
+    control_name: str,
+    shard: int,
+    owner_pid: int,
+    endpoint: str,
+    workers: Sequence[WorkerKey],
+    status: int,
+    specs: Sequence[tuple[bytes, Sequence[int]]] = (),
+    config: PlaneConfig | None = None,
 ) -> None:
     """The applier's whole life, run in a process forked by the supervisor.
 
     Takes the shard's fence (waiting for as long as another process holds it), builds a fresh shard
     segment with ``workers`` registered, publishes its pid and ``status`` (up on a first start,
-    recovering on a restart: the content is rebuilt from the workers by the event plane), then serves
-    ``endpoint`` until it receives a stop, or until its supervisor dies (it then removes what the
-    supervisor can no longer remove).
+    recovering on a restart), follows the workers of ``specs`` (rebuilding each from its replay socket or
+    local indexer as far as it allows; a restarted shard is up again once every one has joined), then
+    serves ``endpoint`` and the workers' sockets until it receives a stop, or until its supervisor dies
+    (it then removes what the supervisor can no longer remove).
 
     Args:
         control_name: the control segment to attach read-write.
@@ -114,6 +152,8 @@ def run_applier(
         endpoint: the ``ipc://`` address to bind the PULL socket to.
         workers: the (worker_id, dp_rank) the shard owns already (empty on a first start).
         status: the status to publish once the shard is writable.
+        specs: the followed workers the shard owns, as ``(WorkerSpec.to_wire(), dp ranks)``.
+        config: the event plane's bounds and timers.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when appliers stop
     parent = os.getppid()
@@ -123,27 +163,38 @@ def run_applier(
         return
     control = Control.attach(control_name, writable=True)
     writer = ShardWriter(control, shard, owner_pid, workers=workers)
+    if status == STATUS_RECOVERING:
+        for worker in workers:  # what they held died with the previous applier; followed ones are rebuilt
+            row = writer.row(worker)
+            if row is not None:
+                row[W_STATE] = WORKER_PARTIAL
     control.set_pid(shard, os.getpid())
     control.set_status(shard, status)
     log.info(
-        "applier up shard=%d pid=%d segment=%s workers=%d status=%d",
+        "applier up shard=%d pid=%d segment=%s workers=%d followed=%d status=%d",
         shard,
         os.getpid(),
         writer.segment_name,
         len(workers),
+        len(specs),
         status,
     )
     context = zmq.Context()  # never the parent's: a forked copy of a context must not be used
     socket = context.socket(zmq.PULL)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.RCVHWM, QUEUE_LIMIT)
-    socket.setsockopt(zmq.RCVTIMEO, PARENT_CHECK_MS)
     socket.bind(endpoint)
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    ingest = Ingest(context, poller, writer, config or PlaneConfig())
+    for spec, ranks in specs:
+        ingest.add(WorkerSpec.from_wire(spec), ranks)
     orphaned = False
     try:
-        orphaned = _serve(socket, control, writer, shard, parent)
+        orphaned = _serve(socket, poller, ingest, control, writer, shard, parent)
     finally:
         control.set_status(shard, STATUS_STOPPED)
+        ingest.close()
         writer.close(unlink=True)
         socket.close(linger=0)
         context.term()
@@ -159,39 +210,68 @@ def run_applier(
     log.info("applier stopped shard=%d pid=%d orphaned=%s", shard, os.getpid(), orphaned)
 
 
-def _serve(socket: zmq.Socket[bytes], control: Control, writer: ShardWriter, shard: int, parent: int) -> bool:
+def _serve(
+    socket: zmq.Socket[bytes],
+    poller: zmq.Poller,
+    ingest: Ingest,
+    control: Control,
+    writer: ShardWriter,
+    shard: int,
+    parent: int,
+) -> bool:
     """Apply messages until a stop (returns False) or the supervisor's death (returns True)."""
     apply_payload = _payload_applier(writer, shard)
     recv = socket.recv_multipart
     logged: set[str] = set()
-    while True:  # hot path: one receive and one dispatch per message
-        try:
-            frames = recv()
-        except zmq.Again:
+    next_tick = 0.0
+    while True:  # hot path: one poll, then every readable socket drained
+        ready = poller.poll(TICK_MS)
+        now = time.monotonic()
+        if now >= next_tick:
+            next_tick = now + TICK_MS / 1000
             if os.getppid() != parent:
                 return True
-            continue
-        tag = frames[0] if frames else b""
-        if tag == EVENTS and len(frames) == 2:
-            apply_payload(frames[1])
-            continue
-        if tag == STOP and len(frames) == 1:
-            return False
-        if tag in (FLUSH, REMOVE_WORKER, CLEAR_WORKER) and len(frames) == 2 and len(frames[1]) == _U64.size:
-            (value,) = _U64.unpack(frames[1])
-            if tag == FLUSH:
-                if value > control.flushed(shard):
-                    control.set_flushed(shard, value)
-            elif tag == REMOVE_WORKER:
-                writer.remove_worker(value)
-            else:
-                writer.clear_all_blocks(value)
-            continue
-        control.count_error(shard, "bad_event")
-        what = f"tag {tag[:8]!r} with {len(frames)} frames"
-        if what not in logged:
-            logged.add(what)
-            log.warning("malformed applier message shard=%d message=%s: counted as bad_event", shard, what)
+            ingest.tick(now)
+            if control.status(shard) == STATUS_RECOVERING and not ingest.joining:
+                control.set_status(shard, STATUS_UP)
+                log.info("shard rebuilt shard=%d: every followed worker has joined", shard)
+        for sock, _ in ready:
+            if sock is not socket:
+                ingest.on_ready(sock, now)
+                continue
+            for _ in range(PULL_DRAIN_LIMIT):
+                try:
+                    frames = recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                tag = frames[0] if frames else b""
+                if tag == EVENTS and len(frames) == 2:
+                    apply_payload(frames[1])
+                    continue
+                if tag == STOP and len(frames) == 1:
+                    return False
+                if tag == WORKER and len(frames) == 3:
+                    try:
+                        ingest.add(WorkerSpec.from_wire(frames[1]), _ranks(frames[2]))
+                        continue
+                    except (ConfigError, ValueError):
+                        pass  # counted below
+                elif tag in (FLUSH, REMOVE_WORKER, CLEAR_WORKER) and len(frames) == 2 and len(frames[1]) == _U64.size:
+                    (value,) = _U64.unpack(frames[1])
+                    if tag == FLUSH:
+                        if value > control.flushed(shard):
+                            control.set_flushed(shard, value)
+                    elif tag == REMOVE_WORKER:
+                        ingest.remove(value)
+                        writer.remove_worker(value)
+                    else:
+                        writer.clear_all_blocks(value)
+                    continue
+                control.count_error(shard, "bad_event")
+                what = f"tag {tag[:8]!r} with {len(frames)} frames"
+                if what not in logged:
+                    logged.add(what)
+                    log.warning("malformed applier message shard=%d message=%s: counted as bad_event", shard, what)
 
 
 def _payload_applier(writer: ShardWriter, shard: int) -> Callable[[bytes], None]:

@@ -42,7 +42,9 @@ import zmq
 
 from ..errors import EngineError
 from ..events.model import WorkerKey
-from .applier import QUEUE_LIMIT, run_applier, stop_frames
+from ..plane.config import PlaneConfig
+from ..plane.registry import WorkerSpec
+from .applier import QUEUE_LIMIT, remove_frames, run_applier, stop_frames, worker_frames
 from .layout import (
     STATUS_RECOVERING,
     STATUS_STOPPED,
@@ -81,12 +83,23 @@ class Supervisor:
         EngineError: another engine of this process owns the segment names, or an applier cannot be forked.
     """
 
-    def __init__(self, shards: int, owner_pid: int | None = None, *, stop_timeout: float = STOP_TIMEOUT) -> None:
+    def __init__(
+        self,
+        shards: int,
+        owner_pid: int | None = None,
+        *,
+        stop_timeout: float = STOP_TIMEOUT,
+        plane: PlaneConfig | None = None,
+    ) -> None:
         self.shards = shards
         """Number of shards, fixed for the supervisor's life."""
         self.owner_pid = os.getpid() if owner_pid is None else owner_pid
         """The pid in every name this supervisor creates."""
         self.stop_timeout = stop_timeout
+        self.plane = plane or PlaneConfig()
+        """The event plane's bounds and timers, handed to every applier."""
+        self._specs: dict[int, WorkerSpec] = {}
+        """The registry: every followed worker, by id. A restarted applier is handed its part of it."""
         self._lock = threading.Lock()
         """Guards the processes, the worker map and the closing flag against the monitor thread."""
         self._send_lock = threading.Lock()
@@ -179,6 +192,45 @@ class Supervisor:
                     shards.append(shard)
             return shards
 
+    def follow(self, spec: WorkerSpec) -> list[int]:
+        """Register ``spec`` (replacing an earlier spec of the same worker, whose ranks are dropped first) and
+        tell each shard owning one of its ranks to follow them; returns those shards.
+
+        Raises:
+            EngineError: the supervisor is closed.
+        """
+        if spec.worker_id in self._specs:
+            self.unfollow(spec.worker_id)
+        by_shard: dict[int, list[int]] = {}
+        for rank in spec.dp_ranks:
+            by_shard.setdefault(self.shard_for((spec.worker_id, rank)), []).append(rank)
+        with self._lock:
+            self._specs[spec.worker_id] = spec
+        for shard, ranks in sorted(by_shard.items()):
+            self.send(shard, worker_frames(spec, ranks))
+        return sorted(by_shard)
+
+    def unfollow(self, worker_id: int) -> None:
+        """Drop ``worker_id`` from the registry and from every shard that knew it: its blocks leave the index."""
+        with self._lock:
+            self._specs.pop(worker_id, None)
+        for shard in self.forget(worker_id):
+            self.send(shard, remove_frames(worker_id))
+
+    def specs(self) -> list[WorkerSpec]:
+        """The registry, by worker id."""
+        with self._lock:
+            return [self._specs[w] for w in sorted(self._specs)]
+
+    def _followed(self, shard: int) -> list[tuple[bytes, list[int]]]:
+        """The part of the registry a (re)started applier of ``shard`` follows (called with the lock held)."""
+        followed = []
+        for worker_id, spec in sorted(self._specs.items()):
+            ranks = [rank for rank in spec.dp_ranks if (worker_id, rank) in self._known[shard]]
+            if ranks:
+                followed.append((spec.to_wire(), ranks))
+        return followed
+
     def known_workers(self, shard: int) -> set[WorkerKey]:
         """Every (worker_id, dp_rank) routed to ``shard`` and not removed since."""
         with self._lock:
@@ -208,7 +260,16 @@ class Supervisor:
         workers = sorted(self._known[shard])
         process = self._fork.Process(
             target=run_applier,
-            args=(control.name, shard, self.owner_pid, self.endpoint(shard), workers, status),
+            args=(
+                control.name,
+                shard,
+                self.owner_pid,
+                self.endpoint(shard),
+                workers,
+                status,
+                self._followed(shard),
+                self.plane,
+            ),
             name=f"kvrouter-applier-{shard}",
             daemon=False,
         )

@@ -32,9 +32,12 @@ def chain(worker: int, hashes: list[int], *, parent: int | None = None) -> Store
 
 
 def restarted(engine: Engine, shard: int, old_pid: int) -> Callable[[], bool]:
+    """The shard's new applier is serving and done rebuilding: its workers are fed from Python here, so there
+    is nothing to rebuild them from, and it is up again at once, with their rows marked partial."""
+
     def done() -> bool:
         stats = engine.stats()[shard]
-        return stats.restarts == 1 and stats.status == "recovering" and stats.pid not in (0, old_pid)
+        return stats.restarts == 1 and stats.status == "up" and stats.pid not in (0, old_pid)
 
     return done
 
@@ -53,6 +56,8 @@ def check_restarted_shard(engine: Engine, before: list[ShardStats], *, in_flight
     assert set(now[0].workers) == {(1, 0), (3, 0)}
     assert now[0].workers[3, 0] == 0
     assert in_flight or now[0].workers[1, 0] == 0
+    workers = engine.workers()
+    assert (workers[1, 0].state, workers[3, 0].state, workers[2, 0].state) == ("partial", "partial", "unknown")
     assert (now[1].status, now[1].pid, now[1].restarts, now[1].epoch) == (
         "up",
         before[1].pid,

@@ -1,0 +1,108 @@
+"""``Ingest``: the streams of one applier, and the poller that wakes them.
+
+The applier is a process around one ``zmq.Poller``: its PULL socket from the supervisor, one SUB socket per
+(worker, dp_rank) it owns, and the DEALER of each recovery in flight. Ingest keeps the socket → stream map
+the poller needs, adds and removes workers as the supervisor says, runs the streams' timers, and tells the
+applier when every stream has finished joining, so a restarted shard can leave ``recovering``.
+
+Every socket is the applier's own, made from its own context after the fork, and closed here: a stream that
+is removed closes its sockets at once, and :meth:`close` closes what is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Final
+
+import zmq
+
+from ..errors import BadEvent, ConfigError
+from ..index.writer import ShardWriter
+from .config import PlaneConfig
+from .registry import WorkerSpec
+from .stream import Stream
+
+__all__ = ["Ingest"]
+
+log = logging.getLogger(__name__)
+
+DRAIN_LIMIT: Final = 256
+"""Messages taken from one SUB socket per wake-up, so a flooding worker cannot starve the others or the
+supervisor's messages; what is left stays queued in the socket for the next poll."""
+
+
+class Ingest:
+    """Every stream of one shard."""
+
+    def __init__(
+        self, context: zmq.Context[zmq.Socket[bytes]], poller: zmq.Poller, writer: ShardWriter, config: PlaneConfig
+    ) -> None:
+        self._context = context
+        self._poller = poller
+        self._writer = writer
+        self._config = config
+        self._streams: dict[tuple[int, int], Stream] = {}
+        self._owners: dict[zmq.Socket[bytes], Stream] = {}
+
+    def _watch(self, socket: zmq.Socket[bytes], stream: Stream | None) -> None:
+        if stream is None:
+            if self._owners.pop(socket, None) is not None:
+                self._poller.unregister(socket)
+        else:
+            self._owners[socket] = stream
+            self._poller.register(socket, zmq.POLLIN)
+
+    def add(self, spec: WorkerSpec, ranks: Iterable[int]) -> None:
+        """Follow ``ranks`` of ``spec`` (a spec registered again replaces its streams: a new endpoint or format)."""
+        for rank in ranks:
+            key = (spec.worker_id, rank)
+            old = self._streams.pop(key, None)
+            if old is not None:
+                old.close()
+            try:
+                self._streams[key] = Stream(spec, rank, self._writer, self._context, self._watch, self._config)
+            except (BadEvent, ConfigError, zmq.ZMQError) as exc:
+                log.error("worker not followed worker=%d dp=%d: %s", spec.worker_id, rank, exc)
+                continue
+            log.info("worker followed worker=%d dp=%d endpoint=%s", spec.worker_id, rank, spec.event_endpoint(rank))
+
+    def remove(self, worker_id: int) -> None:
+        """Stop following every rank of ``worker_id`` and drop its blocks and rows."""
+        for key in [k for k in self._streams if k[0] == worker_id]:
+            self._streams.pop(key).close()
+
+    def follows(self, worker_id: int) -> bool:
+        return any(key[0] == worker_id for key in self._streams)
+
+    def on_ready(self, socket: zmq.Socket[bytes], now: float) -> None:
+        """A watched socket is readable: hand what it holds to its stream."""
+        stream = self._owners.get(socket)
+        if stream is None:
+            return
+        if socket is stream.socket:
+            for _ in range(DRAIN_LIMIT):  # hot path: one unit per message
+                try:
+                    frames = socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                stream.on_live(frames, now)
+        else:
+            stream.on_recovery(now)
+
+    def tick(self, now: float) -> None:
+        wall = time.time_ns()
+        for stream in list(self._streams.values()):
+            stream.tick(now, wall)
+
+    @property
+    def joining(self) -> bool:
+        """Some stream has not finished its first restore."""
+        return any(stream.joining for stream in self._streams.values())
+
+    def close(self) -> None:
+        """Close every socket; the shard's table goes with the applier, so no block is released one by one."""
+        for stream in self._streams.values():
+            stream.close(forget=False)
+        self._streams.clear()

@@ -1,0 +1,475 @@
+"""``Stream``: one (worker, dp_rank) followed in order — its cursor, its gaps, its recoveries.
+
+Every message a worker publishes is a *unit* with a first and a last id: the ZMQ sequence number for
+vLLM and SGLang (one per batch; their events carry no ids), the event ids for kvrouter-format workers
+(consecutive per worker and rank). The stream expects ``cursor + 1`` (0 before anything was applied) and
+reads every arrival against it (``spec/dynamo-semantics.md`` §6.3):
+
+| arrival | meaning | action |
+|---|---|---|
+| first == expected | in order | apply |
+| first > expected | a gap: messages lost (HWM, slow joiner) | ``detected``; recover from expected, buffer live units |
+| first < expected | ids went back: the engine restarted | a fresh worker state: clear its blocks, read the unit anew |
+
+Recovery asks the worker for what is missing: the engine's replay socket (every buffered batch from a
+sequence number on) or a kvrouter worker's local indexer (Events in a range, a TreeDump of its whole cache,
+or TooNew when the worker is behind us, i.e. restarted). Live units arriving meanwhile are buffered, then
+de-duplicated by id and applied after the recovered range. A gap ends ``recovered`` when every missing id
+came back (or a dump replaced the worker's state), ``lost`` otherwise: history older than the peer's
+buffer, no recovery endpoint, a peer silent for ``recovery_timeout`` seconds, a buffer past its bound.
+Nothing is dropped silently: each unit is applied, counted as a duplicate, or accounted in a lost gap.
+
+A worker joining (first registration, or its applier restarted) is restored before its live units count:
+a full dump from a local indexer, or a replay from sequence 0. vLLM and SGLang keep only recent batches
+and have no dump, so a join to a long-running engine loses the history before its replay buffer; that is
+counted as a lost gap and the worker marked ``partial``, as is every gap that could not be recovered. A
+kvrouter worker left partial by a timeout gets a fresh full restore after ``restore_retry`` seconds, so it
+becomes ``exact`` again once its indexer answers; an engine becomes ``exact`` again when it restarts.
+
+The stream is transport-agnostic above its two sockets: decoding is a function of the payload, the
+writer is the shard's, and the applier's poller calls :meth:`on_live`, :meth:`on_recovery` and
+:meth:`tick`. Its counters live in the worker's row of the control segment (``index/layout.py``), where
+``engine.workers()``, the service's metrics and ``kvrouter top`` read them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from ..errors import BadEvent
+from ..events.codecs import sglang, vllm
+from ..events.codecs.frames import ReplayEnd, ReplayFrame
+from ..events.codecs.kvrouter import Decoder, RawBatch, RawEvent
+from ..events.codecs.query import QueryReply
+from ..events.model import WorkerKey
+from ..index.layout import (
+    NO_ID,
+    W_BAD_FRAMES,
+    W_DROPPED_BLOCKS,
+    W_EVENTS,
+    W_GAPS_DETECTED,
+    W_GAPS_LOST,
+    W_GAPS_RECOVERED,
+    W_LAST_EVENT_NS,
+    W_LAST_ID,
+    W_RESTARTS,
+    W_SKIPPED_EVENTS,
+    W_STALE,
+    W_STATE,
+    WORKER_EXACT,
+    WORKER_PARTIAL,
+    WORKER_RESTORING,
+    WORKER_UNKNOWN,
+)
+from ..index.writer import ShardWriter
+from .config import PlaneConfig
+from .recovery import QueryClient, RecoveryClient, ReplayClient
+from .registry import WorkerSpec
+
+__all__ = ["Stream", "Unit"]
+
+log = logging.getLogger(__name__)
+
+Watch = Callable[[zmq.Socket[bytes], "Stream | None"], None]
+"""Tells the applier's poller to watch a socket for a stream (or, with None, to stop watching it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One message of a worker, decoded: the ids it covers and its events as arrays."""
+
+    first: int
+    last: int
+    events: tuple[RawEvent, ...]
+    dropped_blocks: int = 0
+    skipped_events: int = 0
+
+
+@dataclass(slots=True)
+class _Recovery:
+    """One recovery in flight."""
+
+    client: RecoveryClient
+    start: int | None
+    """The first missing id, or None for a full restore."""
+    gap: bool
+    """A counted gap rides on it: it must end ``recovered`` or ``lost``."""
+    deadline: float
+    missing: str | None = None
+    """Why some missing id did not come back (None: all did, so far)."""
+
+
+def _decoder(spec: WorkerSpec) -> Callable[[bytes, int], RawBatch]:
+    """The payload → arrays function of the worker's format (decoding stays out of the writer)."""
+    if spec.format == "kvrouter":
+        decode = Decoder().decode_raw
+        return lambda payload, _first: decode(payload)
+    codec = vllm if spec.format == "vllm" else sglang
+    engine = codec.Decoder(spec.worker_id, spec.block_size)
+    return lambda payload, first: engine.decode_raw(payload, first_event_id=first)
+
+
+class Stream:
+    """One (worker, dp_rank): its SUB socket, its cursor, its recovery, its row of counters."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        rank: int,
+        writer: ShardWriter,
+        context: zmq.Context[zmq.Socket[bytes]],
+        watch: Watch,
+        config: PlaneConfig,
+    ) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.key: WorkerKey = (spec.worker_id, rank)
+        self._writer = writer
+        self._context = context
+        self._watch = watch
+        self._config = config
+        self._decode = _decoder(spec)
+        self._recovery_endpoint = spec.recovery_endpoint(rank)
+        self._where = f"worker={spec.worker_id} dp={rank}"
+        self._logged: set[str] = set()
+        self.cursor: int | None = None
+        self.joining = True
+        """The first restore has not finished: a restarted shard stays ``recovering`` while any stream joins."""
+        self._exact = True
+        self._recovery: _Recovery | None = None
+        self._buffer: dict[int, Unit] = {}
+        self._retry_at: float | None = None
+        self._events_seen = 0
+        if writer.register(self.key) < 0:
+            raise BadEvent(f"{self._where}: no free worker row in shard {writer.shard}")
+        self.socket: zmq.Socket[bytes] = context.socket(zmq.SUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVHWM, config.subscriber_hwm)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+        self.socket.setsockopt(zmq.SUBSCRIBE, spec.topic)
+        self.socket.connect(spec.event_endpoint(rank))
+        watch(self.socket, self)
+        self._set_state(WORKER_UNKNOWN)
+        self._begin_join(time.monotonic())
+
+    # -- the row ------------------------------------------------------------------------------
+
+    @property
+    def row(self) -> npt.NDArray[np.uint64]:
+        row = self._writer.row(self.key)
+        assert row is not None  # registered in __init__, forgotten only by close()
+        return row
+
+    def _bump(self, word: int, by: int = 1) -> None:
+        self.row[word] += np.uint64(by)
+
+    def _set_state(self, state: int) -> None:
+        self.row[W_STATE] = state
+
+    def _settle(self) -> None:
+        """The state once nothing is in flight."""
+        if self.cursor is None and self._exact and not self._events_seen:
+            self._set_state(WORKER_EXACT if self._recovery_endpoint else WORKER_UNKNOWN)
+        else:
+            self._set_state(WORKER_EXACT if self._exact else WORKER_PARTIAL)
+
+    def _warn_once(self, what: str, message: str, *args: object) -> None:
+        level = logging.DEBUG if what in self._logged else logging.WARNING
+        self._logged.add(what)
+        log.log(level, message, *args)
+
+    # -- arrivals -----------------------------------------------------------------------------
+
+    def on_live(self, frames: list[bytes], now: float) -> None:
+        """One message from the SUB socket: checked, decoded, then read against the cursor."""
+        self.row[W_LAST_EVENT_NS] = time.time_ns()
+        if self.row[W_STALE]:
+            self.row[W_STALE] = 0
+            log.info("worker heard again %s", self._where)
+        unit = self._unit_of_live(frames)
+        if unit is None:
+            return
+        if self._recovery is not None:
+            self._hold(unit, now)
+        else:
+            self._arrive(unit, now)
+
+    def _unit_of_live(self, frames: list[bytes]) -> Unit | None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._bad(f"expected [topic, seq(8 bytes), payload], got {len(frames)} frames", "frames")
+            return None
+        topic, seq_frame, payload = frames
+        if topic != self.spec.topic:  # SUB filters by prefix only
+            self._bad(f"topic {topic[:64]!r}, registered {self.spec.topic!r}", "topic")
+            return None
+        return self._unit(int.from_bytes(seq_frame, "big"), payload)
+
+    def _unit(self, seq: int, payload: bytes) -> Unit | None:
+        """Decode a payload into a unit; None (counted, logged once) when it cannot be used."""
+        if len(payload) > self._config.max_message_bytes:
+            self._bad(f"message of {len(payload)} bytes > limit {self._config.max_message_bytes}", "oversized")
+            return None
+        try:
+            batch = self._decode(payload, self._events_seen)
+        except BadEvent as exc:
+            self._bad(str(exc), "decode")
+            return None
+        if (batch.worker_id, batch.dp_rank) != self.key:
+            self._bad(f"a batch of worker {batch.worker_id} dp {batch.dp_rank} on this stream", "wrong-worker")
+            return None
+        self._events_seen += len(batch.events)
+        if self.spec.format != "kvrouter":
+            return Unit(seq, seq, batch.events, batch.dropped_blocks, batch.skipped_events)
+        if not batch.events:
+            return None
+        ids = [event.event_id for event in batch.events]
+        if ids != list(range(ids[0], ids[0] + len(ids))):
+            self._bad(f"event ids {ids[0]}..{ids[-1]} are not consecutive", "ids")
+            return None
+        return Unit(ids[0], ids[-1], batch.events)
+
+    def _bad(self, what: str, kind: str) -> None:
+        self._bump(W_BAD_FRAMES)
+        self._writer.count_bad_batch()
+        self._warn_once(kind, "bad message %s endpoint=%s: %s", self._where, self.spec.event_endpoint(self.rank), what)
+        return None
+
+    def _expected(self) -> int:
+        return 0 if self.cursor is None else self.cursor + 1
+
+    def _arrive(self, unit: Unit, now: float, *, draining: bool = False, can_recover: bool = True) -> None:
+        expected = self._expected()
+        if unit.first < expected:
+            if draining and unit.first > 0:
+                if unit.last >= expected:
+                    self._apply(unit)  # overlaps the recovered range: its tail is new
+                return  # came back in the recovery too
+            self._restarted(f"ids went back from {expected - 1} to {unit.first}")
+            expected = 0
+        if unit.first == expected:
+            if self.cursor is None and expected == 0:
+                self._exact = True  # the whole history, from the first message on
+            self._apply(unit)
+            return
+        self._gap(expected, unit, now, can_recover=can_recover)
+
+    def _restarted(self, why: str) -> None:
+        """The engine restarted: what it held is gone; its next ids start a fresh history."""
+        self._bump(W_RESTARTS)
+        log.warning("engine restart %s: %s; its blocks are cleared", self._where, why)
+        self._writer.clear_worker(self.key)
+        self.cursor = None
+        self._exact = True
+        self.row[W_LAST_ID] = NO_ID
+
+    def _apply(self, unit: Unit) -> None:
+        events = unit.events
+        if self.cursor is not None and unit.first <= self.cursor:  # overlaps what is applied: keep the rest
+            events = tuple(e for e in events if e.event_id > self.cursor)
+        if events:
+            self._writer.apply_batch(self.key, events)
+        self._bump(W_EVENTS, len(events))
+        if unit.dropped_blocks:
+            self._bump(W_DROPPED_BLOCKS, unit.dropped_blocks)
+            self._warn_once(
+                "block-size",
+                "blocks dropped %s: their block size differs from the registered %d",
+                self._where,
+                self.spec.block_size,
+            )
+        if unit.skipped_events:
+            self._bump(W_SKIPPED_EVENTS, unit.skipped_events)
+        self.cursor = unit.last
+        self.row[W_LAST_ID] = unit.last
+        if self._recovery is None:
+            self._settle()
+
+    # -- gaps and recovery --------------------------------------------------------------------
+
+    def _gap(self, expected: int, unit: Unit, now: float, *, can_recover: bool = True) -> None:
+        self._bump(W_GAPS_DETECTED)
+        log.warning("gap detected %s expected=%d got=%d", self._where, expected, unit.first)
+        if self._recovery_endpoint is None or not can_recover:
+            self._lose(f"ids {expected}..{unit.first - 1} cannot be recovered")
+            self._apply(unit)
+            return
+        self._buffer[unit.first] = unit
+        self._start(expected, now, gap=True)
+
+    def _lose(self, why: str) -> None:
+        self._bump(W_GAPS_LOST)
+        self._exact = False
+        log.warning("gap lost %s: %s; the worker is partial", self._where, why)
+
+    def _begin_join(self, now: float) -> None:
+        if self._recovery_endpoint is None:
+            self.joining = False
+            return
+        self._start(None if self.spec.format == "kvrouter" else 0, now, gap=False)
+
+    def _start(self, start: int | None, now: float, *, gap: bool) -> None:
+        """Open a client and ask for everything from ``start`` (None: a full dump)."""
+        assert self._recovery_endpoint is not None
+        self._retry_at = None
+        client: RecoveryClient
+        if self.spec.format == "kvrouter":
+            client = QueryClient(self._context, self._recovery_endpoint, self._config.max_message_bytes)
+            client.request(start)
+        else:
+            client = ReplayClient(self._context, self._recovery_endpoint, self._config.max_message_bytes)
+            client.request(start or 0)
+        self._recovery = _Recovery(client, start, gap, now + self._config.recovery_timeout)
+        self._watch(client.socket, self)
+        self._set_state(WORKER_RESTORING)
+        log.info("recovery started %s from=%s endpoint=%s", self._where, start, self._recovery_endpoint)
+
+    def _hold(self, unit: Unit, now: float) -> None:
+        if unit.first in self._buffer:
+            return
+        self._buffer[unit.first] = unit
+        if len(self._buffer) > self._config.max_buffered:
+            self._finish(now, why=f"{len(self._buffer)} live messages buffered, past the bound")
+
+    def on_recovery(self, now: float) -> None:
+        """The recovery socket is readable."""
+        recovery = self._recovery
+        if recovery is None:
+            return
+        recovery.deadline = now + self._config.recovery_timeout  # a peer that answers is alive
+        if isinstance(recovery.client, ReplayClient):
+            for reply in recovery.client.read():
+                if self._recovery is not recovery:
+                    return
+                self._on_replay(recovery, reply, now)
+        elif isinstance(recovery.client, QueryClient):
+            for answer in recovery.client.read():
+                if self._recovery is not recovery:
+                    return
+                self._on_query(recovery, answer, now)
+
+    def _on_replay(self, recovery: _Recovery, reply: ReplayFrame | ReplayEnd | BadEvent, now: float) -> None:
+        if isinstance(reply, ReplayEnd):
+            self._finish(now)
+            return
+        if isinstance(reply, BadEvent):
+            self._bad(str(reply), "replay")
+            recovery.missing = "a replay reply did not parse"
+            return
+        if reply.topic is not None and reply.topic != self.spec.topic:
+            self._bad(f"replayed topic {reply.topic[:64]!r}, registered {self.spec.topic!r}", "topic")
+            recovery.missing = "a replayed batch had another topic"
+            return
+        unit = self._unit(reply.seq, reply.payload)
+        if unit is None:
+            recovery.missing = f"replayed batch {reply.seq} was unusable"
+            return
+        expected = self._expected()
+        if unit.last < expected:
+            return  # applied already: a live unit got here first
+        if unit.first > expected:
+            if not recovery.gap:  # a join after the engine's buffer forgot its beginning
+                self._bump(W_GAPS_DETECTED)
+                recovery.gap = True
+            recovery.missing = f"the replay buffer starts at {unit.first}, after the missing {expected}"
+        self._apply(unit)
+
+    def _on_query(self, recovery: _Recovery, answer: QueryReply | BadEvent, now: float) -> None:
+        if isinstance(answer, BadEvent):
+            self._bad(str(answer), "query")
+            self._finish(now, why="the local indexer's reply did not parse")
+            return
+        if answer.reply == "too_new":
+            self._restarted(f"its last event id {answer.last_event_id} is behind ours")
+            self._close_client(recovery)
+            self._start(None, now, gap=recovery.gap)
+            return
+        units: list[Unit] = []
+        for i, payload in enumerate(answer.batches):
+            unit = self._unit(i, payload)
+            if unit is None:
+                recovery.missing = "a batch of the reply was unusable"
+            else:
+                units.append(unit)
+        if answer.reply == "tree_dump":
+            if self.cursor is not None and answer.last_event_id is not None and answer.last_event_id < self.cursor:
+                self._bump(W_RESTARTS)  # a dump behind our cursor: the worker restarted
+            self._writer.clear_worker(self.key)
+            for unit in units:
+                self._writer.apply_batch(self.key, unit.events)
+            self._exact = recovery.missing is None  # the dump replaces every earlier loss
+            self.cursor = answer.last_event_id
+            self.row[W_LAST_ID] = NO_ID if self.cursor is None else self.cursor
+        else:
+            for unit in units:
+                if unit.last < self._expected():
+                    continue
+                if unit.first > self._expected():
+                    recovery.missing = f"the reply starts at {unit.first}, after the missing {self._expected()}"
+                self._apply(unit)
+        self._finish(now)
+
+    def _finish(self, now: float, why: str | None = None) -> None:
+        """End the recovery: account its gap, then apply the buffered live units in order."""
+        recovery = self._recovery
+        assert recovery is not None
+        self._close_client(recovery)
+        missing = why or recovery.missing
+        if recovery.gap:
+            if missing is None:
+                self._bump(W_GAPS_RECOVERED)
+                log.info("gap recovered %s cursor=%s", self._where, self.cursor)
+            else:
+                self._lose(missing)
+        elif why is not None:
+            self._exact = False  # a restore that failed: the worker may hold blocks we never heard of
+            log.warning("restore failed %s: %s; the worker is partial", self._where, why)
+        self.joining = False
+        if why is not None and self.spec.format == "kvrouter":
+            self._retry_at = now + self._config.restore_retry
+        self._drain(now, can_recover=why is None)
+
+    def _close_client(self, recovery: _Recovery) -> None:
+        self._watch(recovery.client.socket, None)
+        recovery.client.close()
+        self._recovery = None
+
+    def _drain(self, now: float, *, can_recover: bool) -> None:
+        """Apply the live units buffered during a recovery, in id order; a hole among them is a new gap."""
+        buffered, self._buffer = sorted(self._buffer.values(), key=lambda u: u.first), {}
+        for unit in buffered:
+            if self._recovery is not None:  # a hole opened another recovery: keep the rest for after it
+                self._buffer[unit.first] = unit
+            else:
+                self._arrive(unit, now, draining=True, can_recover=can_recover)
+        if self._recovery is None:
+            self._settle()
+
+    # -- time ---------------------------------------------------------------------------------
+
+    def tick(self, now: float, wall_ns: int) -> None:
+        """Timers: a recovery peer silent too long, a retry due, a publisher gone quiet."""
+        recovery = self._recovery
+        if recovery is not None and now >= recovery.deadline:
+            self._finish(now, why=f"{recovery.client.endpoint} did not answer within {self._config.recovery_timeout}s")
+        elif recovery is None and self._retry_at is not None and now >= self._retry_at:
+            self._start(None, now, gap=False)
+        quiet = (wall_ns - int(self.row[W_LAST_EVENT_NS])) / 1e9
+        if not self.row[W_STALE] and quiet > self._config.stale_after:
+            self.row[W_STALE] = 1
+            log.warning("worker stale %s: nothing heard for %.0f s", self._where, quiet)
+
+    def close(self, *, forget: bool = True) -> None:
+        """Close the stream's sockets and (unless the whole shard is going) forget the worker's blocks and row."""
+        if self._recovery is not None:
+            self._close_client(self._recovery)
+        self._watch(self.socket, None)
+        self.socket.close(linger=0)
+        if forget:
+            self._writer.forget(self.key)

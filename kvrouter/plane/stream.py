@@ -149,6 +149,10 @@ class Stream:
         self._events_seen = 0
         if writer.register(self.key) < 0:
             raise BadEvent(f"{self._where}: no free worker row in shard {writer.shard}")
+        row = writer.row(self.key)
+        assert row is not None
+        self.row: npt.NDArray[np.uint64] = row
+        """The worker's row of the control segment: a view, fixed for the stream's life (rows do not move)."""
         self.socket: zmq.Socket[bytes] = context.socket(zmq.SUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, config.subscriber_hwm)
@@ -160,12 +164,6 @@ class Stream:
         self._begin_join(time.monotonic())
 
     # -- the row ------------------------------------------------------------------------------
-
-    @property
-    def row(self) -> npt.NDArray[np.uint64]:
-        row = self._writer.row(self.key)
-        assert row is not None  # registered in __init__, forgotten only by close()
-        return row
 
     def _bump(self, word: int, by: int = 1) -> None:
         self.row[word] += np.uint64(by)

@@ -1,0 +1,210 @@
+"""kvrouter-format workers followed over real sockets: a ``KvPublisher`` in this process (the engine), the
+shared-memory engine's applier in its own (the router). After each scenario the index answers, for every
+block the publisher holds, exactly what the publisher's own index answers: the truth."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import zmq
+
+from kvrouter import Engine, KvPublisher, RadixIndex
+from kvrouter.engine import WorkerStats
+from kvrouter.events.model import WorkerKey
+from kvrouter.plane import PlaneConfig, WorkerSpec
+
+BLOCK = 4
+WORKER = 5
+KEY: WorkerKey = (WORKER, 0)
+
+
+def held_paths(truth: RadixIndex) -> list[tuple[int, ...]]:
+    return [path for held in truth.holdings().values() for path in held.values()]
+
+
+def matches_truth(engine: Engine, truth: RadixIndex, key: WorkerKey = KEY) -> bool:
+    """Every path the truth holds scores the same for ``key`` in the engine (and nothing else is held)."""
+    paths = held_paths(truth)
+    stats = engine.workers().get(key)
+    if stats is None or stats.state == "restoring" or stats.cached_blocks != truth.block_counts().get(key, 0):
+        return False
+    return all(engine.find_matches(list(p)).get(key, 0) == truth.find_matches(list(p)).get(key, 0) for p in paths)
+
+
+class Engine_:
+    """A publisher with a random workload: chains of blocks stored under each other, evictions, clears."""
+
+    def __init__(self, publisher: KvPublisher, seed: int) -> None:
+        self.publisher = publisher
+        self.rng = random.Random(seed)
+        self.next_hash = 1000
+        self.leaves: list[int] = []
+
+    def step(self, *, send: bool = True) -> None:
+        rng = self.rng
+        if self.leaves and rng.random() < 0.3:
+            victims = rng.sample(self.leaves, min(len(self.leaves), rng.randint(1, 3)))
+            for victim in victims:
+                self.leaves.remove(victim)
+            self.publisher.remove(victims)
+        else:
+            parent = rng.choice(self.leaves) if self.leaves and rng.random() < 0.5 else None
+            count = rng.randint(1, 4)
+            hashes = list(range(self.next_hash, self.next_hash + count))
+            self.next_hash += count
+            tokens = [rng.randrange(1 << 32) for _ in range(count * BLOCK)]
+            self.publisher.store(hashes, tokens, parent=parent)
+            self.leaves.append(hashes[-1])
+        self.publisher.publish(send=send)
+
+
+@pytest.fixture
+def publisher() -> Iterator[KvPublisher]:
+    with KvPublisher(
+        WORKER, block_size=BLOCK, endpoint="tcp://127.0.0.1:*", query_endpoint="tcp://127.0.0.1:*", buffer_events=16
+    ) as pub:
+        yield pub
+
+
+def spec_of(publisher: KvPublisher) -> WorkerSpec:
+    return WorkerSpec(
+        WORKER, publisher.endpoint, format="kvrouter", query_endpoint=publisher.query_endpoint, block_size=BLOCK
+    )
+
+
+def caught_up(engine: Engine, publisher: KvPublisher) -> Callable[[], bool]:
+    """The router applied the publisher's last event and nothing is in flight for the worker."""
+
+    def done() -> bool:
+        stats = worker(engine)
+        return stats.last_id == publisher.last_event_id and stats.state != "restoring"
+
+    return done
+
+
+def pump(publisher: KvPublisher, condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Answer the router's queries (the engine's loop would) until ``condition`` holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        publisher.serve(5)
+
+
+def worker(engine: Engine) -> WorkerStats:
+    """The worker's row, once its applier has registered it (the registration is asynchronous)."""
+    for _ in range(10_000):
+        stats = engine.workers().get(KEY)
+        if stats is not None:
+            return stats
+        time.sleep(0.001)
+    pytest.fail(f"worker {KEY} never registered")
+
+
+def test_a_worker_joining_late_is_restored_from_its_dump_then_follows_live(publisher: KvPublisher):
+    engine_ = Engine_(publisher, seed=1)
+    for _ in range(40):  # history before the router knew the worker: only a dump can bring it
+        engine_.step()
+    with Engine(shards=1) as engine:
+        engine.add_worker(spec_of(publisher))
+        pump(publisher, lambda: matches_truth(engine, publisher.index), "the join restore")
+        for _ in range(20):
+            engine_.step()
+        pump(publisher, caught_up(engine, publisher), "live events")
+        assert matches_truth(engine, publisher.index)
+        stats = worker(engine)
+        assert (stats.state, stats.gaps_lost) == ("exact", 0)
+        assert stats.gaps_detected == stats.gaps_recovered  # a slow joiner's first live events may be missed
+
+
+@pytest.mark.parametrize("dropped", [3, 40], ids=["in-ring", "older-than-ring"])
+def test_batches_lost_on_the_wire_are_recovered_by_query(publisher: KvPublisher, dropped: int):
+    """A range still in the ring comes back as Events; one older than the ring as a TreeDump."""
+    engine_ = Engine_(publisher, seed=2)
+    with Engine(shards=1) as engine:
+        engine.add_worker(spec_of(publisher))
+        pump(publisher, lambda: worker(engine).state == "exact", "the join")
+        engine_.step()
+        pump(publisher, caught_up(engine, publisher), "the first event")
+        before = worker(engine)
+        for _ in range(dropped):
+            engine_.step(send=False)
+        engine_.step()
+        pump(publisher, caught_up(engine, publisher), "the recovery")
+        assert matches_truth(engine, publisher.index)
+        stats = worker(engine)
+        assert stats.gaps_detected - before.gaps_detected == 1
+        assert (stats.gaps_recovered - before.gaps_recovered, stats.gaps_lost, stats.state) == (1, 0, "exact")
+
+
+def test_an_engine_restart_is_a_fresh_worker_state(publisher: KvPublisher):
+    engine_ = Engine_(publisher, seed=3)
+    with Engine(shards=1) as engine:
+        engine.add_worker(spec_of(publisher))
+        pump(publisher, lambda: worker(engine).state == "exact", "the join")
+        for _ in range(10):
+            engine_.step()
+        pump(publisher, caught_up(engine, publisher), "the first life")
+        assert worker(engine).cached_blocks > 0
+        publisher.reset()
+        engine_.leaves.clear()
+        for _ in range(3):
+            engine_.step()
+        pump(publisher, lambda: worker(engine).restarts == 1, "the restart seen")
+        pump(publisher, caught_up(engine, publisher), "the second life")
+        assert matches_truth(engine, publisher.index)
+        assert worker(engine).state == "exact"
+
+
+@pytest.fixture
+def silent_peer() -> Iterator[str]:
+    """A ROUTER that takes requests and never answers: a worker whose indexer hangs."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind("tcp://127.0.0.1:*")
+    yield socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    socket.close(linger=0)
+    context.term()
+
+
+def test_a_local_indexer_that_never_answers_times_out_into_partial_never_a_hang(
+    publisher: KvPublisher, silent_peer: str, wait_until
+):
+    engine_ = Engine_(publisher, seed=4)
+    spec = WorkerSpec(WORKER, publisher.endpoint, format="kvrouter", query_endpoint=silent_peer, block_size=BLOCK)
+    config = PlaneConfig(recovery_timeout=0.3, restore_retry=0.3)
+    with Engine(shards=1, plane=config) as engine:
+        engine.add_worker(spec)
+        wait_until(lambda: worker(engine).state == "partial", what="the restore given up")
+        for _ in range(5):  # live events keep flowing meanwhile
+            engine_.step()
+        wait_until(lambda: worker(engine).events >= 1, what="live events applied while partial")
+        assert engine.stats()[0].status == "up"
+        engine.flush()  # the applier still serves its supervisor
+
+
+def test_a_silent_worker_is_reported_stale_then_heard_again(publisher: KvPublisher, wait_until):
+    engine_ = Engine_(publisher, seed=5)
+    with Engine(shards=1, plane=PlaneConfig(stale_after=0.3)) as engine:
+        engine.add_worker(spec_of(publisher))
+        pump(publisher, lambda: worker(engine).stale, "stale")
+        engine_.step()
+        pump(publisher, lambda: not worker(engine).stale, "heard again")
+
+
+def test_a_removed_worker_leaves_the_index_at_once(publisher: KvPublisher, wait_until):
+    engine_ = Engine_(publisher, seed=6)
+    with Engine(shards=1) as engine:
+        engine.add_worker(spec_of(publisher))
+        for _ in range(5):
+            engine_.step()
+        pump(publisher, caught_up(engine, publisher), "events")
+        engine.remove_worker(WORKER)
+        engine.flush()
+        assert KEY not in engine.workers()
+        assert all(not engine.find_matches(list(p)) for p in held_paths(publisher.index))
+        assert engine.followed() == []

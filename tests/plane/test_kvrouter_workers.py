@@ -34,7 +34,7 @@ def matches_truth(engine: Engine, truth: RadixIndex, key: WorkerKey = KEY) -> bo
     return all(engine.find_matches(list(p)).get(key, 0) == truth.find_matches(list(p)).get(key, 0) for p in paths)
 
 
-class Engine_:
+class StepEngine:
     """A publisher with a random workload: chains of blocks stored under each other, evictions, clears."""
 
     def __init__(self, publisher: KvPublisher, seed: int) -> None:
@@ -105,7 +105,7 @@ def worker(engine: Engine) -> WorkerStats:
 
 
 def test_a_worker_joining_late_is_restored_from_its_dump_then_follows_live(publisher: KvPublisher):
-    engine_ = Engine_(publisher, seed=1)
+    engine_ = StepEngine(publisher, seed=1)
     for _ in range(40):  # history before the router knew the worker: only a dump can bring it
         engine_.step()
     with Engine(shards=1) as engine:
@@ -123,7 +123,7 @@ def test_a_worker_joining_late_is_restored_from_its_dump_then_follows_live(publi
 @pytest.mark.parametrize("dropped", [3, 40], ids=["in-ring", "older-than-ring"])
 def test_batches_lost_on_the_wire_are_recovered_by_query(publisher: KvPublisher, dropped: int):
     """A range still in the ring comes back as Events; one older than the ring as a TreeDump."""
-    engine_ = Engine_(publisher, seed=2)
+    engine_ = StepEngine(publisher, seed=2)
     with Engine(shards=1) as engine:
         engine.add_worker(spec_of(publisher))
         pump(publisher, lambda: worker(engine).state == "exact", "the join")
@@ -141,7 +141,7 @@ def test_batches_lost_on_the_wire_are_recovered_by_query(publisher: KvPublisher,
 
 
 def test_an_engine_restart_is_a_fresh_worker_state(publisher: KvPublisher):
-    engine_ = Engine_(publisher, seed=3)
+    engine_ = StepEngine(publisher, seed=3)
     with Engine(shards=1) as engine:
         engine.add_worker(spec_of(publisher))
         pump(publisher, lambda: worker(engine).state == "exact", "the join")
@@ -174,7 +174,7 @@ def silent_peer() -> Iterator[str]:
 def test_a_local_indexer_that_never_answers_times_out_into_partial_never_a_hang(
     publisher: KvPublisher, silent_peer: str, wait_until
 ):
-    engine_ = Engine_(publisher, seed=4)
+    engine_ = StepEngine(publisher, seed=4)
     spec = WorkerSpec(WORKER, publisher.endpoint, format="kvrouter", query_endpoint=silent_peer, block_size=BLOCK)
     config = PlaneConfig(recovery_timeout=0.3, restore_retry=0.3)
     with Engine(shards=1, plane=config) as engine:
@@ -188,7 +188,7 @@ def test_a_local_indexer_that_never_answers_times_out_into_partial_never_a_hang(
 
 
 def test_a_silent_worker_is_reported_stale_then_heard_again(publisher: KvPublisher, wait_until):
-    engine_ = Engine_(publisher, seed=5)
+    engine_ = StepEngine(publisher, seed=5)
     with Engine(shards=1, plane=PlaneConfig(stale_after=0.3)) as engine:
         engine.add_worker(spec_of(publisher))
         pump(publisher, lambda: worker(engine).stale, "stale")
@@ -197,7 +197,7 @@ def test_a_silent_worker_is_reported_stale_then_heard_again(publisher: KvPublish
 
 
 def test_a_removed_worker_leaves_the_index_at_once(publisher: KvPublisher, wait_until):
-    engine_ = Engine_(publisher, seed=6)
+    engine_ = StepEngine(publisher, seed=6)
     with Engine(shards=1) as engine:
         engine.add_worker(spec_of(publisher))
         for _ in range(5):

@@ -37,7 +37,7 @@ class RecoveryClient:
         self.socket: zmq.Socket[bytes] = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # a reply is one message: a dump can be big
         self.socket.connect(endpoint)
 
     def _drain(self) -> list[list[bytes]]:

@@ -38,6 +38,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -76,6 +77,10 @@ from .registry import WorkerSpec
 __all__ = ["Stream", "Unit"]
 
 log = logging.getLogger(__name__)
+
+MEMORY_GUARD: Final = 4
+"""libzmq drops the connection of a peer whose message passes this many times ``max_message_bytes``,
+before it is in memory; smaller oversized messages reach the stream, which counts and names them."""
 
 Watch = Callable[[zmq.Socket[bytes], "Stream | None"], None]
 """Tells the applier's poller to watch a socket for a stream (or, with None, to stop watching it)."""
@@ -156,7 +161,7 @@ class Stream:
         self.socket: zmq.Socket[bytes] = context.socket(zmq.SUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, config.subscriber_hwm)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MEMORY_GUARD * config.max_message_bytes)
         self.socket.setsockopt(zmq.SUBSCRIBE, spec.topic)
         self.socket.connect(spec.event_endpoint(rank))
         watch(self.socket, self)
@@ -431,21 +436,25 @@ class Stream:
         self.joining = False
         if why is not None and self.spec.format == "kvrouter":
             self._retry_at = now + self._config.restore_retry
-        self._drain(now, can_recover=why is None)
+        self._drain(now, can_recover=why is None, accounted=recovery.gap and missing is not None)
 
     def _close_client(self, recovery: _Recovery) -> None:
         self._watch(recovery.client.socket, None)
         recovery.client.close()
         self._recovery = None
 
-    def _drain(self, now: float, *, can_recover: bool) -> None:
-        """Apply the live units buffered during a recovery, in id order; a hole among them is a new gap."""
+    def _drain(self, now: float, *, can_recover: bool, accounted: bool = False) -> None:
+        """Apply the live units buffered during a recovery, in id order; a hole among them is a new gap.
+        With ``accounted``, the hole before the first unit is the gap just counted lost: no second count."""
         buffered, self._buffer = sorted(self._buffer.values(), key=lambda u: u.first), {}
         for unit in buffered:
             if self._recovery is not None:  # a hole opened another recovery: keep the rest for after it
                 self._buffer[unit.first] = unit
+            elif accounted and unit.first > self._expected():
+                self._apply(unit)
             else:
                 self._arrive(unit, now, draining=True, can_recover=can_recover)
+            accounted = False
         if self._recovery is None:
             self._settle()
 

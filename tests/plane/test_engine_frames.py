@@ -62,7 +62,7 @@ def scores(engine: Engine, query: list[int]) -> list[list[int]]:
 def applied(engine: Engine, rank: int, seq: int) -> Callable[[], bool]:
     def done() -> bool:
         row = engine.workers().get((WORKER_ID, rank))
-        return row is not None and row.last_id == seq
+        return row is not None and row.last_id == seq and row.state != "restoring"
 
     return done
 

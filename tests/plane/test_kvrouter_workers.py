@@ -4,7 +4,9 @@ block the publisher holds, exactly what the publisher's own index answers: the t
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 from collections.abc import Callable, Iterator
 
@@ -208,3 +210,21 @@ def test_a_removed_worker_leaves_the_index_at_once(publisher: KvPublisher, wait_
         assert KEY not in engine.workers()
         assert all(not engine.find_matches(list(p)) for p in held_paths(publisher.index))
         assert engine.followed() == []
+
+
+def test_a_restarted_applier_rebuilds_its_workers_then_leaves_recovering(publisher: KvPublisher, wait_until):
+    engine_ = StepEngine(publisher, seed=7)
+    with Engine(shards=1) as engine:
+        engine.add_worker(spec_of(publisher))
+        for _ in range(30):
+            engine_.step()
+        pump(publisher, caught_up(engine, publisher), "events")
+        before = engine.stats()[0]
+        os.kill(before.pid, signal.SIGKILL)
+        pump(publisher, lambda: engine.stats()[0].restarts == 1, "the restart")
+        for _ in range(5):  # the engine goes on while the shard is rebuilt
+            engine_.step()
+        pump(publisher, lambda: engine.stats()[0].status == "up" and caught_up(engine, publisher)(), "the rebuild")
+        assert matches_truth(engine, publisher.index)
+        stats = worker(engine)
+        assert (stats.state, stats.gaps_lost) == ("exact", 0)

@@ -52,6 +52,7 @@ from ._fields import (
     expect_tokens,
     field,
 )
+from ._prescan import EXT_HASHES, EXT_TOKENS, NEED_ROOM, lift_arrays
 from .kvrouter import _CLEARED, _NO_HASHES, _REMOVED, _STORED, RawBatch, RawEvent, _to_model
 
 __all__ = ["Dialect", "EngineDecoder", "EngineEncoder"]
@@ -125,6 +126,19 @@ class EngineDecoder:
             raise InvalidHashInput(f"{self.dialect.name} decoder: block_size must be >= 1, got {block_size}")
         self.worker_id = worker_id
         self.block_size = block_size
+        d = self.dialect
+        self._lift_args = (
+            np.frombuffer(b"token_ids", dtype=np.uint8),
+            np.frombuffer(b"block_hashes", dtype=np.uint8),
+            np.frombuffer(BLOCK_STORED.encode(), dtype=np.uint8),
+            np.frombuffer(BLOCK_REMOVED.encode(), dtype=np.uint8),
+            1 + d.stored_fields.index("block_hashes"),
+            1 + d.stored_fields.index("token_ids"),
+            1 + d.removed_fields.index("block_hashes"),
+        )
+        self._scratch = np.empty(_SCRATCH_BYTES, dtype=np.uint8)
+        """Where :func:`lift_arrays` rewrites a payload; grown, never shrunk. Per decoder, so one
+        decoder must not be used from two threads at once."""
 
     def decode(self, payload: bytes, *, first_event_id: int = 0) -> EventBatch:
         """Decode one payload into model events, numbering them from ``first_event_id``.
@@ -149,11 +163,7 @@ class EngineDecoder:
             BadEvent: as :meth:`decode`.
         """
         root = f"{self.dialect.name} batch: $"
-        try:
-            tree = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-        except Exception as exc:  # msgpack raises ValueError, TypeError and its own types for bad bytes
-            raise BadEvent(f"{self.dialect.name} batch: not msgpack: {exc}") from exc
-        batch = expect_list(tree, root)
+        batch = expect_list(self._unpack(payload), root)
         if len(batch) < 2:
             raise BadEvent(f"{root}: expected [ts, events, dp_rank], got an array of {len(batch)} items")
         timestamp = expect_float(batch[0], f"{root}[0]")
@@ -169,6 +179,26 @@ class EngineDecoder:
                 events.append(event)
         skipped = len(raw_events) - len(events)
         return RawBatch(self.worker_id, dp_rank, timestamp, tuple(events), skipped, dropped)
+
+    def _unpack(self, payload: bytes) -> object:
+        """The msgpack tree, each event's integer ``token_ids`` / ``block_hashes`` already a u32 / u64
+        array when :mod:`._prescan` could lift it, else as msgpack reads it."""
+        buf = np.frombuffer(payload, dtype=np.uint8)
+        if self._scratch.size < buf.size + _SCRATCH_BYTES:
+            self._scratch = np.empty(2 * buf.size + _SCRATCH_BYTES, dtype=np.uint8)
+        size = lift_arrays(buf, self._scratch, *self._lift_args)
+        if size == NEED_ROOM:  # lifted words take at most 8 bytes per msgpack byte
+            self._scratch = np.empty(8 * buf.size + _SCRATCH_BYTES, dtype=np.uint8)
+            size = lift_arrays(buf, self._scratch, *self._lift_args)
+        if size >= 0:
+            try:
+                return msgpack.unpackb(self._scratch[:size], raw=False, strict_map_key=False, ext_hook=_lifted)
+            except Exception:  # read the original payload below, so its own error is the one raised
+                pass
+        try:
+            return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises ValueError, TypeError and its own types for bad bytes
+            raise BadEvent(f"{self.dialect.name} batch: not msgpack: {exc}") from exc
 
     def _event(self, raw: object, where: str, event_id: int) -> tuple[RawEvent | None, int]:
         """The event (None: another attention group) and how many of its blocks were not indexed."""
@@ -230,7 +260,22 @@ class EngineDecoder:
         return event, len(hashes) - count
 
 
+_SCRATCH_BYTES: Final = 1 << 16
+"""A decoder's first rewrite buffer, and the slack it keeps above a payload's size."""
+
+
+def _lifted(code: int, data: bytes) -> object:
+    """``ext_hook`` for payloads rewritten by :func:`lift_arrays` (which holds no ext of its own)."""
+    if code == EXT_TOKENS:
+        return np.frombuffer(data, dtype="<u4")
+    if code == EXT_HASHES:
+        return np.frombuffer(data, dtype="<u8")
+    return msgpack.ExtType(code, data)
+
+
 def _hashes(value: object, where: str) -> npt.NDArray[np.uint64]:
+    if isinstance(value, np.ndarray):  # lifted: every element an integer, cast to u64 (expect_hash's cast)
+        return value
     items = expect_list(value, where)
     return np.array([expect_hash(h, f"{where}[{j}]") for j, h in enumerate(items)], dtype=np.uint64)
 
@@ -256,6 +301,8 @@ def _token_ids(value: object, where: str) -> tuple[npt.NDArray[np.uint32], bool]
     Returns:
         The tokens and whether they came from bigram pairs.
     """
+    if isinstance(value, np.ndarray):  # lifted: integers in u32, what expect_tokens accepts
+        return value, False
     items = expect_list(value, where)
     if not items or not isinstance(items[0], list | tuple):
         return np.frombuffer(expect_tokens(items, where), dtype=np.uint32), False

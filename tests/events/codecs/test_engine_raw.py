@@ -284,3 +284,27 @@ def test_decode_raw_raises_as_decode(event: dict[str, object], message: str):
         decoder.decode_raw(_payload(event))
     with pytest.raises(BadEvent, match=rf"^vllm batch: {message}"):
         decoder.decode(_payload(event))
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_integer_arrays_are_lifted_and_the_rest_is_read_as_it_was(engine: str, encoding: str):
+    """The fast path is taken: token ids and engine hashes arrive as arrays, other arrays as lists."""
+    decoder = DECODERS[engine](WORKER_ID, BLOCK_SIZE)
+    layout = {"BlockStored": decoder.dialect.stored_fields, "BlockRemoved": decoder.dialect.removed_fields}
+    stored = _stored(block_hashes=[-5, 2**64 - 1], token_ids=[0, 1, 2**32 - 1, 300] * 2, extra_keys=[["salt"], None])
+    removed = {"type": "BlockRemoved", "block_hashes": [7, -(2**63)], "medium": "GPU"}
+    payload = msgpack.packb([1.0, [_as_wire(stored, layout, encoding), _as_wire(removed, layout, encoding)], 0])
+    tree = decoder._unpack(payload)
+    assert isinstance(tree, list)
+    events = [_seen(dict(e) if isinstance(e, dict) else _fields_of(e, layout), layout, "map") for e in tree[1]]
+    assert isinstance(events[0]["token_ids"], np.ndarray)
+    assert events[0]["token_ids"].tolist() == stored["token_ids"]
+    assert events[0]["block_hashes"].tolist() == [2**64 - 5, 2**64 - 1]
+    assert events[1]["block_hashes"].tolist() == [7, 2**63]
+    if encoding == "map":
+        assert events[0]["extra_keys"] == [["salt"], None]
+
+
+def _fields_of(event: Sequence[Any], layout: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    return {"type": event[0], **dict(zip(layout[event[0]], event[1:], strict=False))}

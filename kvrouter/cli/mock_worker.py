@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 READY: Final = "kvrouter-mock-worker ready"
 """The start of the ready line; tests wait for it on the child's stdout."""
 
+_POLL_S: Final = 0.1
+"""How often the main thread and the HTTP server look for a stop: the shutdown latency."""
+
 _ENGINE: Final = "Engine"
 _WIRE: Final = "Events"
 
@@ -129,12 +132,12 @@ def mock_worker(
                 typer.echo(f"kvrouter mock-worker: cannot listen on {host}:{port}: {exc}", err=True)
                 raise typer.Exit(2) from exc
             engine.start()
-            http_thread = threading.Thread(target=server.serve_forever, name="mock-http", daemon=True)
+            http_thread = threading.Thread(target=server.serve_forever, args=(_POLL_S,), name="mock-http", daemon=True)
             http_thread.start()
             try:
                 print(ready_line(server.url, engine.endpoints), flush=True)
                 log.info("mock worker ready worker=%d url=%s dp_size=%d", worker_id, server.url, dp_size)
-                while not stop.wait(1.0):
+                while not stop.wait(_POLL_S):
                     pass
                 log.info("mock worker stopping worker=%d", worker_id)
             finally:

@@ -6,6 +6,7 @@ Layout (one folder per component; ``docs/ARCHITECTURE.md`` draws the whole pictu
 - ``events/``    the event model and one codec per wire format (``events/codecs/``)
 - ``index/``     who holds which blocks: ``RadixIndex`` (the contract's oracle), ``ApproxIndex`` (TTL)
 - ``routing/``   config, cost, selection, slot tracking, and the ``Router`` that ties them to an index
+- ``worker/``    the simulated engine model, and ``KvPublisher`` for real engines to embed
 - ``engine.py``  the shared-memory index engine: supervisor, applier processes, lock-free readers
 - ``errors.py``  the one exception hierarchy
 - ``cli/``       the ``kvrouter`` command
@@ -57,6 +58,7 @@ from .routing import (
     SlotManager as SlotManager,
     WorkerExplanation as WorkerExplanation,
 )
+from .worker import KvPublisher as KvPublisher
 
 __version__ = "0.1.0"
 
@@ -77,6 +79,7 @@ __all__ = [
     "InvalidBlockSequence",
     "InvalidHashInput",
     "KvEvent",
+    "KvPublisher",
     "KvRouterError",
     "LocalHash",
     "NoWorkerAvailable",

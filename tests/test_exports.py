@@ -18,6 +18,7 @@ COMPONENT_PACKAGES = (
     "kvrouter.index",
     "kvrouter.routing",
     "kvrouter.sim",
+    "kvrouter.worker",
 )
 
 

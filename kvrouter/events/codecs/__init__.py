@@ -11,7 +11,8 @@ Each module's ``Decoder`` is built with what the wire does not say (worker id, b
 one payload into an :class:`~kvrouter.events.model.EventBatch`; its ``Encoder`` does the reverse.
 Malformed input raises :class:`~kvrouter.errors.BadEvent` naming what was wrong and where; nothing
 else escapes a decoder. ZMQ framing (topic, sequence number, replay envelopes) is shared by all, in
-:mod:`kvrouter.events.codecs.frames`.
+:mod:`kvrouter.events.codecs.frames`. The query protocol of kvrouter workers' local indexers (how a
+router recovers missed events from them) is in :mod:`kvrouter.events.codecs.query`.
 """
 
 from __future__ import annotations

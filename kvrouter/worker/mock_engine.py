@@ -63,6 +63,7 @@ from ..errors import ConfigError, KvRouterError
 from ..events.model import U64_MAX, EngineHash, EventBatch, KvEvent, LocalHash, Removed, Stored, StoredBlock
 from ..hashing import block_hashes, sequence_hashes
 from .engine_publisher import EnginePublisher
+from .publisher import KvPublisher
 from .scheduler import GENERATED_ID_BASE, WorkerConfig, WorkerModel, generated_block_id
 
 __all__ = [
@@ -287,10 +288,58 @@ class _VllmSink:
         return self._pub.endpoint, self._pub.replay_endpoint
 
 
+class _KvrouterSink:
+    """kvrouter's format through :class:`~kvrouter.worker.publisher.KvPublisher`: the replay port serves
+    its local-indexer queries. It does not expose its query socket, so the engine thread serves it at
+    least every :data:`_IDLE_POLL_MS`."""
+
+    def __init__(self, config: MockEngineConfig, rank: int, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+        events = config.endpoint(config.zmq_kv_events_port, rank)
+        assert events is not None
+        self._pub = KvPublisher(
+            config.worker_id,
+            block_size=config.block_size,
+            endpoint=events,
+            query_endpoint=config.endpoint(config.zmq_replay_port, rank),
+            dp_rank=rank,
+            topic=config.topic,
+            context=context,
+        )
+        self.poll_socket: zmq.Socket[bytes] | None = None
+        self.needs_serving = True
+
+    def publish(self, events: Sequence[KvEvent], dp_rank: int, *, send: bool) -> None:
+        pub = self._pub
+        for event in events:
+            if isinstance(event, Stored):
+                tokens = [token for block in event.blocks for token in block.token_ids or ()]
+                pub.store([block.engine_hash for block in event.blocks], tokens, parent=event.parent)
+            elif isinstance(event, Removed):
+                pub.remove(event.engine_hashes)
+            else:
+                pub.clear()
+        pub.publish(send=send)
+
+    def serve(self) -> None:
+        self._pub.serve()
+
+    def reset(self) -> None:
+        self._pub.reset()
+
+    def close(self) -> None:
+        self._pub.close()
+
+    def position(self) -> dict[str, int | None]:
+        return {"last_event_id": self._pub.last_event_id}
+
+    def endpoints(self) -> tuple[str, str | None]:
+        return self._pub.endpoint, self._pub.query_endpoint
+
+
 def _make_sink(config: MockEngineConfig, rank: int, context: zmq.Context[zmq.Socket[bytes]]) -> _Sink:
     if config.format == "vllm":
         return _VllmSink(config, rank, context)
-    raise ConfigError("mock engine: --format kvrouter is not available yet (KvPublisher is not merged)")
+    return _KvrouterSink(config, rank, context)
 
 
 # -- one dp rank ---------------------------------------------------------------------------------
@@ -596,7 +645,7 @@ class MockEngine:
     """Every dp rank of one mock worker; the HTTP front calls these methods from its threads.
 
     Raises:
-        ConfigError: a setting out of range, an endpoint that cannot be bound, or a format not available.
+        ConfigError: a setting out of range, or an endpoint that cannot be bound.
     """
 
     def __init__(self, config: MockEngineConfig) -> None:

@@ -8,7 +8,6 @@ to it, subscribes to its KV events and decodes them with the vLLM decoder, as a 
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import socket
@@ -28,9 +27,10 @@ import zmq
 
 import kvrouter
 from kvrouter import RadixIndex, StorageTier
-from kvrouter.events.codecs import vllm
+from kvrouter.events.codecs import kvrouter as kvrouter_codec, vllm
 from kvrouter.events.codecs.frames import ReplayEnd, parse_live, parse_replay_reply, replay_request
-from kvrouter.events.model import Removed, Stored
+from kvrouter.events.codecs.query import QueryReply, QueryRequest, decode_reply, encode_request
+from kvrouter.events.model import KvEvent, Removed, Stored
 
 ROOT = Path(kvrouter.__file__).resolve().parents[1]
 BLOCK = 16
@@ -420,13 +420,50 @@ def test_bad_control_requests_get_400_and_unknown_routes_404(start_worker):
     assert (status, health["status"], health["worker_id"]) == (200, "ok", WORKER)
 
 
-def test_kvrouter_format_is_refused_until_available(tmp_path):
-    if os.path.exists(ROOT / "kvrouter" / "worker" / "publisher.py"):
-        pytest.skip("KvPublisher is here: the kvrouter format is tested with it")
-    done = subprocess.run(
-        [sys.executable, "-m", "kvrouter", "mock-worker", "--port", "0", "--zmq-kv-events-port", "0", "--format",
-         "kvrouter"],
-        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
-    )  # fmt: skip
-    assert done.returncode == 2
-    assert "not available" in done.stderr
+def _query(context: zmq.Context[zmq.Socket[bytes]], endpoint: str, request: QueryRequest) -> QueryReply:
+    """One local-indexer query, as a router's DEALER sends it."""
+    dealer: zmq.Socket[bytes] = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(endpoint)
+        dealer.send_multipart(encode_request(request))
+        assert dealer.poll(int(TIMEOUT * 1000)), "no query reply"
+        return decode_reply(dealer.recv_multipart())
+    finally:
+        dealer.close()
+
+
+def test_kvrouter_format_live_events_and_queries_rebuild_the_cache(start_worker, context):
+    worker = start_worker("--format", "kvrouter", "--num-gpu-blocks", "64")
+    stream = Stream(context, worker.events[0], worker.replay[0])
+    decoder = kvrouter_codec.Decoder()
+    events: dict[int, KvEvent] = {}
+    try:
+        _joined(worker, stream)
+        assert worker.call("POST", "/faults", {"drop_batches": 2})[0] == 200
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda p: worker.complete(p, 40), _prompts(12, 80, 100)))
+        cache = worker.cache()
+        (rank,) = cache["ranks"]
+        assert cache["format"] == "kvrouter"
+        last = rank["last_event_id"]
+        while last not in events:  # the drops hit the first batches: the last one comes live
+            assert stream.pump(int(TIMEOUT * 1000)), f"event {last} never arrived live"
+            for payload in stream.live.values():
+                events.update((event.event_id, event) for event in decoder.decode(payload).events)
+        missing = [event_id for event_id in range(last + 1) if event_id not in events]
+        assert missing, "two batches were dropped on the wire"
+        reply = _query(context, worker.replay[0], QueryRequest(missing[0], last))
+        assert (reply.reply, reply.last_event_id) == ("events", last)
+        for payload in reply.batches:
+            events.update((event.event_id, event) for event in decoder.decode(payload).events)
+        assert sorted(events) == list(range(last + 1))
+        index = RadixIndex()
+        for event_id in range(last + 1):
+            index.apply_event(WORKER, events[event_id])
+        assert any(isinstance(event, Removed) for event in events.values())
+        _assert_index_is_cache(index, rank)
+        assert worker.call("POST", "/restart", {})[1]["ranks"] == [{"dp_rank": 0, "last_event_id": None}]
+        assert _query(context, worker.replay[0], QueryRequest(None)).reply == "tree_dump"
+    finally:
+        stream.close()

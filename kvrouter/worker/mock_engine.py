@@ -358,6 +358,8 @@ class _Rank:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._stopping = False
+        self.failed = False
+        """The engine thread died of an unexpected error (logged); ``/health`` reports it."""
         self._start_wall = time.monotonic()
         self._ms_per_s = 1000.0 * config.speedup_ratio
         self._thread = threading.Thread(target=self._run, name=f"mock-engine-dp{rank}", daemon=True)
@@ -380,8 +382,6 @@ class _Rank:
         self._drop = 0
         self._paused = False
         self._end_ms = self.now_ms()
-        self.batches = 0
-        """Batches produced in this incarnation (sent, dropped or held)."""
 
     # -- called from any thread -----------------------------------------------------------------
 
@@ -461,10 +461,17 @@ class _Rank:
                 if self.model.has_work():
                     pending = self._start_iteration()
         except Exception:
+            # A bug, not an input: stop taking work so no request waits on a dead thread.
             log.exception("mock engine thread failed dp=%d", self.rank)
+            self.failed = True
+            with self._lock:
+                self._stopping = True
             raise
         finally:
-            self._fail_all(RequestFailed(f"dp rank {self.rank}: the engine is shutting down", 503))
+            error = RequestFailed(f"dp rank {self.rank}: the engine {'failed' if self.failed else 'stopped'}", 503)
+            for request in pending[2] if pending is not None else ():
+                request.fail(error)  # finished in the model, not yet told: gone from the live set
+            self._fail_all(error)
             self.sink.close()
 
     def _run_commands(self) -> None:
@@ -516,7 +523,6 @@ class _Rank:
     def _finish_iteration(self, first: list[Completion], finished: list[Completion], events: list[KvEvent]) -> None:
         """The iteration's end: publish its events as one batch, tell the waiters."""
         if events:
-            self.batches += 1
             if self._paused:
                 self._held.append(events)
             else:
@@ -669,6 +675,10 @@ class MockEngine:
     def start(self) -> None:
         for rank in self._ranks:
             rank.start()
+
+    def failed_ranks(self) -> list[int]:
+        """Ranks whose engine thread died of an unexpected error; they answer 503 from then on."""
+        return [rank.rank for rank in self._ranks if rank.failed]
 
     def close(self) -> None:
         """Stop every engine thread, close its sockets, fail what is still running."""

@@ -11,7 +11,7 @@ the rank's engine thread (:class:`~kvrouter.worker.mock_engine.MockEngine`) and 
 | ``GET /cache`` | | per rank: ``last_seq`` (vllm) or ``last_event_id`` (kvrouter), ``held_batches``, ``blocks`` |
 | ``POST /faults`` | ``{"drop_batches": n, "pause": bool, "dp_rank": r}`` | each rank's fault state |
 | ``POST /restart`` | ``{}`` or ``{"dp_rank": r}`` | each rank's position after the restart |
-| ``GET /health`` | | ``{"status": "ok", ...}`` |
+| ``GET /health`` | | ``{"status": "ok", ...}``; 503 ``"failed"`` once an engine thread died |
 
 (*) OpenAI-shaped, with ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens reused from the
 cache at admission) and a ``kvrouter`` object: simulated ``ttft_ms`` and ``finish_ms``, ``dp_rank``.
@@ -163,8 +163,19 @@ class _Handler(BaseHTTPRequestHandler):
     # -- routes ---------------------------------------------------------------------------------
 
     def _health(self, _body: dict[str, Any]) -> None:
-        cfg = self.server.engine.config
-        self._json(200, {"status": "ok", "worker_id": cfg.worker_id, "dp_size": cfg.dp_size, "format": cfg.format})
+        engine = self.server.engine
+        cfg = engine.config
+        failed = engine.failed_ranks()
+        self._json(
+            503 if failed else 200,
+            {
+                "status": "failed" if failed else "ok",
+                "failed_ranks": failed,
+                "worker_id": cfg.worker_id,
+                "dp_size": cfg.dp_size,
+                "format": cfg.format,
+            },
+        )
 
     def _cache(self, _body: dict[str, Any]) -> None:
         self._json(200, self.server.engine.cache(CONTROL_TIMEOUT_S))

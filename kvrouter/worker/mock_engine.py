@@ -601,7 +601,14 @@ class _Rank:
             }
             for block, info in self._cached.items()
         ]
-        return {"dp_rank": self.rank, **self.sink.position(), "held_batches": len(self._held), "blocks": blocks}
+        return {
+            "dp_rank": self.rank,
+            **self.sink.position(),
+            "held_batches": len(self._held),
+            "preemptions": self.model.preemptions,
+            "evictions": self.model.kv.evictions,
+            "blocks": blocks,
+        }
 
     def set_faults(self, drop_batches: int | None, pause: bool | None) -> dict[str, Any]:
         """``POST /faults`` for this rank (engine thread)."""

@@ -246,14 +246,16 @@ def _prompts(count: int, shared: int, own: int) -> list[list[int]]:
 
 
 def test_events_rebuild_the_engine_cache_exactly(start_worker, context):
-    worker = start_worker("--num-gpu-blocks", "64")
+    # 8 requests of 19 blocks at once in 48 blocks: evictions and preemptions (each request needs
+    # 120 iterations, each at least a millisecond of wall time, so they overlap).
+    worker = start_worker("--num-gpu-blocks", "48")
     stream = Stream(context, worker.events[0], worker.replay[0])
     try:
         _joined(worker, stream)
         joined_at = max(stream.live)
-        with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda p: worker.complete(p, 40), _prompts(12, 80, 100)))
-        assert all(a["usage"]["completion_tokens"] == 40 for a in answers)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda p: worker.complete(p, 120), _prompts(12, 80, 100)))
+        assert all(a["usage"]["completion_tokens"] == 120 for a in answers)
         cache = worker.cache()
         (rank,) = cache["ranks"]
         assert (cache["worker_id"], cache["block_size"], cache["format"]) == (WORKER, BLOCK, "vllm")
@@ -263,6 +265,7 @@ def test_events_rebuild_the_engine_cache_exactly(start_worker, context):
         assert stored > 0, "the workload should store blocks"
         assert removed > 0, "the workload should evict blocks"
         assert rank["blocks"]
+        assert rank["preemptions"] > 0
         _assert_index_is_cache(index, rank)
     finally:
         stream.close()

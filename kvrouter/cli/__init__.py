@@ -9,7 +9,7 @@ import logging
 
 import typer
 
-from . import simulate, version
+from . import mock_worker, simulate, version
 
 __all__ = ["app", "configure_logging", "main"]
 
@@ -22,6 +22,7 @@ app = typer.Typer(
 )
 app.command("version")(version.version)
 app.command("simulate", epilog=simulate.EPILOG)(simulate.simulate)
+app.command("mock-worker", epilog=mock_worker.EPILOG)(mock_worker.mock_worker)
 
 
 def configure_logging(spec: str) -> None:

@@ -1,0 +1,149 @@
+"""``kvrouter mock-worker``: a simulated engine that serves completions and publishes real KV events.
+
+Options are named after Dynamo's mocker (``--num-gpu-blocks``, ``--speedup-ratio``,
+``--zmq-kv-events-port``, ...) so a drill script reads the same against either. Once every socket is
+bound the command prints one line to stdout and flushes it, for whoever started it to wait on::
+
+    kvrouter-mock-worker ready http=http://127.0.0.1:PORT events=tcp://127.0.0.1:P replay=tcp://127.0.0.1:R
+
+With ``--dp-size`` above 1, ``events`` and ``replay`` list one endpoint per rank, comma-separated
+(rank r on port + r, vLLM's rule); ``replay=none`` when there is no replay / query socket. SIGINT and
+SIGTERM stop the HTTP server and every engine thread and close their sockets; the exit status is 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Annotated, Final
+
+import typer
+
+from ..errors import ConfigError
+from ..worker.mock_engine import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_GPU_BLOCKS, FORMATS, MockEngine, MockEngineConfig
+from ..worker.mock_http import MockHttpServer
+
+__all__ = ["mock_worker", "ready_line"]
+
+log = logging.getLogger(__name__)
+
+READY: Final = "kvrouter-mock-worker ready"
+"""The start of the ready line; tests wait for it on the child's stdout."""
+
+_POLL_S: Final = 0.1
+"""How often the main thread and the HTTP server look for a stop: the shutdown latency."""
+
+_ENGINE: Final = "Engine"
+_WIRE: Final = "Events"
+
+EPILOG: Final = (
+    "Examples:\n\n"
+    "  kvrouter mock-worker --port 0 --zmq-kv-events-port 0 --zmq-replay-port 0 --speedup-ratio 100\n\n"
+    "  kvrouter mock-worker --worker-id 3 --dp-size 2 --zmq-kv-events-port 5557 --zmq-replay-port 5567"
+)
+
+
+def ready_line(http: str, endpoints: list[tuple[str, str | None]]) -> str:
+    """The line printed once everything is bound (see the module docstring)."""
+    events = ",".join(events for events, _ in endpoints)
+    replays = [replay for _, replay in endpoints]
+    replay = ",".join(r for r in replays if r is not None) if all(replays) else "none"
+    return f"{READY} http={http} events={events} replay={replay}"
+
+
+def mock_worker(
+    worker_id: Annotated[
+        int, typer.Option("--worker-id", min=0, help="The worker id in /cache and kvrouter-format events.")
+    ] = 0,
+    host: Annotated[str, typer.Option("--host", help="Address every socket binds to.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="HTTP port; 0 picks a free one.")] = 8000,
+    zmq_kv_events_port: Annotated[
+        int,
+        typer.Option(
+            "--zmq-kv-events-port",
+            min=0,
+            max=65535,
+            help="Port of the KV-event PUB socket (rank r: port + r); 0 = a free port per rank.",
+            rich_help_panel=_WIRE,
+        ),
+    ] = 5557,
+    zmq_replay_port: Annotated[
+        int | None,
+        typer.Option(
+            "--zmq-replay-port",
+            min=0,
+            max=65535,
+            help="Port of the replay ROUTER (vllm) or local-indexer query socket (kvrouter), rank r on port + r; "
+            "0 = a free port per rank.",
+            show_default="none",
+            rich_help_panel=_WIRE,
+        ),
+    ] = None,
+    event_format: Annotated[
+        str,
+        typer.Option("--format", help=f"Event wire format: {' or '.join(FORMATS)}.", rich_help_panel=_WIRE),
+    ] = "vllm",
+    block_size: Annotated[
+        int, typer.Option("--block-size", min=1, help="Tokens per KV block.", rich_help_panel=_ENGINE)
+    ] = DEFAULT_BLOCK_SIZE,
+    num_gpu_blocks: Annotated[
+        int, typer.Option("--num-gpu-blocks", min=1, help="KV blocks per dp rank.", rich_help_panel=_ENGINE)
+    ] = DEFAULT_NUM_GPU_BLOCKS,
+    speedup_ratio: Annotated[
+        float,
+        typer.Option("--speedup-ratio", help="Simulated ms per wall ms (> 0).", rich_help_panel=_ENGINE),
+    ] = 1.0,
+    dp_size: Annotated[
+        int, typer.Option("--dp-size", min=1, help="Data-parallel ranks, one model each.", rich_help_panel=_ENGINE)
+    ] = 1,
+) -> None:
+    """Run a mock engine: the simulator's worker model in real time, with HTTP completions and KV events."""
+    if event_format not in FORMATS:
+        raise typer.BadParameter(f"{event_format!r}; choose from {', '.join(FORMATS)}", param_hint="--format")
+    config = MockEngineConfig(
+        worker_id=worker_id,
+        block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks,
+        speedup_ratio=speedup_ratio,
+        dp_size=dp_size,
+        format="vllm" if event_format == "vllm" else "kvrouter",
+        host=host,
+        zmq_kv_events_port=zmq_kv_events_port,
+        zmq_replay_port=zmq_replay_port,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            engine = MockEngine(config)
+        except ConfigError as exc:
+            typer.echo(f"kvrouter mock-worker: {exc}", err=True)
+            raise typer.Exit(2) from exc
+        with engine:
+            try:
+                server = MockHttpServer(engine, host, port)
+            except OSError as exc:
+                typer.echo(f"kvrouter mock-worker: cannot listen on {host}:{port}: {exc}", err=True)
+                raise typer.Exit(2) from exc
+            engine.start()
+            http_thread = threading.Thread(target=server.serve_forever, args=(_POLL_S,), name="mock-http", daemon=True)
+            http_thread.start()
+            try:
+                print(ready_line(server.url, engine.endpoints), flush=True)
+                log.info("mock worker ready worker=%d url=%s dp_size=%d", worker_id, server.url, dp_size)
+                while not stop.wait(_POLL_S):
+                    pass
+                log.info("mock worker stopping worker=%d", worker_id)
+            finally:
+                server.shutdown()
+                server.server_close()
+                http_thread.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

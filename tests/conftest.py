@@ -8,8 +8,17 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +26,7 @@ import msgpack
 import pytest
 from hypothesis import strategies as st
 
+import kvrouter
 from kvrouter.events.codecs import BatchDecoder
 from kvrouter.events.codecs.frames import ReplayFrame, parse_live, parse_replay_reply
 from kvrouter.events.model import (
@@ -246,3 +256,102 @@ def shm_entries() -> Callable[[int], list[str]]:
 def clock() -> FakeClock:
     """Injected time that moves only when the test sets ``clock.now``."""
     return FakeClock()
+
+
+# -- mock workers as real processes ----------------------------------------------------------------
+
+ROOT = Path(kvrouter.__file__).resolve().parents[1]
+MOCK_WORKER_ID = 7
+MOCK_SPEEDUP = "10000"
+"""A high ``--speedup-ratio`` keeps simulated iterations to microseconds of wall time."""
+MOCK_TIMEOUT = 30.0
+
+
+@dataclass
+class Worker:
+    """One running mock worker and what its ready line said."""
+
+    proc: subprocess.Popen[str]
+    http: str
+    events: list[str]
+    replay: list[str]
+
+    def call(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
+        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        request = urllib.request.Request(self.http + path, data=data, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=MOCK_TIMEOUT) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return exc.code, json.loads(exc.read())
+
+    def complete(self, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+        status, answer = self.call("POST", "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, **extra})
+        assert status == 200, answer
+        return answer  # type: ignore[no-any-return]
+
+    def cache(self) -> dict[str, Any]:
+        status, answer = self.call("GET", "/cache")
+        assert status == 200, answer
+        return answer  # type: ignore[no-any-return]
+
+
+def free_port(span: int = 1) -> int:
+    """A port p with p .. p + span - 1 free right now, as the OS hands them out."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port + span > 65535:
+            continue
+        try:
+            for offset in range(1, span):
+                with socket.socket() as other:
+                    other.bind(("127.0.0.1", port + offset))
+        except OSError:
+            continue
+        return int(port)
+    pytest.fail("no run of free ports found")
+
+
+@pytest.fixture
+def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    """``start_worker(*args)``: a mock worker on free ports; stopped with SIGTERM, which must exit 0."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*args: str, events_port: int = 0, replay_port: int = 0, worker_id: int = MOCK_WORKER_ID) -> Worker:
+        command = [sys.executable, "-m", "kvrouter", "mock-worker", "--port", "0", "--worker-id", str(worker_id)]
+        command += ["--zmq-kv-events-port", str(events_port), "--zmq-replay-port", str(replay_port)]
+        command += ["--speedup-ratio", MOCK_SPEEDUP, *args]
+        stderr = (tmp_path / f"worker{len(procs)}.err").open("w")
+        proc = subprocess.Popen(
+            command, cwd=Path(kvrouter.__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
+        stderr.close()
+        procs.append(proc)
+        lines: queue.Queue[str] = queue.Queue()
+        assert proc.stdout is not None
+        stdout = proc.stdout
+        threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
+        try:
+            line = lines.get(timeout=MOCK_TIMEOUT)
+        except queue.Empty:
+            pytest.fail(f"mock worker printed no ready line: {(tmp_path / 'worker0.err').read_text()}")
+        fields = dict(part.split("=", 1) for part in line.split()[2:])
+        assert line.startswith("kvrouter-mock-worker ready "), line
+        return Worker(proc, fields["http"], fields["events"].split(","), fields["replay"].split(","))
+
+    yield start
+    codes = []
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            codes.append(proc.wait(MOCK_TIMEOUT))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(proc.wait())
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert codes == [0] * len(procs), f"exit codes {codes}"

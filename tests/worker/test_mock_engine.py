@@ -8,123 +8,26 @@ to it, subscribes to its KV events and decodes them with the vLLM decoder, as a 
 from __future__ import annotations
 
 import json
-import queue
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
 
-import kvrouter
 from kvrouter import RadixIndex, StorageTier
 from kvrouter.events.codecs import kvrouter as kvrouter_codec, vllm
 from kvrouter.events.codecs.frames import ReplayEnd, parse_live, parse_replay_reply, replay_request
 from kvrouter.events.codecs.query import QueryReply, QueryRequest, decode_reply, encode_request
 from kvrouter.events.model import KvEvent, Removed, Stored
+from tests.conftest import MOCK_TIMEOUT, MOCK_WORKER_ID, Worker, free_port
 
-ROOT = Path(kvrouter.__file__).resolve().parents[1]
 BLOCK = 16
-WORKER = 7
-TIMEOUT = 30.0
-SPEEDUP = "10000"
-
-
-@dataclass
-class Worker:
-    """One running mock worker and what its ready line said."""
-
-    proc: subprocess.Popen[str]
-    http: str
-    events: list[str]
-    replay: list[str]
-
-    def call(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
-        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-        request = urllib.request.Request(self.http + path, data=data, method=method)
-        try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            with exc:
-                return exc.code, json.loads(exc.read())
-
-    def complete(self, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
-        status, answer = self.call("POST", "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, **extra})
-        assert status == 200, answer
-        return answer  # type: ignore[no-any-return]
-
-    def cache(self) -> dict[str, Any]:
-        status, answer = self.call("GET", "/cache")
-        assert status == 200, answer
-        return answer  # type: ignore[no-any-return]
-
-
-def _free_port(span: int = 1) -> int:
-    """A port p with p .. p + span - 1 free right now, as the OS hands them out."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port + span > 65535:
-            continue
-        try:
-            for offset in range(1, span):
-                with socket.socket() as other:
-                    other.bind(("127.0.0.1", port + offset))
-        except OSError:
-            continue
-        return int(port)
-    pytest.fail("no run of free ports found")
-
-
-@pytest.fixture
-def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
-    """``start_worker(*args)``: a mock worker on free ports; stopped with SIGTERM, which must exit 0."""
-    procs: list[subprocess.Popen[str]] = []
-
-    def start(*args: str, events_port: int = 0, replay_port: int = 0) -> Worker:
-        command = [sys.executable, "-m", "kvrouter", "mock-worker", "--port", "0", "--worker-id", str(WORKER)]
-        command += ["--zmq-kv-events-port", str(events_port), "--zmq-replay-port", str(replay_port)]
-        command += ["--speedup-ratio", SPEEDUP, *args]
-        stderr = (tmp_path / f"worker{len(procs)}.err").open("w")
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
-        stderr.close()
-        procs.append(proc)
-        lines: queue.Queue[str] = queue.Queue()
-        assert proc.stdout is not None
-        stdout = proc.stdout
-        threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
-        try:
-            line = lines.get(timeout=TIMEOUT)
-        except queue.Empty:
-            pytest.fail(f"mock worker printed no ready line: {(tmp_path / 'worker0.err').read_text()}")
-        fields = dict(part.split("=", 1) for part in line.split()[2:])
-        assert line.startswith("kvrouter-mock-worker ready "), line
-        return Worker(proc, fields["http"], fields["events"].split(","), fields["replay"].split(","))
-
-    yield start
-    codes = []
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            codes.append(proc.wait(TIMEOUT))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            codes.append(proc.wait())
-        if proc.stdout is not None:
-            proc.stdout.close()
-    assert codes == [0] * len(procs), f"exit codes {codes}"
+WORKER = MOCK_WORKER_ID
+TIMEOUT = MOCK_TIMEOUT
 
 
 @pytest.fixture
@@ -370,7 +273,7 @@ def test_restart_empties_the_cache_and_starts_seq_at_zero(start_worker, context)
 
 
 def test_dp_ranks_publish_on_consecutive_ports(start_worker, context):
-    events_port, replay_port = _free_port(2), _free_port(2)
+    events_port, replay_port = free_port(2), free_port(2)
     worker = start_worker("--dp-size", "2", events_port=events_port, replay_port=replay_port)
     assert worker.events == [f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{events_port + 1}"]
     assert worker.replay == [f"tcp://127.0.0.1:{replay_port}", f"tcp://127.0.0.1:{replay_port + 1}"]

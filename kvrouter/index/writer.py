@@ -34,11 +34,19 @@ from .layout import (
     NO_ID,
     SHARD_MAGIC,
     TIERS,
+    W_BAD_FRAMES,
     W_CACHED,
     W_DP_RANK,
+    W_DROPPED_BLOCKS,
+    W_EVENTS,
+    W_GAPS_DETECTED,
+    W_GAPS_LOST,
+    W_GAPS_RECOVERED,
     W_IN_USE,
     W_LAST_EVENT_NS,
     W_LAST_ID,
+    W_RESTARTS,
+    W_SKIPPED_EVENTS,
     W_WORKER_ID,
     WORD_BITS,
     Control,
@@ -75,6 +83,26 @@ def _map(rows: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
     return table, meta
 
 
+HISTORY_WORDS: Final = [
+    W_GAPS_DETECTED,
+    W_GAPS_RECOVERED,
+    W_GAPS_LOST,
+    W_DROPPED_BLOCKS,
+    W_SKIPPED_EVENTS,
+    W_BAD_FRAMES,
+    W_RESTARTS,
+    W_EVENTS,
+]
+"""Row words that describe a worker's history rather than the table: a restarted applier keeps them, so a
+gap counted before an applier crash is still accounted after it (``detected = recovered + lost``)."""
+
+
+def _history(rows: npt.NDArray[np.uint64]) -> dict[WorkerKey, npt.NDArray[np.uint64]]:
+    """The history words of every row in use, by worker."""
+    used = np.flatnonzero(rows[:, W_IN_USE])
+    return {(int(rows[b, W_WORKER_ID]), int(rows[b, W_DP_RANK])): rows[b, HISTORY_WORDS].copy() for b in used}
+
+
 def _capacity_for(keys: int, minimum: int) -> int:
     """The smallest power of two holding ``keys`` below ``GROWN_LOAD``: a full table (load 0.5) doubles,
     one that is mostly tombstones is rebuilt at its own size."""
@@ -100,6 +128,7 @@ class ShardWriter:
         self._cached = np.zeros(control.rows, dtype=np.int64)
         self._emap, self._emeta = _map(capacity)
         self._refs, self._rmeta = _map(MIN_MAP_ROWS)
+        self._history = _history(control.worker_rows(shard))
         control.worker_rows(shard)[:] = 0  # a dead predecessor's rows: this writer registers its own
         self._segment = self._publish(capacity, nwords=1)
         for worker in workers:
@@ -239,6 +268,9 @@ class ShardWriter:
         rows[bit, W_DP_RANK] = worker[1]
         rows[bit, W_LAST_ID] = NO_ID
         rows[bit, W_LAST_EVENT_NS] = time.time_ns()
+        history = self._history.pop(worker, None)
+        if history is not None:
+            rows[bit, HISTORY_WORDS] = history
         rows[bit, W_IN_USE] = 1  # last: a reader that sees the row in use sees the whole row
         self._bits[worker] = bit
         return bit

@@ -57,7 +57,8 @@ def depth(held: set[tuple[int, ...]], path: tuple[int, ...]) -> int:
 
 def last_id(cache: dict[str, Any], rank: int) -> int | None:
     entry = cache["ranks"][rank]
-    return entry.get("last_seq", entry.get("last_event_id"))
+    value = entry.get("last_seq", entry.get("last_event_id"))
+    return None if value is None else int(value)
 
 
 def lagging(engine: Engine, workers: list[Worker]) -> list[str]:
@@ -83,6 +84,12 @@ def spec(worker: Worker, worker_id: int, fmt: str, dp: int) -> WorkerSpec:
     return WorkerSpec(worker_id, worker.events[0], replay_endpoint=worker.replay[0], dp_ranks=ranks, block_size=BLOCK)
 
 
+def replace(engine: Engine, worker: WorkerSpec) -> None:
+    """Worker churn: the worker leaves the index, then joins again and is restored from its replay socket."""
+    engine.remove_worker(worker.worker_id)
+    engine.add_worker(worker)
+
+
 def test_chaos_ends_with_the_index_equal_to_every_engines_cache(start_worker, wait_until):
     rng = random.Random(20261130)
     layout = [(1, "vllm", 1), (2, "vllm", 2), (3, "kvrouter", 1)]
@@ -105,7 +112,7 @@ def test_chaos_ends_with_the_index_equal_to_every_engines_cache(start_worker, wa
             lambda: workers[0].call("POST", "/restart", {}),
             lambda: workers[2].call("POST", "/restart", {}),
             lambda: os.kill(engine.stats()[rng.randrange(2)].pid, signal.SIGKILL),
-            lambda: (engine.remove_worker(2), engine.add_worker(specs[1])),
+            lambda: replace(engine, specs[1]),
         ]
         for round_ in range(12):
             drills[round_ % len(drills)]()

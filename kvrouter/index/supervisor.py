@@ -87,6 +87,8 @@ class Supervisor:
         self.owner_pid = os.getpid() if owner_pid is None else owner_pid
         """The pid in every name this supervisor creates."""
         self.stop_timeout = stop_timeout
+        self.creator_pid = os.getpid()
+        """The process that built this supervisor: the only one whose :meth:`close` stops and removes anything."""
         self._lock = threading.Lock()
         """Guards the processes, the worker map and the closing flag against the monitor thread."""
         self._send_lock = threading.Lock()
@@ -284,7 +286,13 @@ class Supervisor:
 
     def close(self) -> None:
         """Stop every applier (kill those that do not stop within ``stop_timeout``) and remove every
-        segment, lock file and socket of this supervisor. Safe to call again, and after a failed start."""
+        segment, lock file and socket of this supervisor. Safe to call again, and after a failed start.
+
+        In any other process (a fork of the creator, which inherits this object and its ``atexit``
+        registration) it does nothing: the appliers and segments are the creator's, and the child's
+        copies of the locks may have been taken by a thread that does not exist in the child."""
+        if os.getpid() != self.creator_pid:
+            return
         with self._lock:
             if self._closing:
                 return

@@ -100,7 +100,9 @@ class ShardWriter:
         self._cached = np.zeros(control.rows, dtype=np.int64)
         self._emap, self._emeta = _map(capacity)
         self._refs, self._rmeta = _map(MIN_MAP_ROWS)
+        kernels.begin_rows_change(control.block(shard))
         control.worker_rows(shard)[:] = 0  # a dead predecessor's rows: this writer registers its own
+        kernels.end_rows_change(control.block(shard))
         self._segment = self._publish(capacity, nwords=1)
         for worker in workers:
             self._bit(worker)
@@ -184,7 +186,10 @@ class ShardWriter:
         bit = self._bits.pop(worker, None)
         if bit is not None:
             self._clear_bit_everywhere(bit)
+            block = self.control.block(self.shard)
+            kernels.begin_rows_change(block)  # a reader that walked the old bits walks again
             self.control.worker_rows(self.shard)[bit, W_IN_USE] = 0
+            kernels.end_rows_change(block)
 
     def clear_worker(self, worker: WorkerKey) -> None:
         """Release every block of one (worker, dp_rank) in every tier (an engine restart, a dump about to
@@ -234,12 +239,15 @@ class ShardWriter:
         if bit >= nwords * WORD_BITS:
             self._rebuild(int(self.table[H_LIVE]), nwords=nwords * 2, keep_capacity=True)
         self._cached[bit] = 0
+        block = self.control.block(self.shard)
+        kernels.begin_rows_change(block)  # the row may be a forgotten worker's: readers mid-walk walk again
         rows[bit, :] = 0
         rows[bit, W_WORKER_ID] = worker[0]
         rows[bit, W_DP_RANK] = worker[1]
         rows[bit, W_LAST_ID] = NO_ID
         rows[bit, W_LAST_EVENT_NS] = time.time_ns()
         rows[bit, W_IN_USE] = 1  # last: a reader that sees the row in use sees the whole row
+        kernels.end_rows_change(block)
         self._bits[worker] = bit
         return bit
 

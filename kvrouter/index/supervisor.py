@@ -53,6 +53,7 @@ from .layout import (
     shard_name,
     unlink_segment,
 )
+from .sweep import owner_lock_path, sweep_leftovers, take_owner_lock
 
 __all__ = ["MAX_START_FAILURES", "STOP_TIMEOUT", "Supervisor"]
 
@@ -106,6 +107,7 @@ class Supervisor:
         self._wake: tuple[int, int] | None = None
         self._monitor: threading.Thread | None = None
         self._control: Control | None = None
+        self._owner_lock: int | None = None
         atexit.register(self.close)
         try:
             self._start()
@@ -114,6 +116,8 @@ class Supervisor:
             raise
 
     def _start(self) -> None:
+        sweep_leftovers()  # a dead engine's files, maybe with our own pid (docs/shm-engine.md)
+        self._owner_lock = take_owner_lock(self.owner_pid)
         name = control_name(self.owner_pid)
         try:
             self._control = Control.create(name, self.shards)
@@ -362,3 +366,8 @@ class Supervisor:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+        if self._owner_lock is not None:  # last: until here a sweeper must see our files as owned
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(owner_lock_path(self.owner_pid))
+            os.close(self._owner_lock)
+            self._owner_lock = None

@@ -42,7 +42,7 @@ import zmq
 
 from ..errors import EngineError
 from ..events.model import WorkerKey
-from .applier import QUEUE_LIMIT, run_applier, stop_frames
+from .applier import QUEUE_LIMIT, assign_frames, run_applier, stop_frames
 from .layout import (
     STATUS_RECOVERING,
     STATUS_STOPPED,
@@ -157,7 +157,8 @@ class Supervisor:
         return f"ipc://{self._dir}/shard-{shard}.sock"
 
     def shard_for(self, worker: WorkerKey) -> int:
-        """The shard owning ``worker``, assigned round-robin the first time it is seen, never moved."""
+        """The shard owning ``worker``, assigned round-robin the first time it is seen, never moved; the
+        shard's applier is told (an assign message) before the caller can send the worker's first event."""
         shard = self._assignment.get(worker)
         if shard is None or worker not in self._known[shard]:
             with self._lock:
@@ -165,7 +166,9 @@ class Supervisor:
                 if shard is None:
                     shard = self._assignment[worker] = self._next_shard % self.shards
                     self._next_shard += 1
-                self._known[shard].add(worker)
+                if worker not in self._known[shard]:
+                    self.send(shard, assign_frames(worker))  # before it is known: no event can pass it
+                    self._known[shard].add(worker)
         return shard
 
     def shards_of(self, worker_id: int) -> list[int]:

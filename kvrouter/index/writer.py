@@ -118,6 +118,10 @@ class ShardWriter:
     def workers(self) -> set[WorkerKey]:
         return set(self._bits)
 
+    def owns(self, worker: WorkerKey) -> bool:
+        """Whether the worker has a row here (registered, or met by ``apply``, and not forgotten)."""
+        return worker in self._bits
+
     # -- events -------------------------------------------------------------------------------
 
     def apply(self, event: KvEvent) -> str | None:

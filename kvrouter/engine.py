@@ -221,6 +221,8 @@ class Engine:
         self.plane = plane or PlaneConfig()
         """How appliers follow workers given to :meth:`add_worker`: timeouts, bounds."""
         self._supervisor: Supervisor | None = None
+        self._creator_pid = 0
+        """The process that started the engine: only it stops the appliers and removes the segments."""
         self._reader: IndexReader | None = None
         self._query_lock = threading.Lock()
         """The engine's reader remaps segments as they move: one query at a time through it."""
@@ -237,6 +239,7 @@ class Engine:
         """
         if self._supervisor is not None:
             raise EngineError("the engine is already started")
+        self._creator_pid = os.getpid()
         self._supervisor = Supervisor(self.shards, stop_timeout=self.stop_timeout, plane=self.plane)
         try:
             self._wait_up(self._supervisor)
@@ -262,7 +265,13 @@ class Engine:
             delay = min(delay * 2, START_POLL_MAX_S)
 
     def close(self) -> None:
-        """Stop the appliers and remove every segment; safe to call again."""
+        """Stop the appliers and remove every segment; safe to call again.
+
+        Only in the process that started the engine: a forked child that leaves the ``with`` (or exits,
+        through the supervisor's ``atexit`` hook) leaves the parent's engine running and its segments in
+        place."""
+        if self._supervisor is not None and os.getpid() != self._creator_pid:
+            return
         with self._query_lock:
             reader, self._reader = self._reader, None
         supervisor = self._supervisor

@@ -14,6 +14,8 @@ import multiprocessing
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -370,3 +372,53 @@ def test_default_shards_follow_the_core_count(monkeypatch: pytest.MonkeyPatch):
     assert Engine().shards == 4
     with pytest.raises(ConfigError, match="shards"):
         Engine(shards=0)
+
+
+# -- forks of the engine's process ------------------------------------------------------------------
+
+FORKED_CHILDREN = """
+import multiprocessing, os, sys
+from kvrouter.engine import Engine
+from kvrouter.events.model import EngineHash, LocalHash, Stored, StoredBlock
+
+engine = Engine(shards=1).start()
+engine.apply_event(1, Stored(1, None, (StoredBlock(EngineHash(1), LocalHash(5)),)))
+engine.flush()
+appliers = [s.pid for s in engine.stats()]
+child = os.fork()
+if child == 0:
+    engine.close()  # an explicit close in the child, then a normal exit: the atexit hook runs too
+    sys.exit(0)
+assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+process = multiprocessing.get_context("fork").Process(target=engine.close)
+process.start()
+process.join()
+assert process.exitcode == 0
+engine.apply_event(1, Stored(1, EngineHash(1), (StoredBlock(EngineHash(2), LocalHash(6)),)))
+engine.flush()
+assert engine.find_matches([5, 6]) == {(1, 0): 2}, engine.find_matches([5, 6])
+assert [s.pid for s in engine.stats()] == appliers
+assert [s.restarts for s in engine.stats()] == [0]
+print("parent ok", flush=True)
+sys.exit(0)  # the parent's own normal exit: the atexit hook closes its engine
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_that_closes_or_exits_leaves_the_parents_engine_alone(
+    shm_entries: Callable[[int], list[str]],
+):
+    """The engine's process forks (``os.fork`` and a multiprocessing fork child); the children close the
+    inherited engine and exit normally, running the ``atexit`` hook. The parent's appliers, segments and
+    sockets are untouched: it keeps applying and answering. Its own exit then removes everything."""
+    with subprocess.Popen(
+        [sys.executable, "-c", FORKED_CHILDREN], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as parent:
+        try:
+            out, err = parent.communicate(timeout=110)
+        finally:
+            parent.kill()
+    assert parent.returncode == 0, err
+    assert out.strip() == "parent ok"
+    assert shm_entries(parent.pid) == []
+    assert glob.glob(os.path.join(tempfile.gettempdir(), f"kvrouter-{parent.pid}-*")) == []

@@ -13,9 +13,14 @@ Everything here runs once per block, so it is numba, over arrays laid out by ``l
   ``_load`` / ``_store`` (atomic acquire / release): plain loads from a read-only array may be treated as
   invariant and hoisted out of the retry loop;
 - readers never write to a shard table, not even a counter; a read is version, fence, data, fence,
-  version, retried while the versions differ or are odd, and abandoned when the version stays odd for
-  ``MAX_STUCK_READS`` reads (the writer died mid-write: the shard is reported recovering rather than the
-  reader spinning forever).
+  version, retried while the versions differ or are odd; when the version stays odd for
+  ``STUCK_SPINS`` reads the kernel returns to its caller, which asks whether the shard's writer is still
+  alive (``index/reader.py``): a dead writer's shard is reported recovering at once, a live one that was
+  preempted mid-write is waited for, up to ``MAX_STUCK_READS`` reads in all;
+- which worker a mask bit names (the shard's worker rows, in the control segment) changes only inside
+  the shard's rows generation window (``begin_rows_change`` / ``end_rows_change``: odd, rows, even), and
+  ``query`` reads the generation before its walk and after its last row, and walks again when it moved:
+  a walk's bits are never attributed to a row's next owner.
 
 The fences compile to no instruction on x86-64 (TSO keeps loads with loads and stores with stores in
 order); they stop LLVM from moving the data accesses across the version accesses, and emit the needed
@@ -41,18 +46,22 @@ from numba.extending import intrinsic
 from ..hashing._xxh3 import chain_step
 from .layout import (
     H_CAPACITY,
+    H_EPOCH,
     H_LIVE,
     H_NWORDS,
     H_TOMBS,
     H_USED,
     HEADER_WORDS,
     MAX_LOAD,
+    S_EPOCH,
+    S_ROWS_GEN,
     SLOT_MASKS,
     SLOT_VERSION,
     TIERS,
     W_DP_RANK,
     W_IN_USE,
     W_WORKER_ID,
+    WORKER_ROW_WORDS,
     ZERO_KEY,
 )
 
@@ -63,8 +72,15 @@ __all__ = [
     "NEED_ROOM",
     "OK",
     "PARENT_NOT_FOUND",
+    "ROWS_MOVING",
+    "ROWS_RETRIES",
+    "SLOT_STUCK",
+    "STALE_TABLE",
+    "STUCK_SPINS",
+    "begin_rows_change",
     "clear_holder",
     "copy_live",
+    "end_rows_change",
     "init_map",
     "lookup",
     "query",
@@ -97,10 +113,23 @@ INVALID_SEQUENCE: Final = 2
 NEED_ROOM: Final = 3
 """``store`` changed nothing: a table or map would pass ``MAX_LOAD``; the caller grows it and calls again."""
 MAX_STUCK_READS: Final = 1 << 27
-"""Reads that see one slot at the same odd version before the reader gives the shard up, about half a
-second. A live writer holds a slot odd for nanoseconds, but the scheduler can preempt it inside that
-window for a time slice or more (a million reads, a few milliseconds, was seen to be too few on a loaded
-2-core machine); only a writer that died mid-write leaves it odd for this long."""
+"""Reads that see one slot at the same odd version before the reader gives the shard up even though its
+writer is alive, about half a second. A live writer holds a slot odd for nanoseconds, but the scheduler
+can preempt it inside that window for a time slice or more (a million reads, a few milliseconds, was
+seen to be too few on a loaded 2-core machine). A dead writer's shard is given up at the first check."""
+STUCK_SPINS: Final = 1 << 12
+"""Reads at one odd version (of a slot, or of the rows generation) after which the kernel returns to the
+reader to check the shard's writer: tens of microseconds, far beyond a live writer's window, and short
+enough that a dead writer costs a query almost nothing."""
+ROWS_RETRIES: Final = 64
+"""Walks ``query`` makes while the rows generation keeps moving under it (workers joining and leaving
+faster than one walk, which a real fleet never does) before it returns ``ROWS_MOVING``."""
+SLOT_STUCK: Final = -1
+"""``query``'s first row tier when a slot stayed at one odd version for ``STUCK_SPINS`` reads."""
+ROWS_MOVING: Final = -2
+"""... when the rows generation stayed odd for ``STUCK_SPINS`` reads, or moved ``ROWS_RETRIES`` times."""
+STALE_TABLE: Final = -3
+"""... when the table is not the shard's current one: the reader remaps and asks again."""
 MAX_READ_RETRIES: Final = 1 << 28
 """Retries of one slot whose version keeps moving (a live writer rewriting it flat out) before the reader
 gives up anyway: seconds of starvation, a bound rather than an expectation."""
@@ -525,8 +554,9 @@ def copy_live(old: Table, new: Table) -> None:
 @_inlined
 def _lookup(table: Table, key: np.uint64, ntiers: int, masks: Table) -> int:
     """Find ``key`` and copy its first ``ntiers`` masks, each OR-ed with the faster tiers', into ``masks``,
-    all from one consistent version of the slot. 1: found; 0: absent; -1: a slot stayed mid-write (its
-    writer died there) or was rewritten for ``MAX_READ_RETRIES`` reads in a row."""
+    all from one consistent version of the slot. 1: found; 0: absent; -1: a slot stayed mid-write for
+    ``STUCK_SPINS`` reads (its writer died there, or was preempted) or was rewritten for
+    ``MAX_READ_RETRIES`` reads in a row."""
     nwords = _i64(table[H_NWORDS])
     width = SLOT_MASKS + TIERS * nwords
     mask = np.uint64(table[H_CAPACITY] - _ONE)
@@ -549,7 +579,7 @@ def _lookup(table: Table, key: np.uint64, ntiers: int, masks: Table) -> int:
                 break
             stuck = stuck + 1 if before == after else 0
             tries += 1
-            if stuck > MAX_STUCK_READS or tries > MAX_READ_RETRIES:
+            if stuck > STUCK_SPINS or tries > MAX_READ_RETRIES:
                 return -1
         if current == key:
             return 1
@@ -621,29 +651,73 @@ def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Count
 
 
 @_kernel
-def query(table: Table, rows: Table, local: npt.NDArray[np.uint64], ntiers: int) -> Counts:
+def query(table: Table, block: Table, rows: Table, local: npt.NDArray[np.uint64], ntiers: int) -> Counts:
     """``walk`` from local hashes, with its answer in worker terms, in one call: rows ``[tier, worker_id,
-    dp_rank, depth]`` for every worker row in use that holds at least one block; a single row
-    ``[-1, 0, 0, 0]`` when the walk gave up. ``rows`` is the shard's worker rows of the control segment
-    (``layout.Control.worker_rows``). One call per shard, no Python step between."""
+    dp_rank, depth]`` for every worker row in use that holds at least one block. ``block`` is the shard's
+    block of the control segment and ``rows`` its worker rows flattened (``layout.Control.block``,
+    ``worker_rows``). One call per shard, no Python step between.
+
+    The walk and the rows it is named through belong to one rows generation: read before the walk
+    (after checking the table is the shard's current one) and after the last row, walked again when it
+    moved. On failure a single row ``[code, 0, 0, 0]``: ``SLOT_STUCK``, ``ROWS_MOVING`` or ``STALE_TABLE``.
+    """
     nbits = _i64(table[H_NWORDS]) * 64
     scores = np.zeros((ntiers, nbits), dtype=np.int64)
     scratch = np.empty(2 * ntiers * (nbits // 64) + 1 + local.size, dtype=np.uint64)
-    found = np.empty((ntiers * nbits, 4), dtype=np.int64)
-    if walk(table, local, ntiers, scores, scratch) < 0:
-        found[0, 0] = -1
-        found[0, 1:] = 0
-        return found[:1]
-    count = 0
-    for tier in range(ntiers):
-        for bit in range(nbits):
-            if scores[tier, bit] > 0 and rows[bit, W_IN_USE] != _ZERO:
-                found[count, 0] = tier
-                found[count, 1] = _i64(rows[bit, W_WORKER_ID])
-                found[count, 2] = _i64(rows[bit, W_DP_RANK])
-                found[count, 3] = scores[tier, bit]
-                count += 1
-    return found[:count]
+    found = np.zeros((ntiers * nbits, 4), dtype=np.int64)
+    epoch = _load(table, H_EPOCH)
+    moved = odd = 0
+    while True:
+        generation = _load(block, S_ROWS_GEN)
+        if generation & _ONE:  # a row is being rewritten: its writer is between two stores
+            odd += 1
+            if odd > STUCK_SPINS:
+                return _failed(found, ROWS_MOVING)
+            continue
+        if _load(block, S_EPOCH) != epoch:
+            return _failed(found, STALE_TABLE)
+        _fence()
+        scores[:] = 0
+        if walk(table, local, ntiers, scores, scratch) < 0:
+            return _failed(found, SLOT_STUCK)
+        count = 0
+        for tier in range(ntiers):
+            for bit in range(nbits):
+                if scores[tier, bit] > 0 and _load(rows, bit * WORKER_ROW_WORDS + W_IN_USE) != _ZERO:
+                    found[count, 0] = tier
+                    found[count, 1] = _i64(_load(rows, bit * WORKER_ROW_WORDS + W_WORKER_ID))
+                    found[count, 2] = _i64(_load(rows, bit * WORKER_ROW_WORDS + W_DP_RANK))
+                    found[count, 3] = scores[tier, bit]
+                    count += 1
+        _fence()
+        if _load(block, S_ROWS_GEN) == generation:
+            return found[:count]
+        moved += 1
+        if moved > ROWS_RETRIES:
+            return _failed(found, ROWS_MOVING)
+
+
+@_inlined
+def _failed(found: Counts, code: int) -> Counts:
+    found[0, 0] = code
+    found[0, 1:] = 0
+    return found[:1]
+
+
+@_kernel
+def begin_rows_change(block: Table) -> None:
+    """The writer is about to change which worker a row names: the rows generation goes odd (from a
+    dead predecessor's odd value too), then a fence, so no row store passes it."""
+    generation = block[S_ROWS_GEN]
+    _store(block, S_ROWS_GEN, generation + (np.uint64(2) if generation & _ONE else _ONE))
+    _fence()
+
+
+@_kernel
+def end_rows_change(block: Table) -> None:
+    """The rows are written: a fence, then the generation goes even, one past ``begin_rows_change``."""
+    _fence()
+    _store(block, S_ROWS_GEN, block[S_ROWS_GEN] + _ONE)
 
 
 @_inlined

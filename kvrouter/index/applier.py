@@ -11,6 +11,7 @@ Every message is a multipart frame list whose first frame is a one-byte tag:
 
 | tag | frames | meaning |
 |---|---|---|
+| ``A`` | worker id, dp rank (u64 LE each) | the supervisor assigns this (worker, dp_rank) to the shard |
 | ``E`` | payload | one kvrouter batch (``events/codecs/kvrouter.py``); the batch names its worker |
 | ``F`` | token (u64 LE) | flush: reached once every earlier message is applied; written to the control segment |
 | ``R`` | worker id (u64 LE) | remove every dp rank of the worker from this shard |
@@ -19,8 +20,11 @@ Every message is a multipart frame list whose first frame is a one-byte tag:
 | ``Q`` | (none) | stop: unlink the shard segment, status stopped, exit 0 |
 
 The socket orders messages, so a flush token is a barrier for everything sent before it, and worker
-operations apply in order with events. A malformed message is counted as ``bad_event`` (the first of
-each sort is logged) and skipped: bad input never ends the loop.
+operations apply in order with events. The supervisor's assignment is the authority on which shard
+owns a worker: it sends ``A`` before a new worker's first event (a restarted applier is given its
+workers at start), and a batch for a worker this shard was not given is counted as ``bad_event`` and
+not applied, so a (worker, dp_rank) never lives in two shards. A malformed message is counted as
+``bad_event`` (the first of each sort is logged) and skipped: bad input never ends the loop.
 
 Fencing: before it writes anything the applier takes ``fcntl.flock`` on its shard's lock file and
 keeps it until it exits; the kernel drops the lock when the process dies, even by SIGKILL, so a
@@ -57,9 +61,11 @@ from .layout import (
     lock_path,
     unlink_segment,
 )
+from .sweep import owner_lock_path
 from .writer import ShardWriter
 
 __all__ = [
+    "ASSIGN_WORKER",
     "CLEAR_WORKER",
     "EVENTS",
     "FLUSH",
@@ -67,6 +73,7 @@ __all__ = [
     "REMOVE_WORKER",
     "STOP",
     "WORKER",
+    "assign_frames",
     "clear_frames",
     "flush_frames",
     "remove_frames",
@@ -77,6 +84,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+ASSIGN_WORKER: Final = b"A"
 EVENTS: Final = b"E"
 FLUSH: Final = b"F"
 REMOVE_WORKER: Final = b"R"
@@ -97,6 +105,11 @@ FENCE_POLL_MAX_S: Final = 0.05
 """Longest sleep between two attempts to take the fence; the wait itself has no end but the owner's death."""
 
 _U64: Final = struct.Struct("<Q")
+_WORKER: Final = struct.Struct("<QQ")
+
+
+def assign_frames(worker: WorkerKey) -> list[bytes]:
+    return [ASSIGN_WORKER, _WORKER.pack(*worker)]
 
 
 def _ranks(frame: bytes) -> list[int]:
@@ -201,6 +214,7 @@ def run_applier(
         if orphaned:  # nobody else will remove them now
             unlink_segment(control.name)
             _remove_file(lock_path(owner_pid, shard))
+            _remove_file(owner_lock_path(owner_pid))
             socket_path = endpoint.removeprefix("ipc://")
             _remove_file(socket_path)
             with contextlib.suppress(OSError):  # the last applier out removes the directory
@@ -250,6 +264,9 @@ def _serve(
                     continue
                 if tag == STOP and len(frames) == 1:
                     return False
+                if tag == ASSIGN_WORKER and len(frames) == 2 and len(frames[1]) == _WORKER.size:
+                    writer.register(_WORKER.unpack(frames[1]))
+                    continue
                 if tag == WORKER and len(frames) == 3:
                     try:
                         ingest.add(WorkerSpec.from_wire(frames[1]), _ranks(frames[2]))
@@ -279,6 +296,7 @@ def _payload_applier(writer: ShardWriter, shard: int) -> Callable[[bytes], None]
     not decode counts one ``bad_event``; the first is logged, later ones only counted."""
     decode = Decoder().decode_raw
     bad = 0
+    strangers: set[WorkerKey] = set()
 
     def apply_payload(payload: bytes) -> None:
         nonlocal bad
@@ -291,7 +309,14 @@ def _payload_applier(writer: ShardWriter, shard: int) -> Callable[[bytes], None]
             )
             writer.count_bad_batch()
             return
-        writer.apply_batch((batch.worker_id, batch.dp_rank), batch.events)
+        worker = (batch.worker_id, batch.dp_rank)
+        if not writer.owns(worker):  # another shard's, or removed: applying it would make a second copy
+            if worker not in strangers:
+                strangers.add(worker)
+                log.warning("batch for a worker this shard does not own shard=%d worker=%s: bad_event", shard, worker)
+            writer.count_bad_batch()
+            return
+        writer.apply_batch(worker, batch.events)
 
     return apply_payload
 

@@ -12,14 +12,17 @@ Sharding is by worker and sticky: a (worker_id, dp_rank) is given a shard round-
 time it is seen and keeps it for the life of the engine, so one process sees all of a worker's
 events in order (``DESIGN.md`` component 4). The map lives here and nowhere else.
 
-A monitor thread waits on the appliers' process sentinels. On an unexpected death it counts a
-restart, marks the shard recovering, removes the dead applier's segment (its owner can no longer do
-it) and forks a replacement, which writes only once it holds the shard's fence, i.e. once the dead
+Appliers are forked by a fork server (``index/forkserver.py``) that the supervisor forks first, before
+it starts its monitor thread or its ZMQ context: no applier is ever forked from a threaded process.
+A monitor thread reads the server's exit reports. On an unexpected death it counts a restart, marks
+the shard recovering, removes the dead applier's segment (its owner can no longer do it) and has the
+server fork a replacement, which writes only once it holds the shard's fence, i.e. once the dead
 process is gone. An applier that dies before it ever took up its shard is restarted at most
 ``MAX_START_FAILURES`` times in a row, then the shard is left stopped: a crash loop helps nobody.
 
 Fork safety: nothing here lives at module level; every child builds its own ZMQ context, and the
-parent's sockets are never touched in a child.
+parent's sockets are never touched in a child. Only the creating process closes (a fork of it that
+exits leaves everything alone).
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -35,7 +37,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
-from multiprocessing.process import BaseProcess
 from typing import Final
 
 import zmq
@@ -44,7 +45,8 @@ from ..errors import EngineError
 from ..events.model import WorkerKey
 from ..plane.config import PlaneConfig
 from ..plane.registry import WorkerSpec
-from .applier import QUEUE_LIMIT, remove_frames, run_applier, stop_frames, worker_frames
+from .applier import QUEUE_LIMIT, assign_frames, remove_frames, run_applier, stop_frames, worker_frames
+from .forkserver import ForkServer
 from .layout import (
     STATUS_RECOVERING,
     STATUS_STOPPED,
@@ -55,6 +57,7 @@ from .layout import (
     shard_name,
     unlink_segment,
 )
+from .sweep import owner_lock_path, sweep_leftovers, take_owner_lock
 
 __all__ = ["MAX_START_FAILURES", "STOP_TIMEOUT", "Supervisor"]
 
@@ -100,6 +103,8 @@ class Supervisor:
         """The event plane's bounds and timers, handed to every applier."""
         self._specs: dict[int, WorkerSpec] = {}
         """The registry: every followed worker, by id. A restarted applier is handed its part of it."""
+        self.creator_pid = os.getpid()
+        """The process that built this supervisor: the only one whose :meth:`close` stops and removes anything."""
         self._lock = threading.Lock()
         """Guards the processes, the worker map and the closing flag against the monitor thread."""
         self._send_lock = threading.Lock()
@@ -108,15 +113,17 @@ class Supervisor:
         self._assignment: dict[WorkerKey, int] = {}
         self._known: list[set[WorkerKey]] = [set() for _ in range(shards)]
         self._next_shard = 0
-        self._processes: list[BaseProcess | None] = [None] * shards
+        self._pids: list[int | None] = [None] * shards
+        """Each shard's applier as forked, until its exit is reported (``None``: none, or left stopped)."""
         self._start_failures = [0] * shards
-        self._fork = multiprocessing.get_context("fork")
+        self._forkserver: ForkServer | None = None
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sockets: list[zmq.Socket[bytes]] = []
         self._dir: str | None = None
         self._wake: tuple[int, int] | None = None
         self._monitor: threading.Thread | None = None
         self._control: Control | None = None
+        self._owner_lock: int | None = None
         atexit.register(self.close)
         try:
             self._start()
@@ -125,6 +132,10 @@ class Supervisor:
             raise
 
     def _start(self) -> None:
+        sweep_leftovers()  # a dead engine's files, maybe with our own pid (docs/shm-engine.md)
+        self._owner_lock = take_owner_lock(self.owner_pid)
+        # before any thread or ZMQ context of ours: every applier is forked from this clean process
+        self._forkserver = ForkServer(run_applier, close_fds=[self._owner_lock])
         name = control_name(self.owner_pid)
         try:
             self._control = Control.create(name, self.shards)
@@ -164,7 +175,8 @@ class Supervisor:
         return f"ipc://{self._dir}/shard-{shard}.sock"
 
     def shard_for(self, worker: WorkerKey) -> int:
-        """The shard owning ``worker``, assigned round-robin the first time it is seen, never moved."""
+        """The shard owning ``worker``, assigned round-robin the first time it is seen, never moved; the
+        shard's applier is told (an assign message) before the caller can send the worker's first event."""
         shard = self._assignment.get(worker)
         if shard is None or worker not in self._known[shard]:
             with self._lock:
@@ -172,7 +184,9 @@ class Supervisor:
                 if shard is None:
                     shard = self._assignment[worker] = self._next_shard % self.shards
                     self._next_shard += 1
-                self._known[shard].add(worker)
+                if worker not in self._known[shard]:
+                    self.send(shard, assign_frames(worker))  # before it is known: no event can pass it
+                    self._known[shard].add(worker)
         return shard
 
     def shards_of(self, worker_id: int) -> list[int]:
@@ -250,67 +264,64 @@ class Supervisor:
     def pids(self) -> list[int | None]:
         """The applier processes' pids as forked (``None`` for a shard left stopped)."""
         with self._lock:
-            return [None if p is None else p.pid for p in self._processes]
+            return list(self._pids)
 
     # -- appliers -----------------------------------------------------------------------------
 
     def _spawn(self, shard: int, status: int) -> None:
         control = self._control
         assert control is not None
+        assert self._forkserver is not None
         workers = sorted(self._known[shard])
-        process = self._fork.Process(
-            target=run_applier,
-            args=(
-                control.name,
-                shard,
-                self.owner_pid,
-                self.endpoint(shard),
-                workers,
-                status,
-                self._followed(shard),
-                self.plane,
-            ),
-            name=f"kvrouter-applier-{shard}",
-            daemon=False,
+        args = (
+            control.name,
+            shard,
+            self.owner_pid,
+            self.endpoint(shard),
+            workers,
+            status,
+            self._followed(shard),
+            self.plane,
         )
-        process.start()
-        self._processes[shard] = process
+        self._pids[shard] = self._forkserver.spawn(args)
 
     def _watch(self) -> None:
-        """The monitor thread: wait for any applier to exit (or for ``close``), then handle it."""
+        """The monitor thread: read the fork server's exit reports (or wait for ``close``), handle each."""
         assert self._wake is not None
-        wake = self._wake[0]
+        assert self._forkserver is not None
+        wake, reports = self._wake[0], self._forkserver.reports
         while True:
             with self._lock:
                 if self._closing:
                     return
-                sentinels = {p.sentinel: shard for shard, p in enumerate(self._processes) if p is not None}
-            ready = wait([*sentinels, wake])
+            ready = wait([reports, wake])
             if wake in ready:
                 return
-            for sentinel in ready:
-                assert isinstance(sentinel, int)
-                self._on_exit(sentinels[sentinel])
-
-    def _on_exit(self, shard: int) -> None:
-        with self._lock:
-            process = self._processes[shard]
-            if self._closing or process is None:
+            try:
+                pid, exitcode = reports.recv()
+            except EOFError:
+                log.error("fork server died pid=%d: appliers can no longer be restarted", self._forkserver.pid)
                 return
-            process.join()
+            self._on_exit(pid, exitcode)
+
+    def _on_exit(self, pid: int, exitcode: int) -> None:
+        with self._lock:
+            if self._closing or pid not in self._pids:
+                return
+            shard = self._pids.index(pid)
             control = self.control
-            took_up = control.pid(shard) == process.pid
+            took_up = control.pid(shard) == pid
             self._start_failures[shard] = 0 if took_up else self._start_failures[shard] + 1
             log.warning(
                 "applier died shard=%d pid=%s exitcode=%s took_up_shard=%s",
                 shard,
-                process.pid,
-                process.exitcode,
+                pid,
+                exitcode,
                 took_up,
             )
             self._remove_segments(shard)
             if self._start_failures[shard] >= MAX_START_FAILURES:
-                self._processes[shard] = None
+                self._pids[shard] = None
                 control.set_status(shard, STATUS_STOPPED)
                 log.error(
                     "shard left stopped shard=%d: its applier failed to start %d times", shard, MAX_START_FAILURES
@@ -322,7 +333,7 @@ class Supervisor:
             log.warning(
                 "shard restarted shard=%d pid=%s restarts=%d workers=%d",
                 shard,
-                self._processes[shard].pid,  # type: ignore[union-attr]  # just spawned
+                self._pids[shard],
                 control.restarts(shard),
                 len(self._known[shard]),
             )
@@ -345,7 +356,13 @@ class Supervisor:
 
     def close(self) -> None:
         """Stop every applier (kill those that do not stop within ``stop_timeout``) and remove every
-        segment, lock file and socket of this supervisor. Safe to call again, and after a failed start."""
+        segment, lock file and socket of this supervisor. Safe to call again, and after a failed start.
+
+        In any other process (a fork of the creator, which inherits this object and its ``atexit``
+        registration) it does nothing: the appliers and segments are the creator's, and the child's
+        copies of the locks may have been taken by a thread that does not exist in the child."""
+        if os.getpid() != self.creator_pid:
+            return
         with self._lock:
             if self._closing:
                 return
@@ -379,20 +396,36 @@ class Supervisor:
             self._wake = None
 
     def _stop_appliers(self) -> None:
+        """Ask every applier to stop, wait for the fork server's reports, kill those that do not stop
+        within ``stop_timeout``, then end the fork server. The monitor thread is stopped by now."""
+        server = self._forkserver
+        if server is None:
+            return
         for shard, socket in enumerate(self._sockets):
-            if self._processes[shard] is not None:
+            if self._pids[shard] is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     socket.send_multipart(stop_frames(), flags=zmq.NOBLOCK)
+        live = {pid for pid in self._pids if pid is not None}
         deadline = time.monotonic() + self.stop_timeout
-        for shard, process in enumerate(self._processes):
-            if process is None:
+        killed = False
+        while live:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 and not killed:
+                for pid in live:
+                    log.warning("applier did not stop, killing pid=%s", pid)
+                    server.kill(pid)
+                killed = True
+            if not server.reports.poll(max(remaining, 0.0) if not killed else None):
                 continue
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                log.warning("applier did not stop, killing shard=%d pid=%s", shard, process.pid)
-                process.kill()
-                process.join()
-            self._processes[shard] = None
+            try:
+                pid, _ = server.reports.recv()
+            except EOFError:
+                log.error("fork server died while appliers stopped pid=%d", server.pid)
+                break
+            live.discard(pid)
+        self._pids = [None] * self.shards
+        self._forkserver = None
+        server.close()
 
     def _close_sockets(self) -> None:
         for socket in self._sockets:
@@ -415,3 +448,8 @@ class Supervisor:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+        if self._owner_lock is not None:  # last: until here a sweeper must see our files as owned
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(owner_lock_path(self.owner_pid))
+            os.close(self._owner_lock)
+            self._owner_lock = None

@@ -129,7 +129,9 @@ class ShardWriter:
         self._emap, self._emeta = _map(capacity)
         self._refs, self._rmeta = _map(MIN_MAP_ROWS)
         self._history = _history(control.worker_rows(shard))
+        kernels.begin_rows_change(control.block(shard))
         control.worker_rows(shard)[:] = 0  # a dead predecessor's rows: this writer registers its own
+        kernels.end_rows_change(control.block(shard))
         self._segment = self._publish(capacity, nwords=1)
         for worker in workers:
             self._bit(worker)
@@ -144,6 +146,10 @@ class ShardWriter:
 
     def workers(self) -> set[WorkerKey]:
         return set(self._bits)
+
+    def owns(self, worker: WorkerKey) -> bool:
+        """Whether the worker has a row here (registered, or met by ``apply``, and not forgotten)."""
+        return worker in self._bits
 
     # -- events -------------------------------------------------------------------------------
 
@@ -213,7 +219,10 @@ class ShardWriter:
         bit = self._bits.pop(worker, None)
         if bit is not None:
             self._clear_bit_everywhere(bit)
+            block = self.control.block(self.shard)
+            kernels.begin_rows_change(block)  # a reader that walked the old bits walks again
             self.control.worker_rows(self.shard)[bit, W_IN_USE] = 0
+            kernels.end_rows_change(block)
 
     def clear_worker(self, worker: WorkerKey) -> None:
         """Release every block of one (worker, dp_rank) in every tier (an engine restart, a dump about to
@@ -263,6 +272,8 @@ class ShardWriter:
         if bit >= nwords * WORD_BITS:
             self._rebuild(int(self.table[H_LIVE]), nwords=nwords * 2, keep_capacity=True)
         self._cached[bit] = 0
+        block = self.control.block(self.shard)
+        kernels.begin_rows_change(block)  # the row may be a forgotten worker's: readers mid-walk walk again
         rows[bit, :] = 0
         rows[bit, W_WORKER_ID] = worker[0]
         rows[bit, W_DP_RANK] = worker[1]
@@ -272,6 +283,7 @@ class ShardWriter:
         if history is not None:
             rows[bit, HISTORY_WORDS] = history
         rows[bit, W_IN_USE] = 1  # last: a reader that sees the row in use sees the whole row
+        kernels.end_rows_change(block)
         self._bits[worker] = bit
         return bit
 

@@ -6,7 +6,10 @@
    words. At least 10 million slot reads per run; one torn read fails the test.
 2. The real writer: a ``ShardWriter`` process churns, grows the table and clears a worker while the test
    process queries through ``IndexReader``; every answer must be one the index could have held.
-3. A writer that died mid-write: a reader gives up after bounded retries and reports the shard recovering.
+3. Worker rows reused under a reader: a writer process keeps giving one row to a worker that stores a
+   chain and, once it is forgotten, to one that never stores anything; no answer ever names the latter.
+4. A writer that died mid-write: the reader checks the shard's writer, gives up at once and reports the
+   shard recovering; a live writer that sits mid-write is waited for.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -30,6 +35,7 @@ from kvrouter.index.layout import (
     MIN_CAPACITY,
     SLOT_MASKS,
     SLOT_VERSION,
+    STATUS_UP,
     TIERS,
     Control,
     Segment,
@@ -85,7 +91,10 @@ def _check_reads(table: npt.NDArray[np.uint64], keys: npt.NDArray[np.uint64], re
     last = np.zeros(keys.size, dtype=np.uint64)
     while good + torn + failed < reads:
         for i in range(keys.size):
-            if kernels.lookup(table, keys[i], 1, masks) != 1:
+            status = kernels.lookup(table, keys[i], 1, masks)
+            while status < 0:  # the writer sat mid-write for STUCK_SPINS reads: it lives, read again
+                status = kernels.lookup(table, keys[i], 1, masks)
+            if status != 1:
                 failed += 1
                 continue
             generation = masks[0] ^ _pattern(keys[i], 0)
@@ -203,7 +212,61 @@ def test_queries_under_churn_growth_and_clear_see_only_states_the_index_held(wai
     assert queries > 100
 
 
-def test_a_writer_dead_mid_write_makes_the_shard_recovering_not_a_hang():
+def _reuse_rows(control_name_: str, owner: int, rounds: int) -> None:
+    """Writer process: round r gives the lowest free row to worker 2r + 2, which stores chain A, forgets it
+    (bits cleared, row freed) and gives the same row to worker 2r + 3, which never stores a thing."""
+    control = Control.attach(control_name_, writable=True)
+    writer = ShardWriter(control, 0, owner, capacity=MIN_CAPACITY)
+    chain = tuple(StoredBlock(EngineHash(100 + i), LocalHash(i + 1)) for i in range(64))
+    writer.apply(Stored(1, None, chain[:1]))  # keeps the table live between rounds
+    control.set_flushed(0, 1)
+    while control.flushed(0) != 2:  # the reader compiles its query first
+        time.sleep(0.001)
+    for round_ in range(rounds):
+        holder, empty = (2 * round_ + 2, 0), (2 * round_ + 3, 0)
+        writer.apply(Stored(holder[0], None, chain))
+        writer.forget(holder)
+        assert writer.register(empty) == writer.register(empty) == 1  # the row the holder had
+        writer.forget(empty)
+    control.set_flushed(0, 3)
+    writer.close(unlink=False)
+    control.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_reused_worker_row_never_names_a_worker_that_did_not_hold_the_blocks(wait_until: Callable[..., None]):
+    owner = (os.getpid() << 20) + 920_000 + next(_names)
+    control = Control.create(control_name(owner), 1)
+    writer = FORK.Process(target=_reuse_rows, args=(control.name, owner, 10_000))
+    writer.start()
+    reader = IndexReader(control.name)
+    query = list(range(1, 65))
+    hits = queries = 0
+    try:
+        wait_until(lambda: control.flushed(0) >= 1, what="the writer's first store")
+        assert reader.find_matches(query) == {(1, 0): 1}
+        control.set_flushed(0, 2)
+        while control.flushed(0) < 3 or queries == 0:
+            scores = reader.find_matches(query)
+            queries += 1
+            holders = {worker for worker in scores if worker != (1, 0)}
+            assert all(worker_id % 2 == 0 for worker_id, _ in holders), scores  # never a worker 2r + 3
+            hits += bool(holders)
+    finally:
+        writer.join(timeout=60)
+        reader.close()
+        name = control.segment_name(0)
+        if name:
+            os.unlink(f"/dev/shm/{name}")
+        control.close()
+        control.unlink()
+    assert writer.exitcode == 0
+    assert hits > 100, "the reader hardly ever met a holder: the race was not exercised"
+
+
+def test_a_writer_dead_mid_write_makes_the_shard_recovering_at_once_and_a_live_one_is_waited_for(
+    wait_until: Callable[..., None],
+):
     owner = (os.getpid() << 20) + 950_000 + next(_names)
     control = Control.create(control_name(owner), 1)
     writer = ShardWriter(control, 0, owner)
@@ -214,11 +277,33 @@ def test_a_writer_dead_mid_write_makes_the_shard_recovering_not_a_hang():
         table = writer.table
         slot = int(np.uint64(42) & np.uint64(int(table[H_CAPACITY]) - 1))
         base = HEADER_WORDS + slot * (SLOT_MASKS + TIERS * int(table[H_NWORDS]))
+        assert reader.writer_checks == 0
+        # no applier ever took the shard up (pid word 0): the writer is gone, the slot stays odd
         table[base + SLOT_VERSION] += 1  # left odd, as by a writer killed between its two version stores
         assert reader.find_matches([42]) == {}
         assert reader.recovering() == {0}
+        assert reader.writer_checks == 1  # one short spin, one look at the writer, given up
         table[base + SLOT_VERSION] += 1
         assert reader.find_matches([42]) == {(1, 0): 1}
+        assert reader.recovering() == set()
+
+        # a live writer (this process) preempted mid-write: the reader keeps asking until it finishes
+        control.set_pid(0, os.getpid())
+        control.set_status(0, STATUS_UP)
+        table[base + SLOT_VERSION] += 1
+        checks = reader.writer_checks
+
+        def finish_the_write() -> None:
+            wait_until(lambda: reader.writer_checks >= checks + 3, what="the reader to wait for the writer")
+            table[base + SLOT_VERSION] += 1
+
+        finisher = threading.Thread(target=finish_the_write)
+        finisher.start()
+        try:
+            assert reader.find_matches([42]) == {(1, 0): 1}
+        finally:
+            finisher.join()
+        assert reader.writer_checks >= checks + 3
         assert reader.recovering() == set()
     finally:
         reader.close()

@@ -134,4 +134,4 @@ def test_chaos_ends_with_the_index_equal_to_every_engines_cache(start_worker, wa
                     assert engine.find_matches(list(path)).get(key, 0) == depth(held, path), (key, path)
         assert sum(row.gaps_recovered for row in rows.values()) > 0
         assert sum(row.restarts for row in rows.values()) >= 2
-        assert sum(s.restarts for s in engine.stats()) >= 2
+        assert sum(s.restarts for s in engine.stats()) == 1  # the one SIGKILL drill

@@ -1,0 +1,268 @@
+"""The fork server: one single-threaded process that forks every applier, first start and restarts alike.
+
+``fork()`` copies only the calling thread; a lock that another thread held at that instant (the logging
+module's, the allocator's, one inside ZMQ's I/O threads) stays held in the child for ever. The
+supervisor's process has a monitor thread and ZMQ's threads, and the service adds HTTP and NATS
+threads; restarts happen from the monitor thread. So the supervisor forks this server first thing,
+before it makes any thread or ZMQ context of its own, and every applier is forked from here instead:
+always from one thread, always from the same clean state. The server also compiles (or loads from
+numba's cache) the appliers' kernels before it forks anything (``warm_up``), so no applier compiles,
+and a restart is writing within milliseconds.
+
+Protocol, over two ``multiprocessing`` connections (pickled tuples on socketpairs):
+
+- requests (duplex, the supervisor asks and waits for the reply): ``("spawn", args)`` → ``("spawned",
+  pid)``: fork a child running ``target(*args)``, ``args`` opaque to the server; ``("kill", pid, signum)``
+  → ``("killed", bool)``: signal a child not reaped yet (a pid the server has reaped is never signalled,
+  so a reused pid cannot be hit);
+- reports (one way, read by the supervisor's monitor thread): ``(pid, exitcode)`` once per child, when
+  the server reaps it (``pidfd_open``: woken by the exit itself, no ``SIGCHLD`` handler, no polling).
+  The exit code is the child's, or minus the signal that killed it, as ``multiprocessing`` reports it.
+
+The server exits when its request connection reaches end of file, or when its parent is no longer the
+supervisor (a fork of the supervisor may hold the connection open): the supervisor is gone. Its
+appliers then see their parent change, exactly as they saw the supervisor's death before, and remove
+what the supervisor can no longer remove. The cost: one more process, a pickled round trip per fork,
+and a supervisor must be created before its process starts threads of its own to get the full benefit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing import connection
+from multiprocessing.connection import Connection
+from typing import Any, Final
+
+import numpy as np
+
+from ..errors import EngineError
+
+__all__ = ["ForkServer", "warm_up"]
+
+log = logging.getLogger(__name__)
+
+PARENT_CHECK_S: Final = 1.0
+"""How long the server waits for a request or an exit before it checks that its parent is the supervisor."""
+
+
+def warm_up() -> None:
+    """Compile, or load from numba's cache, every kernel an applier runs, with the argument types it runs
+    them with: a tiny shard in private memory through the table kernels (store, a re-store that moves a
+    hash, a store that needs room, remove, clear), the private-map rehash, the live-copy of a growth,
+    and block and chain hashing from every token form an engine decoder hands over."""
+    from array import array
+
+    from ..events.codecs import sglang, vllm
+    from ..events.codecs.kvrouter import Decoder, Encoder
+    from ..events.model import EngineHash, EventBatch, LocalHash, Removed, Stored, StoredBlock
+    from ..hashing import block_hashes_array, sequence_hashes_array
+    from . import _kernels as kernels
+    from .layout import H_CAPACITY, H_NWORDS, MIN_CAPACITY, shard_words
+
+    def table() -> Any:
+        words = np.zeros(shard_words(MIN_CAPACITY, 1), dtype=np.uint64)
+        words[H_CAPACITY], words[H_NWORDS] = MIN_CAPACITY, 1
+        return words
+
+    def private_map() -> tuple[Any, Any]:
+        rows, meta = np.zeros((1024, 4), dtype=np.uint64), np.zeros(4, dtype=np.int64)
+        kernels.init_map(rows, meta)
+        return rows, meta
+
+    blocks = tuple(StoredBlock(EngineHash(10 + i), LocalHash(20 + i)) for i in range(2))
+    payload = Encoder().encode(
+        EventBatch(
+            (
+                Stored(1, None, blocks),
+                Stored(1, EngineHash(10), (StoredBlock(EngineHash(11), LocalHash(30)),)),
+                Removed(1, (EngineHash(11), EngineHash(99))),
+            )
+        )
+    )
+    shard = table()
+    emap, emeta = private_map()
+    refs, rmeta = private_map()
+    cached = np.zeros(8, dtype=np.int64)
+    for event in Decoder().decode_raw(payload).events:  # read-only arrays, as the applier decodes them
+        args = (shard, emap, emeta, refs, rmeta, cached, 0, event.tier.rank)
+        if event.tag == "S":
+            parent = event.parent
+            kernels.store(*args, parent is not None, np.uint64(parent or 0), event.engine, event.local)
+        else:
+            kernels.remove(*args, event.engine)
+    for engine, local in ((np.arange(3, dtype=np.uint64), np.arange(3, dtype=np.uint64)),):  # ShardWriter.apply
+        kernels.store(shard, emap, emeta, refs, rmeta, cached, 0, 0, True, np.uint64(10), engine, local)
+    kernels.clear_holder(shard, emap, emeta, refs, rmeta, cached, 0, 0)
+    bigger, bigger_meta = private_map()
+    kernels.rehash_map(emap, bigger, bigger_meta)
+    kernels.copy_live(shard, table())
+    for tokens in ([1, 2, 3, 4], array("I", [1, 2, 3, 4]), np.arange(4, dtype=np.uint32)):
+        block_hashes_array(tokens, 2)
+    sequence_hashes_array([1, 2])
+    tokens_block = StoredBlock(EngineHash(7), LocalHash(0), (1, 2))
+    engine_batch = EventBatch((Stored(1, None, (tokens_block,)), Removed(1, (EngineHash(7),))), timestamp=0.0)
+    for codec in (vllm, sglang):  # the engine decoders' compiled pre-pass over msgpack (``_prescan.py``)
+        for encoding in ("map", "array"):
+            payload = codec.Encoder(encoding).encode(engine_batch)
+            codec.Decoder(1, 2).decode_raw(payload)
+    block = np.zeros(32, dtype=np.uint64)
+    kernels.begin_rows_change(block)
+    kernels.end_rows_change(block)
+
+
+class ForkServer:
+    """The supervisor's handle on its fork server (see the module docstring).
+
+    Construct it before the process makes any thread; ``spawn`` and ``kill`` may then be called from any
+    thread (one request at a time), and ``reports`` is read by one thread.
+
+    Args:
+        target: what every child runs, ``target(*args)``; looked up now, so the server and its children
+            run the function as it is at this moment.
+        close_fds: descriptors the server must not keep (the supervisor's owner lock).
+
+    Raises:
+        EngineError: the server could not be forked.
+    """
+
+    def __init__(self, target: Callable[..., None], *, close_fds: Sequence[int] = ()) -> None:
+        requests, server_requests = connection.Pipe(duplex=True)
+        reports, server_reports = connection.Pipe(duplex=False)
+        parent = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            for conn in (requests, server_requests, reports, server_reports):
+                conn.close()
+            raise EngineError(f"fork server: cannot fork: {exc}") from exc
+        if pid == 0:  # the server
+            code = 1
+            try:
+                requests.close()
+                reports.close()
+                for fd in close_fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                _serve(server_requests, server_reports, target, parent)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                _exit(code)
+        server_requests.close()
+        server_reports.close()
+        self.pid = pid
+        """The server process."""
+        self.reports: Connection = reports
+        """``(pid, exitcode)`` for every child that exited; ``EOFError`` once the server is gone."""
+        self._requests: Connection | None = requests
+
+    def spawn(self, args: tuple[Any, ...]) -> int:
+        """Fork a child running ``target(*args)``; returns its pid.
+
+        Raises:
+            EngineError: the server is gone.
+        """
+        reply = self._ask(("spawn", args))
+        return int(reply[1])
+
+    def kill(self, pid: int, signum: int = signal.SIGKILL) -> bool:
+        """Signal a child of the server that has not been reaped; False if it has (or never was one)."""
+        return bool(self._ask(("kill", pid, signum))[1])
+
+    def _ask(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
+        if self._requests is None:
+            raise EngineError("fork server: closed")
+        try:
+            self._requests.send(request)
+            reply: tuple[Any, ...] = self._requests.recv()
+        except (EOFError, OSError) as exc:
+            raise EngineError(f"fork server {self.pid}: gone ({exc!r})") from exc
+        return reply
+
+    def close(self) -> None:
+        """End the server (its children, if any are left, see their parent go) and reap it."""
+        if self._requests is not None:
+            self._requests.close()
+            self._requests = None
+            self.reports.close()
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, 0)
+
+
+def _serve(requests: Connection, reports: Connection, target: Callable[..., None], supervisor: int) -> None:
+    """The server's loop: fork on request, reap and report exits, leave with the supervisor."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when its processes stop
+    warm_up()
+    children: dict[int, int] = {}  # pidfd -> pid
+    while True:
+        ready = connection.wait([requests, *children], timeout=PARENT_CHECK_S)
+        if not ready and os.getppid() != supervisor:
+            return
+        for source in ready:
+            if source is requests:
+                try:
+                    request = requests.recv()
+                except EOFError:
+                    return
+                requests.send(_handle(request, children, requests, reports, target))
+            else:
+                assert isinstance(source, int)
+                pid = children.pop(source)
+                os.close(source)
+                _, status = os.waitpid(pid, 0)
+                reports.send((pid, _exit_code(status)))
+
+
+def _handle(
+    request: tuple[Any, ...],
+    children: dict[int, int],
+    requests: Connection,
+    reports: Connection,
+    target: Callable[..., None],
+) -> tuple[Any, ...]:
+    if request[0] == "spawn":
+        pid = os.fork()
+        if pid == 0:  # the child: none of the server's descriptors, then the target
+            code = 1
+            try:
+                requests.close()
+                reports.close()
+                for pidfd in children:
+                    os.close(pidfd)
+                target(*request[1])
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                _exit(code)
+        children[os.pidfd_open(pid)] = pid
+        return ("spawned", pid)
+    if request[0] == "kill":
+        _, pid, signum = request
+        if pid in children.values():
+            os.kill(pid, signum)
+            return ("killed", True)
+        return ("killed", False)
+    raise EngineError(f"fork server: unknown request {request[0]!r}")
+
+
+def _exit_code(status: int) -> int:
+    """As ``multiprocessing`` reports it: the exit code, or minus the signal that ended the process."""
+    return os.waitstatus_to_exitcode(status)
+
+
+def _exit(code: int) -> None:
+    """Leave a forked process without running the parent's ``atexit`` hooks or finalisers."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

@@ -52,7 +52,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -71,7 +71,6 @@ from bench_index import (
     _machine,
     _percentile,
     _reference_tree,
-    apply_in_process,
     apply_reference,
     in_process_owner,
     leftovers,
@@ -80,7 +79,7 @@ from bench_index import (
 from kvrouter.engine import Engine, attach
 from kvrouter.events.codecs import dynamo as dynamo_codec, vllm
 from kvrouter.events.codecs.frames import encode_live
-from kvrouter.events.codecs.kvrouter import Encoder
+from kvrouter.events.codecs.kvrouter import Decoder, Encoder, RawBatch
 from kvrouter.events.model import EngineHash, EventBatch, LocalHash, Stored, StoredBlock, WorkerKey
 from kvrouter.hashing import sequence_hashes_array
 from kvrouter.hashing.blocks import block_hashes_array
@@ -105,6 +104,8 @@ SUBSCRIBE_TIMEOUT_S: Final = 60.0
 APPLY_TIMEOUT_S: Final = 300.0
 """Longest the appliers may take to reach every worker's last frame before the run is failed [s]."""
 HWM_MARGIN: Final = 64
+IN_PROCESS_WARM: Final = 50
+"""Messages of the in-process rate's warm-up pass (it compiles the kernels)."""
 
 FRESHNESS_BLOCKS_PER_S: Final = 20_000
 FRESHNESS_SECONDS: Final = 3.0
@@ -113,7 +114,8 @@ FRESHNESS_LEAD_NS: Final = 100_000_000
 """The schedule starts this long after the reader is told, so it is polling before the first send [ns]."""
 FRESHNESS_GRACE_NS: Final = 10_000_000_000
 """The reader gives up on a sequence this long after the schedule's end [ns]."""
-FRESHNESS_WARM: Final = 20
+FRESHNESS_WARM_SEQUENCES: Final = 50
+"""Sequences of the warm-up phase, sent at once and left out of the figures."""
 FRESHNESS_SEED_OFFSET: Final = 7919
 """The freshness sequences come from another seed than the ingest workload's."""
 
@@ -346,8 +348,12 @@ def ingest_engine(workload: IngestWorkload, fmt: IngestFormat, shards: int, tree
         finally:
             publishers.close()
         problems = check_workers(engine, workload)
+        rows = engine.workers().values()
         mismatches = spot_check(engine, tree, base.queries[QUERY_BLOCKS])
     return {
+        "events_applied": sum(row.events for row in rows),
+        "gaps_detected": sum(row.gaps_detected for row in rows),
+        "bad_frames": sum(row.bad_frames for row in rows),
         "seconds": seconds,
         "send_seconds": (sent - start) / 1e9,
         "events_per_s": len(frames) / seconds,
@@ -358,73 +364,95 @@ def ingest_engine(workload: IngestWorkload, fmt: IngestFormat, shards: int, tree
     }
 
 
-def apply_in_process_vllm(workload: IngestWorkload) -> float:
-    """Blocks/s of vLLM decode (re-hash included) + ``ShardWriter.apply_batch`` in this process."""
-    owner = in_process_owner()
-    control = Control.create(control_name(owner), 1)
-    try:
-        writer = ShardWriter(control, 0, owner)
+def apply_in_process(workload: IngestWorkload, fmt: IngestFormat) -> float:
+    """Blocks/s of the applier's own work per message, decode (for vLLM: re-hash included) and
+    ``ShardWriter.apply_batch``, in this process: no sockets, no stream checks. A first pass over a few
+    messages into a throwaway writer compiles the kernels here, before any engine forks."""
+    decoders: list[Callable[[bytes], RawBatch]]
+    if fmt == "kvrouter":
+        decoders = [Decoder().decode_raw] * workload.base.workers
+    else:
+        decoders = [vllm.Decoder(worker, BLOCK_SIZE).decode_raw for worker in range(workload.base.workers)]
+    messages = [(decoders[worker], frames[2]) for worker, frames in workload.frames[fmt]]
+    rate = 0.0
+    for timed in (messages[:IN_PROCESS_WARM], messages):
+        owner = in_process_owner()
+        control = Control.create(control_name(owner), 1)
         try:
-            decoders = [vllm.Decoder(worker, BLOCK_SIZE).decode_raw for worker in range(workload.base.workers)]
-            messages = [(decoders[w], frames[2]) for w, frames in workload.frames["vllm"]]
-            apply_batch = writer.apply_batch
-            start = perf_counter_ns()
-            for decode, payload in messages:  # hot path: what the applier does per message
-                batch = decode(payload)
-                apply_batch((batch.worker_id, batch.dp_rank), batch.events)
-            return workload.base.blocks / ((perf_counter_ns() - start) / 1e9)
+            writer = ShardWriter(control, 0, owner)
+            try:
+                apply_batch = writer.apply_batch
+                start = perf_counter_ns()
+                for decode, payload in timed:  # hot path: what the applier does per message
+                    batch = decode(payload)
+                    apply_batch((batch.worker_id, batch.dp_rank), batch.events)
+                rate = workload.base.blocks / ((perf_counter_ns() - start) / 1e9)
+            finally:
+                writer.close(unlink=True)
         finally:
-            writer.close(unlink=True)
-    finally:
-        control.close()
-        control.unlink()
+            control.close()
+            control.unlink()
+    return rate
 
 
 # -- freshness ----------------------------------------------------------------------------------
 
 
+Query = tuple[WorkerKey, list[int]]
+"""A sequence the reader waits for: whole for this worker once applied."""
+
+
+def watch_visible(
+    find: Callable[[list[int]], dict[WorkerKey, int]], queries: list[Query], offsets: list[int], t0: int
+) -> list[int]:
+    """When each query became whole for its worker (``monotonic_ns``; 0: never), polling each from its send
+    time ``t0 + offsets[i]`` on. Waits (sleeping) for the next send while nothing is pending."""
+    n = len(queries)
+    visible = [0] * n
+    pending: list[int] = []
+    next_i = found = 0
+    deadline = t0 + offsets[-1] + FRESHNESS_GRACE_NS
+    while found < n:  # hot path
+        now = monotonic_ns()
+        if now > deadline:
+            break
+        while next_i < n and t0 + offsets[next_i] <= now:
+            pending.append(next_i)
+            next_i += 1
+        if not pending:
+            if next_i < n:
+                time.sleep(max(0, t0 + offsets[next_i] - now) / 1e9)
+            continue
+        still = []
+        for i in pending:
+            key, local = queries[i]
+            if find(local).get(key, 0) == len(local):
+                visible[i] = monotonic_ns()
+                found += 1
+            else:
+                still.append(i)
+        pending = still
+        os.sched_yield()
+    return visible
+
+
 def _freshness_reader(conn: Connection) -> None:
-    """The forked reader: told the handle and the sequences, then the schedule's start; polls every sequence
-    whose send time has come until it is whole for its worker, and sends back when each became visible."""
+    """The forked reader. Told the handle and both phases' sequences, it answers ``ready``; then for each phase
+    it is told the schedule's start, watches that phase's sequences and sends back when each became visible."""
     try:
         message = conn.recv()
         if message is None:
             return
-        handle, queries, offsets = message
+        handle, phases = message
         reader = attach(handle)
         try:
             find = reader.find_matches
-            for _ in range(FRESHNESS_WARM):
-                find(queries[0][1])
             conn.send("ready")
-            t0: int = conn.recv()
-            n = len(queries)
-            visible = [0] * n
-            pending: list[int] = []
-            next_i = found = 0
-            deadline = t0 + offsets[-1] + FRESHNESS_GRACE_NS
-            while found < n:  # hot path
-                now = monotonic_ns()
-                if now > deadline:
-                    break
-                while next_i < n and t0 + offsets[next_i] <= now:
-                    pending.append(next_i)
-                    next_i += 1
-                if not pending:
-                    if next_i < n:
-                        time.sleep(max(0, t0 + offsets[next_i] - now) / 1e9)
-                    continue
-                still = []
-                for i in pending:
-                    key, local = queries[i]
-                    if find(local).get(key, 0) == len(local):
-                        visible[i] = monotonic_ns()
-                        found += 1
-                    else:
-                        still.append(i)
-                pending = still
-                os.sched_yield()
-            conn.send(visible)
+            for queries, offsets in phases:
+                t0 = conn.recv()
+                if t0 is None:
+                    return
+                conn.send(watch_visible(find, queries, offsets, t0))
         finally:
             reader.close()
     finally:
@@ -441,46 +469,77 @@ def start_freshness_reader() -> tuple[multiprocessing.process.BaseProcess, Conne
     return process, ours
 
 
+def paced_send(
+    sockets: list[zmq.Socket[bytes]], items: list[tuple[int, list[bytes]]], offsets: list[int], t0: int
+) -> list[int]:
+    """Send ``items[i]`` at ``t0 + offsets[i]`` (or as soon after as the sleep allows); the send times."""
+    sent = [0] * len(items)
+    for i, (worker, message) in enumerate(items):  # hot path: paced sends
+        wait = t0 + offsets[i] - monotonic_ns()
+        if wait > 0:
+            time.sleep(wait / 1e9)
+        sent[i] = monotonic_ns()
+        sockets[worker].send_multipart(message)
+    return sent
+
+
+def reader_answer(conn: Connection, timeout: float) -> Any:
+    if not conn.poll(timeout):
+        raise SystemExit("bench_ingest: the freshness reader did not answer")
+    return conn.recv()
+
+
 def run_freshness(
     process: multiprocessing.process.BaseProcess, conn: Connection, seconds: float, seed: int
 ) -> dict[str, Any]:
-    """Publish kvrouter-format sequences at ``FRESHNESS_BLOCKS_PER_S`` for ``seconds``; p50/p99 send → visible."""
+    """Publish kvrouter-format sequences at ``FRESHNESS_BLOCKS_PER_S`` for ``seconds``; p50/p99 send → visible.
+
+    A warm-up phase goes first: ``FRESHNESS_WARM_SEQUENCES`` sent at once, watched by the reader until all are
+    visible (an applier's and a reader's first messages load code and grow tables from empty); it is reported
+    apart, with when the applier's rows and when the reader saw it."""
     rough = int(seconds * FRESHNESS_BLOCKS_PER_S / (sum(SEQUENCE_BLOCKS) / 2)) + 1
-    made = build_sequences(FRESHNESS_WORKERS, rough, seed + FRESHNESS_SEED_OFFSET)
+    made = build_sequences(FRESHNESS_WORKERS, FRESHNESS_WARM_SEQUENCES + rough, seed + FRESHNESS_SEED_OFFSET)
     encoder = Encoder()
+    items = [
+        (s.worker, encode_live(TOPIC, s.event_id, encoder.encode(EventBatch((stored_event(s),), 0.0, 0)))) for s in made
+    ]
+    queries: list[Query] = [((s.worker, 0), s.local) for s in made]
+    warm_items, items = items[:FRESHNESS_WARM_SEQUENCES], items[FRESHNESS_WARM_SEQUENCES:]
+    warm_queries, queries = queries[:FRESHNESS_WARM_SEQUENCES], queries[FRESHNESS_WARM_SEQUENCES:]
     offsets: list[int] = []
     blocks = 0
-    items: list[tuple[int, list[bytes]]] = []
-    last_ids = [NO_ID] * FRESHNESS_WORKERS
-    for sequence in made:
+    for _, local in queries:
         offsets.append(int(blocks * 1e9 / FRESHNESS_BLOCKS_PER_S))
-        blocks += len(sequence.local)
-        payload = encoder.encode(EventBatch((stored_event(sequence),), timestamp=0.0, dp_rank=0))
-        items.append((sequence.worker, encode_live(TOPIC, sequence.event_id, payload)))
-        last_ids[sequence.worker] = sequence.event_id
-    queries = [((s.worker, 0), s.local) for s in made]
-    sent = [0] * len(items)
+        blocks += len(local)
+    last_ids = [NO_ID] * FRESHNESS_WORKERS
+    for s in made[:FRESHNESS_WARM_SEQUENCES]:
+        last_ids[s.worker] = s.event_id
     with Engine(shards=1) as engine:
-        publishers = Publishers(FRESHNESS_WORKERS, len(items) + HWM_MARGIN)
+        publishers = Publishers(FRESHNESS_WORKERS, len(made) + HWM_MARGIN)
         try:
             for worker, endpoint in enumerate(publishers.endpoints):
                 engine.add_worker(WorkerSpec(worker, endpoint, format="kvrouter", block_size=BLOCK_SIZE))
             publishers.wait_subscribed(SUBSCRIBE_TIMEOUT_S)
-            conn.send((engine.reader_handle(), queries, offsets))
-            if not conn.poll(SUBSCRIBE_TIMEOUT_S) or conn.recv() != "ready":
+            warm_offsets = [0] * len(warm_items)
+            conn.send((engine.reader_handle(), [(warm_queries, warm_offsets), (queries, offsets)]))
+            if reader_answer(conn, SUBSCRIBE_TIMEOUT_S) != "ready":
                 raise SystemExit("bench_ingest: the freshness reader did not get ready")
+            control = Control.attach(engine.reader_handle().control_name)
+            try:
+                progress = Progress(control, last_ids)
+                t0 = monotonic_ns()
+                conn.send(t0)
+                warm_sent = paced_send(publishers.sockets, warm_items, warm_offsets, t0)
+                while not progress.done() and monotonic_ns() < t0 + FRESHNESS_GRACE_NS:
+                    time.sleep(POLL_S / 10)
+                warm_applied = monotonic_ns()
+            finally:
+                control.close()
+            warm_visible: list[int] = reader_answer(conn, FRESHNESS_GRACE_NS / 1e9 + 30)
             t0 = monotonic_ns() + FRESHNESS_LEAD_NS
             conn.send(t0)
-            sockets = publishers.sockets
-            for i, (worker, message) in enumerate(items):  # hot path: paced sends
-                wait = t0 + offsets[i] - monotonic_ns()
-                if wait > 0:
-                    time.sleep(wait / 1e9)
-                sent[i] = monotonic_ns()
-                sockets[worker].send_multipart(message)
-            if not conn.poll(FRESHNESS_GRACE_NS / 1e9 + 30):
-                raise SystemExit("bench_ingest: the freshness reader did not report")
-            visible: list[int] = conn.recv()
+            sent = paced_send(publishers.sockets, items, offsets, t0)
+            visible: list[int] = reader_answer(conn, FRESHNESS_GRACE_NS / 1e9 + 30)
         finally:
             publishers.close()
     process.join(30)
@@ -488,15 +547,17 @@ def run_freshness(
     span = (sent[-1] - sent[0]) / 1e9 if len(sent) > 1 else 0.0
     return {
         "target_blocks_per_s": FRESHNESS_BLOCKS_PER_S,
-        "achieved_blocks_per_s": (blocks - len(made[-1].local)) / span if span else 0.0,
+        "achieved_blocks_per_s": (blocks - len(queries[-1][1])) / span if span else 0.0,
         "seconds": span,
-        "sequences": len(items),
+        "sequences": len(sent),
         "blocks": blocks,
         "workers": FRESHNESS_WORKERS,
-        "missing": len(items) - len(latencies),
+        "missing": len(sent) - len(latencies),
         "p50_us": statistics.median(latencies) if latencies else float("nan"),
         "p99_us": _percentile(latencies, 0.99) if latencies else float("nan"),
         "max_us": max(latencies, default=float("nan")),
+        "warm_up_applied_us": (warm_applied - warm_sent[0]) / 1000,
+        "warm_up_visible_us": (max(warm_visible) - warm_sent[0]) / 1000 if all(warm_visible) else float("nan"),
     }
 
 
@@ -521,6 +582,9 @@ def median_of(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "blocks_per_s": statistics.median(s["blocks_per_s"] for s in samples),
         "samples_blocks_per_s": [s["blocks_per_s"] for s in samples],
         "send_seconds": statistics.median(s["send_seconds"] for s in samples),
+        "events_applied": [s["events_applied"] for s in samples],
+        "gaps_detected": sum(s["gaps_detected"] for s in samples),
+        "bad_frames": sum(s["bad_frames"] for s in samples),
         "problems": [p for s in samples for p in s["problems"]],
         "mismatches": sum(s["mismatches"] for s in samples),
         "compared": sum(s["compared"] for s in samples),
@@ -532,7 +596,7 @@ def run_workers(workload: IngestWorkload, args: argparse.Namespace) -> dict[str,
     alternate with kvrouter's 1-shard runs."""
     make_tree = _reference_tree()
     base = workload.base
-    in_process = {"kvrouter": apply_in_process(base), "vllm": apply_in_process_vllm(workload)}
+    in_process = {fmt: apply_in_process(workload, fmt) for fmt in FORMATS}
     reference: list[float] = []
     runs: dict[IngestFormat, dict[int, list[dict[str, Any]]]] = {fmt: {s: [] for s in args.shards} for fmt in FORMATS}
     tree: Any = None
@@ -641,6 +705,11 @@ def print_table(result: dict[str, Any]) -> None:
             f"{freshness['seconds']:.1f} s, {freshness['sequences']} sequences): send → visible in another process "
             f"p50 {freshness['p50_us']:.0f} µs, p99 {freshness['p99_us']:.0f} µs, max {freshness['max_us']:.0f} µs"
             + (f", {freshness['missing']} never visible" if freshness["missing"] else "")
+        )
+        print(
+            f"  warm-up before it ({FRESHNESS_WARM_SEQUENCES} sequences at once, left out): applied (control rows) "
+            f"{freshness['warm_up_applied_us'] / 1000:.1f} ms, visible to the reader "
+            f"{freshness['warm_up_visible_us'] / 1000:.1f} ms after the first send"
         )
     print()
     print(f"ratios ({result['ratio_basis']}):")

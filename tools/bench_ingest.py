@@ -748,12 +748,13 @@ def cpu_ticks() -> dict[int, tuple[str, int]]:
 
 
 def busy_others(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]], ours: set[int]) -> list[str]:
-    """The processes other than this run's that took the most CPU during it."""
+    """The processes other than this run's that took the most CPU during it (one started meanwhile counts
+    all its CPU time; one that ended meanwhile is missed)."""
     tick = os.sysconf("SC_CLK_TCK")
     used = [
-        (after[pid][1] - ticks, name, pid)
-        for pid, (name, ticks) in before.items()
-        if pid in after and pid not in ours and after[pid][1] > ticks
+        (ticks - before.get(pid, (name, 0))[1], name, pid)
+        for pid, (name, ticks) in after.items()
+        if pid not in ours and ticks > before.get(pid, (name, 0))[1]
     ]
     return [f"{name}[{pid}] {delta / tick:.1f} s" for delta, name, pid in sorted(used, reverse=True)[:4]]
 

@@ -1,0 +1,68 @@
+"""``tools/bench_ingest.py`` runs end to end on a tiny workload: every frame sent over its real ZMQ sockets is
+applied (no gap, no bad frame, every event counted in the workers' rows), the index answers as the reference
+does, the freshness reader sees every sequence, and the JSON carries both ratios. Speed is not asserted
+(STYLE.md: speed claims are the tool's ratios from one run, not test conditions)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("dynamo._core", reason="the reference runtime comes with the anchors extra")
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_ingest.py"
+RATIOS = {"ingest", "ingest_vllm"}
+
+
+def left_behind(pid: int) -> list[str]:
+    """Names of this pid's engines (``kvrouter-<pid>-``) and in-process writer (``kvrouter-<pid << 20 + 1>-``)."""
+    prefixes = (f"kvrouter-{pid}-", f"kvrouter-{(pid << 20) + 1}-")
+    return [n for folder in ("/dev/shm", tempfile.gettempdir()) for n in os.listdir(folder) if n.startswith(prefixes)]
+
+
+def test_quick_run_applies_every_frame_and_reports_both_ratios(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    process = subprocess.Popen(
+        [sys.executable, str(TOOL), "--quick", "--json", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stdout + stderr
+    figures: dict[str, Any] = json.loads(out.read_text())
+    assert set(figures["ratios"]) == RATIOS
+    assert set(figures["goals"]) == RATIOS
+    assert all(value > 0 for value in figures["ratios"].values())
+    assert "1 shard" in figures["ratio_basis"]
+    for config in figures["configs"].values():
+        assert set(config["formats"]) == {"kvrouter", "vllm"}
+        for by_shards in config["formats"].values():
+            assert set(by_shards) == {"1", "2"}
+            for row in by_shards.values():
+                assert row["events_applied"] == [config["events"]] * len(row["events_applied"])
+                assert row["gaps_detected"] == 0
+                assert row["bad_frames"] == 0
+                assert row["problems"] == []
+                assert row["mismatches"] == 0
+                assert row["compared"] >= 200
+    freshness = figures["freshness"]
+    assert freshness["missing"] == 0
+    assert freshness["sequences"] > 0
+    assert freshness["p50_us"] <= freshness["p99_us"]
+    assert figures["machine"]["before"]["loadavg"]
+    assert "load average" in stdout
+    assert "shm: clean" in stdout
+    assert left_behind(process.pid) == []

@@ -8,6 +8,7 @@ Layout (one folder per component; ``docs/ARCHITECTURE.md`` draws the whole pictu
 - ``routing/``   config, cost, selection, slot tracking, and the ``Router`` that ties them to an index
 - ``worker/``    the simulated engine model, and ``KvPublisher`` for real engines to embed
 - ``engine.py``  the shared-memory index engine: supervisor, applier processes, lock-free readers
+- ``plane/``     the event plane: workers' ZMQ streams into the appliers, gaps recovered or counted
 - ``errors.py``  the one exception hierarchy
 - ``cli/``       the ``kvrouter`` command
 
@@ -16,7 +17,12 @@ This module only re-exports the public names; it holds no logic.
 
 from __future__ import annotations
 
-from .engine import Engine as Engine, ReaderHandle as ReaderHandle, ShardStats as ShardStats
+from .engine import (
+    Engine as Engine,
+    ReaderHandle as ReaderHandle,
+    ShardStats as ShardStats,
+    WorkerStats as WorkerStats,
+)
 from .errors import (
     BadEvent as BadEvent,
     BlockNotFound as BlockNotFound,
@@ -31,6 +37,7 @@ from .errors import (
     KvRouterError as KvRouterError,
     NoWorkerAvailable as NoWorkerAvailable,
     ParentNotFound as ParentNotFound,
+    RequestFailed as RequestFailed,
 )
 from .events.model import (
     Cleared as Cleared,
@@ -51,6 +58,7 @@ from .hashing import (
     sequence_hashes as sequence_hashes,
 )
 from .index import ApproxIndex as ApproxIndex, RadixIndex as RadixIndex
+from .plane import PlaneConfig as PlaneConfig, WorkerSpec as WorkerSpec
 from .routing import (
     Router as Router,
     RouterConfig as RouterConfig,
@@ -84,9 +92,11 @@ __all__ = [
     "LocalHash",
     "NoWorkerAvailable",
     "ParentNotFound",
+    "PlaneConfig",
     "RadixIndex",
     "ReaderHandle",
     "Removed",
+    "RequestFailed",
     "Router",
     "RouterConfig",
     "Selection",
@@ -98,6 +108,8 @@ __all__ = [
     "StoredBlock",
     "WorkerExplanation",
     "WorkerKey",
+    "WorkerSpec",
+    "WorkerStats",
     "block_hashes",
     "parse_tier",
     "sequence_hashes",

@@ -7,6 +7,7 @@ KvRouterError
 ├── DuplicateRequest         a request id the slot tracker already holds
 ├── ConfigError              (also a ValueError) a setting out of range; names the field
 ├── NoWorkerAvailable        no candidate worker is eligible (none given, or all busy)
+├── RequestFailed            the mock engine could not serve a completion; ``status`` is its HTTP status
 ├── EngineError              the shared-memory engine is not running, or could not start
 │   └── FlushTimeout         (also a TimeoutError) an applier did not reach a flush in time
 └── EventError               an event could not be applied; ``kind`` names why
@@ -39,6 +40,7 @@ __all__ = [
     "KvRouterError",
     "NoWorkerAvailable",
     "ParentNotFound",
+    "RequestFailed",
 ]
 
 
@@ -73,6 +75,15 @@ class DuplicateRequest(KvRouterError):
     """A request id is added to the slot tracker while a request of that id is still active. Nothing
     is changed: the first request keeps its worker and its load. Free the old id first, or give each
     request a unique id."""
+
+
+class RequestFailed(KvRouterError):
+    """The mock engine could not serve a completion: it restarted or shut down while the request ran, or
+    its model refused the request. ``status`` is the HTTP status the mock answers with (503, 400)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineError(KvRouterError):

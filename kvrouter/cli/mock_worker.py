@@ -85,6 +85,12 @@ def mock_worker(
         str,
         typer.Option("--format", help=f"Event wire format: {' or '.join(FORMATS)}.", rich_help_panel=_WIRE),
     ] = "vllm",
+    topic: Annotated[
+        str,
+        typer.Option(
+            "--topic", help="Topic frame of every event message (vLLM's default is empty).", rich_help_panel=_WIRE
+        ),
+    ] = "",
     block_size: Annotated[
         int, typer.Option("--block-size", min=1, help="Tokens per KV block.", rich_help_panel=_ENGINE)
     ] = DEFAULT_BLOCK_SIZE,
@@ -112,6 +118,7 @@ def mock_worker(
         host=host,
         zmq_kv_events_port=zmq_kv_events_port,
         zmq_replay_port=zmq_replay_port,
+        topic=topic.encode(),
     )
     stop = threading.Event()
 

@@ -59,7 +59,7 @@ from typing import Any, Final, Literal, Protocol
 
 import zmq
 
-from ..errors import ConfigError, KvRouterError
+from ..errors import ConfigError, RequestFailed
 from ..events.model import U64_MAX, EngineHash, EventBatch, KvEvent, LocalHash, Removed, Stored, StoredBlock
 from ..hashing import block_hashes, sequence_hashes
 from .engine_publisher import EnginePublisher
@@ -72,7 +72,6 @@ __all__ = [
     "FORMATS",
     "MockEngine",
     "MockEngineConfig",
-    "RequestFailed",
     "output_token",
 ]
 
@@ -114,15 +113,6 @@ def output_token(serial: int, position: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & U64_MAX
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & U64_MAX
     return (x ^ (x >> 31)) & 0x7FFF_FFFF
-
-
-class RequestFailed(KvRouterError):
-    """A completion could not be served: the engine restarted or shut down while it ran, or the model
-    refused it. ``status`` is the HTTP status the mock answers with."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True, slots=True)

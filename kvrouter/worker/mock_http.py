@@ -33,7 +33,8 @@ from array import array
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Final
 
-from .mock_engine import Completion, MockEngine, RequestFailed, Update
+from ..errors import RequestFailed
+from .mock_engine import Completion, MockEngine, Update
 
 __all__ = ["MAX_BODY_BYTES", "MockHttpServer"]
 

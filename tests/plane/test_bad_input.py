@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Iterator
 
+import msgpack
 import pytest
 import zmq
 
@@ -145,6 +146,28 @@ def test_a_block_size_other_than_the_registered_one_is_dropped_and_counted(wire:
         stats = worker(engine)
         assert stats.dropped_blocks == 1
         assert stats.cached_blocks == 1
+
+
+def test_events_of_another_attention_group_are_skipped_and_counted(wire: Wire, wait_until):
+    """A hybrid model's second KV-cache group (``group_idx`` 1) is not the main attention's: skipped."""
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [5],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4],
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    payload = msgpack.packb([1.0, [{**stored, "group_idx": 1}, {**stored, "group_idx": 0}], 0])
+    with Engine(shards=1, plane=CONFIG) as engine:
+        engine.add_worker(WorkerSpec(1, wire.endpoint, topic=TOPIC, block_size=BLOCK))
+        wire.ready()
+        wire.live(0, payload)
+        wait_until(lambda: worker(engine).last_id == 0, what="the batch")
+        stats = worker(engine)
+        assert (stats.skipped_events, stats.events, stats.cached_blocks) == (1, 1, 1)
 
 
 def test_a_replay_peer_that_never_answers_times_out_into_lost_never_a_hang(wire: Wire, silent_peer: str, wait_until):

@@ -228,3 +228,23 @@ def test_a_restarted_applier_rebuilds_its_workers_then_leaves_recovering(publish
         assert matches_truth(engine, publisher.index)
         stats = worker(engine)
         assert (stats.state, stats.gaps_lost) == ("exact", 0)
+
+
+def test_a_batch_naming_another_worker_is_refused_on_this_stream(wait_until):
+    """Worker 5's socket carries a batch that says it is worker 6's: an unknown worker here, refused."""
+    with (
+        KvPublisher(6, block_size=BLOCK, endpoint="tcp://127.0.0.1:*") as impostor,
+        Engine(shards=1) as engine,
+    ):
+        engine.add_worker(WorkerSpec(WORKER, impostor.endpoint, format="kvrouter", block_size=BLOCK))
+        wait_until(lambda: KEY in engine.workers(), what="the worker registered")
+
+        def refused() -> bool:  # the subscription may take a moment: publish until one lands
+            impostor.store([1], [1, 2, 3, 4])
+            impostor.publish()
+            return worker(engine).bad_frames > 0
+
+        wait_until(refused, what="a batch of worker 6 refused")
+        stats = worker(engine)
+        assert (stats.events, stats.cached_blocks, stats.last_id) == (0, 0, None)
+        assert (6, 0) not in engine.workers()

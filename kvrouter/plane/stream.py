@@ -163,7 +163,12 @@ class Stream:
         self.socket.setsockopt(zmq.RCVHWM, config.subscriber_hwm)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MEMORY_GUARD * config.max_message_bytes)
         self.socket.setsockopt(zmq.SUBSCRIBE, spec.topic)
-        self.socket.connect(spec.event_endpoint(rank))
+        try:
+            self.socket.connect(spec.event_endpoint(rank))
+        except zmq.ZMQError:  # nothing of a stream that never started stays behind
+            self.socket.close(linger=0)
+            writer.forget(self.key)
+            raise
         watch(self.socket, self)
         self._set_state(WORKER_UNKNOWN)
         self._begin_join(time.monotonic())

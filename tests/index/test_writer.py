@@ -171,10 +171,10 @@ def test_growth_keeps_every_answer_and_unlinks_old_segments():
 
 def test_a_batch_grows_the_tables_between_its_events():
     """A multi-event batch passes every table's load mid-run: the writer grows them and resumes at the event
-    that needed room, with every answer (and no error) as if the events had come one by one."""
+    that needed room, with every answer (and the one error) as if the events had come one by one."""
     index, oracle = InProcessShards(1), RadixIndex()
     try:
-        events = [_chain_event(1, [doc * 1000 + i for i in range(100)], doc * 1000) for doc in range(40)]
+        events: list[KvEvent] = [_chain_event(1, [doc * 1000 + i for i in range(100)], doc * 1000) for doc in range(40)]
         events.append(Removed(1, (EngineHash(5), EngineHash(999_999))))
         assert index.apply_batch((1, 0), events) == ["block_not_found"]
         for event in events:

@@ -150,7 +150,9 @@ class ShardWriter:
         self._cached = np.zeros(control.rows, dtype=np.int64)
         self._emap, self._emeta = _map(capacity)
         self._refs, self._rmeta = _map(MIN_MAP_ROWS)
-        self._history = _history(control.worker_rows(shard))
+        self._rows = control.worker_rows(shard)
+        """This shard's worker rows (a view: the control segment never moves)."""
+        self._history = _history(self._rows)
         kernels.begin_rows_change(control.block(shard))
         control.worker_rows(shard)[:] = 0  # a dead predecessor's rows: this writer registers its own
         kernels.end_rows_change(control.block(shard))
@@ -322,7 +324,7 @@ class ShardWriter:
         self._sync_cached(bit)
 
     def _sync_cached(self, bit: int) -> None:
-        self.control.worker_rows(self.shard)[bit, W_CACHED] = self._cached[bit]
+        self._rows[bit, W_CACHED] = self._cached[bit]
 
     # -- workers ------------------------------------------------------------------------------
 

@@ -345,8 +345,8 @@ def _map_delete(rows: Map, meta: Meta, row: int) -> None:
 
 @_kernel
 def init_map(rows: Map, meta: Meta) -> None:
-    """An empty map over ``rows`` (its length a power of two)."""
-    rows[:] = 0
+    """An empty map over ``rows``, which the caller has zeroed (fresh anonymous pages, ``np.zeros``); its
+    length a power of two. Clearing it again here was a memset of the whole map on every growth."""
     meta[M_CAPACITY] = rows.shape[0]
     meta[M_USED] = 0
     meta[M_TOMBS] = 0

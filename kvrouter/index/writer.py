@@ -66,7 +66,9 @@ from .layout import (
     unlink_segment,
 )
 
-__all__ = ["ShardWriter", "raw_event"]
+__all__ = ["ShardWriter", "pack_run", "raw_event"]
+
+Table = npt.NDArray[np.uint64]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,22 @@ def raw_event(event: KvEvent) -> RawEvent:
             return RawEvent("R", event.event_id, event.tier, None, engine, _NONE, None)
         case Cleared():
             return RawEvent("C", event.event_id, event.tier, None, _NONE, _NONE, None)
+
+
+def pack_run(events: Sequence[RawEvent]) -> tuple[npt.NDArray[np.uint8], Table, npt.NDArray[np.int64], Table, Table]:
+    """Stored and Removed events as ``apply_run`` takes them: kinds, parents, offsets, engine hashes,
+    local hashes (the fork server's warm-up packs its run here too, so it compiles the same types)."""
+    kinds = np.fromiter(map(_run_kind, events), dtype=np.uint8, count=len(events))
+    parents = np.fromiter((e.parent or 0 for e in events), dtype=np.uint64, count=len(events))
+    offsets = np.zeros(len(events) + 1, dtype=np.int64)
+    np.cumsum([len(e.engine) for e in events], out=offsets[1:])
+    return (
+        kinds,
+        parents,
+        offsets,
+        np.concatenate([e.engine for e in events]),
+        np.concatenate([e.local for e in events]),
+    )
 
 
 def _run_kind(event: RawEvent) -> int:
@@ -261,12 +279,7 @@ class ShardWriter:
 
     def _apply_run(self, bit: int, events: Sequence[RawEvent]) -> list[str]:
         """Stored and Removed events of one tier through ``apply_run``; error kinds in order."""
-        kinds = np.fromiter(map(_run_kind, events), dtype=np.uint8, count=len(events))
-        parents = np.fromiter((e.parent or 0 for e in events), dtype=np.uint64, count=len(events))
-        offsets = np.zeros(len(events) + 1, dtype=np.int64)
-        np.cumsum([len(e.engine) for e in events], out=offsets[1:])
-        engine = np.concatenate([e.engine for e in events])
-        local = np.concatenate([e.local for e in events])
+        kinds, parents, offsets, engine, local = pack_run(events)
         statuses = np.zeros(len(events), dtype=np.int64)
         tier = events[0].tier.rank
         done = 0

@@ -66,6 +66,7 @@ from .layout import (
 )
 
 __all__ = [
+    "BLOCK_NOT_FOUND",
     "INVALID_SEQUENCE",
     "MAX_READ_RETRIES",
     "MAX_STUCK_READS",
@@ -74,9 +75,13 @@ __all__ = [
     "PARENT_NOT_FOUND",
     "ROWS_MOVING",
     "ROWS_RETRIES",
+    "RUN_REMOVED",
+    "RUN_STORED",
+    "RUN_STORED_WITH_PARENT",
     "SLOT_STUCK",
     "STALE_TABLE",
     "STUCK_SPINS",
+    "apply_run",
     "begin_rows_change",
     "clear_holder",
     "copy_live",
@@ -112,6 +117,8 @@ PARENT_NOT_FOUND: Final = 1
 INVALID_SEQUENCE: Final = 2
 NEED_ROOM: Final = 3
 """``store`` changed nothing: a table or map would pass ``MAX_LOAD``; the caller grows it and calls again."""
+BLOCK_NOT_FOUND: Final = 4
+"""``apply_run``'s status of a Removed event naming a hash the holder does not have."""
 MAX_STUCK_READS: Final = 1 << 27
 """Reads that see one slot at the same odd version before the reader gives the shard up even though its
 writer is alive, about half a second. A live writer holds a slot odd for nanoseconds, but the scheduler
@@ -338,8 +345,8 @@ def _map_delete(rows: Map, meta: Meta, row: int) -> None:
 
 @_kernel
 def init_map(rows: Map, meta: Meta) -> None:
-    """An empty map over ``rows`` (its length a power of two)."""
-    rows[:] = 0
+    """An empty map over ``rows``, which the caller has zeroed (fresh anonymous pages, ``np.zeros``); its
+    length a power of two. Clearing it again here was a memset of the whole map on every growth."""
     meta[M_CAPACITY] = rows.shape[0]
     meta[M_USED] = 0
     meta[M_TOMBS] = 0
@@ -425,6 +432,25 @@ def store(
     Returns ``OK``, ``PARENT_NOT_FOUND``, ``INVALID_SEQUENCE`` (the parent is one of the blocks, or an
     engine hash repeats) or ``NEED_ROOM`` (checked first, so nothing is half applied).
     """
+    return _store_event(table, emap, emeta, refs, rmeta, cached, bit, tier, has_parent, parent, engine, local)
+
+
+@_inlined
+def _store_event(
+    table: Table,
+    emap: Map,
+    emeta: Meta,
+    refs: Map,
+    rmeta: Meta,
+    cached: Counts,
+    bit: int,
+    tier: int,
+    has_parent: bool,
+    parent: np.uint64,
+    engine: npt.NDArray[np.uint64],
+    local: npt.NDArray[np.uint64],
+) -> int:
+    """``store``'s body, shared with ``apply_run``."""
     holder = bit * TIERS + tier
     n = engine.size
     if (
@@ -494,6 +520,22 @@ def remove(
     engine: npt.NDArray[np.uint64],
 ) -> int:
     """A Removed event: every known hash released; returns the index of the first unknown one, or -1."""
+    return _remove_event(table, emap, emeta, refs, rmeta, cached, bit, tier, engine)
+
+
+@_inlined
+def _remove_event(
+    table: Table,
+    emap: Map,
+    emeta: Meta,
+    refs: Map,
+    rmeta: Meta,
+    cached: Counts,
+    bit: int,
+    tier: int,
+    engine: npt.NDArray[np.uint64],
+) -> int:
+    """``remove``'s body, shared with ``apply_run``."""
     holder = bit * TIERS + tier
     _prefetch(table, emap, emeta, engine, engine[:0], holder)
     first_missing = -1
@@ -507,6 +549,72 @@ def remove(
         _map_delete(emap, emeta, row)
         _release(table, refs, rmeta, cached, seq, bit, tier)
     return first_missing
+
+
+RUN_REMOVED, RUN_STORED, RUN_STORED_WITH_PARENT = 0, 1, 2
+"""``apply_run``'s event kinds: a Removed event, a Stored event without a parent, one with a parent."""
+
+
+@_kernel
+def apply_run(
+    table: Table,
+    emap: Map,
+    emeta: Meta,
+    refs: Map,
+    rmeta: Meta,
+    cached: Counts,
+    bit: int,
+    tier: int,
+    kinds: npt.NDArray[np.uint8],
+    parents: npt.NDArray[np.uint64],
+    offsets: npt.NDArray[np.int64],
+    engine: npt.NDArray[np.uint64],
+    local: npt.NDArray[np.uint64],
+    start: int,
+    statuses: Counts,
+) -> int:
+    """Several Stored and Removed events of one holder in one call, from event ``start`` on, each exactly
+    as ``store`` or ``remove`` would apply it: one call instead of one per event where engines send many
+    small events (SGLang's one page per event, vLLM's multi-event batches).
+
+    Event ``i`` is ``kinds[i]`` (``RUN_*``) with ``parents[i]``, its engine hashes
+    ``engine[offsets[i]:offsets[i + 1]]``; ``local`` holds the Stored events' local hashes, concatenated
+    in order (a Removed event has none). ``statuses[i]`` gets ``store``'s status for a Stored event, and
+    for a Removed one ``OK`` or ``BLOCK_NOT_FOUND`` (some hash unknown; the known ones are released).
+    Returns the index of the first event that needs room (nothing of it applied: the caller grows the
+    tables and calls again from there), or the number of events.
+    """
+    n = kinds.size
+    first_local = 0
+    for i in range(start):
+        if kinds[i] != RUN_REMOVED:
+            first_local += offsets[i + 1] - offsets[i]
+    for i in range(start, n):
+        blocks = engine[offsets[i] : offsets[i + 1]]
+        if kinds[i] == RUN_REMOVED:
+            missing = _remove_event(table, emap, emeta, refs, rmeta, cached, bit, tier, blocks)
+            statuses[i] = OK if missing < 0 else BLOCK_NOT_FOUND
+            continue
+        hashes = local[first_local : first_local + blocks.size]
+        status = _store_event(
+            table,
+            emap,
+            emeta,
+            refs,
+            rmeta,
+            cached,
+            bit,
+            tier,
+            kinds[i] == RUN_STORED_WITH_PARENT,
+            parents[i],
+            blocks,
+            hashes,
+        )
+        if status == NEED_ROOM:
+            return i
+        statuses[i] = status
+        first_local += blocks.size
+    return n
 
 
 @_kernel

@@ -54,7 +54,7 @@ PARENT_CHECK_S: Final = 1.0
 def warm_up() -> None:
     """Compile, or load from numba's cache, every kernel an applier runs, with the argument types it runs
     them with: a tiny shard in private memory through the table kernels (store, a re-store that moves a
-    hash, a store that needs room, remove, clear), the private-map rehash, the live-copy of a growth,
+    hash, a run of events, a store that needs room, remove, clear), the private-map rehash, the live-copy of a growth,
     and block and chain hashing from every token form an engine decoder hands over."""
     from array import array
 
@@ -64,6 +64,7 @@ def warm_up() -> None:
     from ..hashing import block_hashes_array, sequence_hashes_array
     from . import _kernels as kernels
     from .layout import H_CAPACITY, H_NWORDS, MIN_CAPACITY, shard_words
+    from .writer import pack_run
 
     def table() -> Any:
         words = np.zeros(shard_words(MIN_CAPACITY, 1), dtype=np.uint64)
@@ -96,6 +97,9 @@ def warm_up() -> None:
             kernels.store(*args, parent is not None, np.uint64(parent or 0), event.engine, event.local)
         else:
             kernels.remove(*args, event.engine)
+    run = Decoder().decode_raw(payload).events  # ShardWriter.apply_batch's runs of several events
+    statuses = np.zeros(len(run), dtype=np.int64)
+    kernels.apply_run(shard, emap, emeta, refs, rmeta, cached, 0, 0, *pack_run(run), 0, statuses)
     for engine, local in ((np.arange(3, dtype=np.uint64), np.arange(3, dtype=np.uint64)),):  # ShardWriter.apply
         kernels.store(shard, emap, emeta, refs, rmeta, cached, 0, 0, True, np.uint64(10), engine, local)
     kernels.clear_holder(shard, emap, emeta, refs, rmeta, cached, 0, 0)

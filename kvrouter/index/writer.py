@@ -4,6 +4,16 @@ It owns the shard's current segment and the private maps the kernels need (``doc
 turns events into kernel calls with the index contract of ``index/reference.py``, and grows the table
 by publishing a new segment. Keeping this apart from the applier's socket loop is what lets the tests
 drive the shared-memory index in-process against ``RadixIndex`` (``tests/index/test_writer.py``).
+
+Growth is paid in the writer's loop, amortised: a table or private map passing ``MAX_LOAD`` is rebuilt at
+twice its size (``_capacity_for``), so the copying adds up to about the final size again. On
+``tools/bench_ingest.py``'s 16-worker workload (800k blocks from one writer, table 64k -> 1M slots, engine
+map 64k -> 2M rows) growth was ~18 µs of the ~48 µs per 80-block message: new pre-faulted segments and
+maps ~10 (the kernel zeroing pages; the maps are no longer zeroed a second time by ``init_map``),
+``copy_live`` ~4.5, ``rehash_map`` ~3. Growing by 4x while small would save the copy into every other
+size (about a third of that), at the cost of tables and maps up to twice the size they need (the engine
+map alone is 32 bytes a held block); not done: a long-running applier reaches its working set once, and a
+bigger first size is the knob for that (``INITIAL_CAPACITY``).
 """
 
 from __future__ import annotations
@@ -56,7 +66,9 @@ from .layout import (
     unlink_segment,
 )
 
-__all__ = ["ShardWriter"]
+__all__ = ["ShardWriter", "pack_run", "raw_event"]
+
+Table = npt.NDArray[np.uint64]
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +80,52 @@ INITIAL_CAPACITY: Final = 1 << 16
 """Slots of a new shard table (3 MiB at 64 workers): a fleet's working set fills it in seconds, and
 starting there skips six doublings (each a copy and fresh page faults). Tests start smaller."""
 _NONE: Final = np.empty(0, dtype=np.uint64)
-_STORE_ERRORS: Final = {
+_ERRORS: Final = {
     kernels.PARENT_NOT_FOUND: ParentNotFound.kind,
     kernels.INVALID_SEQUENCE: InvalidBlockSequence.kind,
+    kernels.BLOCK_NOT_FOUND: BlockNotFound.kind,
 }
+"""Kernel statuses that are errors, by the error kind they count as."""
+
+
+def raw_event(event: KvEvent) -> RawEvent:
+    """A model event as the arrays ``apply_batch`` takes (token ids left out: the writer never reads them)."""
+    match event:
+        case Stored(parent=parent, blocks=blocks):
+            engine = np.fromiter((b.engine_hash for b in blocks), dtype=np.uint64, count=len(blocks))
+            local = np.fromiter((b.local_hash for b in blocks), dtype=np.uint64, count=len(blocks))
+            return RawEvent("S", event.event_id, event.tier, parent, engine, local, None)
+        case Removed(engine_hashes=hashes):
+            engine = np.fromiter(hashes, dtype=np.uint64, count=len(hashes))
+            return RawEvent("R", event.event_id, event.tier, None, engine, _NONE, None)
+        case Cleared():
+            return RawEvent("C", event.event_id, event.tier, None, _NONE, _NONE, None)
+
+
+def pack_run(events: Sequence[RawEvent]) -> tuple[npt.NDArray[np.uint8], Table, npt.NDArray[np.int64], Table, Table]:
+    """Stored and Removed events as ``apply_run`` takes them: kinds, parents, offsets, engine hashes,
+    local hashes (the fork server's warm-up packs its run here too, so it compiles the same types)."""
+    kinds = np.fromiter(map(_run_kind, events), dtype=np.uint8, count=len(events))
+    parents = np.fromiter((e.parent or 0 for e in events), dtype=np.uint64, count=len(events))
+    offsets = np.zeros(len(events) + 1, dtype=np.int64)
+    np.cumsum([len(e.engine) for e in events], out=offsets[1:])
+    return (
+        kinds,
+        parents,
+        offsets,
+        np.concatenate([e.engine for e in events]),
+        np.concatenate([e.local for e in events]),
+    )
+
+
+def _run_kind(event: RawEvent) -> int:
+    if event.tag == "R":
+        return kernels.RUN_REMOVED
+    return kernels.RUN_STORED if event.parent is None else kernels.RUN_STORED_WITH_PARENT
 
 
 def _map(rows: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
-    """An empty private map in pre-faulted memory (see ``layout.Segment.create`` for why)."""
+    """An empty private map in pre-faulted memory (see ``layout.Segment.create`` for why), zero from the kernel."""
     memory = mmap.mmap(-1, rows * MAP_ROW_WORDS * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
     table = np.frombuffer(memory, dtype=np.uint64).reshape(rows, MAP_ROW_WORDS)
     meta = np.zeros(4, dtype=np.int64)
@@ -128,7 +178,9 @@ class ShardWriter:
         self._cached = np.zeros(control.rows, dtype=np.int64)
         self._emap, self._emeta = _map(capacity)
         self._refs, self._rmeta = _map(MIN_MAP_ROWS)
-        self._history = _history(control.worker_rows(shard))
+        self._rows = control.worker_rows(shard)
+        """This shard's worker rows (a view: the control segment never moves)."""
+        self._history = _history(self._rows)
         kernels.begin_rows_change(control.block(shard))
         control.worker_rows(shard)[:] = 0  # a dead predecessor's rows: this writer registers its own
         kernels.end_rows_change(control.block(shard))
@@ -157,24 +209,37 @@ class ShardWriter:
         """Apply one event under the index contract; count it, and its error kind if any, in the control
         segment. Returns the error kind (``parent_not_found``, ``block_not_found``,
         ``invalid_block_sequence``, ``bad_event``) or None."""
-        match event:
-            case Stored(parent=parent, blocks=blocks):
-                engine = np.fromiter((b.engine_hash for b in blocks), dtype=np.uint64, count=len(blocks))
-                local = np.fromiter((b.local_hash for b in blocks), dtype=np.uint64, count=len(blocks))
-                raw = RawEvent("S", event.event_id, event.tier, parent, engine, local, None)
-            case Removed(engine_hashes=hashes):
-                engine = np.fromiter(hashes, dtype=np.uint64, count=len(hashes))
-                raw = RawEvent("R", event.event_id, event.tier, None, engine, _NONE, None)
-            case Cleared():
-                raw = RawEvent("C", event.event_id, event.tier, None, _NONE, _NONE, None)
-        kind = self._apply((event.worker_id, event.dp_rank), raw)
+        kind = self._apply((event.worker_id, event.dp_rank), raw_event(event))
         self._count(1, [kind] if kind else [])
         return kind
 
     def apply_batch(self, worker: WorkerKey, events: Sequence[RawEvent]) -> list[str]:
         """Apply one worker's events, already decoded into packed arrays (no object per block), in order;
-        count them once. Returns the error kinds met, one per failed event, in order."""
-        errors = [kind for event in events if (kind := self._apply(worker, event))]  # hot path
+        count them once. Returns the error kinds met, one per failed event, in order.
+
+        A lone event goes to its kernel as is; consecutive Stored and Removed events of one tier go to
+        ``apply_run`` in one call (their arrays concatenated), a Cleared event on its own."""
+        bit = self._bit(worker)
+        if bit < 0:
+            errors = [BadEvent.kind] * len(events)
+        else:
+            errors = []
+            first, count = 0, len(events)
+            while first < count:  # hot path: one kernel call per run of events
+                event = events[first]
+                end = first + 1
+                if event.tag != "C":
+                    tier = event.tier
+                    while end < count and events[end].tag != "C" and events[end].tier is tier:
+                        end += 1
+                if end - first == 1:
+                    kind = self._apply_one(bit, event)
+                    if kind is not None:
+                        errors.append(kind)
+                else:
+                    errors.extend(self._apply_run(bit, events[first:end]))
+                first = end
+            self._sync_cached(bit)
         self._count(len(events), errors)
         return errors
 
@@ -192,22 +257,51 @@ class ShardWriter:
         bit = self._bit(worker)
         if bit < 0:
             return BadEvent.kind
-        args = (self.table, self._emap, self._emeta, self._refs, self._rmeta, self._cached, bit, event.tier.rank)
+        kind = self._apply_one(bit, event)
+        self._sync_cached(bit)
+        return kind
+
+    def _apply_one(self, bit: int, event: RawEvent) -> str | None:
+        """One event through its own kernel; the caller syncs the worker's cached count."""
+        tier = event.tier.rank
         if event.tag == "S":
             parent = event.parent
-            status = kernels.store(*args, parent is not None, np.uint64(parent or 0), event.engine, event.local)
+            has_parent, parent_word = parent is not None, np.uint64(parent or 0)
+            status = kernels.store(*self._maps(), bit, tier, has_parent, parent_word, event.engine, event.local)
             if status == kernels.NEED_ROOM:
                 self._make_room(len(event.engine))
-                args = (self.table, self._emap, self._emeta, self._refs, self._rmeta, self._cached, bit, args[-1])
-                status = kernels.store(*args, parent is not None, np.uint64(parent or 0), event.engine, event.local)
-            result = _STORE_ERRORS.get(status)
-        elif event.tag == "R":
-            result = BlockNotFound.kind if kernels.remove(*args, event.engine) >= 0 else None
-        else:
-            kernels.clear_holder(*args)
-            result = None
-        self._sync_cached(bit)
-        return result
+                status = kernels.store(*self._maps(), bit, tier, has_parent, parent_word, event.engine, event.local)
+            return _ERRORS.get(status)
+        if event.tag == "R":
+            return BlockNotFound.kind if kernels.remove(*self._maps(), bit, tier, event.engine) >= 0 else None
+        kernels.clear_holder(*self._maps(), bit, tier)
+        return None
+
+    def _apply_run(self, bit: int, events: Sequence[RawEvent]) -> list[str]:
+        """Stored and Removed events of one tier through ``apply_run``; error kinds in order."""
+        kinds, parents, offsets, engine, local = pack_run(events)
+        statuses = np.zeros(len(events), dtype=np.int64)
+        tier = events[0].tier.rank
+        done = 0
+        while True:
+            done = kernels.apply_run(*self._maps(), bit, tier, kinds, parents, offsets, engine, local, done, statuses)
+            if done == len(events):
+                break
+            self._make_room(int(offsets[done + 1] - offsets[done]))
+        return [_ERRORS[status] for status in statuses[np.flatnonzero(statuses)].tolist()]
+
+    def _maps(
+        self,
+    ) -> tuple[
+        npt.NDArray[np.uint64],
+        npt.NDArray[np.uint64],
+        npt.NDArray[np.int64],
+        npt.NDArray[np.uint64],
+        npt.NDArray[np.int64],
+        npt.NDArray[np.int64],
+    ]:
+        """The arrays every event kernel takes first: the table, the engine map, refs, cached counts."""
+        return self.table, self._emap, self._emeta, self._refs, self._rmeta, self._cached
 
     def remove_worker(self, worker_id: int) -> None:
         """Forget every dp rank of ``worker_id``: its bits are cleared, then its rows freed for reuse."""
@@ -253,7 +347,7 @@ class ShardWriter:
         self._sync_cached(bit)
 
     def _sync_cached(self, bit: int) -> None:
-        self.control.worker_rows(self.shard)[bit, W_CACHED] = self._cached[bit]
+        self._rows[bit, W_CACHED] = self._cached[bit]
 
     # -- workers ------------------------------------------------------------------------------
 

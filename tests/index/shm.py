@@ -14,7 +14,7 @@ from kvrouter.events.codecs.dynamo import event_from_dict
 from kvrouter.events.model import KvEvent, StorageTier, WorkerKey
 from kvrouter.index.layout import MIN_CAPACITY, Control, control_name
 from kvrouter.index.reader import IndexReader
-from kvrouter.index.writer import ShardWriter
+from kvrouter.index.writer import ShardWriter, raw_event
 
 _owners = itertools.count((os.getpid() << 20) + 1)
 
@@ -38,6 +38,10 @@ class InProcessShards:
         kind = self.writer_of((worker_id, event.dp_rank)).apply(event)
         if kind is not None:
             raise EVENT_ERROR_KINDS[kind](kind)
+
+    def apply_batch(self, worker: WorkerKey, events: Sequence[KvEvent]) -> list[str]:
+        """One worker's events through ``ShardWriter.apply_batch`` in one call; the error kinds met, in order."""
+        return self.writer_of(worker).apply_batch(worker, [raw_event(event) for event in events])
 
     def find_matches(self, local_hashes: Sequence[int], early_exit: bool = False) -> dict[WorkerKey, int]:
         return self.reader.find_matches(local_hashes, early_exit)

@@ -163,6 +163,7 @@ def _churn(control_name_: str, owner: int, rounds: int) -> None:
     """Writer process: worker 1 holds chain A throughout; worker 2 stores and removes chain A over and
     over; worker 3 adds new documents until the table has grown several times, then is cleared."""
     control = Control.attach(control_name_, writable=True)
+    control.set_pid(0, os.getpid())  # as an applier does: a reader that meets a slot mid-write waits for a live writer
     writer = ShardWriter(control, 0, owner, capacity=MIN_CAPACITY)
     chain = tuple(StoredBlock(EngineHash(100 + i), LocalHash(i + 1)) for i in range(32))
     writer.apply(Stored(1, None, chain))

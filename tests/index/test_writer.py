@@ -92,6 +92,32 @@ class AgreesWithOracle(RuleBasedStateMachine):
     def clear(self, worker: int, rank: int, tier: StorageTier):
         self.apply(Cleared(worker, dp_rank=rank, tier=tier))
 
+    @rule(worker=WORKER_IDS, rank=st.integers(0, 2), data=st.data())
+    def batch(self, worker: int, rank: int, data: st.DataObject):
+        """Several events of one worker in one ``apply_batch`` (runs of one tier go to ``apply_run``)."""
+        tiers = data.draw(st.lists(st.sampled_from(list(StorageTier)), min_size=1, max_size=2), label="tiers")
+        events: list[KvEvent] = []
+        for _ in range(data.draw(st.integers(1, 6), label="events")):
+            tier = data.draw(st.sampled_from(tiers), label="tier")
+            held = self.held(worker, rank, tier) + [
+                b.engine_hash for e in events if isinstance(e, Stored) for b in e.blocks
+            ]
+            known = st.sampled_from(held) if held else ENGINE_HASHES
+            match data.draw(st.sampled_from("SSSRRC"), label="tag"):
+                case "S":
+                    parent = data.draw(st.none() | known | ENGINE_HASHES, label="parent")
+                    blocks = data.draw(st.lists(st.tuples(ENGINE_HASHES, CONTENT), max_size=6), label="blocks")
+                    stored = tuple(StoredBlock(EngineHash(e), LocalHash(h)) for e, h in blocks)
+                    events.append(Stored(worker, parent, stored, dp_rank=rank, tier=tier))
+                case "R":
+                    hashes = data.draw(st.lists(known | ENGINE_HASHES, max_size=4), label="removed")
+                    events.append(Removed(worker, tuple(hashes), dp_rank=rank, tier=tier))
+                case _:
+                    events.append(Cleared(worker, dp_rank=rank, tier=tier))
+        expected = [kind for event in events if (kind := error_kind(self.oracle, worker, event))]
+        for index in self.shards:
+            assert index.apply_batch((worker, rank), events) == expected, (len(index.writers), events)
+
     @rule(worker=WORKER_IDS, everything=st.booleans())
     def drop_worker(self, worker: int, everything: bool):
         indexes: list[RadixIndex | InProcessShards] = [self.oracle, *self.shards]
@@ -139,6 +165,25 @@ def test_growth_keeps_every_answer_and_unlinks_old_segments():
         for doc in range(40):
             query = [doc * 1000 + i for i in range(120)]
             assert index.find_matches_by_tier(query) == oracle.find_matches_by_tier(query)
+    finally:
+        index.close()
+
+
+def test_a_batch_grows_the_tables_between_its_events():
+    """A multi-event batch passes every table's load mid-run: the writer grows them and resumes at the event
+    that needed room, with every answer (and the one error) as if the events had come one by one."""
+    index, oracle = InProcessShards(1), RadixIndex()
+    try:
+        events: list[KvEvent] = [_chain_event(1, [doc * 1000 + i for i in range(100)], doc * 1000) for doc in range(40)]
+        events.append(Removed(1, (EngineHash(5), EngineHash(999_999))))
+        assert index.apply_batch((1, 0), events) == ["block_not_found"]
+        for event in events:
+            error_kind(oracle, 1, event)
+        assert index.control.epoch(0) > 1
+        for doc in range(40):
+            query = [doc * 1000 + i for i in range(120)]
+            assert index.find_matches_by_tier(query) == oracle.find_matches_by_tier(query)
+        assert index.control.workers(0) == {0: (1, 0, 40 * 100 - 1)}
     finally:
         index.close()
 

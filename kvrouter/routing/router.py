@@ -6,6 +6,16 @@ per tier, drop the candidates over a busy threshold, cost the rest (``cost.py``)
 decision sees the load. With ``explain=True`` the selection carries every candidate's terms, which is
 what Dynamo's selection service does not return and operators ask for (``spec/interfaces.md`` §2).
 
+A decision sits on every request's critical path, so it runs on arrays: each worker has a dense slot
+(the slot manager's ``numbering``); the index answers overlaps as a ``(tiers, slots)`` array (``overlaps``
+on the shared-memory engine and its reader; ``overlaps_from_tiers`` over the dict answer of
+``RadixIndex`` / ``ApproxIndex``); the slot manager's counters are slot-indexed arrays and its
+active-block overlap for every worker comes from one pass over the prompt; the cost terms, busy
+filter and choice are one compiled call (``_kernels.py``). Python objects are built for the chosen
+worker, and for every candidate only under ``explain=True``. The prompt stays a ``uint64`` array from
+hashing to the index. The first implementation, one dict and dataclass per candidate, is kept as the
+oracle (``reference.py``): the same choices, the same random draws, the same explanations.
+
 The router owns no index: the event-driven index is shared with the event plane, and in approximate
 mode (``use_kv_events=False``) the caller passes an :class:`~kvrouter.index.ApproxIndex`, into which
 every decision is written, as the reference writes synthetic stores (``spec/dynamo-semantics.md`` §3.2).
@@ -13,31 +23,48 @@ every decision is written, as the reference writes synthetic stores (``spec/dyna
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Any, Final, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
 
 from ..errors import ConfigError, InvalidHashInput, NoWorkerAvailable
 from ..events.model import StorageTier, WorkerKey
-from ..hashing import block_hashes, sequence_hashes
+from ..hashing import block_hashes_array, local_hash_array, sequence_hashes_array
 from ..index import ApproxIndex
+from ..index.dense import WorkerSlots, overlaps_from_tiers
+from ..index.reader import IndexReader
+from . import _kernels as kernels
 from .config import RouterConfig
-from .cost import Cost, Load, Overlap, worker_cost
-from .selection import choose, probabilities
+from .cost import Cost, Overlap
+from .selection import probabilities
 from .slots import SlotManager
 
-__all__ = ["OverlapSource", "Router", "Selection", "WorkerExplanation"]
+__all__ = ["ArrayOverlapSource", "OverlapSource", "Router", "Selection", "WorkerExplanation"]
 
 SWEEP_INTERVAL_SECS: Final = 60.0
 """How often stale requests are swept out of the slot manager: Dynamo's one-minute sweep (§5)."""
+
+
+NTIERS: Final = len(StorageTier)
 
 
 class OverlapSource(Protocol):
     """What the router needs of an index: overlap per tier for one query."""
 
     def find_matches_by_tier(self, local_hashes: Sequence[int]) -> dict[StorageTier, dict[WorkerKey, int]]: ...
+
+
+@runtime_checkable
+class ArrayOverlapSource(Protocol):
+    """An index that answers overlaps straight into slot-indexed arrays (the engine and its reader)."""
+
+    def overlaps(self, local: npt.NDArray[np.uint64], slots: WorkerSlots, ntiers: int) -> npt.NDArray[np.int64]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,14 +126,22 @@ class Router:
             assume_kv_reuse=self.config.router_assume_kv_reuse,
             clock=clock,
         )
+        self._params = _params(self.config, block_size)
+        self._last_workers: tuple[WorkerKey, ...] | None = None
+        """The last candidate tuple seen, kept with its deduplicated keys and slots: a caller passing the
+        same tuple each time (the fleet) pays for the keys -> slots conversion once."""
+        self._last_keys: list[WorkerKey] = []
+        self._last_slots = np.empty(0, dtype=np.int64)
+        self._no_leading = np.empty(0, dtype=np.int64)
+        self._no_capacity = np.empty(0, dtype=np.float64)
 
     def select(
         self,
         index: OverlapSource,
         workers: Iterable[WorkerKey],
         *,
-        local_hashes: Sequence[int] | None = None,
-        tokens: Sequence[int] | None = None,
+        local_hashes: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
+        tokens: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
         isl_tokens: int | None = None,
         lora_name: str | None = None,
         capacities: Mapping[WorkerKey, int] | None = None,
@@ -117,9 +152,11 @@ class Router:
 
         Args:
             index: where overlaps come from (an ``ApproxIndex`` when ``use_kv_events`` is off).
-            workers: the candidates.
-            local_hashes: the request's local block hashes; or give ``tokens`` and they are computed.
-            tokens: the request's token ids (with ``lora_name``), when ``local_hashes`` is not given.
+            workers: the candidates; pass the same tuple each time to have its slots looked up once.
+            local_hashes: the request's local block hashes (a list or a ``uint64`` array); or give
+                ``tokens`` and they are computed.
+            tokens: the request's token ids (with ``lora_name``), when ``local_hashes`` is not given: a
+                list, an ``array('I')`` or an integer array, hashed once into an array.
             isl_tokens: prompt length; defaults to ``len(tokens)``, or full blocks of ``local_hashes``.
             capacities: KV blocks per worker, for ``active_decode_blocks_threshold``.
             request_id: book the request on the chosen worker (select-and-reserve); None only chooses.
@@ -132,64 +169,149 @@ class Router:
         if local_hashes is None:
             if tokens is None:
                 raise InvalidHashInput("select needs local_hashes or tokens")
-            local_hashes = block_hashes(tokens, self.block_size, lora_name=lora_name)
+            local = block_hashes_array(tokens, self.block_size, lora_name=lora_name)
             isl = len(tokens) if isl_tokens is None else isl_tokens
         else:
+            local = local_hash_array(local_hashes)
             isl = len(local_hashes) * self.block_size if isl_tokens is None else isl_tokens
         if self._clock() >= self._next_sweep:
             self.slots.sweep()
             self._next_sweep = self._clock() + SWEEP_INTERVAL_SECS
-        candidates = list(dict.fromkeys(workers))
-        if not candidates:
+        keys, candidates = self._candidates(workers)
+        if not keys:
             raise NoWorkerAvailable("no candidate workers")
-        seq_hashes = sequence_hashes(local_hashes)
-        by_tier = index.find_matches_by_tier(local_hashes)
-        overlaps = {w: Overlap.from_tiers(by_tier, w) for w in candidates}
-        loads = {w: self._load(w, seq_hashes) for w in candidates}
-        busy = {w for w in candidates if self._busy(w, capacities)}
-        eligible = [w for w in candidates if w not in busy]
-        if not eligible:
-            raise NoWorkerAvailable(f"all {len(candidates)} candidate workers are over a busy threshold")
-        least_prefill = min(loads[w].active_prefill_tokens for w in eligible)
-        costs = {
-            w: worker_cost(
-                self.config,
-                isl_tokens=isl,
-                block_size=self.block_size,
-                overlap=overlaps[w],
-                load=loads[w],
-                min_active_prefill_tokens=least_prefill,
-            )
-            for w in candidates
-        }
-        totals = [costs[w].total for w in eligible]
-        chosen = eligible[choose(totals, self.config.router_temperature, self.rng)]
+        seq_hashes = sequence_hashes_array(local)
+        slots = self.slots
+        overlaps = self._overlaps(index, local, slots.numbering)
+        prefill, requests, blocks = slots.counters()
+        leading = slots.active_overlaps(seq_hashes)
+        capacity = self._no_capacity
+        if capacities and self.config.active_decode_blocks_threshold is not None:
+            capacity = np.fromiter((capacities.get(w) or 0 for w in keys), dtype=np.float64, count=len(keys))
+        params = self._params
+        params[kernels.P_ISL] = isl
+        params[kernels.P_NBLOCKS] = len(seq_hashes)
+        params[kernels.P_TRACK_BLOCKS] = slots.track_active_blocks  # the slot manager's, as the oracle asks it
+        k = len(keys)
+        out = np.empty((k, kernels.COLUMNS), dtype=np.float64)
+        ties = np.empty(k, dtype=np.int64)
+        head, skip, count = kernels.cost_and_choose(
+            candidates,
+            overlaps,
+            prefill,
+            requests,
+            blocks,
+            self._no_leading if leading is None else leading,
+            capacity,
+            params,
+            out,
+            ties,
+        )
+        if head == kernels.NO_WORKER:
+            raise NoWorkerAvailable(f"all {k} candidate workers are over a busy threshold")
+        if head == kernels.SAMPLE:
+            u = self.rng.random()
+            head = kernels.sample(out, self.config.router_temperature, u, ties, np.empty(k, dtype=np.float64))
+        else:
+            head = self._reservoir(head, skip, ties[:count])
+        chosen = keys[head]
+        chosen_overlap = _overlap(overlaps, int(candidates[head]))
         if request_id is not None:
-            self.slots.add_request(request_id, chosen, seq_hashes, isl, overlaps[chosen].device)
+            slots.add_request(request_id, chosen, seq_hashes, isl, chosen_overlap.device)
         if not self.config.use_kv_events:
             if not isinstance(index, ApproxIndex):
                 raise ConfigError("use_kv_events=False needs an ApproxIndex to record decisions in")
-            index.record_routing(chosen, local_hashes)
+            index.record_routing(chosen, local.tolist())
         explanation = None
         if explain:
-            chance = dict(zip(eligible, probabilities(totals, self.config.router_temperature), strict=True))
-            explanation = tuple(
-                WorkerExplanation(w, overlaps[w], costs[w], chance.get(w, 0.0), w == chosen, w in busy)
-                for w in candidates
-            )
-        return Selection(chosen, overlaps[chosen].device, costs[chosen], isl, explanation)
+            explanation = self._explain(keys, candidates, overlaps, out, head)
+        return Selection(chosen, chosen_overlap.device, _cost(out[head]), isl, explanation)
 
-    def _load(self, worker: WorkerKey, seq_hashes: Sequence[int]) -> Load:
-        return Load(
-            active_prefill_tokens=self.slots.active_prefill_tokens(worker),
-            potential_decode_blocks=self.slots.potential_decode_blocks(worker, seq_hashes),
-            active_requests=self.slots.active_requests(worker),
+    def _candidates(self, workers: Iterable[WorkerKey]) -> tuple[list[WorkerKey], npt.NDArray[np.int64]]:
+        """The candidates, deduplicated in order, and their slots (assigned on first sight)."""
+        if workers is self._last_workers:
+            return self._last_keys, self._last_slots
+        keys = list(dict.fromkeys(workers))
+        slots = self.slots.numbering.slots(keys)
+        if isinstance(workers, tuple):
+            self._last_workers, self._last_keys, self._last_slots = workers, keys, slots
+        return keys, slots
+
+    def _overlaps(
+        self, index: OverlapSource, local: npt.NDArray[np.uint64], numbering: WorkerSlots
+    ) -> npt.NDArray[np.int64]:
+        """``(tiers, slots)`` overlaps: straight from an array index, else from its dict answer."""
+        if isinstance(index, ArrayOverlapSource):
+            return index.overlaps(local, numbering, NTIERS)
+        # The engine and its reader take the array as it is; the Python indexes walk ints.
+        query: Any = local if isinstance(index, IndexReader) or _is_engine(index) else local.tolist()
+        return overlaps_from_tiers(index.find_matches_by_tier(query), numbering, NTIERS)
+
+    def _reservoir(self, head: int, skip: int, ties: npt.NDArray[np.int64]) -> int:
+        """The oracle's tie-break (``selection.choose``) over the kernel's ties, drawing as many numbers."""
+        draw = self.rng.random
+        for _ in range(skip):
+            draw()
+        for j, position in enumerate(ties.tolist()):
+            if draw() * (j + 2) < 1.0:
+                head = position
+        return head
+
+    def _explain(
+        self,
+        keys: list[WorkerKey],
+        candidates: npt.NDArray[np.int64],
+        overlaps: npt.NDArray[np.int64],
+        out: npt.NDArray[np.float64],
+        head: int,
+    ) -> tuple[WorkerExplanation, ...]:
+        busy = out[:, kernels.C_BUSY] != 0.0
+        eligible = np.flatnonzero(~busy).tolist()
+        totals = out[eligible, kernels.C_TOTAL].tolist()
+        chance = [0.0] * len(keys)
+        for position, p in zip(eligible, probabilities(totals, self.config.router_temperature), strict=True):
+            chance[position] = p
+        return tuple(
+            WorkerExplanation(
+                keys[i], _overlap(overlaps, int(candidates[i])), _cost(out[i]), chance[i], i == head, bool(busy[i])
+            )
+            for i in range(len(keys))
         )
 
-    def _busy(self, worker: WorkerKey, capacities: Mapping[WorkerKey, int] | None) -> bool:
-        decode_limit = self.config.active_decode_blocks_threshold
-        capacity = capacities.get(worker) if capacities else None
-        if decode_limit is not None and capacity and self.slots.active_blocks(worker) > decode_limit * capacity:
-            return True
-        prefill_limit = self.config.active_prefill_tokens_threshold
-        return prefill_limit is not None and self.slots.active_prefill_tokens(worker) > prefill_limit
+
+def _is_engine(index: object) -> bool:
+    """Whether ``index`` is the shared-memory ``Engine`` (imported late: the engine pulls in the plane)."""
+    from ..engine import Engine
+
+    return isinstance(index, Engine)
+
+
+def _params(config: RouterConfig, block_size: int) -> npt.NDArray[np.float64]:
+    """The kernel's scalar vector for ``config``; the per-request entries are filled in by ``select``."""
+    params = np.zeros(kernels.NPARAMS, dtype=np.float64)
+    params[kernels.P_BLOCK] = block_size
+    params[kernels.P_CREDIT] = config.overlap_score_credit
+    params[kernels.P_DECAY] = config.overlap_score_credit_decay
+    params[kernels.P_HOST] = config.host_cache_hit_weight
+    params[kernels.P_DISK] = config.disk_cache_hit_weight
+    params[kernels.P_SHARED] = config.shared_credit
+    params[kernels.P_SCALE] = config.prefill_load_scale
+    params[kernels.P_REQUEST_WEIGHT] = config.decode_active_request_weight
+    params[kernels.P_LMETRIC] = config.router_selection_policy == "lmetric"
+    params[kernels.P_TRACK_PREFILL] = config.router_track_prefill_tokens
+    decode_limit = config.active_decode_blocks_threshold
+    prefill_limit = config.active_prefill_tokens_threshold
+    params[kernels.P_DECODE_LIMIT] = math.nan if decode_limit is None else decode_limit
+    params[kernels.P_PREFILL_LIMIT] = math.nan if prefill_limit is None else prefill_limit
+    params[kernels.P_TEMPERATURE] = config.router_temperature
+    return params
+
+
+def _overlap(overlaps: npt.NDArray[np.int64], slot: int) -> Overlap:
+    device, host, disk, shared = overlaps[:, slot].tolist()
+    return Overlap(device, host, disk, shared)
+
+
+def _cost(row: npt.NDArray[np.float64]) -> Cost:
+    raw, credit, adjusted, prefill_cost, decode, request_cost, total, _ = row.tolist()
+    return Cost(raw, credit, adjusted, prefill_cost, int(decode), request_cost, total)

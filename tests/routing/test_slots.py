@@ -7,6 +7,7 @@ import logging
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
@@ -319,6 +320,10 @@ class SlotModel(RuleBasedStateMachine):
             leading += 1
         expected_blocks = len(held) + len(query) - leading if self.track_blocks else 0
         assert self.slots.potential_decode_blocks(worker, query) == expected_blocks
+        every = self.slots.active_overlaps(np.array(query, dtype=np.uint64))
+        slot = self.slots.numbering.get(worker)
+        found = 0 if every is None or slot is None or slot >= len(every) else int(every[slot])
+        assert found == (leading if self.track_blocks else 0)
         expected_tokens = self.slots.active_prefill_tokens(worker) + self.new_prefill(isl, overlap)
         assert self.slots.potential_prefill_tokens(worker, isl, overlap) == expected_tokens
 
@@ -338,8 +343,12 @@ class SlotModel(RuleBasedStateMachine):
         assert self.slots.workers() == set()
         for worker in WORKERS:
             assert load(self.slots, worker) == (0, 0, 0)
-        assert self.slots._loads == {}
+        assert self.slots._blocks == {}
+        assert self.slots._holders == {}
         assert self.slots._requests == {}
+        assert not self.slots.requests.any()
+        assert not self.slots.blocks.any()
+        assert not self.slots.prefill_tokens.any()
 
 
 TestSlotModel = SlotModel.TestCase

@@ -1,0 +1,258 @@
+"""The decision's compiled core: every candidate's cost terms, the busy filter and the selection, in one call.
+
+With the overlaps and the loads already in slot-indexed arrays, what is left of a decision is a few
+arithmetic terms per candidate and an argmin or a softmax draw. As numpy expressions that is twenty-odd
+array operations of about a microsecond each, whatever the number of workers; compiled, it is one call
+of a few hundred nanoseconds plus a few nanoseconds per candidate. The rules of ``index/_kernels.py``
+hold here: arrays in, scalars or preallocated arrays out, no Python objects, no allocation in a loop.
+
+The arithmetic is the oracle's (``cost.worker_cost``, ``selection.choose`` / ``probabilities``), operation
+for operation and in the same order, so the totals are bit-identical and ties fall the same way: numba
+neither reassociates nor fuses floating-point operations unless ``fastmath`` asks it to, and the sums
+are sequential as Python 3.11's ``sum`` of floats is. The random source stays in Python: at temperature
+0 the kernel reports which draws of the oracle's reservoir pass would matter (``choose_ties``), above 0
+the caller draws first and passes the uniform in.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+from numba import njit
+
+__all__ = ["COLUMNS", "NPARAMS", "cost_and_choose", "sample"]
+
+# params: one float64 vector, so the call unboxes one array instead of a dozen scalars
+P_ISL: Final = 0
+P_BLOCK: Final = 1
+P_NBLOCKS: Final = 2
+P_CREDIT: Final = 3
+P_DECAY: Final = 4
+P_HOST: Final = 5
+P_DISK: Final = 6
+P_SHARED: Final = 7
+P_SCALE: Final = 8
+P_REQUEST_WEIGHT: Final = 9
+P_LMETRIC: Final = 10
+P_TRACK_PREFILL: Final = 11
+P_TRACK_BLOCKS: Final = 12
+P_DECODE_LIMIT: Final = 13
+"""NaN when off."""
+P_PREFILL_LIMIT: Final = 14
+"""NaN when off."""
+P_TEMPERATURE: Final = 15
+NPARAMS: Final = 16
+
+# out columns, one row per candidate
+C_RAW: Final = 0
+C_CREDIT: Final = 1
+C_ADJUSTED: Final = 2
+C_PREFILL_COST: Final = 3
+C_DECODE_BLOCKS: Final = 4
+C_REQUEST_COST: Final = 5
+C_TOTAL: Final = 6
+C_BUSY: Final = 7
+COLUMNS: Final = 8
+
+NO_WORKER: Final = -1
+"""``head`` when every candidate is busy."""
+SAMPLE: Final = -2
+"""``head`` above temperature 0 when some candidate is eligible: draw, then call :func:`sample`."""
+
+
+@njit(cache=True, nogil=True)
+def cost_and_choose(
+    candidates: npt.NDArray[np.int64],
+    overlaps: npt.NDArray[np.int64],
+    prefill: npt.NDArray[np.int64],
+    requests: npt.NDArray[np.int64],
+    blocks: npt.NDArray[np.int64],
+    leading: npt.NDArray[np.int64],
+    capacities: npt.NDArray[np.float64],
+    params: npt.NDArray[np.float64],
+    out: npt.NDArray[np.float64],
+    ties: npt.NDArray[np.int64],
+) -> tuple[int, int, int]:  # hot path: three passes over the candidates
+    """Cost every candidate into ``out`` and choose.
+
+    Args:
+        candidates: slot per candidate, in the caller's order.
+        overlaps: ``(4, slots)`` cumulative overlap per tier per slot.
+        prefill, requests, blocks: the slot manager's counters per slot.
+        leading: per slot, leading prompt blocks held by its active requests; empty when none are.
+        capacities: per candidate, KV blocks (0: unknown); empty when the decode threshold is off.
+        params: the ``P_*`` scalars.
+        out: ``(len(candidates), COLUMNS)``, written.
+        ties: ``len(candidates)`` scratch; at temperature 0, ``ties[:count]`` are the candidates (positions)
+            tied with ``head`` after it, in order.
+
+    Returns:
+        ``(head, skip, count)``. At temperature 0: ``head`` the position of the first cheapest eligible
+        candidate; the oracle's reservoir pass draws ``skip`` numbers that cannot matter, then one per
+        ``ties[j]`` (replace the pick when ``u * (j + 2) < 1``). Above 0, ``SAMPLE``: the oracle draws its
+        uniform only once it knows some candidate is eligible, so the caller draws now and calls
+        :func:`sample`. ``head`` is ``NO_WORKER`` when all are busy (and nothing is to be drawn).
+    """
+    k = candidates.size
+    isl = params[P_ISL]
+    block = params[P_BLOCK]
+    nblocks = params[P_NBLOCKS]
+    track_prefill = params[P_TRACK_PREFILL] != 0.0
+    track_blocks = params[P_TRACK_BLOCKS] != 0.0
+    decode_limit = params[P_DECODE_LIMIT]
+    prefill_limit = params[P_PREFILL_LIMIT]
+    has_leading = leading.size > 0
+    has_capacity = capacities.size > 0 and not math.isnan(decode_limit)
+    least = np.iinfo(np.int64).max
+    eligible = 0
+    for i in range(k):
+        slot = candidates[i]
+        decode_busy = has_capacity and capacities[i] != 0.0 and blocks[slot] > decode_limit * capacities[i]
+        busy = decode_busy or (not math.isnan(prefill_limit) and prefill[slot] > prefill_limit)
+        out[i, C_BUSY] = 1.0 if busy else 0.0
+        if not busy:
+            eligible += 1
+            if prefill[slot] < least:
+                least = prefill[slot]
+    if eligible == 0:
+        return NO_WORKER, 0, 0
+    credit_w = params[P_CREDIT]
+    decay_w = params[P_DECAY]
+    host_w = params[P_HOST]
+    disk_w = params[P_DISK]
+    shared_w = params[P_SHARED]
+    scale = params[P_SCALE]
+    request_w = params[P_REQUEST_WEIGHT]
+    lmetric = params[P_LMETRIC] != 0.0
+    request_blocks = max(1.0, math.ceil(isl / block))
+    for i in range(k):
+        slot = candidates[i]
+        active = prefill[slot]
+        raw = (active + isl) / block if track_prefill else 0.0
+        decay = 1.0
+        if decay_w != 0.0 and track_prefill:
+            queued = max(0, active - least)
+            decay = 1.0 / (1.0 + decay_w * queued / block / request_blocks)
+        device = overlaps[0, slot]
+        host = overlaps[1, slot]
+        disk = overlaps[2, slot]
+        shared = overlaps[3, slot]
+        credit = (
+            credit_w * decay * device
+            + host_w * max(0, host - device)
+            + disk_w * max(0, disk - host)
+            + shared_w * max(0, shared - disk)
+        )
+        adjusted = raw - credit
+        if not adjusted > 0.0:
+            adjusted = 0.0
+        prefill_cost = scale * adjusted
+        decode = 0.0
+        if track_blocks:
+            decode = blocks[slot] + nblocks - (leading[slot] if has_leading else 0)
+        request_cost = request_w * requests[slot]
+        total = adjusted * (decode + 1.0) if lmetric else prefill_cost + decode + request_cost
+        out[i, C_RAW] = raw
+        out[i, C_CREDIT] = credit
+        out[i, C_ADJUSTED] = adjusted
+        out[i, C_PREFILL_COST] = prefill_cost
+        out[i, C_DECODE_BLOCKS] = decode
+        out[i, C_REQUEST_COST] = request_cost
+        out[i, C_TOTAL] = total
+    if params[P_TEMPERATURE] == 0.0:
+        return choose_ties(out, ties)
+    return SAMPLE, 0, 0
+
+
+@njit(cache=True, nogil=True)
+def choose_ties(out: npt.NDArray[np.float64], ties: npt.NDArray[np.int64]) -> tuple[int, int, int]:
+    """The oracle's reservoir pass over the eligible totals, without its draws (see ``cost_and_choose``)."""
+    head = -1
+    draws = 0
+    skip = 0
+    count = 0
+    for i in range(out.shape[0]):
+        if out[i, C_BUSY] != 0.0:
+            continue
+        cost = out[i, C_TOTAL]
+        if head < 0:  # the oracle's first candidate: "equal to itself", one draw that always picks it
+            head = i
+            draws = 1
+            skip = 1
+            count = 0
+        elif cost < out[head, C_TOTAL]:
+            head = i
+            skip = draws
+            count = 0
+        elif cost == out[head, C_TOTAL]:
+            ties[count] = i
+            count += 1
+            draws += 1
+    return head, skip, count
+
+
+@njit(cache=True, nogil=True)
+def sample(
+    out: npt.NDArray[np.float64],
+    temperature: float,
+    u: float,
+    eligible: npt.NDArray[np.int64],
+    work: npt.NDArray[np.float64],
+) -> int:
+    """``selection.choose`` above temperature 0 with the draw ``u``: the position chosen (``eligible`` and
+    ``work`` are scratch of one entry per candidate)."""
+    n = 0
+    for i in range(out.shape[0]):
+        if out[i, C_BUSY] == 0.0:
+            eligible[n] = i
+            work[n] = out[i, C_TOTAL]
+            n += 1
+    low = work[0]
+    high = work[0]
+    for j in range(1, n):
+        low = min(low, work[j])
+        high = max(high, work[j])
+    cumulative = 0.0
+    if high == low:
+        p = 1.0 / n
+        for j in range(n):
+            cumulative += p
+            if cumulative >= u:
+                return int(eligible[j])
+        return int(eligible[n - 1])
+    span = high - low
+    if not math.isfinite(span):
+        largest = 0.0
+        for j in range(n):
+            largest = max(largest, abs(work[j]))
+        for j in range(n):
+            work[j] = work[j] / largest
+        low = work[0]
+        high = work[0]
+        for j in range(1, n):
+            low = min(low, work[j])
+            high = max(high, work[j])
+        span = high - low
+    if span * temperature == 0.0:
+        tied = 0
+        for j in range(n):
+            if work[j] == low:
+                tied += 1
+        p = 1.0 / tied
+        for j in range(n):
+            cumulative += p if work[j] == low else 0.0
+            if cumulative >= u:
+                return int(eligible[j])
+        return int(eligible[n - 1])
+    total = 0.0
+    for j in range(n):
+        work[j] = math.exp(-(work[j] - low) / (span * temperature))
+        total += work[j]
+    for j in range(n):
+        cumulative += work[j] / total
+        if cumulative >= u:
+            return int(eligible[j])
+    return int(eligible[n - 1])

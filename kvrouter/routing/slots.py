@@ -12,13 +12,15 @@ Laid out for a decision over thousands of workers: every worker gets a dense slo
 reads all candidates' loads with one gather. The active-block overlap of a new prompt, for every worker
 at once, comes from one pass over the prompt's sequence hashes (:meth:`SlotManager.active_overlaps`):
 beside each worker's refcounts, a dict maps each active sequence hash to the bitset (a Python int) of
-the slots holding it, and the walk ANDs the bitsets until no worker is left. It costs one dict probe
+the slots holding it, and the walk ANDs the bitsets until no worker is left. A hash held by one slot
+only, as most prompt suffixes are, keeps ``~slot`` rather than a bitset as wide as the slot number, so
+memory stays a few dozen bytes per active hash whatever the fleet's size. It costs one dict probe
 and one AND per leading block any worker holds, plus one step per worker dropped: linear in the
 matched blocks and the workers matching, nothing for the workers that hold none of the prompt.
 Rejected: a dict hash -> array of counts per slot (memory slots x active hashes, 0.5 GB at 4,096
 workers with a million active blocks) and a compiled hash table (the same answer for a few µs less, at
-the price of a second table to grow and keep consistent). The bitsets cost O(slots / 30) machine words
-per update for a high slot; that is paid when booking and freeing, not when deciding.
+the price of a second table to grow and keep consistent). A shared hash's bitset costs O(slots / 30) machine
+words per update; that is paid when booking and freeing, not when deciding.
 
 Nothing runs in the background: the router calls :meth:`SlotManager.sweep` on its own schedule
 (Dynamo checks every minute). Requests sit in a dict in insertion order and the clock never goes
@@ -127,7 +129,8 @@ class SlotManager:
         self._blocks: dict[int, Counter[int]] = {}
         """Slot -> sequence hash -> occurrences in its active requests; only slots holding a hash."""
         self._holders: dict[int, int] = {}
-        """Sequence hash -> bitset of the slots whose active requests hold it; only hashes held."""
+        """Sequence hash -> the slots whose active requests hold it: ``~slot`` (negative) for a single
+        holder, else their bitset; only hashes held."""
         self.prefill_tokens = np.zeros(0, dtype=np.int64)
         """Per slot, prompt tokens of its requests that have not produced a first token."""
         self.requests = np.zeros(0, dtype=np.int64)
@@ -190,11 +193,14 @@ class SlotManager:
             hashes = tuple(sequence_hashes.tolist() if isinstance(sequence_hashes, np.ndarray) else sequence_hashes)
             counts = self._blocks.setdefault(slot, Counter())
             holders = self._holders
-            bit = 1 << slot
             for seq_hash in hashes:  # hot path: once per block of a booked request
                 held = counts[seq_hash]
                 if not held:
-                    holders[seq_hash] = holders.get(seq_hash, 0) | bit
+                    others = holders.get(seq_hash)
+                    if others is None:
+                        holders[seq_hash] = ~slot
+                    else:
+                        holders[seq_hash] = (1 << ~others if others < 0 else others) | 1 << slot
                     added += 1
                 counts[seq_hash] = held + 1
         elif self._track_active_blocks:
@@ -230,7 +236,6 @@ class SlotManager:
         if request.hashes:
             counts = self._blocks[slot]
             holders = self._holders
-            clear = ~(1 << slot)
             for seq_hash in request.hashes:
                 remaining = counts[seq_hash] - 1
                 if remaining:
@@ -238,11 +243,12 @@ class SlotManager:
                     continue
                 del counts[seq_hash]
                 released += 1
-                rest = holders[seq_hash] & clear
-                if rest:
-                    holders[seq_hash] = rest
-                else:
+                held = holders[seq_hash]
+                if held < 0:  # this slot was the only holder
                     del holders[seq_hash]
+                    continue
+                rest = held & ~(1 << slot)
+                holders[seq_hash] = ~(rest.bit_length() - 1) if rest & (rest - 1) == 0 else rest
             if not counts:
                 del self._blocks[slot]
         self.blocks[slot] -= released
@@ -329,9 +335,12 @@ class SlotManager:
         alive = holders.get(sequence_hashes.item(0), 0)
         if not alive:
             return None
+        if alive < 0:
+            alive = 1 << ~alive
         leading = np.zeros(len(self.numbering), dtype=np.int64)
         for depth in range(1, len(sequence_hashes)):  # hot path: one probe and one AND per block held
-            still = alive & holders.get(sequence_hashes.item(depth), 0)
+            held = holders.get(sequence_hashes.item(depth), 0)
+            still = alive & (1 << ~held if held < 0 else held)
             if still != alive:
                 _set_bits(leading, alive ^ still, depth)
                 if not still:

@@ -338,15 +338,16 @@ class SlotManager:
         if alive < 0:
             alive = 1 << ~alive
         leading = np.zeros(len(self.numbering), dtype=np.int64)
-        for depth in range(1, len(sequence_hashes)):  # hot path: one probe and one AND per block held
-            held = holders.get(sequence_hashes.item(depth), 0)
+        depth = 0
+        for depth, seq_hash in enumerate(sequence_hashes.tolist()):  # hot path: one probe, one AND a block held
+            held = holders.get(seq_hash, 0)
             still = alive & (1 << ~held if held < 0 else held)
             if still != alive:
                 _set_bits(leading, alive ^ still, depth)
                 if not still:
                     return leading
                 alive = still
-        _set_bits(leading, alive, len(sequence_hashes))
+        _set_bits(leading, alive, depth + 1)
         return leading
 
     def potential_prefill_tokens(self, worker: WorkerKey, isl_tokens: int, overlap_blocks: int) -> int:

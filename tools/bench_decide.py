@@ -2,7 +2,7 @@
 
     python tools/bench_decide.py [--quick] [--workers N ...] [--json FILE]
 
-For 16, 256, 1,024 and 4,096 workers on one ``Engine(shards=1)``: 16 workers (all of them at 16) hold
+For 16, 256, 1,024 and 4,096 workers, each on a fresh ``Engine(shards=1)``: 16 workers (all of them at 16) hold
 four cached sequences each of a 32-block shared system prompt and 480 blocks of their own; every other
 worker holds one unrelated 32-block chain. Every worker carries four booked requests of 64 blocks (the
 16 holders' share the system prompt, the others' are unrelated), so the load terms and the slot
@@ -65,7 +65,8 @@ CHECKS: Final = 100
 WARM: Final = 30
 QUICK: Final = {"workers": [16, 256], "queries": 200, "oracle_seconds": 0.5, "checks": 30}
 ID_STRIDE: Final = 100_000
-"""Worker ids of one worker count start at a multiple of this, so counts never share a worker."""
+"""Worker ids of one worker count start at a multiple of this."""
+FLUSH_TIMEOUT_S: Final = 300.0
 
 
 def chain(rng: random.Random, blocks: int) -> list[int]:
@@ -101,7 +102,7 @@ class Fleet:
                 event = stored(worker_id, local)
                 engine.apply_event(worker_id, event)
                 self.tree.apply_event(worker_id, encoder.encode_event(event))
-        engine.flush()
+        engine.flush(timeout=FLUSH_TIMEOUT_S)
         self.new_slots = SlotManager(block_size=BLOCK_SIZE)
         self.oracle_slots = ReferenceSlotManager(block_size=BLOCK_SIZE)
         n = 0
@@ -121,11 +122,6 @@ class Fleet:
                 made.append(base_seq + chain(rng, length - len(base_seq)))
             self.queries[length] = made
         self.engine = engine
-
-    def forget(self) -> None:
-        for worker_id in self.ids:
-            self.engine.remove_worker(worker_id)
-        self.engine.flush()
 
 
 def stats(samples: list[float]) -> dict[str, float]:
@@ -197,11 +193,10 @@ def time_length(fleet: Fleet, length: int, args: argparse.Namespace) -> dict[str
 def run(args: argparse.Namespace) -> dict[str, Any]:
     make_tree = _reference_tree()
     configs: dict[str, Any] = {}
-    with Engine(shards=1) as engine:
-        for workers in args.workers:
+    for workers in args.workers:
+        with Engine(shards=1) as engine:  # a fresh engine per fleet: a shard has 4,096 worker rows
             fleet = Fleet(engine, make_tree, workers, args.queries, args.seed)
             configs[str(workers)] = {str(length): time_length(fleet, length, args) for length in PROMPT_BLOCKS}
-            fleet.forget()
     first, last = str(min(args.workers)), str(max(args.workers))
     base = configs[first]["64"]
     return {

@@ -151,6 +151,7 @@ class Router:
         if not eligible:
             raise NoWorkerAvailable(f"all {len(candidates)} candidate workers are over a busy threshold")
         least_prefill = min(loads[w].active_prefill_tokens for w in eligible)
+        mean_recent = sum(loads[w].recent_prefill_tokens for w in eligible) / len(eligible)
         costs = {
             w: worker_cost(
                 self.config,
@@ -159,6 +160,7 @@ class Router:
                 overlap=overlaps[w],
                 load=loads[w],
                 min_active_prefill_tokens=least_prefill,
+                mean_recent_prefill_tokens=mean_recent,
             )
             for w in candidates
         }
@@ -184,6 +186,7 @@ class Router:
             active_prefill_tokens=self.slots.active_prefill_tokens(worker),
             potential_decode_blocks=self.slots.potential_decode_blocks(worker, seq_hashes),
             active_requests=self.slots.active_requests(worker),
+            recent_prefill_tokens=self.slots.recent_prefill_tokens(worker) if self.config.prefill_work_weight else 0.0,
         )
 
     def _busy(self, worker: WorkerKey, capacities: Mapping[WorkerKey, int] | None) -> bool:

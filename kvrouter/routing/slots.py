@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -37,6 +38,10 @@ log = logging.getLogger(__name__)
 DEFAULT_EXPIRY_SECS: Final = 300.0
 """Dynamo's stale-request expiry, ``DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS`` (§5). Pinned by
 ``tests/routing/test_slots.py::test_sweep_drops_requests_at_expiry``."""
+DEFAULT_WORK_WINDOW_SECS: Final = 60.0
+"""Time constant of :meth:`SlotManager.recent_prefill_tokens`: booked prefill counts ``exp(-age / 60 s)``.
+Long against one request's life (seconds), so it remembers work already done, not only work in flight;
+short against how fast a fleet's traffic mix moves. 30-300 s gave the same balance (docs/routing-benchmark.md)."""
 FRESH_ID_BASE: Final = 1 << 64
 """First stand-in hash under ``assume_kv_reuse=False``: above every u64 sequence hash, so a stand-in
 can never equal a real hash."""
@@ -78,10 +83,11 @@ class SlotManager:
             when off, each request's hashes are replaced by fresh stand-ins, so nothing is shared and
             no new request overlaps an active one.
         expiry_secs: age at which :meth:`sweep` drops a request that was never freed.
+        work_window_secs: time constant of :meth:`recent_prefill_tokens`'s exponential decay.
         clock: seconds, never going backwards; ``time.monotonic`` unless a test injects one.
 
     Raises:
-        ValueError: ``block_size`` < 1 or ``expiry_secs`` not > 0.
+        ValueError: ``block_size`` < 1, or ``expiry_secs`` or ``work_window_secs`` not > 0.
     """
 
     def __init__(
@@ -92,17 +98,21 @@ class SlotManager:
         track_prefill_tokens: bool = True,
         assume_kv_reuse: bool = True,
         expiry_secs: float = DEFAULT_EXPIRY_SECS,
+        work_window_secs: float = DEFAULT_WORK_WINDOW_SECS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size!r}")
         if not expiry_secs > 0:  # `not >` also rejects NaN
             raise ValueError(f"expiry_secs must be > 0 seconds, got {expiry_secs!r}")
+        if not work_window_secs > 0:
+            raise ValueError(f"work_window_secs must be > 0 seconds, got {work_window_secs!r}")
         self._block_size = block_size
         self._track_active_blocks = track_active_blocks
         self._track_prefill_tokens = track_prefill_tokens
         self._assume_kv_reuse = assume_kv_reuse
         self._expiry_secs = expiry_secs
+        self._work_window_secs = work_window_secs
         self._clock = clock
         self._fresh_ids = itertools.count(FRESH_ID_BASE)
         """Stand-in hashes under ``assume_kv_reuse=False``; per manager, so no state is shared."""
@@ -110,6 +120,9 @@ class SlotManager:
         """Active requests, oldest first (insertion order, with a clock that never goes backwards)."""
         self._loads: dict[WorkerKey, _WorkerLoad] = {}
         """Only workers with at least one active request."""
+        self._work: dict[WorkerKey, tuple[float, float]] = {}
+        """(decayed booked prefill tokens, when last updated) per worker ever booked prefill; kept when
+        the worker's last request leaves, since the work it did still counts."""
 
     def add_request(
         self,
@@ -146,6 +159,9 @@ class SlotManager:
         load.blocks.update(hashes)
         load.prefill_tokens += prefill_tokens
         load.requests += 1
+        if prefill_tokens:
+            now = self._clock()
+            self._work[worker] = (self._decayed(worker, now) + prefill_tokens, now)
 
     def mark_prefill_completed(self, request_id: str) -> None:
         """The request's first token is out: its prompt tokens stop counting as queued prefill.
@@ -207,6 +223,12 @@ class SlotManager:
         load = self._loads.get(worker)
         return 0 if load is None else load.prefill_tokens
 
+    def recent_prefill_tokens(self, worker: WorkerKey) -> float:
+        """Prefill tokens booked on the worker (each request's tokens beyond its overlap, as counted at
+        :meth:`add_request`), each decayed by ``exp(-age / work_window_secs)``; freeing a request does
+        not take its work back. 0 when prefill tokens are not tracked."""
+        return self._decayed(worker, self._clock())
+
     def active_blocks(self, worker: WorkerKey) -> int:
         """Distinct sequence hashes over the worker's active requests: a shared prefix counts once."""
         load = self._loads.get(worker)
@@ -252,6 +274,13 @@ class SlotManager:
     def workers(self) -> set[WorkerKey]:
         """Workers with at least one active request."""
         return set(self._loads)
+
+    def _decayed(self, worker: WorkerKey, now: float) -> float:
+        entry = self._work.get(worker)
+        if entry is None:
+            return 0.0
+        tokens, at = entry
+        return tokens * math.exp(-max(0.0, now - at) / self._work_window_secs)
 
     def _new_prefill_tokens(self, isl_tokens: int, overlap_blocks: int) -> int:
         """Tokens a request still has to prefill on a worker caching ``overlap_blocks`` of it; never

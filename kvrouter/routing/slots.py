@@ -41,7 +41,7 @@ DEFAULT_EXPIRY_SECS: Final = 300.0
 DEFAULT_WORK_WINDOW_SECS: Final = 60.0
 """Time constant of :meth:`SlotManager.recent_prefill_tokens`: booked prefill counts ``exp(-age / 60 s)``.
 Long against one request's life (seconds), so it remembers work already done, not only work in flight;
-short against how fast a fleet's traffic mix moves. 30-300 s gave the same balance (docs/routing-benchmark.md)."""
+short against how fast a fleet's traffic mix moves. 60, 120 and 300 s balanced alike (docs/routing-benchmark.md)."""
 FRESH_ID_BASE: Final = 1 << 64
 """First stand-in hash under ``assume_kv_reuse=False``: above every u64 sequence hash, so a stand-in
 can never equal a real hash."""

@@ -44,7 +44,12 @@ P_DECODE_LIMIT: Final = 13
 P_PREFILL_LIMIT: Final = 14
 """NaN when off."""
 P_TEMPERATURE: Final = 15
-NPARAMS: Final = 16
+P_WORK_WEIGHT: Final = 16
+"""``prefill_work_weight``; 0 leaves every total as it is."""
+P_NOW: Final = 17
+P_WORK_WINDOW: Final = 18
+"""The slot manager's clock reading and decay time constant, to decay each slot's booked prefill."""
+NPARAMS: Final = 19
 
 # out columns, one row per candidate
 C_RAW: Final = 0
@@ -55,7 +60,8 @@ C_DECODE_BLOCKS: Final = 4
 C_REQUEST_COST: Final = 5
 C_TOTAL: Final = 6
 C_BUSY: Final = 7
-COLUMNS: Final = 8
+C_WORK_FACTOR: Final = 8
+COLUMNS: Final = 9
 
 NO_WORKER: Final = -1
 """``head`` when every candidate is busy."""
@@ -72,6 +78,8 @@ def cost_and_choose(
     blocks: npt.NDArray[np.int64],
     leading: npt.NDArray[np.int64],
     capacities: npt.NDArray[np.float64],
+    work_tokens: npt.NDArray[np.float64],
+    work_at: npt.NDArray[np.float64],
     params: npt.NDArray[np.float64],
     out: npt.NDArray[np.float64],
     ties: npt.NDArray[np.int64],
@@ -84,6 +92,8 @@ def cost_and_choose(
         prefill, requests, blocks: the slot manager's counters per slot.
         leading: per slot, leading prompt blocks held by its active requests; empty when none are.
         capacities: per candidate, KV blocks (0: unknown); empty when the decode threshold is off.
+        work_tokens, work_at: per slot, the booked uncached prefill and when it was last updated; decayed
+            here to ``P_NOW`` with ``P_WORK_WINDOW`` for the work factor (``cost.py``).
         params: the ``P_*`` scalars.
         out: ``(len(candidates), COLUMNS)``, written.
         ties: ``len(candidates)`` scratch; at temperature 0, ``ties[:count]`` are the candidates (positions)
@@ -106,19 +116,29 @@ def cost_and_choose(
     prefill_limit = params[P_PREFILL_LIMIT]
     has_leading = leading.size > 0
     has_capacity = capacities.size > 0 and not math.isnan(decode_limit)
+    work_weight = params[P_WORK_WEIGHT]
+    now = params[P_NOW]
+    window = params[P_WORK_WINDOW]
     least = np.iinfo(np.int64).max
     eligible = 0
+    recent_sum = 0.0
     for i in range(k):
         slot = candidates[i]
         decode_busy = has_capacity and capacities[i] != 0.0 and blocks[slot] > decode_limit * capacities[i]
         busy = decode_busy or (not math.isnan(prefill_limit) and prefill[slot] > prefill_limit)
         out[i, C_BUSY] = 1.0 if busy else 0.0
+        recent = 0.0
+        if work_weight != 0.0:
+            recent = work_tokens[slot] * math.exp(-max(0.0, now - work_at[slot]) / window)
+        out[i, C_WORK_FACTOR] = recent  # the factor replaces it below
         if not busy:
             eligible += 1
+            recent_sum += recent
             if prefill[slot] < least:
                 least = prefill[slot]
     if eligible == 0:
         return NO_WORKER, 0, 0
+    mean_recent = recent_sum / eligible
     credit_w = params[P_CREDIT]
     decay_w = params[P_DECAY]
     host_w = params[P_HOST]
@@ -155,6 +175,12 @@ def cost_and_choose(
             decode = blocks[slot] + nblocks - (leading[slot] if has_leading else 0)
         request_cost = request_w * requests[slot]
         total = adjusted * (decode + 1.0) if lmetric else prefill_cost + decode + request_cost
+        factor = 1.0
+        if work_weight != 0.0 and mean_recent > 0.0:
+            share = (out[i, C_WORK_FACTOR] - mean_recent) / mean_recent
+            factor = max(0.0, 1.0 + work_weight * share)
+            total *= factor
+        out[i, C_WORK_FACTOR] = factor
         out[i, C_RAW] = raw
         out[i, C_CREDIT] = credit
         out[i, C_ADJUSTED] = adjusted

@@ -38,6 +38,11 @@ class RouterConfig:
     """Multiplier on the adjusted prefill blocks."""
     decode_active_request_weight: float = 0.0
     """Block-equivalents of decode cost per active request."""
+    prefill_work_weight: float = 0.0
+    """kvrouter's own term, not the reference's (0: off, the reference's behaviour): scales each worker's
+    cost by ``max(0, 1 + weight * (recent - mean) / mean)``, where ``recent`` is the uncached prefill the
+    worker was booked over the last minute or so (``SlotManager.recent_prefill_tokens``) and ``mean`` its
+    mean over the eligible candidates (``kvrouter/routing/cost.py``)."""
     host_cache_hit_weight: float = 0.75
     """Credit per block found in host memory beyond the device overlap."""
     disk_cache_hit_weight: float = 0.25
@@ -94,9 +99,17 @@ class RouterConfig:
         return SHARED_CACHE_DEFAULT_MULTIPLIER if self.shared_cache_type != "none" else 0.0
 
 
-KVROUTER_CONFIG: Final = RouterConfig(router_selection_policy="lmetric", overlap_score_credit=1.5)
+KVROUTER_CONFIG: Final = RouterConfig(
+    router_selection_policy="lmetric", overlap_score_credit=1.5, prefill_work_weight=1.0
+)
 """kvrouter's own tuning, the ``kvrouter`` policy of the routing benchmark: the reference's opt-in product
-cost, with device overlap credited 1.5 blocks a block. On the four Mooncake workloads it keeps every
-must-bar of ``spec/routing-benchmark.md`` §7 and beats the reference cost on hit rate and every TTFT
-percentile (``tools/bench_routing.py``; credit 1.75 and 2.0 pushed S8's prefill imbalance past 1.10).
-``RouterConfig()`` stays the reference's behaviour."""
+cost, with device overlap credited 1.5 blocks a block, scaled by each worker's share of the recent
+uncached prefill (weight 1: a worker booked twice the mean recent prefill costs twice as much).
+
+The product cost balances only what is in flight (queued prefill until the first token, active blocks),
+so the prefill work each worker did drifts apart like a random walk: cache affinity sends a session's
+or a hot prefix's requests to one worker, and with more workers each gets fewer such units. At 16
+workers the uncached-prefill imbalance reached 1.16 (conversation) and 1.21 (synthetic) without the
+work term, 1.07 and 1.02 with it, at the same hit rate and TTFT (``docs/routing-benchmark.md``, with
+held-out worker counts, speed-ups and trace segments). Credit 1.75 and 2.0 pushed S8's prefill
+imbalance past 1.10 before the work term existed. ``RouterConfig()`` stays the reference's behaviour."""

@@ -10,6 +10,17 @@ The reference's ``worker_logit`` (``scheduling/selector/default.rs``; ``spec/dyn
     adjusted        = max(0, raw_prefill - overlap_credit)
     cost            = prefill_load_scale * adjusted + potential_decode_blocks + request_w * active_requests
     lmetric         = adjusted * (potential_decode_blocks + 1)   (router_selection_policy="lmetric")
+    work_factor     = max(0, 1 + work_w * (recent - mean_recent) / mean_recent)   1 when work_w or mean_recent is 0
+    total           = (cost or lmetric) * work_factor
+
+``work_factor`` is kvrouter's, not the reference's (``prefill_work_weight``, default 0 = off): ``recent``
+is the worker's recently booked uncached prefill (``SlotManager.recent_prefill_tokens``: each request's
+tokens beyond its device overlap at booking, decayed as ``exp(-age / 60 s)``), ``mean_recent`` its mean
+over the eligible candidates. The other terms see only what is in flight, so without it the prefill
+work each worker did drifts apart under cache affinity, more so the more workers share the traffic.
+A factor rather than a sum: it is dimensionless (weight 1 = cost proportional to the worker's share of
+recent work), so it needs no scale per trace, and a worker whose cost is 0 stays 0. Rejected: counting
+all work ever booked (no recovery after a burst) and a window of fixed requests (it ignores time).
 
 Tier overlaps arrive cumulative, as an index reports them (``device <= host <= disk <= shared``), and each
 slower tier is credited only for the blocks it adds: the frontend docs' ``host_extra`` / ``disk_extra``
@@ -53,6 +64,8 @@ class Load:
     potential_decode_blocks: int = 0
     """Its active blocks plus the blocks this request would add (``SlotManager.potential_decode_blocks``)."""
     active_requests: int = 0
+    recent_prefill_tokens: float = 0.0
+    """Uncached prefill booked on it lately, decayed (``SlotManager.recent_prefill_tokens``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +82,9 @@ class Cost:
     """``decode_active_request_weight * active_requests``."""
     total: float
     """What selection minimises: the sum of the terms, or, under ``router_selection_policy="lmetric"``,
-    ``adjusted_prefill_blocks * (decode_blocks + 1)``."""
+    ``adjusted_prefill_blocks * (decode_blocks + 1)``; times ``work_factor``."""
+    work_factor: float = 1.0
+    """``max(0, 1 + prefill_work_weight * (recent - mean) / mean)``; 1 when the weight or the mean is 0."""
 
 
 def worker_cost(
@@ -80,6 +95,7 @@ def worker_cost(
     overlap: Overlap,
     load: Load,
     min_active_prefill_tokens: int,
+    mean_recent_prefill_tokens: float = 0.0,
 ) -> Cost:
     """The cost of one candidate worker.
 
@@ -90,6 +106,8 @@ def worker_cost(
         overlap: the request's cached overlap on this worker, per tier.
         load: this worker's load.
         min_active_prefill_tokens: the least active prefill among the candidates (for the credit decay).
+        mean_recent_prefill_tokens: the mean ``recent_prefill_tokens`` over the eligible candidates
+            (for ``prefill_work_weight``).
     """
     track_prefill = config.router_track_prefill_tokens
     raw_prefill = (load.active_prefill_tokens + isl_tokens) / block_size if track_prefill else 0.0
@@ -111,6 +129,11 @@ def worker_cost(
         total = adjusted * (load.potential_decode_blocks + 1)
     else:
         total = prefill_cost + load.potential_decode_blocks + request_cost
+    work_factor = 1.0
+    if config.prefill_work_weight and mean_recent_prefill_tokens > 0:
+        share = (load.recent_prefill_tokens - mean_recent_prefill_tokens) / mean_recent_prefill_tokens
+        work_factor = max(0.0, 1.0 + config.prefill_work_weight * share)
+        total *= work_factor
     return Cost(
         raw_prefill_blocks=raw_prefill,
         overlap_credit_blocks=credit,
@@ -119,4 +142,5 @@ def worker_cost(
         decode_blocks=load.potential_decode_blocks,
         request_cost=request_cost,
         total=total,
+        work_factor=work_factor,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -27,7 +28,7 @@ from .config import RouterConfig
 from .cost import Load, Overlap, worker_cost
 from .router import SWEEP_INTERVAL_SECS, OverlapSource, Selection, WorkerExplanation
 from .selection import choose, probabilities
-from .slots import DEFAULT_EXPIRY_SECS, FRESH_ID_BASE, SlotManager
+from .slots import DEFAULT_EXPIRY_SECS, DEFAULT_WORK_WINDOW_SECS, FRESH_ID_BASE, SlotManager
 
 __all__ = ["ReferenceRouter", "ReferenceSlotManager"]
 
@@ -84,12 +85,16 @@ class ReferenceSlotManager:
         track_prefill_tokens: bool = True,
         assume_kv_reuse: bool = True,
         expiry_secs: float = DEFAULT_EXPIRY_SECS,
+        work_window_secs: float = DEFAULT_WORK_WINDOW_SECS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size!r}")
         if not expiry_secs > 0:  # `not >` also rejects NaN
             raise ValueError(f"expiry_secs must be > 0 seconds, got {expiry_secs!r}")
+        if not work_window_secs > 0:
+            raise ValueError(f"work_window_secs must be > 0 seconds, got {work_window_secs!r}")
+        self._work_window_secs = work_window_secs
         self._block_size = block_size
         self._track_active_blocks = track_active_blocks
         self._track_prefill_tokens = track_prefill_tokens
@@ -102,6 +107,9 @@ class ReferenceSlotManager:
         """Active requests, oldest first (insertion order, with a clock that never goes backwards)."""
         self._loads: dict[WorkerKey, _WorkerLoad] = {}
         """Only workers with at least one active request."""
+        self._work: dict[WorkerKey, tuple[float, float]] = {}
+        """(decayed booked prefill tokens, when last updated) per worker ever booked prefill; kept when
+        the worker's last request leaves, since the work it did still counts."""
 
     def add_request(
         self,
@@ -138,6 +146,20 @@ class ReferenceSlotManager:
         load.blocks.update(hashes)
         load.prefill_tokens += prefill_tokens
         load.requests += 1
+        if prefill_tokens:
+            now = self._clock()
+            self._work[worker] = (self._decayed(worker, now) + prefill_tokens, now)
+
+    def recent_prefill_tokens(self, worker: WorkerKey) -> float:
+        """Prefill tokens booked on the worker, each decayed by ``exp(-age / work_window_secs)``."""
+        return self._decayed(worker, self._clock())
+
+    def _decayed(self, worker: WorkerKey, now: float) -> float:
+        entry = self._work.get(worker)
+        if entry is None:
+            return 0.0
+        tokens, at = entry
+        return tokens * math.exp(-max(0.0, now - at) / self._work_window_secs)
 
     def mark_prefill_completed(self, request_id: str) -> None:
         """The request's first token is out: its prompt tokens stop counting as queued prefill.
@@ -339,6 +361,7 @@ class ReferenceRouter:
         if not eligible:
             raise NoWorkerAvailable(f"all {len(candidates)} candidate workers are over a busy threshold")
         least_prefill = min(loads[w].active_prefill_tokens for w in eligible)
+        mean_recent = sum(loads[w].recent_prefill_tokens for w in eligible) / len(eligible)
         costs = {
             w: worker_cost(
                 self.config,
@@ -347,6 +370,7 @@ class ReferenceRouter:
                 overlap=overlaps[w],
                 load=loads[w],
                 min_active_prefill_tokens=least_prefill,
+                mean_recent_prefill_tokens=mean_recent,
             )
             for w in candidates
         }
@@ -372,6 +396,7 @@ class ReferenceRouter:
             active_prefill_tokens=self.slots.active_prefill_tokens(worker),
             potential_decode_blocks=self.slots.potential_decode_blocks(worker, seq_hashes),
             active_requests=self.slots.active_requests(worker),
+            recent_prefill_tokens=self.slots.recent_prefill_tokens(worker) if self.config.prefill_work_weight else 0.0,
         )
 
     def _busy(self, worker: WorkerKey, capacities: Mapping[WorkerKey, int] | None) -> bool:

@@ -192,6 +192,8 @@ class Router:
         params[kernels.P_ISL] = isl
         params[kernels.P_NBLOCKS] = len(seq_hashes)
         params[kernels.P_TRACK_BLOCKS] = slots.track_active_blocks  # the slot manager's, as the oracle asks it
+        work_tokens, work_at, params[kernels.P_NOW] = slots.work()
+        params[kernels.P_WORK_WINDOW] = slots.work_window_secs
         k = len(keys)
         out = np.empty((k, kernels.COLUMNS), dtype=np.float64)
         ties = np.empty(k, dtype=np.int64)
@@ -203,6 +205,8 @@ class Router:
             blocks,
             self._no_leading if leading is None else leading,
             capacity,
+            work_tokens,
+            work_at,
             params,
             out,
             ties,
@@ -305,6 +309,7 @@ def _params(config: RouterConfig, block_size: int) -> npt.NDArray[np.float64]:
     params[kernels.P_DECODE_LIMIT] = math.nan if decode_limit is None else decode_limit
     params[kernels.P_PREFILL_LIMIT] = math.nan if prefill_limit is None else prefill_limit
     params[kernels.P_TEMPERATURE] = config.router_temperature
+    params[kernels.P_WORK_WEIGHT] = config.prefill_work_weight
     return params
 
 
@@ -314,5 +319,5 @@ def _overlap(overlaps: npt.NDArray[np.int64], slot: int) -> Overlap:
 
 
 def _cost(row: npt.NDArray[np.float64]) -> Cost:
-    raw, credit, adjusted, prefill_cost, decode, request_cost, total, _ = row.tolist()
-    return Cost(raw, credit, adjusted, prefill_cost, int(decode), request_cost, total)
+    raw, credit, adjusted, prefill_cost, decode, request_cost, total, _, work_factor = row.tolist()
+    return Cost(raw, credit, adjusted, prefill_cost, int(decode), request_cost, total, work_factor)

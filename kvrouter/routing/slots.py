@@ -34,6 +34,7 @@ sequence stride, and the ``aic`` prefill decay model. Not thread-safe; one owner
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -58,6 +59,10 @@ FRESH_ID_BASE: Final = 1 << 64
 """First stand-in hash under ``assume_kv_reuse=False`` in ``ReferenceSlotManager``: above every u64
 sequence hash, so a stand-in can never equal a real hash. (``SlotManager`` only counts such blocks: each
 is distinct by construction.)"""
+DEFAULT_WORK_WINDOW_SECS: Final = 60.0
+"""Time constant of :meth:`SlotManager.recent_prefill_tokens`: booked prefill counts ``exp(-age / 60 s)``.
+Long against one request's life (seconds), so it remembers work already done, not only work in flight;
+short against how fast a fleet's traffic mix moves. 30-300 s gave the same balance (docs/routing-benchmark.md)."""
 DENSE_BITS: Final = 512
 """Bitsets wider than this are turned into slot numbers with numpy (one pass over their bytes) instead
 of one bit at a time."""
@@ -93,12 +98,13 @@ class SlotManager:
             when off, each request's blocks are its own, so nothing is shared and no new request
             overlaps an active one.
         expiry_secs: age at which :meth:`sweep` drops a request that was never freed.
+        work_window_secs: time constant of :meth:`recent_prefill_tokens`'s exponential decay.
         clock: seconds, never going backwards; ``time.monotonic`` unless a test injects one.
         numbering: the dense worker slots to index the arrays by; a fresh one by default. The router
             hands the same numbering to the index, so both answer in the same columns.
 
     Raises:
-        ValueError: ``block_size`` < 1 or ``expiry_secs`` not > 0.
+        ValueError: ``block_size`` < 1, or ``expiry_secs`` or ``work_window_secs`` not > 0.
     """
 
     def __init__(
@@ -109,6 +115,7 @@ class SlotManager:
         track_prefill_tokens: bool = True,
         assume_kv_reuse: bool = True,
         expiry_secs: float = DEFAULT_EXPIRY_SECS,
+        work_window_secs: float = DEFAULT_WORK_WINDOW_SECS,
         clock: Callable[[], float] = time.monotonic,
         numbering: WorkerSlots | None = None,
     ) -> None:
@@ -116,6 +123,9 @@ class SlotManager:
             raise ValueError(f"block_size must be >= 1, got {block_size!r}")
         if not expiry_secs > 0:  # `not >` also rejects NaN
             raise ValueError(f"expiry_secs must be > 0 seconds, got {expiry_secs!r}")
+        if not work_window_secs > 0:
+            raise ValueError(f"work_window_secs must be > 0 seconds, got {work_window_secs!r}")
+        self.work_window_secs = work_window_secs
         self._block_size = block_size
         self._track_active_blocks = track_active_blocks
         self._track_prefill_tokens = track_prefill_tokens
@@ -137,6 +147,11 @@ class SlotManager:
         """Per slot, requests routed to it and neither freed nor swept."""
         self.blocks = np.zeros(0, dtype=np.int64)
         """Per slot, distinct blocks over its active requests (a shared prefix counts once)."""
+        self.work_tokens = np.zeros(0, dtype=np.float64)
+        """Per slot, uncached prefill tokens booked on it, decayed to ``work_at`` (kept after its requests
+        leave: the work it did still counts)."""
+        self.work_at = np.zeros(0, dtype=np.float64)
+        """Per slot, when ``work_tokens`` was last updated."""
         self._ensure(len(self.numbering))
 
     @property
@@ -150,9 +165,9 @@ class SlotManager:
         if slots <= size:
             return
         size = max(slots, 2 * size, 16)
-        for name in ("prefill_tokens", "requests", "blocks"):
+        for name in ("prefill_tokens", "requests", "blocks", "work_tokens", "work_at"):
             old = getattr(self, name)
-            new = np.zeros(size, dtype=np.int64)
+            new = np.zeros(size, dtype=old.dtype)
             new[: len(old)] = old
             setattr(self, name, new)
 
@@ -210,6 +225,29 @@ class SlotManager:
         self.blocks[slot] += added
         self.prefill_tokens[slot] += prefill_tokens
         self.requests[slot] += 1
+        if prefill_tokens:
+            now = self._clock()
+            self.work_tokens[slot] = self._decayed(slot, now) + prefill_tokens
+            self.work_at[slot] = now
+
+    def _decayed(self, slot: int, now: float) -> float:
+        """The slot's booked prefill decayed to ``now`` (``math.exp``, as the decision kernel computes it)."""
+        tokens = float(self.work_tokens[slot])
+        return tokens * math.exp(-max(0.0, now - float(self.work_at[slot])) / self.work_window_secs)
+
+    def recent_prefill_tokens(self, worker: WorkerKey) -> float:
+        """Prefill tokens booked on the worker (each request's tokens beyond its overlap, as counted at
+        :meth:`add_request`), each decayed by ``exp(-age / work_window_secs)``; freeing a request does not
+        take its work back. 0 when prefill tokens are not tracked."""
+        slot = self.numbering.get(worker)
+        if slot is None or slot >= len(self.work_tokens):
+            return 0.0
+        return self._decayed(slot, self._clock())
+
+    def work(self) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], float]:
+        """``(work_tokens, work_at, now)`` covering every slot: what the decision kernel decays itself."""
+        self._ensure(len(self.numbering))
+        return self.work_tokens, self.work_at, self._clock()
 
     def mark_prefill_completed(self, request_id: str) -> None:
         """The request's first token is out: its prompt tokens stop counting as queued prefill.

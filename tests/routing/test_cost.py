@@ -151,3 +151,34 @@ def test_lmetric_selection_multiplies_uncached_prefill_by_the_batch():
     )
     assert (cost.adjusted_prefill_blocks, cost.decode_blocks) == (6, 9)
     assert cost.total == 6 * (9 + 1)
+
+
+def _work(config: RouterConfig, recent: float, mean: float, **load: int) -> tuple[float, float]:
+    cost = worker_cost(
+        config,
+        isl_tokens=10 * B,
+        block_size=B,
+        overlap=Overlap(device=4),
+        load=Load(recent_prefill_tokens=recent, **load),
+        min_active_prefill_tokens=0,
+        mean_recent_prefill_tokens=mean,
+    )
+    return cost.total, cost.work_factor
+
+
+def test_prefill_work_weight_off_leaves_the_reference_cost():
+    assert _work(RouterConfig(), 300.0, 100.0, potential_decode_blocks=10) == (16.0, 1.0)  # 10 - 4 + 10
+
+
+@pytest.mark.parametrize("policy", ["default", "lmetric"])
+def test_prefill_work_scales_the_total_by_the_share_of_recent_work(policy: str):
+    plain = RouterConfig(router_selection_policy=policy)  # type: ignore[arg-type]
+    base, _ = _work(plain, 0.0, 0.0, potential_decode_blocks=10)
+    config = RouterConfig(router_selection_policy=policy, prefill_work_weight=1.0)  # type: ignore[arg-type]
+    assert _work(config, 150.0, 100.0, potential_decode_blocks=10) == (1.5 * base, 1.5)
+    assert _work(config, 50.0, 100.0, potential_decode_blocks=10) == (0.5 * base, 0.5)
+    assert _work(config, 500.0, 0.0, potential_decode_blocks=10) == (base, 1.0)  # no recent work anywhere
+    half = RouterConfig(router_selection_policy=policy, prefill_work_weight=0.5)  # type: ignore[arg-type]
+    assert _work(half, 300.0, 100.0, potential_decode_blocks=10)[1] == 2.0  # 1 + 0.5 * 2
+    heavy = RouterConfig(router_selection_policy=policy, prefill_work_weight=3.0)  # type: ignore[arg-type]
+    assert _work(heavy, 0.0, 100.0, potential_decode_blocks=10) == (0.0, 0.0)  # floored at 0, never negative

@@ -1,7 +1,8 @@
 """The fast ``Router`` against the oracle, ``ReferenceRouter``: same worker, same draws, same explanation.
 
 Hypothesis builds a configuration (every switch the cost and the selector read: temperature 0 and above
-with one seed, busy thresholds, approximate mode, tier credits, the lmetric policy, the tracking and
+with one seed, busy thresholds, approximate mode, tier credits, the lmetric policy, the recent prefill
+work factor, the tracking and
 reuse switches, optionally a shared slot manager whose switches differ from the config's, as the
 simulator's does) and a stream of steps: blocks stored on random workers and tiers, decisions over
 random candidate sets (duplicates, tuples, lists) from tokens or local hashes in every accepted form,
@@ -56,6 +57,7 @@ def configs(draw: st.DrawFn) -> RouterConfig:
         overlap_score_credit_decay=draw(st.sampled_from([0.0, 0.5, 3.0])),
         prefill_load_scale=draw(st.sampled_from([1.0, 0.5, 2.5])),
         decode_active_request_weight=draw(st.sampled_from([0.0, 1.0, 0.3])),
+        prefill_work_weight=draw(st.sampled_from([0.0, 1.0, 0.5, 3.0])),
         host_cache_hit_weight=draw(st.sampled_from([0.75, 0.0, 1.2])),
         disk_cache_hit_weight=draw(st.sampled_from([0.25, 0.6])),
         shared_cache_multiplier=draw(st.sampled_from([None, 0.4])),

@@ -126,3 +126,22 @@ def test_stale_requests_are_swept_while_routing():
     clock.now = 360.0
     router.select(RadixIndex(), [W1], local_hashes=[3])
     assert router.slots.active_requests(W1) == 0
+
+
+def test_prefill_work_weight_sends_new_work_to_the_worker_that_did_less_lately():
+    clock = FakeClock()
+    index = RadixIndex()
+    for config, expected in ((RouterConfig(prefill_work_weight=1.0), W2), (RouterConfig(), None)):
+        router = Router(config, block_size=B, seed=0, clock=clock)
+        router.slots.add_request("old", W1, [1, 2], 2 * B, overlap_blocks=0)  # W1 prefilled 2 blocks lately
+        router.slots.mark_prefill_completed("old")
+        router.slots.free("old")  # nothing in flight: only the work term tells the workers apart
+        chosen = {router.select(index, [W1, W2], local_hashes=[7, 8], explain=True).worker for _ in range(20)}
+        if expected is None:
+            assert chosen == {W1, W2}  # the reference cost ties them
+        else:
+            assert chosen == {expected}
+            selection = router.select(index, [W1, W2], local_hashes=[7, 8], explain=True)
+            assert selection.explanation is not None
+            factors = {row.worker: row.cost.work_factor for row in selection.explanation}
+            assert factors == {W1: 2.0, W2: 0.0}  # mean 1 block: W1 holds twice it, W2 none

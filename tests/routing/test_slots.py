@@ -200,11 +200,35 @@ def test_a_hash_repeated_within_a_request_is_freed_whole(slots: SlotManager):
         ({"block_size": BLOCK, "expiry_secs": 0.0}, "expiry_secs"),
         ({"block_size": BLOCK, "expiry_secs": -1.0}, "expiry_secs"),
         ({"block_size": BLOCK, "expiry_secs": math.nan}, "expiry_secs"),
+        ({"block_size": BLOCK, "work_window_secs": 0.0}, "work_window_secs"),
+        ({"block_size": BLOCK, "work_window_secs": math.nan}, "work_window_secs"),
     ],
 )
 def test_constructor_rejects_bad_arguments(kwargs: dict[str, float], argument: str):
     with pytest.raises(ValueError, match=argument):
         SlotManager(**kwargs)  # type: ignore[arg-type]
+
+
+def test_recent_prefill_counts_uncached_tokens_decayed_and_outlives_the_request(clock: FakeClock):
+    slots = SlotManager(block_size=BLOCK, work_window_secs=10.0, clock=clock)
+    slots.add_request("a", W1, R1, 4 * BLOCK + 2, overlap_blocks=1)  # 3 blocks + 2 tokens uncached
+    assert slots.recent_prefill_tokens(W1) == 3 * BLOCK + 2
+    assert slots.recent_prefill_tokens(W2) == 0.0
+    slots.mark_prefill_completed("a")
+    slots.free("a")  # work done stays done
+    clock.now = 10.0
+    assert slots.recent_prefill_tokens(W1) == pytest.approx((3 * BLOCK + 2) / math.e)
+    slots.add_request("b", W1, R2, 5 * BLOCK, overlap_blocks=5)  # nothing uncached: nothing added
+    assert slots.recent_prefill_tokens(W1) == pytest.approx((3 * BLOCK + 2) / math.e)
+    slots.add_request("c", W1, [31], BLOCK, overlap_blocks=0)
+    clock.now = 20.0
+    assert slots.recent_prefill_tokens(W1) == pytest.approx(((3 * BLOCK + 2) / math.e + BLOCK) / math.e)
+
+
+def test_without_prefill_tracking_no_recent_prefill(clock: FakeClock):
+    slots = SlotManager(block_size=BLOCK, track_prefill_tokens=False, clock=clock)
+    slots.add_request("a", W1, R1, 4 * BLOCK, overlap_blocks=0)
+    assert slots.recent_prefill_tokens(W1) == 0.0
 
 
 # -- model check ------------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ from .layout import (
     HEADER_WORDS,
     MAX_LOAD,
     S_EPOCH,
+    S_NWORDS,
     S_ROWS_GEN,
     SHARD_BLOCK_WORDS,
     SLOT_MASKS,
@@ -140,9 +141,9 @@ STUCK_SPINS: Final = 1 << 12
 reader to check the shard's writer: tens of microseconds, far beyond a live writer's window, and short
 enough that a dead writer costs a query almost nothing."""
 ROWS_RETRIES: Final = 64
-"""Copies ``read_rows`` makes, and walks one query makes (``ROWS_CHANGED``, then the rows read again), while
-the rows generation keeps moving under them (workers joining and leaving faster than one walk, which a
-real fleet never does) before the shard counts as ``ROWS_MOVING``."""
+"""Copies ``read_rows`` makes while the rows generation keeps moving under it (workers joining and leaving
+faster than one copy, which a real fleet never does) before it returns ``ROWS_MOVING``. A query whose walks
+keep meeting ``ROWS_CHANGED`` reads the rows and walks again, up to ``reader.PATIENT_QUERIES`` times."""
 SLOT_STUCK: Final = -1
 """A shard's query status when a slot stayed at one odd version for ``STUCK_SPINS`` reads."""
 ROWS_MOVING: Final = -2
@@ -943,11 +944,15 @@ def overlap_shards(
 
 
 @_kernel
-def read_rows(control: Table, shard: int, out: npt.NDArray[np.uint64]) -> int:
-    """Copy every worker row of ``shard`` as ``[in use, worker id, dp rank]`` into ``out`` (``[rows, 3]``),
-    all from one rows generation (read before the first row and after the last, read again when it
-    moved); returns that generation, or ``ROWS_MOVING`` when it stayed odd for ``STUCK_SPINS`` reads or
-    moved ``ROWS_RETRIES`` times."""
+def read_rows(control: Table, shard: int, out: npt.NDArray[np.uint64]) -> tuple[int, int]:
+    """Copy the worker rows of ``shard`` that can own a mask bit as ``[in use, worker id, dp rank]`` into
+    ``out`` (``[rows, 3]``), all from one rows generation (read before the first row and after the last,
+    read again when it moved). Returns ``(generation, rows copied)``, or ``(ROWS_MOVING, 0)`` when the
+    generation stayed odd for ``STUCK_SPINS`` reads or moved ``ROWS_RETRIES`` times.
+
+    Only the current table's bits are copied (``S_NWORDS * 64`` rows, read after the generation): the
+    writer widens the table before it registers a row past its bits, so no row beyond is in use at this
+    generation, and a small fleet's copy is a few cache lines, not all ``rows``."""
     block = HEADER_WORDS + shard * SHARD_BLOCK_WORDS
     rows = _i64(control[C_ROWS])
     first = HEADER_WORDS + _i64(control[C_SHARDS]) * SHARD_BLOCK_WORDS + shard * rows * WORKER_ROW_WORDS
@@ -957,10 +962,11 @@ def read_rows(control: Table, shard: int, out: npt.NDArray[np.uint64]) -> int:
         if generation & _ONE:
             odd += 1
             if odd > STUCK_SPINS:
-                return ROWS_MOVING
+                return ROWS_MOVING, 0
             continue
+        count = min(rows, _i64(_load(control, block + S_NWORDS)) * 64)
         _fence()
-        for row in range(rows):
+        for row in range(count):
             base = first + row * WORKER_ROW_WORDS
             used = _load(control, base + W_IN_USE)
             out[row, 0] = used
@@ -968,10 +974,10 @@ def read_rows(control: Table, shard: int, out: npt.NDArray[np.uint64]) -> int:
             out[row, 2] = _load(control, base + W_DP_RANK) if used != _ZERO else _ZERO
         _fence()
         if _load(control, block + S_ROWS_GEN) == generation:
-            return _i64(generation)
+            return _i64(generation), count
         moved += 1
         if moved > ROWS_RETRIES:
-            return ROWS_MOVING
+            return ROWS_MOVING, 0
 
 
 @_kernel

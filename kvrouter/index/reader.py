@@ -201,7 +201,6 @@ class IndexReader:
         """Mend every shard whose last answer was a failure and ``ask`` again, only those, until each
         answered or was given up; shards that answered keep what they wrote."""
         state = self._state
-        changes = [0] * self.control.shards
         try:
             for _ in range(PATIENT_QUERIES):
                 pending = False
@@ -212,7 +211,7 @@ class IndexReader:
                     if code == kernels.OK:
                         self._torn.discard(shard)
                         state[shard, kernels.ASK] = 0
-                    elif self._mend(shard, code, changes):
+                    elif self._mend(shard, code):
                         pending = True
                     else:
                         state[shard, kernels.ASK] = 0
@@ -225,15 +224,13 @@ class IndexReader:
         finally:
             state[:, kernels.ASK] = 1
 
-    def _mend(self, shard: int, code: int, changes: list[int]) -> bool:
+    def _mend(self, shard: int, code: int) -> bool:
         """Act on one shard's failure; False when the shard is given up for this query."""
         if code == kernels.STALE_TABLE:
             self._remap(shard)  # the writer published a new table since the tables were taken
             return True
-        if code == kernels.ROWS_CHANGED:
-            changes[shard] += 1
-            if changes[shard] <= kernels.ROWS_RETRIES and self._read_rows(shard):
-                return True
+        if code == kernels.ROWS_CHANGED and self._read_rows(shard):
+            return True  # workers joined or left: named through the new rows, asked again (up to PATIENT_QUERIES)
         self.writer_checks += 1  # a slot or the rows left mid-write
         if not self._writer_alive(shard):
             self._give_up(shard, "writer-dead")
@@ -282,19 +279,22 @@ class IndexReader:
         log.warning("shard segment kept moving shard=%d attempts=%d", shard, REMAP_ATTEMPTS)
 
     def _read_rows(self, shard: int) -> bool:
-        """Copy the shard's rows at one generation into the bit maps; False when the generation kept moving."""
-        generation = kernels.read_rows(self._words, shard, self._copy)
+        """Copy the shard's rows at one generation into the bit maps; False when the generation kept moving.
+        Only the rows in use before and now are touched: with workers joining fast, this sits between a
+        shard's walks."""
+        generation, count = kernels.read_rows(self._words, shard, self._copy)
         if generation < 0:
             return False
-        copy, rows = self._copy, self._rows
+        copy, first = self._copy[:count], shard * self._rows
         bits = np.flatnonzero(copy[:, _ROW_USED])
         workers = list(zip(copy[bits, _ROW_ID].tolist(), copy[bits, _ROW_RANK].tolist(), strict=True))
-        first = shard * rows
-        self._keys[first : first + rows] = [None] * rows
-        self._bit_keys[first : first + rows] = -1
+        keys, bit_keys = self._keys, self._bit_keys
+        for bit in self._used[shard][0]:
+            keys[first + bit] = None
+            bit_keys[first + bit] = -1
         for bit, worker in zip(bits.tolist(), workers, strict=True):
-            self._keys[first + bit] = worker
-        self._bit_keys[first + bits] = first + bits
+            keys[first + bit] = worker
+            bit_keys[first + bit] = first + bit
         self._used[shard] = (bits.tolist(), workers)
         if self._slots is not None:
             self._map_slots(shard)

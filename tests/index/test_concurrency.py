@@ -219,6 +219,7 @@ def _reuse_rows(control_name_: str, owner: int, rounds: int) -> None:
     """Writer process: round r gives the lowest free row to worker 2r + 2, which stores chain A, forgets it
     (bits cleared, row freed) and gives the same row to worker 2r + 3, which never stores a thing."""
     control = Control.attach(control_name_, writable=True)
+    control.set_pid(0, os.getpid())  # as an applier does: a reader that meets the rows mid-change waits for it
     writer = ShardWriter(control, 0, owner, capacity=MIN_CAPACITY)
     chain = tuple(StoredBlock(EngineHash(100 + i), LocalHash(i + 1)) for i in range(64))
     writer.apply(Stored(1, None, chain[:1]))  # keeps the table live between rounds

@@ -26,11 +26,15 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final
 
+import numpy as np
+import numpy.typing as npt
+
 from .errors import BadEvent, ConfigError, EngineError, FlushTimeout
 from .events.codecs.dynamo import event_from_dict
 from .events.codecs.kvrouter import Encoder
 from .events.model import EventBatch, KvEvent, StorageTier, WorkerKey
 from .index.applier import EVENTS, clear_frames, flush_frames
+from .index.dense import WorkerSlots
 from .index.layout import (
     NO_ID,
     STATUS_RECOVERING,
@@ -397,18 +401,35 @@ class Engine:
         """Per worker, the leading query blocks it holds on device (``RadixIndex.find_matches``).
 
         Reads what the appliers have applied so far; :meth:`flush` first to see every event sent.
+
+        Raises:
+            EngineError: the engine is not running.
         """
-        self._running()
         with self._query_lock:
-            assert self._reader is not None
-            return self._reader.find_matches(local_hashes, early_exit)
+            return self._query_reader().find_matches(local_hashes, early_exit)
 
     def find_matches_by_tier(self, local_hashes: Sequence[int]) -> dict[StorageTier, dict[WorkerKey, int]]:
         """Per tier, per worker, the leading query blocks held in that tier or a faster one."""
-        self._running()
         with self._query_lock:
-            assert self._reader is not None
-            return self._reader.find_matches_by_tier(local_hashes)
+            return self._query_reader().find_matches_by_tier(local_hashes)
+
+    def overlaps(self, local: npt.NDArray[np.uint64], slots: WorkerSlots, ntiers: int) -> npt.NDArray[np.int64]:
+        """``(ntiers, len(slots))``: per tier, per slot, the leading blocks of ``local`` held in that tier or a
+        faster one, 0 for slots no shard holds (:meth:`IndexReader.overlaps`): the router's array path.
+
+        Raises:
+            ConfigError: ``ntiers`` outside 1..4.
+            EngineError: the engine is not running.
+        """
+        with self._query_lock:
+            return self._query_reader().overlaps(local, slots, ntiers)
+
+    def _query_reader(self) -> IndexReader:
+        """The engine's reader, under ``_query_lock``: set from a successful start until close."""
+        reader = self._reader
+        if reader is None:
+            raise EngineError("the engine is not running: use it inside `with Engine(...)`, or call start()")
+        return reader
 
     def reader_handle(self) -> ReaderHandle:
         """A picklable handle for :func:`attach` in another process."""

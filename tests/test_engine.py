@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -41,6 +42,7 @@ from kvrouter.events.model import (
     WorkerKey,
 )
 from kvrouter.index import RadixIndex
+from kvrouter.index.dense import WorkerSlots, overlaps_from_tiers
 from tests.index.contract import error_kind, replay
 
 SHARD_COUNTS = (1, 2, 4)
@@ -193,12 +195,16 @@ class RandomStream:
         held = [path for lookup in self.reference.holdings().values() for path in lookup.values()]
         paths = {path[:n] for path in held for n in range(1, len(path) + 1)}
         extra = self.data.draw(st.lists(CONTENT, max_size=5), label="extra query")
+        numbered = self.data.draw(st.lists(st.tuples(WORKERS, RANKS), max_size=12), label="slots")
+        slots = WorkerSlots((self.offset + worker, rank) for worker, rank in numbered)
+        ntiers = self.data.draw(st.integers(1, len(StorageTier)), label="ntiers")
         for query in sorted(paths | {tuple(extra)}):
             assert self.ours(self.engine.find_matches(query)) == self.reference.find_matches(query), query
             by_tier = self.engine.find_matches_by_tier(query)
-            assert {tier: self.ours(scores) for tier, scores in by_tier.items()} == (
-                self.reference.find_matches_by_tier(query)
-            ), query
+            expected = self.reference.find_matches_by_tier(query)
+            assert {tier: self.ours(scores) for tier, scores in by_tier.items()} == expected, query
+            dense = self.engine.overlaps(np.array(query, dtype=np.uint64), slots, ntiers)
+            assert np.array_equal(dense, overlaps_from_tiers(expected, slots, ntiers)), (query, ntiers)
         assert error_totals(self.engine) - self.errors_before == self.expected_errors
 
     def forget_all(self) -> None:
@@ -224,7 +230,7 @@ class TestAgainstReference:
     def test_random_streams(self, shared: SharedEngine, data: st.DataObject):
         """Random streams (dp ranks, tiers, moves, unknown parents and blocks, clears, worker removals,
         multi-event batches) leave the engine answering every query, per tier, as the reference does,
-        with the same errors counted."""
+        with the same errors counted; ``overlaps`` over a random numbering answers the same as arrays."""
         stream = RandomStream(shared.engine, shared.fresh_offset(), data)
         try:
             for _ in range(data.draw(st.integers(1, 40), label="ops")):

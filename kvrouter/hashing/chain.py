@@ -25,6 +25,12 @@ _SEED: Final = np.uint64(XXH3_SEED)
 
 LocalHashes = Sequence[int] | npt.NDArray[np.integer[Any]]
 
+_WORD: Final = "L" if array("L").itemsize == 8 else "Q"
+"""The ``array`` type code a list of hashes is converted through: ``L`` (C ``unsigned long``, 64 bits on
+Linux) where it is 8 bytes, since CPython 3.11 converts each int for it with ``PyLong_AsUnsignedLong``,
+about twice as fast for 64-bit values as ``Q``'s ``PyLong_AsUnsignedLongLong`` (byte-array path): 0.8
+against 1.6 µs for 64 hashes. Both refuse negative and oversized ints alike."""
+
 
 def local_hash_array(local_hashes: LocalHashes) -> npt.NDArray[np.uint64]:
     """Local hashes as a contiguous ``uint64`` array, as the compiled walks take them (no copy for one).
@@ -40,9 +46,9 @@ def local_hash_array(local_hashes: LocalHashes) -> npt.NDArray[np.uint64]:
         local = np.ascontiguousarray(local_hashes, dtype=np.uint64)
     else:
         try:
-            words = array("Q")
+            words = array(_WORD)
             words.fromlist(local_hashes if isinstance(local_hashes, list) else list(local_hashes))
-            local = np.asarray(words)
+            local = np.frombuffer(words, dtype=np.uint64)
         except (OverflowError, TypeError) as exc:
             raise InvalidHashInput(f"local_hashes: hashes must be integers in [0, 2**64), {exc}") from exc
     return local

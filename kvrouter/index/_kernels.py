@@ -18,9 +18,10 @@ Everything here runs once per block, so it is numba, over arrays laid out by ``l
   alive (``index/reader.py``): a dead writer's shard is reported recovering at once, a live one that was
   preempted mid-write is waited for, up to ``MAX_STUCK_READS`` reads in all;
 - which worker a mask bit names (the shard's worker rows, in the control segment) changes only inside
-  the shard's rows generation window (``begin_rows_change`` / ``end_rows_change``: odd, rows, even), and
-  ``query`` reads the generation before its walk and after its last row, and walks again when it moved:
-  a walk's bits are never attributed to a row's next owner.
+  the shard's rows generation window (``begin_rows_change`` / ``end_rows_change``: odd, rows, even). A
+  reader copies the rows once per generation (``read_rows``: generation, rows, same generation) into its
+  bit map, and ``query_shards`` / ``overlap_shards`` accept a walk only when the generation read before
+  and after it is the map's: a walk's bits are never attributed to a row's next owner.
 
 The fences compile to no instruction on x86-64 (TSO keeps loads with loads and stores with stores in
 order); they stop LLVM from moving the data accesses across the version accesses, and emit the needed
@@ -39,12 +40,15 @@ from typing import Any, Final, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
+from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..hashing._xxh3 import chain_step
 from .layout import (
+    C_ROWS,
+    C_SHARDS,
     H_CAPACITY,
     H_EPOCH,
     H_LIVE,
@@ -54,7 +58,9 @@ from .layout import (
     HEADER_WORDS,
     MAX_LOAD,
     S_EPOCH,
+    S_NWORDS,
     S_ROWS_GEN,
+    SHARD_BLOCK_WORDS,
     SLOT_MASKS,
     SLOT_VERSION,
     TIERS,
@@ -66,13 +72,16 @@ from .layout import (
 )
 
 __all__ = [
+    "ASK",
     "BLOCK_NOT_FOUND",
+    "GENERATION",
     "INVALID_SEQUENCE",
     "MAX_READ_RETRIES",
     "MAX_STUCK_READS",
     "NEED_ROOM",
     "OK",
     "PARENT_NOT_FOUND",
+    "ROWS_CHANGED",
     "ROWS_MOVING",
     "ROWS_RETRIES",
     "RUN_REMOVED",
@@ -80,6 +89,7 @@ __all__ = [
     "RUN_STORED_WITH_PARENT",
     "SLOT_STUCK",
     "STALE_TABLE",
+    "STATUS",
     "STUCK_SPINS",
     "apply_run",
     "begin_rows_change",
@@ -88,7 +98,9 @@ __all__ = [
     "end_rows_change",
     "init_map",
     "lookup",
-    "query",
+    "overlap_shards",
+    "query_shards",
+    "read_rows",
     "rehash_map",
     "remove",
     "store",
@@ -129,14 +141,23 @@ STUCK_SPINS: Final = 1 << 12
 reader to check the shard's writer: tens of microseconds, far beyond a live writer's window, and short
 enough that a dead writer costs a query almost nothing."""
 ROWS_RETRIES: Final = 64
-"""Walks ``query`` makes while the rows generation keeps moving under it (workers joining and leaving
-faster than one walk, which a real fleet never does) before it returns ``ROWS_MOVING``."""
+"""Copies ``read_rows`` makes while the rows generation keeps moving under it (workers joining and leaving
+faster than one copy, which a real fleet never does) before it returns ``ROWS_MOVING``. A query whose walks
+keep meeting ``ROWS_CHANGED`` reads the rows and walks again, up to ``reader.PATIENT_QUERIES`` times."""
 SLOT_STUCK: Final = -1
-"""``query``'s first row tier when a slot stayed at one odd version for ``STUCK_SPINS`` reads."""
+"""A shard's query status when a slot stayed at one odd version for ``STUCK_SPINS`` reads."""
 ROWS_MOVING: Final = -2
-"""... when the rows generation stayed odd for ``STUCK_SPINS`` reads, or moved ``ROWS_RETRIES`` times."""
+"""... when the rows generation stayed odd for ``STUCK_SPINS`` reads (``read_rows``: or moved
+``ROWS_RETRIES`` times)."""
 STALE_TABLE: Final = -3
 """... when the table is not the shard's current one: the reader remaps and asks again."""
+ROWS_CHANGED: Final = -4
+"""... when the rows generation is not the one the reader's bit map was read at, or moved during the walk
+(a worker joined or left): the reader reads the rows again (``read_rows``) and asks again."""
+GENERATION, ASK, STATUS = 0, 1, 2
+"""Columns of the reader's per-shard ``state`` given to ``query_shards`` / ``overlap_shards``: the rows
+generation its bit map was read at, whether to walk the shard, and the shard's answer (``OK`` or a
+failure code)."""
 MAX_READ_RETRIES: Final = 1 << 28
 """Retries of one slot whose version keeps moving (a live writer rewriting it flat out) before the reader
 gives up anyway: seconds of starvation, a bound rather than an expectation."""
@@ -189,6 +210,25 @@ _load = cast(Callable[[Table, int], np.uint64], intrinsic(_load_typer))
 (numba marks a read-only array's plain loads invariant, which let LLVM spin on one stale version)."""
 _store = cast(Callable[[Table, int, np.uint64], None], intrinsic(_store_typer))
 """A release store of one shared word: the writer's side of the same protocol."""
+
+
+def _prefetch_typer(typingctx: Any, array: Any, index: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        array_type = signature.args[0]
+        view = context.make_array(array_type)(context, builder, args[0])
+        pointer = cgutils.get_item_pointer(context, builder, array_type, view, [args[1]])  # type: ignore[no-untyped-call]
+        i32 = ir.IntType(32)
+        prefetch = ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32])
+        intrinsic_ = cgutils.get_or_insert_function(builder.module, prefetch, "llvm.prefetch.p0")  # type: ignore[no-untyped-call]
+        builder.call(intrinsic_, [pointer, i32(0), i32(3), i32(1)])  # read, keep in every cache level, data
+        return context.get_dummy_value()
+
+    return types.none(array, index), codegen
+
+
+_prefetch_line = cast(Callable[[Table, int], None], intrinsic(_prefetch_typer))
+"""A hint to bring one word's cache line in: unlike a load it never holds up the instructions after it
+(a load that misses does, once the reorder buffer fills, which a few chained hashes do)."""
 _i64 = cast(Callable[[object], int], np.int64)
 """``np.int64``, typed for mypy as returning ``int`` (numba sees the numpy type itself)."""
 
@@ -703,8 +743,8 @@ def lookup(table: Table, key: np.uint64, ntiers: int, masks: Table) -> int:
 
 
 PREFETCH_AHEAD: Final = 16
-"""Blocks whose home slots the walk touches ahead of the probe: enough misses in flight to fill the
-core's line-fill buffers, without chaining and touching a long query the walk will never reach."""
+"""Blocks whose slots the walk prefetches ahead of the probe: enough misses in flight to fill the core's
+line-fill buffers, without chaining and touching a long query the walk will never reach."""
 
 
 @_kernel
@@ -713,33 +753,33 @@ def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Count
 
     ``local`` holds the query's local hashes; the sequence hashes are chained here, only as far as the
     walk goes. ``scores`` is ``[ntiers, nwords * 64]``, zeroed by the caller; ``scratch`` holds at least
-    ``2 * ntiers * nwords + 1 + len(local)`` words (running masks, the prefetch's sink, sequence hashes).
-    Returns the blocks walked, or -1 when a slot stayed mid-write. The walk ends at the first block the
-    shard does not hold, or as soon as no worker of the shard is left.
+    ``2 * ntiers * nwords + len(local)`` words (running masks, sequence hashes). Returns the blocks walked,
+    or -1 when a slot stayed mid-write. The walk ends at the first block the shard does not hold, or as
+    soon as no worker of the shard is left.
     """
     nwords = _i64(table[H_NWORDS])
     width = SLOT_MASKS + TIERS * nwords
+    last = SLOT_MASKS + ntiers * nwords - 1  # the last word a probe reads of its slot
     mask = np.uint64(table[H_CAPACITY] - _ONE)
     n = local.size
     alive = scratch[: ntiers * nwords]
     seen = scratch[ntiers * nwords : 2 * ntiers * nwords]
-    sink = 2 * ntiers * nwords
-    seqs = scratch[sink + 1 : sink + 1 + n]
+    seqs = scratch[2 * ntiers * nwords : 2 * ntiers * nwords + n]
     alive[:] = _ZERO
-    warm = _ZERO
     chained = 0
     for i in range(n):  # hot path: one seqlocked probe per block
         while chained < n and chained <= i + PREFETCH_AHEAD:
             seq = local[0] if chained == 0 else chain_step(seqs[chained - 1], local[chained], _SEED)
             seqs[chained] = seq
-            warm ^= table[HEADER_WORDS + _i64(_table_key(seq) & mask) * width]  # independent loads overlap
+            base = HEADER_WORDS + _i64(_table_key(seq) & mask) * width
+            _prefetch_line(table, base)  # the misses of the next blocks overlap, without holding up this one
+            _prefetch_line(table, base + last)
             chained += 1
         status = _lookup(table, _table_key(seqs[i]), ntiers, seen)
         if status < 0:
             return -1
         if status == 0:
             _finish(alive, scores, ntiers, nwords, i)
-            scratch[sink] = warm
             return i
         left = False
         for j in range(ntiers * nwords):
@@ -751,65 +791,193 @@ def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Count
             if now != _ZERO:
                 left = True
         if not left:
-            scratch[sink] = warm
             return i + 1
     _finish(alive, scores, ntiers, nwords, n)
-    scratch[sink] = warm  # a stored result, so the prefetching loads are not optimised away
     return n
 
 
-@_kernel
-def query(table: Table, block: Table, rows: Table, local: npt.NDArray[np.uint64], ntiers: int) -> Counts:
-    """``walk`` from local hashes, with its answer in worker terms, in one call: rows ``[tier, worker_id,
-    dp_rank, depth]`` for every worker row in use that holds at least one block. ``block`` is the shard's
-    block of the control segment and ``rows`` its worker rows flattened (``layout.Control.block``,
-    ``worker_rows``). One call per shard, no Python step between.
-
-    The walk and the rows it is named through belong to one rows generation: read before the walk
-    (after checking the table is the shard's current one) and after the last row, walked again when it
-    moved. On failure a single row ``[code, 0, 0, 0]``: ``SLOT_STUCK``, ``ROWS_MOVING`` or ``STALE_TABLE``.
-    """
-    nbits = _i64(table[H_NWORDS]) * 64
-    scores = np.zeros((ntiers, nbits), dtype=np.int64)
-    scratch = np.empty(2 * ntiers * (nbits // 64) + 1 + local.size, dtype=np.uint64)
-    found = np.zeros((ntiers * nbits, 4), dtype=np.int64)
+@_inlined
+def _walk_shard(
+    table: Table,
+    control: Table,
+    shard: int,
+    local: npt.NDArray[np.uint64],
+    ntiers: int,
+    generation: int,
+    scores: Counts,
+    scratch: Table,
+) -> int:
+    """``walk`` one shard for ``query_shards`` / ``overlap_shards``, into ``scores`` (``[ntiers, bits]`` of the
+    table's bits, zeroed here). ``OK`` when the walk ran inside rows generation ``generation`` (the one the
+    reader's bit map was read at, so the bits name the rows the map holds) or the shard has no live key
+    (scores all 0); else ``STALE_TABLE`` (``table`` is not the shard's current one), ``ROWS_CHANGED`` (the
+    generation is not ``generation``, or moved during the walk), ``ROWS_MOVING`` (odd for ``STUCK_SPINS``
+    reads) or ``SLOT_STUCK``, with ``scores`` meaningless."""
+    block = HEADER_WORDS + shard * SHARD_BLOCK_WORDS
     epoch = _load(table, H_EPOCH)
-    moved = odd = 0
+    odd = 0
     while True:
-        generation = _load(block, S_ROWS_GEN)
-        if generation & _ONE:  # a row is being rewritten: its writer is between two stores
-            odd += 1
-            if odd > STUCK_SPINS:
-                return _failed(found, ROWS_MOVING)
-            continue
-        if _load(block, S_EPOCH) != epoch:
-            return _failed(found, STALE_TABLE)
-        _fence()
-        scores[:] = 0
-        if walk(table, local, ntiers, scores, scratch) < 0:
-            return _failed(found, SLOT_STUCK)
-        count = 0
-        for tier in range(ntiers):
-            for bit in range(nbits):
-                if scores[tier, bit] > 0 and _load(rows, bit * WORKER_ROW_WORDS + W_IN_USE) != _ZERO:
-                    found[count, 0] = tier
-                    found[count, 1] = _i64(_load(rows, bit * WORKER_ROW_WORDS + W_WORKER_ID))
-                    found[count, 2] = _i64(_load(rows, bit * WORKER_ROW_WORDS + W_DP_RANK))
-                    found[count, 3] = scores[tier, bit]
-                    count += 1
-        _fence()
-        if _load(block, S_ROWS_GEN) == generation:
-            return found[:count]
-        moved += 1
-        if moved > ROWS_RETRIES:
-            return _failed(found, ROWS_MOVING)
+        current = _load(control, block + S_ROWS_GEN)
+        if (current & _ONE) == _ZERO:
+            break
+        odd += 1  # a row is being rewritten: its writer is between two stores
+        if odd > STUCK_SPINS:
+            return ROWS_MOVING
+    if _load(control, block + S_EPOCH) != epoch:
+        return STALE_TABLE
+    if _i64(current) != generation:
+        return ROWS_CHANGED
+    scores[:] = 0
+    if _load(table, H_LIVE) == _ZERO:
+        return OK
+    _fence()
+    if walk(table, local, ntiers, scores, scratch) < 0:
+        return SLOT_STUCK
+    _fence()
+    if _load(control, block + S_ROWS_GEN) != current:
+        return ROWS_CHANGED
+    return OK
 
 
 @_inlined
-def _failed(found: Counts, code: int) -> Counts:
-    found[0, 0] = code
-    found[0, 1:] = 0
-    return found[:1]
+def _scores(table: Table, ntiers: int, work: Counts) -> Counts:
+    """``work``'s head viewed as ``[ntiers, bits]`` for the table's mask width."""
+    bits = _i64(table[H_NWORDS]) * 64
+    return work[: ntiers * bits].reshape((ntiers, bits))
+
+
+@_inlined
+def _buffers(tables: tuple[Table, ...], local: npt.NDArray[np.uint64], ntiers: int) -> tuple[Counts, Table]:
+    """Scores and ``walk``'s scratch for any of ``tables``: sized for the widest mask, so small (a large
+    allocation is a ``mmap`` and ``munmap`` per call)."""
+    nwords = 0
+    for table in tables:
+        nwords = max(nwords, _i64(table[H_NWORDS]))
+    return np.empty(ntiers * nwords * 64, dtype=np.int64), np.empty(
+        2 * ntiers * nwords + 1 + local.size, dtype=np.uint64
+    )
+
+
+@_kernel
+def query_shards(
+    tables: tuple[Table, ...],
+    control: Table,
+    local: npt.NDArray[np.uint64],
+    ntiers: int,
+    state: Counts,
+    bit_keys: Counts,
+    found: Counts,
+) -> int:
+    """``walk`` every shard whose ``state[k, ASK]`` is set, in one call, with the answer in ``found``: per
+    worker and tier holding a block, its key (``bit_keys[k * rows + bit]``, the caller's number for the
+    worker of shard ``k``'s row ``bit``; bits with -1 are skipped), then the depths, then the tiers, each
+    run ``n`` long: ``found[:n]`` keys, ``found[n:2n]`` depths, ``found[2n:3n]`` tiers.
+
+    ``tables`` are the shards' tables (an empty header for a shard without one), ``control`` the control
+    segment's words, ``state[k, GENERATION]`` the rows generation ``bit_keys`` was read at (``read_rows``).
+    ``state[k, STATUS]`` gets ``OK`` or the shard's failure (``_walk_shard``); a failed shard adds nothing.
+    ``found`` holds at least ``3 * ntiers * rows`` words per shard. Returns ``n`` when every asked shard
+    answered, else ``-1 - n``.
+    """
+    rows = _i64(control[C_ROWS])
+    cap = found.size // 3
+    work, scratch = _buffers(tables, local, ntiers)
+    count = 0
+    failed = False
+    for shard, table in enumerate(tables):  # hot path: one walk per shard, no Python step between
+        if state[shard, ASK] == 0:
+            continue
+        scores = _scores(table, ntiers, work)
+        code = _walk_shard(table, control, shard, local, ntiers, state[shard, GENERATION], scores, scratch)
+        state[shard, STATUS] = code
+        if code != OK:
+            failed = True
+            continue
+        first = shard * rows
+        for tier in range(ntiers):
+            for bit in range(scores.shape[1]):
+                depth = scores[tier, bit]
+                if depth > 0 and bit_keys[first + bit] >= 0:
+                    found[count] = bit_keys[first + bit]
+                    found[cap + count] = depth
+                    found[2 * cap + count] = tier
+                    count += 1
+    found[count : 2 * count] = found[cap : cap + count]
+    found[2 * count : 3 * count] = found[2 * cap : 2 * cap + count]
+    return -1 - count if failed else count
+
+
+@_kernel
+def overlap_shards(
+    tables: tuple[Table, ...],
+    control: Table,
+    local: npt.NDArray[np.uint64],
+    ntiers: int,
+    state: Counts,
+    bit_slots: Counts,
+    out: Counts,
+) -> int:
+    """``query_shards`` with the answer dense: ``out[tier, bit_slots[k * rows + bit]] = depth`` for every bit
+    of an asked shard that holds a block (bits whose slot is -1 skipped); ``out`` is ``[ntiers, slots]``,
+    zeroed by the caller. Returns how many asked shards failed (their status says why)."""
+    rows = _i64(control[C_ROWS])
+    work, scratch = _buffers(tables, local, ntiers)
+    failed = 0
+    for shard, table in enumerate(tables):  # hot path: one walk per shard, no Python step between
+        if state[shard, ASK] == 0:
+            continue
+        scores = _scores(table, ntiers, work)
+        code = _walk_shard(table, control, shard, local, ntiers, state[shard, GENERATION], scores, scratch)
+        state[shard, STATUS] = code
+        if code != OK:
+            failed += 1
+            continue
+        first = shard * rows
+        for tier in range(ntiers):
+            for bit in range(scores.shape[1]):
+                depth = scores[tier, bit]
+                if depth > 0:
+                    slot = bit_slots[first + bit]
+                    if slot >= 0:
+                        out[tier, slot] = depth
+    return failed
+
+
+@_kernel
+def read_rows(control: Table, shard: int, out: npt.NDArray[np.uint64]) -> tuple[int, int]:
+    """Copy the worker rows of ``shard`` that can own a mask bit as ``[in use, worker id, dp rank]`` into
+    ``out`` (``[rows, 3]``), all from one rows generation (read before the first row and after the last,
+    read again when it moved). Returns ``(generation, rows copied)``, or ``(ROWS_MOVING, 0)`` when the
+    generation stayed odd for ``STUCK_SPINS`` reads or moved ``ROWS_RETRIES`` times.
+
+    Only the current table's bits are copied (``S_NWORDS * 64`` rows, read after the generation): the
+    writer widens the table before it registers a row past its bits, so no row beyond is in use at this
+    generation, and a small fleet's copy is a few cache lines, not all ``rows``."""
+    block = HEADER_WORDS + shard * SHARD_BLOCK_WORDS
+    rows = _i64(control[C_ROWS])
+    first = HEADER_WORDS + _i64(control[C_SHARDS]) * SHARD_BLOCK_WORDS + shard * rows * WORKER_ROW_WORDS
+    moved = odd = 0
+    while True:
+        generation = _load(control, block + S_ROWS_GEN)
+        if generation & _ONE:
+            odd += 1
+            if odd > STUCK_SPINS:
+                return ROWS_MOVING, 0
+            continue
+        count = min(rows, _i64(_load(control, block + S_NWORDS)) * 64)
+        _fence()
+        for row in range(count):
+            base = first + row * WORKER_ROW_WORDS
+            used = _load(control, base + W_IN_USE)
+            out[row, 0] = used
+            out[row, 1] = _load(control, base + W_WORKER_ID) if used != _ZERO else _ZERO
+            out[row, 2] = _load(control, base + W_DP_RANK) if used != _ZERO else _ZERO
+        _fence()
+        if _load(control, block + S_ROWS_GEN) == generation:
+            return _i64(generation), count
+        moved += 1
+        if moved > ROWS_RETRIES:
+            return ROWS_MOVING, 0
 
 
 @_kernel

@@ -7,7 +7,8 @@
 2. The real writer: a ``ShardWriter`` process churns, grows the table and clears a worker while the test
    process queries through ``IndexReader``; every answer must be one the index could have held.
 3. Worker rows reused under a reader: a writer process keeps giving one row to a worker that stores a
-   chain and, once it is forgotten, to one that never stores anything; no answer ever names the latter.
+   chain and, once it is forgotten, to one that never stores anything; no answer ever names the latter,
+   neither ``find_matches`` nor ``overlaps`` (through the reader's cached bit -> slot map).
 4. A writer that died mid-write: the reader checks the shard's writer, gives up at once and reports the
    shard recovering; a live writer that sits mid-write is waited for.
 """
@@ -28,6 +29,7 @@ from numba import njit
 
 from kvrouter.events.model import EngineHash, LocalHash, Removed, Stored, StoredBlock
 from kvrouter.index import _kernels as kernels
+from kvrouter.index.dense import WorkerSlots
 from kvrouter.index.layout import (
     H_CAPACITY,
     H_NWORDS,
@@ -217,6 +219,7 @@ def _reuse_rows(control_name_: str, owner: int, rounds: int) -> None:
     """Writer process: round r gives the lowest free row to worker 2r + 2, which stores chain A, forgets it
     (bits cleared, row freed) and gives the same row to worker 2r + 3, which never stores a thing."""
     control = Control.attach(control_name_, writable=True)
+    control.set_pid(0, os.getpid())  # as an applier does: a reader that meets the rows mid-change waits for it
     writer = ShardWriter(control, 0, owner, capacity=MIN_CAPACITY)
     chain = tuple(StoredBlock(EngineHash(100 + i), LocalHash(i + 1)) for i in range(64))
     writer.apply(Stored(1, None, chain[:1]))  # keeps the table live between rounds
@@ -242,13 +245,19 @@ def test_a_reused_worker_row_never_names_a_worker_that_did_not_hold_the_blocks(w
     writer.start()
     reader = IndexReader(control.name)
     query = list(range(1, 65))
+    local = np.array(query, dtype=np.uint64)
+    slots = WorkerSlots((worker_id, 0) for worker_id in range(1, 20_004))
     hits = queries = 0
     try:
         wait_until(lambda: control.flushed(0) >= 1, what="the writer's first store")
         assert reader.find_matches(query) == {(1, 0): 1}
         control.set_flushed(0, 2)
         while control.flushed(0) < 3 or queries == 0:
-            scores = reader.find_matches(query)
+            if queries % 2:  # the dense answer, through the reader's bit -> slot map
+                dense = reader.overlaps(local, slots, 1)[0]
+                scores = {slots.key(int(slot)): int(dense[slot]) for slot in np.flatnonzero(dense)}
+            else:
+                scores = reader.find_matches(query)
             queries += 1
             holders = {worker for worker in scores if worker != (1, 0)}
             assert all(worker_id % 2 == 0 for worker_id, _ in holders), scores  # never a worker 2r + 3
@@ -284,9 +293,14 @@ def test_a_writer_dead_mid_write_makes_the_shard_recovering_at_once_and_a_live_o
         assert reader.find_matches([42]) == {}
         assert reader.recovering() == {0}
         assert reader.writer_checks == 1  # one short spin, one look at the writer, given up
+        slots = WorkerSlots([(9, 0), (1, 0)])
+        assert reader.overlaps(np.array([42], dtype=np.uint64), slots, 2).tolist() == [[0, 0], [0, 0]]
+        assert reader.recovering() == {0}
+        assert reader.writer_checks == 2
         table[base + SLOT_VERSION] += 1
-        assert reader.find_matches([42]) == {(1, 0): 1}
+        assert reader.overlaps(np.array([42], dtype=np.uint64), slots, 2).tolist() == [[0, 1], [0, 1]]
         assert reader.recovering() == set()
+        assert reader.find_matches([42]) == {(1, 0): 1}
 
         # a live writer (this process) preempted mid-write: the reader keeps asking until it finishes
         control.set_pid(0, os.getpid())

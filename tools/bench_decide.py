@@ -49,6 +49,8 @@ from kvrouter.routing import ReferenceRouter, ReferenceSlotManager, Router, Slot
 from kvrouter.routing.config import KVROUTER_CONFIG
 
 WORKER_COUNTS: Final = (16, 256, 1024, 4096)
+FROZEN_AT: Final = 1000.0
+"""The clock every router and slot manager of the run reads (seconds)."""
 PROMPT_BLOCKS: Final = (64, 512)
 HOLDERS: Final = 16
 """Workers holding cached sequences of the prompts; every other worker holds nothing of them."""
@@ -103,8 +105,8 @@ class Fleet:
                 engine.apply_event(worker_id, event)
                 self.tree.apply_event(worker_id, encoder.encode_event(event))
         engine.flush(timeout=FLUSH_TIMEOUT_S)
-        self.new_slots = SlotManager(block_size=BLOCK_SIZE)
-        self.oracle_slots = ReferenceSlotManager(block_size=BLOCK_SIZE)
+        self.new_slots = SlotManager(block_size=BLOCK_SIZE, clock=frozen_clock)
+        self.oracle_slots = ReferenceSlotManager(block_size=BLOCK_SIZE, clock=frozen_clock)
         n = 0
         for worker_id in self.ids:
             for _ in range(BOOKED_PER_WORKER):
@@ -124,6 +126,12 @@ class Fleet:
         self.engine = engine
 
 
+def frozen_clock() -> float:
+    """One instant for both routers and slot managers: the recent-prefill work factor decays with the
+    clock, and two clocks read microseconds apart would make equal decisions differ in the last bits."""
+    return FROZEN_AT
+
+
 def stats(samples: list[float]) -> dict[str, float]:
     return {
         "p50_us": statistics.median(samples),
@@ -138,8 +146,10 @@ def time_length(fleet: Fleet, length: int, args: argparse.Namespace) -> dict[str
     queries = fleet.queries[length]
     arrays: list[npt.NDArray[np.uint64]] = [np.array(q, dtype=np.uint64) for q in queries]
     isl = length * BLOCK_SIZE
-    router = Router(KVROUTER_CONFIG, block_size=BLOCK_SIZE, seed=args.seed, slots=fleet.new_slots)
-    oracle = ReferenceRouter(KVROUTER_CONFIG, block_size=BLOCK_SIZE, seed=args.seed, slots=fleet.oracle_slots)
+    router = Router(KVROUTER_CONFIG, block_size=BLOCK_SIZE, seed=args.seed, slots=fleet.new_slots, clock=frozen_clock)
+    oracle = ReferenceRouter(
+        KVROUTER_CONFIG, block_size=BLOCK_SIZE, seed=args.seed, slots=fleet.oracle_slots, clock=frozen_clock
+    )
     fleet_keys = fleet.keys
     select = router.select
     find: Callable[[Any], Any] = engine.find_matches  # takes the array as it is
@@ -171,8 +181,12 @@ def time_length(fleet: Fleet, length: int, args: argparse.Namespace) -> dict[str
         slow.append((perf_counter_ns() - start) / 1000)
         if perf_counter() >= deadline and len(slow) >= 3:
             break
-    fresh = Router(KVROUTER_CONFIG, block_size=BLOCK_SIZE, seed=args.seed + 1, slots=fleet.new_slots)
-    fresh_oracle = ReferenceRouter(KVROUTER_CONFIG, block_size=BLOCK_SIZE, seed=args.seed + 1, slots=fleet.oracle_slots)
+    fresh = Router(
+        KVROUTER_CONFIG, block_size=BLOCK_SIZE, seed=args.seed + 1, slots=fleet.new_slots, clock=frozen_clock
+    )
+    fresh_oracle = ReferenceRouter(
+        KVROUTER_CONFIG, block_size=BLOCK_SIZE, seed=args.seed + 1, slots=fleet.oracle_slots, clock=frozen_clock
+    )
     checked = min(args.checks, len(queries))
     disagreements = 0
     for query, local in list(zip(queries, arrays, strict=True))[:checked]:

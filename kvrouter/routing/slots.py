@@ -302,10 +302,11 @@ class SlotManager:
         Returns:
             The dropped request ids, oldest first.
         """
-        cutoff = self._clock() - self._expiry_secs
+        now = self._clock()
         expired: list[str] = []
         for request_id, request in self._requests.items():
-            if request.started_at > cutoff:
+            # the age itself, not ``started_at > now - expiry``, whose rounding disagrees (300.2 - 300 < 0.2)
+            if now - request.started_at < self._expiry_secs:
                 break
             expired.append(request_id)
         for request_id in expired:

@@ -14,6 +14,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from kvrouter import DuplicateRequest, KvRouterError
 from kvrouter.events.model import WorkerKey
+from kvrouter.routing import ReferenceSlotManager
 from kvrouter.routing.slots import DEFAULT_EXPIRY_SECS, SlotManager
 from tests.clock import FakeClock
 
@@ -131,6 +132,18 @@ def test_sweep_drops_requests_at_expiry(slots: SlotManager, clock: FakeClock, ca
     assert slots.sweep() == ["r2"]
     assert slots.workers() == set()
     assert len(caplog.records) == 2
+
+
+@pytest.mark.parametrize("manager", [SlotManager, ReferenceSlotManager])
+def test_sweep_measures_the_age_not_a_rounded_cutoff(manager: type[SlotManager | ReferenceSlotManager]):
+    """Booked at 0.2 s, swept at 300.2 s: exactly 300 s old, so expired (``300.2 - 300`` rounds below 0.2,
+    so a cutoff comparison kept it; found by the state machine below)."""
+    clock = FakeClock()
+    clock.now = 0.2
+    slots = manager(block_size=4, clock=clock)
+    slots.add_request("r0", W1, [], isl_tokens=0, overlap_blocks=0)
+    clock.now += DEFAULT_EXPIRY_SECS
+    assert slots.sweep() == ["r0"]
 
 
 def test_sweep_returns_every_stale_request_oldest_first(slots: SlotManager, clock: FakeClock):

@@ -314,6 +314,14 @@ def apply_in_process(workload: Workload) -> float:
 # -- queries ------------------------------------------------------------------------------------
 
 
+def print_ratios(result: dict[str, Any], *, width: int) -> None:
+    """The ``ratios`` with their goals, met or not: the last lines every benchmark prints."""
+    print(f"ratios ({result['ratio_basis']}):")
+    for key, value in result["ratios"].items():
+        goal = result["goals"][key]
+        print(f"  {key:<{width}} {value:>6.2f}  goal ≥ {goal:g}: {'met' if value >= goal else 'not met'}")
+
+
 def _percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -600,10 +608,7 @@ def print_table(result: dict[str, Any]) -> None:
                     f"{f['two_readers_scaling']:>7.2f} {reference_qps:>8,.0f} {f['qps_1_reader'] / reference_qps:>9.2f}"
                 )
     print()
-    print(f"ratios ({result['ratio_basis']}):")
-    for key, value in result["ratios"].items():
-        goal = result["goals"][key]
-        print(f"  {key:<20} {value:>6.2f}  goal ≥ {goal:g}: {'met' if value >= goal else 'not met'}")
+    print_ratios(result, width=20)
     mismatches = mismatches_of(result)
     compared = sum(
         figures["compared"]

@@ -74,6 +74,7 @@ from bench_index import (
     apply_reference,
     in_process_owner,
     leftovers,
+    print_ratios,
 )
 
 from kvrouter.engine import Engine, attach
@@ -712,10 +713,7 @@ def print_table(result: dict[str, Any]) -> None:
             f"{freshness['warm_up_visible_us'] / 1000:.1f} ms after the first send"
         )
     print()
-    print(f"ratios ({result['ratio_basis']}):")
-    for key, value in result["ratios"].items():
-        goal = result["goals"][key]
-        print(f"  {key:<12} {value:>6.2f}  goal ≥ {goal:g}: {'met' if value >= goal else 'not met'}")
+    print_ratios(result, width=12)
     for key, by_shards in result["ratios_by_config"].items():
         for shards, ratios in by_shards.items():
             print(f"  {key} {shards} shard(s): " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))

@@ -223,6 +223,11 @@ def _reuse_rows(control_name_: str, owner: int, rounds: int) -> None:
     writer = ShardWriter(control, 0, owner, capacity=MIN_CAPACITY)
     chain = tuple(StoredBlock(EngineHash(100 + i), LocalHash(i + 1)) for i in range(64))
     writer.apply(Stored(1, None, chain[:1]))  # keeps the table live between rounds
+    warm = (1_000_000, 0)  # one round before the race, so no kernel compiles inside it (a cold numba cache)
+    writer.apply(Stored(warm[0], None, chain))
+    writer.forget(warm)
+    writer.register(warm)
+    writer.forget(warm)
     control.set_flushed(0, 1)
     while control.flushed(0) != 2:  # the reader compiles its query first
         time.sleep(0.001)
@@ -251,6 +256,7 @@ def test_a_reused_worker_row_never_names_a_worker_that_did_not_hold_the_blocks(w
     try:
         wait_until(lambda: control.flushed(0) >= 1, what="the writer's first store")
         assert reader.find_matches(query) == {(1, 0): 1}
+        assert reader.overlaps(local, slots, 1)[0].tolist()[:2] == [1, 0]  # both queries compiled before the race
         control.set_flushed(0, 2)
         while control.flushed(0) < 3 or queries == 0:
             if queries % 2:  # the dense answer, through the reader's bit -> slot map

@@ -215,9 +215,17 @@ def test_queries_under_churn_growth_and_clear_see_only_states_the_index_held(wai
     assert queries > 100
 
 
+ID_ROUNDS = 10_000
+"""Worker ids repeat after this many rounds (the reader's numbering covers them)."""
+ENOUGH = 4
+"""The flush word the reader sets once it met holders often enough: the writer stops its rounds."""
+WANTED_HITS = 1_000
+
+
 def _reuse_rows(control_name_: str, owner: int, rounds: int) -> None:
     """Writer process: round r gives the lowest free row to worker 2r + 2, which stores chain A, forgets it
-    (bits cleared, row freed) and gives the same row to worker 2r + 3, which never stores a thing."""
+    (bits cleared, row freed) and gives the same row to worker 2r + 3, which never stores a thing; until
+    the reader has seen enough, or ``rounds`` rounds."""
     control = Control.attach(control_name_, writable=True)
     control.set_pid(0, os.getpid())  # as an applier does: a reader that meets the rows mid-change waits for it
     writer = ShardWriter(control, 0, owner, capacity=MIN_CAPACITY)
@@ -232,7 +240,9 @@ def _reuse_rows(control_name_: str, owner: int, rounds: int) -> None:
     while control.flushed(0) != 2:  # the reader compiles its query first
         time.sleep(0.001)
     for round_ in range(rounds):
-        holder, empty = (2 * round_ + 2, 0), (2 * round_ + 3, 0)
+        if control.flushed(0) == ENOUGH:  # the reader has seen enough of the race
+            break
+        holder, empty = (2 * (round_ % ID_ROUNDS) + 2, 0), (2 * (round_ % ID_ROUNDS) + 3, 0)
         writer.apply(Stored(holder[0], None, chain))
         writer.forget(holder)
         assert writer.register(empty) == writer.register(empty) == 1  # the row the holder had
@@ -246,12 +256,12 @@ def _reuse_rows(control_name_: str, owner: int, rounds: int) -> None:
 def test_a_reused_worker_row_never_names_a_worker_that_did_not_hold_the_blocks(wait_until: Callable[..., None]):
     owner = (os.getpid() << 20) + 920_000 + next(_names)
     control = Control.create(control_name(owner), 1)
-    writer = FORK.Process(target=_reuse_rows, args=(control.name, owner, 10_000))
+    writer = FORK.Process(target=_reuse_rows, args=(control.name, owner, 2_000_000))
     writer.start()
     reader = IndexReader(control.name)
     query = list(range(1, 65))
     local = np.array(query, dtype=np.uint64)
-    slots = WorkerSlots((worker_id, 0) for worker_id in range(1, 20_004))
+    slots = WorkerSlots((worker_id, 0) for worker_id in range(1, 2 * ID_ROUNDS + 4))
     hits = queries = 0
     try:
         wait_until(lambda: control.flushed(0) >= 1, what="the writer's first store")
@@ -268,6 +278,8 @@ def test_a_reused_worker_row_never_names_a_worker_that_did_not_hold_the_blocks(w
             holders = {worker for worker in scores if worker != (1, 0)}
             assert all(worker_id % 2 == 0 for worker_id, _ in holders), scores  # never a worker 2r + 3
             hits += bool(holders)
+            if hits == WANTED_HITS:
+                control.set_flushed(0, ENOUGH)
     finally:
         writer.join(timeout=60)
         reader.close()
@@ -277,7 +289,7 @@ def test_a_reused_worker_row_never_names_a_worker_that_did_not_hold_the_blocks(w
         control.close()
         control.unlink()
     assert writer.exitcode == 0
-    assert hits > 100, "the reader hardly ever met a holder: the race was not exercised"
+    assert hits >= WANTED_HITS, "the reader hardly ever met a holder: the race was not exercised"
 
 
 def test_a_writer_dead_mid_write_makes_the_shard_recovering_at_once_and_a_live_one_is_waited_for(

@@ -73,9 +73,6 @@ class Ingest:
         for key in [k for k in self._streams if k[0] == worker_id]:
             self._streams.pop(key).close()
 
-    def follows(self, worker_id: int) -> bool:
-        return any(key[0] == worker_id for key in self._streams)
-
     def on_ready(self, socket: zmq.Socket[bytes], now: float) -> None:
         """A watched socket is readable: hand what it holds to its stream."""
         stream = self._owners.get(socket)

@@ -23,7 +23,11 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
-__all__ = ["COLUMNS", "NPARAMS", "cost_and_choose", "sample"]
+from ..hashing._xxh3 import chain_hashes
+from ..hashing.blocks import XXH3_SEED
+from . import _active
+
+__all__ = ["COLUMNS", "NPARAMS", "cost_and_choose", "decide", "sample"]
 
 # params: one float64 vector, so the call unboxes one array instead of a dozen scalars
 P_ISL: Final = 0
@@ -46,12 +50,13 @@ P_PREFILL_LIMIT: Final = 14
 P_TEMPERATURE: Final = 15
 P_WORK_WEIGHT: Final = 16
 """``prefill_work_weight``; 0 leaves every total as it is."""
-P_NOW: Final = 17
+P_WORK_AGE: Final = 17
 P_WORK_WINDOW: Final = 18
-"""The slot manager's clock reading and decay time constant, to decay each slot's booked prefill."""
+"""The slot manager's clock minus its work epoch, and its decay time constant: every slot's booked
+prefill decays by one factor, ``exp(-age / window)``."""
 NPARAMS: Final = 19
 
-# out columns, one row per candidate
+# rows of `out`, one per term (the names are historical: `C_` for a candidate's column of terms)
 C_RAW: Final = 0
 C_CREDIT: Final = 1
 C_ADJUSTED: Final = 2
@@ -63,10 +68,53 @@ C_BUSY: Final = 7
 C_WORK_FACTOR: Final = 8
 COLUMNS: Final = 9
 
+_SEED: Final = np.uint64(XXH3_SEED)
+
 NO_WORKER: Final = -1
 """``head`` when every candidate is busy."""
 SAMPLE: Final = -2
 """``head`` above temperature 0 when some candidate is eligible: draw, then call :func:`sample`."""
+
+
+@njit(cache=True, nogil=True)
+def decide(
+    local: npt.NDArray[np.uint64],
+    isl: float,
+    age: float,
+    seqs: npt.NDArray[np.uint64],
+    candidates: npt.NDArray[np.int64],
+    overlaps: npt.NDArray[np.int64],
+    loads: npt.NDArray[np.int64],
+    work: npt.NDArray[np.float64],
+    holders: npt.NDArray[np.uint64],
+    scratch: npt.NDArray[np.int64],
+    capacities: npt.NDArray[np.float64],
+    params: npt.NDArray[np.float64],
+    out: npt.NDArray[np.float64],
+    ties: npt.NDArray[np.int64],
+) -> tuple[int, int, int]:
+    """A whole decision after the index walk, in one call: the prompt's sequence hashes into ``seqs[:n]``
+    (for the booking), every slot's leading blocks held by its active requests (``_active.leading``, when
+    blocks are tracked), then :func:`cost_and_choose`. ``loads`` and ``work`` are the slot manager's
+    (prefill, requests, blocks per slot; booked work, scaled to its epoch), ``scratch`` its walk buffers,
+    whose first row is all 0 before and after the call. ``isl`` and ``age`` (the slot manager's clock
+    minus its work epoch) go into ``params``: as arguments, since a scalar costs the call less than a
+    store into an array from Python."""
+    n = local.size
+    params[P_ISL] = isl
+    params[P_NBLOCKS] = n
+    params[P_WORK_AGE] = age
+    chain_hashes(local, _SEED, seqs[:n])
+    leading = scratch[0]
+    touched = 0
+    if params[P_TRACK_BLOCKS] != 0.0:
+        touched = _active.leading(holders, seqs[:n], leading, scratch[1], scratch[2])
+    result = cost_and_choose(
+        candidates, overlaps, loads[0], loads[1], loads[2], leading, capacities, work, params, out, ties
+    )
+    for j in range(touched):
+        leading[scratch[1, j]] = 0
+    return result
 
 
 @njit(cache=True, nogil=True)
@@ -78,8 +126,7 @@ def cost_and_choose(
     blocks: npt.NDArray[np.int64],
     leading: npt.NDArray[np.int64],
     capacities: npt.NDArray[np.float64],
-    work_tokens: npt.NDArray[np.float64],
-    work_at: npt.NDArray[np.float64],
+    work: npt.NDArray[np.float64],
     params: npt.NDArray[np.float64],
     out: npt.NDArray[np.float64],
     ties: npt.NDArray[np.int64],
@@ -90,12 +137,13 @@ def cost_and_choose(
         candidates: slot per candidate, in the caller's order.
         overlaps: ``(4, slots)`` cumulative overlap per tier per slot.
         prefill, requests, blocks: the slot manager's counters per slot.
-        leading: per slot, leading prompt blocks held by its active requests; empty when none are.
+        leading: per slot, leading prompt blocks held by its active requests.
         capacities: per candidate, KV blocks (0: unknown); empty when the decode threshold is off.
-        work_tokens, work_at: per slot, the booked uncached prefill and when it was last updated; decayed
-            here to ``P_NOW`` with ``P_WORK_WINDOW`` for the work factor (``cost.py``).
+        work: per slot, the booked uncached prefill scaled to the slot manager's epoch; times
+            ``exp(-P_WORK_AGE / P_WORK_WINDOW)``, the recent work of the work factor (``cost.py``).
         params: the ``P_*`` scalars.
-        out: ``(len(candidates), COLUMNS)``, written.
+        out: ``(COLUMNS, len(candidates))``, written: a row per term, so a decision over thousands of
+            candidates writes contiguous rows, not a cache line per candidate.
         ties: ``len(candidates)`` scratch; at temperature 0, ``ties[:count]`` are the candidates (positions)
             tied with ``head`` after it, in order.
 
@@ -114,11 +162,11 @@ def cost_and_choose(
     track_blocks = params[P_TRACK_BLOCKS] != 0.0
     decode_limit = params[P_DECODE_LIMIT]
     prefill_limit = params[P_PREFILL_LIMIT]
-    has_leading = leading.size > 0
     has_capacity = capacities.size > 0 and not math.isnan(decode_limit)
     work_weight = params[P_WORK_WEIGHT]
-    now = params[P_NOW]
-    window = params[P_WORK_WINDOW]
+    decay_now = 0.0
+    if work_weight != 0.0:  # one factor for every slot: the work is kept scaled to one epoch
+        decay_now = math.exp(-max(0.0, params[P_WORK_AGE]) / params[P_WORK_WINDOW])
     least = np.iinfo(np.int64).max
     eligible = 0
     recent_sum = 0.0
@@ -126,11 +174,9 @@ def cost_and_choose(
         slot = candidates[i]
         decode_busy = has_capacity and capacities[i] != 0.0 and blocks[slot] > decode_limit * capacities[i]
         busy = decode_busy or (not math.isnan(prefill_limit) and prefill[slot] > prefill_limit)
-        out[i, C_BUSY] = 1.0 if busy else 0.0
-        recent = 0.0
-        if work_weight != 0.0:
-            recent = work_tokens[slot] * math.exp(-max(0.0, now - work_at[slot]) / window)
-        out[i, C_WORK_FACTOR] = recent  # the factor replaces it below
+        out[C_BUSY, i] = 1.0 if busy else 0.0
+        recent = work[slot] * decay_now
+        out[C_WORK_FACTOR, i] = recent  # the factor replaces it below
         if not busy:
             eligible += 1
             recent_sum += recent
@@ -172,22 +218,22 @@ def cost_and_choose(
         prefill_cost = scale * adjusted
         decode = 0.0
         if track_blocks:
-            decode = blocks[slot] + nblocks - (leading[slot] if has_leading else 0)
+            decode = blocks[slot] + nblocks - leading[slot]
         request_cost = request_w * requests[slot]
         total = adjusted * (decode + 1.0) if lmetric else prefill_cost + decode + request_cost
         factor = 1.0
         if work_weight != 0.0 and mean_recent > 0.0:
-            share = (out[i, C_WORK_FACTOR] - mean_recent) / mean_recent
+            share = (out[C_WORK_FACTOR, i] - mean_recent) / mean_recent
             factor = max(0.0, 1.0 + work_weight * share)
             total *= factor
-        out[i, C_WORK_FACTOR] = factor
-        out[i, C_RAW] = raw
-        out[i, C_CREDIT] = credit
-        out[i, C_ADJUSTED] = adjusted
-        out[i, C_PREFILL_COST] = prefill_cost
-        out[i, C_DECODE_BLOCKS] = decode
-        out[i, C_REQUEST_COST] = request_cost
-        out[i, C_TOTAL] = total
+        out[C_WORK_FACTOR, i] = factor
+        out[C_RAW, i] = raw
+        out[C_CREDIT, i] = credit
+        out[C_ADJUSTED, i] = adjusted
+        out[C_PREFILL_COST, i] = prefill_cost
+        out[C_DECODE_BLOCKS, i] = decode
+        out[C_REQUEST_COST, i] = request_cost
+        out[C_TOTAL, i] = total
     if params[P_TEMPERATURE] == 0.0:
         return choose_ties(out, ties)
     return SAMPLE, 0, 0
@@ -200,20 +246,22 @@ def choose_ties(out: npt.NDArray[np.float64], ties: npt.NDArray[np.int64]) -> tu
     draws = 0
     skip = 0
     count = 0
-    for i in range(out.shape[0]):
-        if out[i, C_BUSY] != 0.0:
+    busy = out[C_BUSY]
+    totals = out[C_TOTAL]
+    for i in range(totals.size):
+        if busy[i] != 0.0:
             continue
-        cost = out[i, C_TOTAL]
+        cost = totals[i]
         if head < 0:  # the oracle's first candidate: "equal to itself", one draw that always picks it
             head = i
             draws = 1
             skip = 1
             count = 0
-        elif cost < out[head, C_TOTAL]:
+        elif cost < totals[head]:
             head = i
             skip = draws
             count = 0
-        elif cost == out[head, C_TOTAL]:
+        elif cost == totals[head]:
             ties[count] = i
             count += 1
             draws += 1
@@ -231,10 +279,10 @@ def sample(
     """``selection.choose`` above temperature 0 with the draw ``u``: the position chosen (``eligible`` and
     ``work`` are scratch of one entry per candidate)."""
     n = 0
-    for i in range(out.shape[0]):
-        if out[i, C_BUSY] == 0.0:
+    for i in range(out.shape[1]):
+        if out[C_BUSY, i] == 0.0:
             eligible[n] = i
-            work[n] = out[i, C_TOTAL]
+            work[n] = out[C_TOTAL, i]
             n += 1
     low = work[0]
     high = work[0]

@@ -28,7 +28,7 @@ from .config import RouterConfig
 from .cost import Load, Overlap, worker_cost
 from .router import SWEEP_INTERVAL_SECS, OverlapSource, Selection, WorkerExplanation
 from .selection import choose, probabilities
-from .slots import DEFAULT_EXPIRY_SECS, DEFAULT_WORK_WINDOW_SECS, FRESH_ID_BASE, SlotManager
+from .slots import DEFAULT_EXPIRY_SECS, DEFAULT_WORK_WINDOW_SECS, FRESH_ID_BASE, WORK_REBASE_WINDOWS, SlotManager
 
 __all__ = ["ReferenceRouter", "ReferenceSlotManager"]
 
@@ -107,9 +107,12 @@ class ReferenceSlotManager:
         """Active requests, oldest first (insertion order, with a clock that never goes backwards)."""
         self._loads: dict[WorkerKey, _WorkerLoad] = {}
         """Only workers with at least one active request."""
-        self._work: dict[WorkerKey, tuple[float, float]] = {}
-        """(decayed booked prefill tokens, when last updated) per worker ever booked prefill; kept when
-        the worker's last request leaves, since the work it did still counts."""
+        self._work: dict[WorkerKey, float] = {}
+        """Booked prefill tokens per worker ever booked prefill, each scaled by ``exp((booked at -
+        epoch) / window)``; kept when the worker's last request leaves, since the work it did still
+        counts. Its decayed value at ``now`` is this times ``exp(-(now - epoch) / window)``: one ``exp`` a
+        decision instead of one per worker (``SlotManager`` keeps the same numbers, float for float)."""
+        self._epoch = 0.0
 
     def add_request(
         self,
@@ -148,18 +151,19 @@ class ReferenceSlotManager:
         load.requests += 1
         if prefill_tokens:
             now = self._clock()
-            self._work[worker] = (self._decayed(worker, now) + prefill_tokens, now)
+            window = self._work_window_secs
+            if (now - self._epoch) / window > WORK_REBASE_WINDOWS:  # before exp((now - epoch) / window) grows huge
+                shrink = math.exp(-(now - self._epoch) / window)
+                self._work = {w: scaled * shrink for w, scaled in self._work.items()}
+                self._epoch = now
+            self._work[worker] = self._work.get(worker, 0.0) + prefill_tokens * math.exp((now - self._epoch) / window)
 
     def recent_prefill_tokens(self, worker: WorkerKey) -> float:
         """Prefill tokens booked on the worker, each decayed by ``exp(-age / work_window_secs)``."""
         return self._decayed(worker, self._clock())
 
     def _decayed(self, worker: WorkerKey, now: float) -> float:
-        entry = self._work.get(worker)
-        if entry is None:
-            return 0.0
-        tokens, at = entry
-        return tokens * math.exp(-max(0.0, now - at) / self._work_window_secs)
+        return self._work.get(worker, 0.0) * math.exp(-max(0.0, now - self._epoch) / self._work_window_secs)
 
     def mark_prefill_completed(self, request_id: str) -> None:
         """The request's first token is out: its prompt tokens stop counting as queued prefill.

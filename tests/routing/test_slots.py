@@ -238,6 +238,25 @@ def test_recent_prefill_counts_uncached_tokens_decayed_and_outlives_the_request(
     assert slots.recent_prefill_tokens(W1) == pytest.approx(((3 * BLOCK + 2) / math.e + BLOCK) / math.e)
 
 
+@pytest.mark.parametrize("manager", [SlotManager, ReferenceSlotManager])
+def test_recent_prefill_stays_finite_and_exact_across_days(manager: type[SlotManager | ReferenceSlotManager]):
+    """Booked work is kept scaled to an epoch that moves forward every 512 windows: over days of a 1 s
+    window (about 170 moves) the figures neither overflow nor drift from the plain decay."""
+    clock = FakeClock()
+    slots = manager(block_size=BLOCK, work_window_secs=1.0, clock=clock)
+    recent = 0.0
+    for n in range(400):  # a booking every 0.5-1,000 s, over about 2 days
+        step = 0.5 if n % 2 else 1000.0 + n
+        recent *= math.exp(-step)
+        clock.now += step
+        slots.add_request(f"r{n}", W1, [n + 1], BLOCK, overlap_blocks=0)
+        slots.free(f"r{n}")
+        recent += BLOCK
+        assert slots.recent_prefill_tokens(W1) == pytest.approx(recent, rel=1e-12)
+    clock.now += 1e6  # idle far beyond the epoch: decayed to nothing, not NaN
+    assert slots.recent_prefill_tokens(W1) == 0.0
+
+
 def test_without_prefill_tracking_no_recent_prefill(clock: FakeClock):
     slots = SlotManager(block_size=BLOCK, track_prefill_tokens=False, clock=clock)
     slots.add_request("a", W1, R1, 4 * BLOCK, overlap_blocks=0)
@@ -380,8 +399,8 @@ class SlotModel(RuleBasedStateMachine):
         assert self.slots.workers() == set()
         for worker in WORKERS:
             assert load(self.slots, worker) == (0, 0, 0)
-        assert self.slots._blocks == {}
-        assert self.slots._holders == {}
+        assert not self.slots.pairs.any()  # every refcount row deleted, and no row left behind
+        assert not self.slots.holders.any()
         assert self.slots._requests == {}
         assert not self.slots.requests.any()
         assert not self.slots.blocks.any()

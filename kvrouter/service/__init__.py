@@ -1,0 +1,1 @@
+"""The router service (``kvrouter up``): HTTP front, partitions, metrics."""

@@ -501,7 +501,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             publishers.wait_subscribed(len(started), START_TIMEOUT)
             publishers.send(workload.frames)
             for server in started:
-                verify(server, workload, 30.0)
+                verify(server, workload, START_TIMEOUT)
             for server in started:
                 run_wrk(server, script, RATIO_CONCURRENCY, args.warmup)
             for connections in args.concurrency:

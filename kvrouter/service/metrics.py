@@ -38,10 +38,17 @@ import platform
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from .. import __version__
@@ -59,6 +66,8 @@ __all__ = [
     "PartitionLoad",
     "ServiceCollector",
     "exposition",
+    "front_families",
+    "install",
 ]
 
 log = logging.getLogger(__name__)
@@ -303,6 +312,138 @@ def histogram(
 
 def exposition(registry: CollectorRegistry) -> bytes:
     """The text exposition of every family in ``registry``."""
-    from prometheus_client import generate_latest
-
     return generate_latest(registry)
+
+
+# -- the service: what install() reads ----------------------------------------------------------
+
+
+class Counters(Protocol):
+    """What the collector reads of ``Service.counters`` (``app.ServiceCounters``)."""
+
+    decisions: int
+    reservations: int
+    selections: dict[WorkerKey, int]
+    overlap_blocks: int
+    prompt_blocks: int
+    overloaded: int
+    no_worker: int
+    expired_reservations: int
+    decision_seconds: float
+    decision_buckets: list[int]
+    http_requests: dict[tuple[str, str], int]
+    http_errors: dict[tuple[str, str], int]
+    http_seconds: dict[tuple[str, str], float]
+
+
+class PartitionView(Protocol):
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def routing_group(self) -> str: ...
+    @property
+    def slots(self) -> SlotManager: ...
+    def worker_keys(self) -> list[WorkerKey]: ...
+
+
+class ServiceView(Protocol):
+    """What :func:`install` needs of a ``Service``."""
+
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def app(self) -> web.Application: ...
+    @property
+    def partitions(self) -> Mapping[tuple[str, str], PartitionView]: ...
+    @property
+    def counters(self) -> Counters: ...
+
+
+def front_families(counters: Counters, decision_bounds: Sequence[float]) -> Iterator[Metric]:
+    """The front's figures: decisions, selections per worker, hit-rate sums, refusals, decision latency,
+    HTTP requests / errors / time. Optional ``Buckets`` on the counters (``hit_rate``, and ``phases``:
+    phase -> Buckets) are exported when the service keeps them."""
+    decisions = CounterMetricFamily("kvrouter_decisions", "Routing decisions made (/select and reservations)")
+    decisions.add_metric([], counters.decisions)
+    reservations = CounterMetricFamily("kvrouter_reservations", "Decisions that booked load (/select_and_reserve)")
+    reservations.add_metric([], counters.reservations)
+    selections = CounterMetricFamily(
+        "kvrouter_selections", "Decisions per chosen worker", labels=["worker_id", "dp_rank"]
+    )
+    for key, count in sorted(counters.selections.items()):
+        selections.add_metric(_key_labels(key), count)
+    overlap = CounterMetricFamily(
+        "kvrouter_selected_overlap_blocks",
+        "Device blocks the chosen worker held of the prompt, summed over decisions (÷ prompt blocks = hit rate)",
+    )
+    overlap.add_metric([], counters.overlap_blocks)
+    prompt = CounterMetricFamily("kvrouter_prompt_blocks", "Full blocks of the routed prompts, summed")
+    prompt.add_metric([], counters.prompt_blocks)
+    refused = CounterMetricFamily(
+        "kvrouter_refused_requests", "Requests no worker was chosen for, by reason", labels=["reason"]
+    )
+    refused.add_metric(["overloaded"], counters.overloaded)
+    refused.add_metric(["no_worker"], counters.no_worker)
+    expired = CounterMetricFamily("kvrouter_expired_reservations", "Reservations dropped at expiry, never freed")
+    expired.add_metric([], counters.expired_reservations)
+    latency = HistogramMetricFamily(
+        "kvrouter_decision_seconds", "Time of one decision: index walk, costs and choice (Router.select)"
+    )
+    bounded = Buckets(decision_bounds)
+    bounded.counts = list(counters.decision_buckets)
+    latency.add_metric([], bounded.cumulative(), sum_value=counters.decision_seconds)
+    yield from (decisions, reservations, selections, overlap, prompt, refused, expired, latency)
+
+    requests = CounterMetricFamily("kvrouter_http_requests", "HTTP requests answered", labels=["endpoint", "method"])
+    seconds = SummaryMetricFamily(
+        "kvrouter_http_request_duration_seconds",
+        "Time from routing a request to its response, per route and method",
+        labels=["endpoint", "method"],
+    )
+    for route, count in sorted(counters.http_requests.items()):
+        requests.add_metric(list(route), count)
+        seconds.add_metric(list(route), count_value=count, sum_value=counters.http_seconds.get(route, 0.0))
+    errors = CounterMetricFamily(
+        "kvrouter_http_errors", "HTTP answers of status 400 and above", labels=["endpoint", "status_class"]
+    )
+    for route_class, count in sorted(counters.http_errors.items()):
+        errors.add_metric(list(route_class), count)
+    yield from (requests, seconds, errors)
+
+    hit_rate = getattr(counters, "hit_rate", None)
+    if isinstance(hit_rate, Buckets):
+        yield histogram(
+            "kvrouter_kv_hit_rate", "Predicted hit rate of the chosen worker per decision", {(): hit_rate}, []
+        )
+    phases = getattr(counters, "phases", None)
+    if isinstance(phases, Mapping):
+        series: dict[tuple[str, ...], Buckets] = {
+            (str(name),): b for name, b in phases.items() if isinstance(b, Buckets)
+        }
+        yield histogram("kvrouter_routing_overhead_seconds", "Time per phase of a /select", series, ["phase"])
+
+
+def install(service: ServiceView, *, decision_bounds: Sequence[float] | None = None) -> CollectorRegistry:
+    """Add ``GET /metrics`` to ``service.app`` (before it runs), on a registry of its own; returns it."""
+    if decision_bounds is None:
+        from .app import DECISION_BUCKETS
+
+        decision_bounds = DECISION_BUCKETS
+    bounds = tuple(decision_bounds)
+
+    def partitions() -> list[PartitionLoad]:
+        return [
+            PartitionLoad(p.model_name, p.routing_group, p.slots, tuple(p.worker_keys()))
+            for p in list(service.partitions.values())
+        ]
+
+    registry = CollectorRegistry()
+    registry.register(
+        ServiceCollector(service.engine, partitions=partitions, front=lambda: front_families(service.counters, bounds))
+    )
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    service.app.router.add_get("/metrics", metrics)
+    return registry

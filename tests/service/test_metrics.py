@@ -8,16 +8,23 @@ the engine holds. Values are read back by parsing the text exposition, as Promet
 
 from __future__ import annotations
 
+import asyncio
+import json
+import queue
+import threading
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrouter import Engine
 from kvrouter.plane import WorkerSpec
 from kvrouter.routing.slots import SlotManager
-from kvrouter.service.metrics import Buckets, PartitionLoad, ServiceCollector, exposition, histogram
+from kvrouter.service.metrics import Buckets, PartitionLoad, ServiceCollector, exposition, histogram, install
 from tests.conftest import Worker, free_port
 
 BLOCK = 16
@@ -158,3 +165,89 @@ def test_scrape_reads_slot_manager_load_and_front_histograms(wait_until: Callabl
         assert value(samples, "kvrouter_routing_overhead_seconds_bucket", phase="hash", le="2.5e-05") == 0
         assert value(samples, "kvrouter_routing_overhead_seconds_bucket", phase="hash", le="5e-05") == 1
         assert value(samples, "kvrouter_routing_overhead_seconds_sum", phase="total") == 5.0002
+
+
+def test_service_metrics_route_moves_with_decisions_load_and_events(start_worker, wait_until):
+    """``install(service)``: ``GET /metrics`` on a running Service; a reservation moves the decision,
+    selection and load families, the mock engine's events move its cached blocks, HTTP is counted."""
+    app = pytest.importorskip("kvrouter.service.app")
+    config = pytest.importorskip("kvrouter.service.config")
+
+    port = free_port(2)
+    worker = start_worker(
+        "--format", "vllm", "--block-size", str(BLOCK), events_port=port, replay_port=port + 1, worker_id=5
+    )
+    service = app.Service(config.ServiceConfig(port=0, shards=1))
+    service.start()  # forks the applier: before the service's thread
+    thread: threading.Thread | None = None
+    try:
+        install(service)
+        ready: queue.Queue[str] = queue.Queue()
+        thread = threading.Thread(target=lambda: asyncio.run(service.run(on_ready=ready.put)), daemon=True)
+        thread.start()
+        url = ready.get(timeout=60)
+        registration = {
+            "instance_id": 5,
+            "endpoint": worker.events[0],
+            "replay_endpoint": worker.replay[0],
+            "model_name": "m",
+            "block_size": BLOCK,
+        }
+        assert http(url + "/register", "POST", registration)[0] in (200, 201)
+        worker.complete(prompt(1), max_tokens=1)
+        held = len(worker.cache()["ranks"][0]["blocks"])
+
+        def scraped() -> Samples:
+            status, text = http(url + "/metrics", "GET")
+            assert status == 200
+            return {
+                (s.name, frozenset(s.labels.items())): s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+            }
+
+        wait_until(
+            lambda: (
+                scraped().get(("kvrouter_worker_cached_blocks", frozenset({("worker_id", "5"), ("dp_rank", "0")})))
+                == held
+            ),
+            what="the engine's blocks in /metrics",
+        )
+        status, answer = http(
+            url + "/select_and_reserve", "POST", {"model_name": "m", "token_ids": prompt(1), "selection_id": "r1"}
+        )
+        assert status == 200, answer
+        samples = scraped()
+        assert value(samples, "kvrouter_decisions_total") == 1
+        assert value(samples, "kvrouter_reservations_total") == 1
+        assert value(samples, "kvrouter_selections_total", worker_id=5, dp_rank=0) == 1
+        assert value(samples, "kvrouter_worker_active_requests", worker_id=5, dp_rank=0) == 1
+        assert value(samples, "kvrouter_worker_active_decode_blocks", worker_id=5, dp_rank=0) == 3
+        assert value(samples, "kvrouter_selected_overlap_blocks_total") == 3
+        assert value(samples, "kvrouter_workers", model="m", routing_group="default") == 1
+        assert value(samples, "kvrouter_decision_seconds_count") == 1
+        assert value(samples, "kvrouter_http_requests_total", endpoint="/select_and_reserve", method="POST") == 1
+        assert http(url + "/reservations/r1", "DELETE")[0] == 200
+        assert http(url + "/reservations/r1", "DELETE")[0] == 404
+        samples = scraped()
+        assert value(samples, "kvrouter_worker_active_requests", worker_id=5, dp_rank=0) == 0
+        assert value(samples, "kvrouter_http_errors_total", endpoint="/reservations/{id}", status_class="4xx") == 1
+    finally:
+        service.stop()
+        if thread is not None:
+            thread.join(30)
+        else:
+            service.engine.close()
+    assert thread is None or not thread.is_alive()
+
+
+def http(url: str, method: str, body: object = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            raw = response.read().decode()
+            return response.status, raw if url.endswith("/metrics") else json.loads(raw)
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read())

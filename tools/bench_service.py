@@ -83,6 +83,8 @@ START_TIMEOUT: Final = 120.0
 GOALS: Final = {"select_throughput": 1.0, "select_p99": 1.0}
 TOPIC: Final = b""
 SIDES: Final = ("reference", "kvrouter")
+SHM_LEFT: list[str] = []
+"""Segments the kvrouter server left in /dev/shm after it stopped (must stay empty)."""
 
 LUA: Final = """
 local bodies = {}
@@ -445,10 +447,9 @@ def serve(port: int, shards: int) -> int:
     """``_serve``: kvrouter's Service with ``/metrics``, until SIGTERM/SIGINT."""
     import asyncio
 
+    from kvrouter.service import metrics
     from kvrouter.service.app import Service
     from kvrouter.service.config import ServiceConfig
-
-    from kvrouter.service import metrics
 
     service = Service(ServiceConfig(port=port, shards=shards))
     service.start()  # forks the appliers: before any loop or thread
@@ -483,6 +484,9 @@ def servers(folder: Path, sides: Sequence[str]) -> Iterator[list[Server]]:
             code = stop(server)
             if server.name == "kvrouter" and code != 0:
                 print(f"bench_service: kvrouter exited {code}: {tail(server.log)}", file=sys.stderr)
+            if server.name == "kvrouter":
+                prefix = f"kvrouter-{server.process.pid}-"
+                SHM_LEFT.extend(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
 
 
 def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
@@ -595,10 +599,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"machine: {m['cpu_count']} CPUs; load average {m['loadavg_before']} before, {m['loadavg_after']} after; "
         f"python {m['python']}; {args.seconds:g} s per point; {result['generator']}; {m['wall_seconds']:.0f} s"
     )
+    result["shm_left"] = SHM_LEFT
+    print(f"shm: {'clean' if not SHM_LEFT else 'left behind: ' + ', '.join(SHM_LEFT)}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     errors = sum(p["errors"] for by_c in result["points"].values() for p in by_c.values())
-    return 1 if errors else 0
+    return 1 if errors or SHM_LEFT else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,449 @@
+"""``GET /metrics``: the service, the event plane and the load, read at scrape time (Prometheus text).
+
+Everything is read when Prometheus scrapes, nothing is pushed: a custom ``prometheus_client`` Collector
+(:class:`ServiceCollector`) walks the engine's control segment (:meth:`Engine.stats`,
+:meth:`Engine.workers`), every partition's :class:`~kvrouter.routing.slots.SlotManager` and the front's
+plain counters, and builds the families then. The appliers are separate processes that already write
+their counters into the control segment (``index/layout.py``); that segment *is* their report, so they
+run no HTTP server of their own and the parent needs nothing from them but a read of shared memory
+(a few µs per worker row). The rejected alternatives: prometheus-client's multiprocess mode (one
+mmapped file per process and metric, written on every event, merged by globbing a directory at scrape
+time: a second copy of what the control segment holds, and a write on the applier's hot loop); and
+live ``Counter`` / ``Gauge`` objects updated on every event or decision, which would put a lock and a
+label lookup on the decision path for figures that are only read every 15 s.
+
+The front's own figures (decisions, selections per worker, hit rate, routing overhead per phase, HTTP
+requests) are plain integers and :class:`Buckets` kept by the service (``Service.counters``); a bucket
+observation is one ``bisect`` and two additions, no lock (one asyncio loop writes them; a scrape on the
+same loop reads them between requests).
+
+Each :class:`~prometheus_client.CollectorRegistry` is private to one service (:func:`install`), never
+the process-global ``REGISTRY``: two services in one process (tests) do not collide, and the global
+registry's default process/GC collectors are not exposed twice.
+
+Names follow ``spec/interfaces.md`` §3.2: ``kvrouter_`` prefix, seconds, counters end in ``_total``,
+labels carry ``worker_id`` / ``dp_rank`` / ``shard`` and the code's own kinds (``errors.py``'s
+``EventError.kind``, ``WORKER_STATES``, the gap outcomes), never a request id or a hash. Where the
+control segment holds no figure the spec proposes, the family is left out rather than faked:
+events by type (``stored``/``removed``/``cleared``: the shard block counts events applied and
+errors by kind, not types), an event-lag histogram (only the time of the last event is kept; its age
+is exported as a gauge) and a shard queue depth (the appliers' ZMQ queues are not visible from here).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import platform
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Protocol
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from .. import __version__
+from ..engine import Engine
+from ..errors import EngineError
+from ..events.model import WorkerKey
+from ..index.layout import ERROR_KINDS, WORKER_STATES
+from ..routing.slots import SlotManager
+
+__all__ = [
+    "GAP_OUTCOMES",
+    "HIT_RATE_BUCKETS",
+    "LATENCY_BUCKETS",
+    "Buckets",
+    "PartitionLoad",
+    "ServiceCollector",
+    "exposition",
+    "front_families",
+    "install",
+]
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS: Final = tuple(0.000025 * 2**n for n in range(16))
+"""Routing overhead and HTTP duration buckets [s]: 25 µs doubling to 0.82 s. A decision costs tens of
+µs, an HTTP round trip hundreds: Dynamo's 0.1 ms first bucket would put every decision in it."""
+HIT_RATE_BUCKETS: Final = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+"""Predicted hit rate (cached prompt tokens / prompt tokens) of the chosen worker; 0.0 gets its own
+bucket, as a cold prompt is the case to tell apart."""
+GAP_OUTCOMES: Final = ("detected", "recovered", "lost")
+STATUS_CLASSES: Final = ("2xx", "3xx", "4xx", "5xx")
+
+
+class Buckets:
+    """A histogram's cumulative-ready state without a lock: per-bucket counts, count and sum.
+
+    ``observe`` is for one writer (the front's event loop); a reader on another thread may see a count
+    one behind its sum, which a scrape tolerates. prometheus-client's ``Histogram`` takes a lock and a
+    label lookup per observation; this is a ``bisect`` and three additions.
+    """
+
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float] = LATENCY_BUCKETS) -> None:
+        if list(bounds) != sorted(set(bounds)):
+            raise ValueError(f"histogram bounds must be strictly increasing, got {list(bounds)}")
+        self.bounds: tuple[float, ...] = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        """Per bucket (the last one is +Inf), observations that fell in it (not cumulative)."""
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """``(le, cumulative count)`` pairs ending with ``+Inf``, as ``HistogramMetricFamily`` takes them."""
+        out: list[tuple[str, float]] = []
+        total = 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), float(total)))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionLoad:
+    """What the collector reads of one (model, routing group) partition."""
+
+    model: str
+    routing_group: str
+    slots: SlotManager
+    """The partition's router's slot manager: active blocks, prefill tokens, requests per worker."""
+    workers: Sequence[WorkerKey] = field(default_factory=tuple)
+    """Its registered (worker_id, dp_rank) keys: each gets a load series even when idle."""
+
+
+def _key_labels(key: WorkerKey) -> list[str]:
+    return [str(key[0]), str(key[1])]
+
+
+class ServiceCollector(Collector):
+    """Builds every ``kvrouter_*`` family from live state at each scrape.
+
+    Args:
+        engine: the running engine whose control segment holds the appliers' and workers' counters.
+        partitions: called at scrape time; the partitions' loads (none before the first ``/register``).
+        front: called at scrape time; yields the front's own families (decisions, HTTP, overhead).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        partitions: Callable[[], Iterable[PartitionLoad]] = tuple,
+        front: Callable[[], Iterable[Metric]] = tuple,
+    ) -> None:
+        self.engine = engine
+        self.partitions = partitions
+        self.front = front
+        self._failed_once = False
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily("kvrouter_build_info", "kvrouter's version and Python's", labels=["version", "python"])
+        info.add_metric([__version__, platform.python_version()], 1.0)
+        yield info
+        try:
+            yield from self._engine_families()
+        except EngineError as exc:  # stopped (shutdown racing a scrape): the rest still answers
+            if not self._failed_once:
+                log.warning("metrics engine unreadable error=%s", exc)
+                self._failed_once = True
+        yield from self._load_families(list(self.partitions()))
+        yield from self.front()
+
+    # -- the appliers and the event plane (control segment) ---------------------------------------
+
+    def _engine_families(self) -> Iterator[Metric]:
+        shards = self.engine.stats()
+        workers = self.engine.workers()
+        now_ns = time.time_ns()
+        up = GaugeMetricFamily("kvrouter_shard_up", "1 when the shard's applier serves (status up)", labels=["shard"])
+        status = GaugeMetricFamily(
+            "kvrouter_shard_status", "The shard's status, one series per status set to 1", labels=["shard", "status"]
+        )
+        restarts = CounterMetricFamily("kvrouter_shard_restarts", "Applier restarts of the shard", labels=["shard"])
+        epoch = GaugeMetricFamily("kvrouter_shard_epoch", "Bumped with every new shard segment", labels=["shard"])
+        applied = CounterMetricFamily(
+            "kvrouter_kv_events", "Events the shard's applier took (applied or rejected)", labels=["shard"]
+        )
+        rejected = CounterMetricFamily(
+            "kvrouter_kv_events_rejected",
+            "Events and undecodable batches the appliers rejected, by error kind (EventError.kind)",
+            labels=["kind"],
+        )
+        age = GaugeMetricFamily(
+            "kvrouter_shard_last_event_age_seconds",
+            "Seconds since the shard last applied an event (absent before the first)",
+            labels=["shard"],
+        )
+        errors = dict.fromkeys(ERROR_KINDS, 0)
+        for shard in shards:
+            label = str(shard.shard)
+            up.add_metric([label], 1.0 if shard.status == "up" else 0.0)
+            for name in ("starting", "up", "recovering", "stopped"):
+                status.add_metric([label, name], 1.0 if shard.status == name else 0.0)
+            restarts.add_metric([label], shard.restarts)
+            epoch.add_metric([label], shard.epoch)
+            applied.add_metric([label], shard.events_applied)
+            if shard.last_event_ns:
+                age.add_metric([label], max(0.0, (now_ns - shard.last_event_ns) / 1e9))
+            for kind, count in shard.errors.items():
+                errors[kind] = errors.get(kind, 0) + count
+        for kind, count in errors.items():
+            rejected.add_metric([kind], count)
+        yield from (up, status, restarts, epoch, applied, rejected, age)
+
+        labels = ["worker_id", "dp_rank"]
+        cached = GaugeMetricFamily("kvrouter_worker_cached_blocks", "Device blocks the index holds", labels=labels)
+        gaps = CounterMetricFamily(
+            "kvrouter_kv_event_gaps",
+            "Sequence gaps in a worker's event stream, by outcome (detected = recovered + lost + in flight)",
+            labels=[*labels, "outcome"],
+        )
+        events = CounterMetricFamily(
+            "kvrouter_worker_kv_events", "Events applied from the worker's stream", labels=labels
+        )
+        bad_frames = CounterMetricFamily(
+            "kvrouter_worker_bad_frames", "Frames from the worker that did not decode", labels=labels
+        )
+        dropped = CounterMetricFamily(
+            "kvrouter_worker_dropped_blocks", "Blocks not indexed: another block size than registered", labels=labels
+        )
+        skipped = CounterMetricFamily(
+            "kvrouter_worker_skipped_events", "Events of another attention group, skipped", labels=labels
+        )
+        engine_restarts = CounterMetricFamily(
+            "kvrouter_worker_restarts", "Engine restarts seen in the stream (ids back to 0)", labels=labels
+        )
+        state = GaugeMetricFamily(
+            "kvrouter_worker_state",
+            "How far the index can be trusted for the worker, one series per state set to 1",
+            labels=[*labels, "state"],
+        )
+        stale = GaugeMetricFamily("kvrouter_worker_stale", "1 when nothing was heard for stale_after", labels=labels)
+        last = GaugeMetricFamily(
+            "kvrouter_worker_last_event_age_seconds",
+            "Seconds since the worker's last message (or its registration)",
+            labels=labels,
+        )
+        listeners = GaugeMetricFamily(
+            "kvrouter_listeners", "Followed (worker, dp_rank) streams by state", labels=["status"]
+        )
+        by_state = dict.fromkeys(WORKER_STATES.values(), 0)
+        for key, row in sorted(workers.items()):
+            values = _key_labels(key)
+            cached.add_metric(values, row.cached_blocks)
+            for outcome, count in zip(
+                GAP_OUTCOMES, (row.gaps_detected, row.gaps_recovered, row.gaps_lost), strict=True
+            ):
+                gaps.add_metric([*values, outcome], count)
+            events.add_metric(values, row.events)
+            bad_frames.add_metric(values, row.bad_frames)
+            dropped.add_metric(values, row.dropped_blocks)
+            skipped.add_metric(values, row.skipped_events)
+            engine_restarts.add_metric(values, row.restarts)
+            for name in WORKER_STATES.values():
+                state.add_metric([*values, name], 1.0 if row.state == name else 0.0)
+            stale.add_metric(values, 1.0 if row.stale else 0.0)
+            if row.last_event_ns:
+                last.add_metric(values, max(0.0, (now_ns - row.last_event_ns) / 1e9))
+            by_state[row.state] = by_state.get(row.state, 0) + 1
+        for name, count in by_state.items():
+            listeners.add_metric([name], count)
+        yield from (cached, gaps, events, bad_frames, dropped, skipped, engine_restarts, state, stale, last, listeners)
+
+    # -- the load the front booked (slot managers) --------------------------------------------
+
+    def _load_families(self, partitions: Sequence[PartitionLoad]) -> Iterator[Metric]:
+        labels = ["worker_id", "dp_rank"]
+        count = GaugeMetricFamily(
+            "kvrouter_workers", "Registered (worker, dp_rank) keys per partition", labels=["model", "routing_group"]
+        )
+        blocks = GaugeMetricFamily(
+            "kvrouter_worker_active_decode_blocks",
+            "Distinct KV blocks of the worker's active requests (a shared prefix counts once)",
+            labels=labels,
+        )
+        prefill = GaugeMetricFamily(
+            "kvrouter_worker_active_prefill_tokens",
+            "Prompt tokens of the worker's requests that have no first token yet",
+            labels=labels,
+        )
+        requests = GaugeMetricFamily(
+            "kvrouter_worker_active_requests", "Requests routed to the worker and not freed", labels=labels
+        )
+        for partition in partitions:
+            count.add_metric([partition.model, partition.routing_group], len(partition.workers))
+            slots = partition.slots
+            keys = dict.fromkeys(partition.workers)
+            keys.update(dict.fromkeys(slots.workers()))
+            for key in sorted(keys):
+                values = _key_labels(key)
+                blocks.add_metric(values, slots.active_blocks(key))
+                prefill.add_metric(values, slots.active_prefill_tokens(key))
+                requests.add_metric(values, slots.active_requests(key))
+        yield from (count, blocks, prefill, requests)
+
+
+def histogram(
+    name: str, documentation: str, series: Mapping[tuple[str, ...], Buckets], labels: Sequence[str]
+) -> Metric:
+    """A histogram family from :class:`Buckets` keyed by label values (``()`` for an unlabelled one)."""
+    family = HistogramMetricFamily(name, documentation, labels=list(labels))
+    for values, buckets in series.items():
+        family.add_metric(list(values), buckets.cumulative(), sum_value=buckets.sum)
+    return family
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The text exposition of every family in ``registry``."""
+    return generate_latest(registry)
+
+
+# -- the service: what install() reads ----------------------------------------------------------
+
+
+class Counters(Protocol):
+    """What the collector reads of ``Service.counters`` (``app.ServiceCounters``)."""
+
+    decisions: int
+    reservations: int
+    selections: dict[WorkerKey, int]
+    overlap_blocks: int
+    prompt_blocks: int
+    overloaded: int
+    no_worker: int
+    expired_reservations: int
+    decision_seconds: float
+    decision_buckets: list[int]
+    http_requests: dict[tuple[str, str], int]
+    http_errors: dict[tuple[str, str], int]
+    http_seconds: dict[tuple[str, str], float]
+
+
+class PartitionView(Protocol):
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def routing_group(self) -> str: ...
+    @property
+    def slots(self) -> SlotManager: ...
+    def worker_keys(self) -> list[WorkerKey]: ...
+
+
+class ServiceView(Protocol):
+    """What :func:`install` needs of a ``Service``."""
+
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def app(self) -> web.Application: ...
+    @property
+    def partitions(self) -> Mapping[tuple[str, str], PartitionView]: ...
+    @property
+    def counters(self) -> Counters: ...
+
+
+def front_families(counters: Counters, decision_bounds: Sequence[float]) -> Iterator[Metric]:
+    """The front's figures: decisions, selections per worker, hit-rate sums, refusals, decision latency,
+    HTTP requests / errors / time. Optional ``Buckets`` on the counters (``hit_rate``, and ``phases``:
+    phase -> Buckets) are exported when the service keeps them."""
+    decisions = CounterMetricFamily("kvrouter_decisions", "Routing decisions made (/select and reservations)")
+    decisions.add_metric([], counters.decisions)
+    reservations = CounterMetricFamily("kvrouter_reservations", "Decisions that booked load (/select_and_reserve)")
+    reservations.add_metric([], counters.reservations)
+    selections = CounterMetricFamily(
+        "kvrouter_selections", "Decisions per chosen worker", labels=["worker_id", "dp_rank"]
+    )
+    for key, count in sorted(counters.selections.items()):
+        selections.add_metric(_key_labels(key), count)
+    overlap = CounterMetricFamily(
+        "kvrouter_selected_overlap_blocks",
+        "Device blocks the chosen worker held of the prompt, summed over decisions (÷ prompt blocks = hit rate)",
+    )
+    overlap.add_metric([], counters.overlap_blocks)
+    prompt = CounterMetricFamily("kvrouter_prompt_blocks", "Full blocks of the routed prompts, summed")
+    prompt.add_metric([], counters.prompt_blocks)
+    refused = CounterMetricFamily(
+        "kvrouter_refused_requests", "Requests no worker was chosen for, by reason", labels=["reason"]
+    )
+    refused.add_metric(["overloaded"], counters.overloaded)
+    refused.add_metric(["no_worker"], counters.no_worker)
+    expired = CounterMetricFamily("kvrouter_expired_reservations", "Reservations dropped at expiry, never freed")
+    expired.add_metric([], counters.expired_reservations)
+    latency = HistogramMetricFamily(
+        "kvrouter_decision_seconds", "Time of one decision: index walk, costs and choice (Router.select)"
+    )
+    bounded = Buckets(decision_bounds)
+    bounded.counts = list(counters.decision_buckets)
+    latency.add_metric([], bounded.cumulative(), sum_value=counters.decision_seconds)
+    yield from (decisions, reservations, selections, overlap, prompt, refused, expired, latency)
+
+    requests = CounterMetricFamily("kvrouter_http_requests", "HTTP requests answered", labels=["endpoint", "method"])
+    seconds = SummaryMetricFamily(
+        "kvrouter_http_request_duration_seconds",
+        "Time from routing a request to its response, per route and method",
+        labels=["endpoint", "method"],
+    )
+    for route, count in sorted(counters.http_requests.items()):
+        requests.add_metric(list(route), count)
+        seconds.add_metric(list(route), count_value=count, sum_value=counters.http_seconds.get(route, 0.0))
+    errors = CounterMetricFamily(
+        "kvrouter_http_errors", "HTTP answers of status 400 and above", labels=["endpoint", "status_class"]
+    )
+    for route_class, count in sorted(counters.http_errors.items()):
+        errors.add_metric(list(route_class), count)
+    yield from (requests, seconds, errors)
+
+    hit_rate = getattr(counters, "hit_rate", None)
+    if isinstance(hit_rate, Buckets):
+        yield histogram(
+            "kvrouter_kv_hit_rate", "Predicted hit rate of the chosen worker per decision", {(): hit_rate}, []
+        )
+    phases = getattr(counters, "phases", None)
+    if isinstance(phases, Mapping):
+        series: dict[tuple[str, ...], Buckets] = {
+            (str(name),): b for name, b in phases.items() if isinstance(b, Buckets)
+        }
+        yield histogram("kvrouter_routing_overhead_seconds", "Time per phase of a /select", series, ["phase"])
+
+
+def install(service: ServiceView, *, decision_bounds: Sequence[float] | None = None) -> CollectorRegistry:
+    """Add ``GET /metrics`` to ``service.app`` (before it runs), on a registry of its own; returns it."""
+    if decision_bounds is None:
+        from .app import DECISION_BUCKETS
+
+        decision_bounds = DECISION_BUCKETS
+    bounds = tuple(decision_bounds)
+
+    def partitions() -> list[PartitionLoad]:
+        return [
+            PartitionLoad(p.model_name, p.routing_group, p.slots, tuple(p.worker_keys()))
+            for p in list(service.partitions.values())
+        ]
+
+    registry = CollectorRegistry()
+    registry.register(
+        ServiceCollector(service.engine, partitions=partitions, front=lambda: front_families(service.counters, bounds))
+    )
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    service.app.router.add_get("/metrics", metrics)
+    return registry

@@ -1,0 +1,45 @@
+"""``tools/bench_service.py --quick`` runs end to end: both servers route on the same events (the tool
+checks it before any clock runs), every point answers without an error, and the JSON carries both ratios.
+Speed is not asserted (speed claims are the tool's ratios from one run, not test conditions)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("dynamo._core", reason="the reference runtime comes with the anchors extra")
+if shutil.which("wrk") is None:
+    pytest.skip("wrk is not installed (tools/install_wrk.sh)", allow_module_level=True)
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_service.py"
+
+
+def test_quick_run_measures_both_servers_and_reports_both_ratios(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    process = subprocess.Popen(
+        [sys.executable, str(TOOL), "--quick", "--json", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=400)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stdout + stderr
+    figures: dict[str, Any] = json.loads(out.read_text())
+    assert set(figures["ratios"]) == {"select_throughput", "select_p99"}
+    assert all(value > 0 for value in figures["ratios"].values())
+    for side in ("reference", "kvrouter"):
+        points = figures["points"][side]
+        assert set(points) == {"1", "8", "64"}
+        assert all(p["requests"] > 0 and p["errors"] == 0 for p in points.values())
+    assert figures["shm_left"] == []

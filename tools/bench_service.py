@@ -1,0 +1,611 @@
+"""``/select`` over HTTP: kvrouter's service against the reference's selection service, same workers, events, prompts.
+
+    python tools/bench_service.py [--quick] [--seconds S] [--json FILE]
+
+Setup, once per run. This process binds one XPUB socket per worker (16), standing in for 16 vLLM engines'
+KV-event PUB sockets. Two servers start, each in its own process: the reference's selection service
+(``python -m dynamo.select_service``, ai-dynamo-runtime, its default 4 threads) and kvrouter's
+``Service`` (this file's ``_serve`` mode: ``Service(ServiceConfig(shards=1))`` with ``/metrics``
+installed, on uvloop when it is installed; the same object ``kvrouter up --mock-workers 0`` runs). Both
+get the same 16 workers (the reference through ``POST /workers`` with ``kv_events_endpoints``, kvrouter
+through ``POST /register``), both subscribe to the same sockets, and once every socket has read both
+subscriptions (XPUB_VERBOSE, so no frame is lost to the slow joiner) the same vLLM 0.33 map-encoded
+frames go out once, to both. The workload: 200 prompts of 1,024 token ids (64 blocks of 16), each one of
+8 shared 512-token system prompts plus 512 tokens of its own; prompt i's blocks are stored on worker
+i mod 16 for 80 % of the prompts (the rest match their system prompt only). Before any clock runs, both
+servers must answer ``/select`` for sample prompts with the stored worker's full overlap (1,024 tokens),
+so both are known to route on the same index content.
+
+Load: ``wrk`` (``tools/install_wrk.sh`` installs it from the system's packages), one thread, a Lua script
+cycling the 200 ``/select`` bodies (``{"model_name", "token_ids"}``, 5-6 KB each), at 1, 8 and 64
+connections for ``--seconds`` each, the two servers alternating point by point after a warm-up. wrk is
+C and its thread's CPU time is measured (``wait4`` rusage): it is reported beside each point, so a
+generator near one full core would show. Per point: requests/s, p50 and p99 latency (wrk's own
+histogram), server CPU per request (the server's process and children, from ``/proc``), errors.
+
+Where a kvrouter request's time goes: ``/metrics`` is scraped before and after the concurrency-8 point;
+the routing-overhead histogram's per-phase sums over the requests between give the mean time per phase
+(parse, hash, decide, serialise, as the service times them), beside the server CPU per request (the rest
+is aiohttp and the event loop).
+
+Ratios (> 1: kvrouter better), at concurrency 8: ``select_throughput`` = kvrouter ÷ reference requests/s,
+``select_p99`` = reference ÷ kvrouter p99. Goal ≥ 1 on both (issue 11). ``--quick`` is a smoke test for
+the test suite (32 prompts, 1 s points, no timing meaning). The default run takes about 2 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvrouter.events.codecs import vllm
+from kvrouter.events.codecs.frames import encode_live
+from kvrouter.events.model import EngineHash, EventBatch, LocalHash, Stored, StoredBlock
+from kvrouter.hashing import sequence_hashes_array
+from kvrouter.hashing.blocks import block_hashes_array
+
+WORKERS: Final = 16
+BLOCK: Final = 16
+PROMPT_TOKENS: Final = 1024
+PREFIX_TOKENS: Final = 512
+PREFIXES: Final = 8
+BODIES: Final = 200
+STORED_SHARE: Final = 0.8
+"""Prompts whose own blocks are stored on a worker; the rest match their system prompt only."""
+CONCURRENCY: Final = (1, 8, 64)
+RATIO_CONCURRENCY: Final = 8
+SECONDS: Final = 10.0
+WARMUP_SECONDS: Final = 3.0
+QUICK: Final = {"seconds": 1.0, "warmup": 0.5, "bodies": 32}
+MODEL: Final = "bench"
+VERIFY_SAMPLES: Final = 8
+START_TIMEOUT: Final = 120.0
+"""kvrouter's first start on a machine compiles numba kernels (tens of seconds on a small VM) [s]."""
+GOALS: Final = {"select_throughput": 1.0, "select_p99": 1.0}
+TOPIC: Final = b""
+SIDES: Final = ("reference", "kvrouter")
+SHM_LEFT: list[str] = []
+"""Segments the kvrouter server left in /dev/shm after it stopped (must stay empty)."""
+
+LUA: Final = """
+local bodies = {}
+for line in io.lines("%(bodies)s") do bodies[#bodies + 1] = line end
+local i = 0
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+request = function()
+  i = i %% #bodies + 1
+  return wrk.format(nil, "/select", nil, bodies[i])
+end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    "BENCH {\\"requests\\": %%d, \\"duration_us\\": %%d, \\"socket_errors\\": %%d, \\"non_2xx\\": %%d, "
+    .. "\\"p50_us\\": %%d, \\"p99_us\\": %%d, \\"mean_us\\": %%.1f}\\n",
+    summary.requests, summary.duration, e.connect + e.read + e.write + e.timeout, e.status,
+    latency:percentile(50), latency:percentile(99), latency.mean))
+end
+"""
+
+
+# -- the workload -------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    owner: list[int | None]
+    """Per prompt, the worker holding all of it (None: only its system prompt is stored anywhere)."""
+    frames: list[list[list[bytes]]]
+    """Per worker, its live frames ``[topic, seq, payload]`` in order."""
+    events: int
+
+
+def build_workload(bodies: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 150_000) for _ in range(PREFIX_TOKENS)] for _ in range(PREFIXES)]
+    prompts = [
+        prefixes[i % PREFIXES] + [rng.randrange(1, 150_000) for _ in range(PROMPT_TOKENS - PREFIX_TOKENS)]
+        for i in range(bodies)
+    ]
+    stored = set(rng.sample(range(bodies), int(bodies * STORED_SHARE)))
+    encoder = vllm.Encoder("map")
+    frames: list[list[list[bytes]]] = [[] for _ in range(WORKERS)]
+    events: list[list[Stored]] = [[] for _ in range(WORKERS)]
+    has_prefix: set[tuple[int, int]] = set()
+    owner: list[int | None] = []
+    for i, prompt in enumerate(prompts):
+        if i not in stored:
+            owner.append(None)
+            continue
+        worker = i % WORKERS
+        owner.append(worker)
+        local = block_hashes_array(prompt, BLOCK)
+        engine = sequence_hashes_array(local).tolist()  # engine hash = router sequence hash: unique per path
+        split = PREFIX_TOKENS // BLOCK
+        first = 0 if (worker, i % PREFIXES) not in has_prefix else split
+        has_prefix.add((worker, i % PREFIXES))
+        parent = None if first == 0 else EngineHash(engine[first - 1])
+        blocks = tuple(
+            StoredBlock(EngineHash(engine[j]), LocalHash(int(local[j])), tuple(prompt[j * BLOCK : (j + 1) * BLOCK]))
+            for j in range(first, len(local))
+        )
+        events[worker].append(Stored(worker, parent, blocks, event_id=len(events[worker])))
+    # the system prompts also sit on the workers that got none of their prompts (a realistic spread)
+    for worker in range(WORKERS):
+        for p in range(PREFIXES):
+            if (worker, p) in has_prefix or (worker + p) % 4:
+                continue
+            local = block_hashes_array(prefixes[p], BLOCK)
+            engine = sequence_hashes_array(local).tolist()
+            blocks = tuple(
+                StoredBlock(
+                    EngineHash(engine[j]), LocalHash(int(local[j])), tuple(prefixes[p][j * BLOCK : (j + 1) * BLOCK])
+                )
+                for j in range(len(local))
+            )
+            events[worker].append(Stored(worker, None, blocks, event_id=len(events[worker])))
+    for worker, stream in enumerate(events):
+        for seq, event in enumerate(stream):
+            payload = encoder.encode(EventBatch((event,), timestamp=time.time(), dp_rank=0))
+            frames[worker].append(encode_live(TOPIC, seq, payload))
+    return Workload(prompts, owner, frames, sum(len(s) for s in events))
+
+
+class Publishers:
+    """One XPUB per worker in this process: the engines' PUB sockets. Verbose, so every subscriber's
+    subscription is read, and frames go out only once both servers listen."""
+
+    def __init__(self, workers: int) -> None:
+        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sockets: list[zmq.Socket[bytes]] = []
+        try:
+            for _ in range(workers):
+                sock = self.context.socket(zmq.XPUB)
+                self.sockets.append(sock)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+                sock.setsockopt(zmq.SNDHWM, 100_000)
+                sock.bind("tcp://127.0.0.1:*")
+        except BaseException:
+            self.close()
+            raise
+        self.endpoints = [s.getsockopt_string(zmq.LAST_ENDPOINT) for s in self.sockets]
+
+    def wait_subscribed(self, subscribers: int, timeout: float) -> None:
+        poller = zmq.Poller()
+        for sock in self.sockets:
+            poller.register(sock, zmq.POLLIN)
+        seen = dict.fromkeys(self.sockets, 0)
+        deadline = time.monotonic() + timeout
+        while any(n < subscribers for n in seen.values()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                counts = sorted(seen.values())
+                raise SystemExit(f"bench_service: not every worker socket got {subscribers} subscriptions: {counts}")
+            for sock, _ in poller.poll(int(left * 1000) + 1):
+                if sock.recv()[:1] == b"\x01":
+                    seen[sock] += 1
+
+    def send(self, frames: list[list[list[bytes]]]) -> None:
+        for sock, stream in zip(self.sockets, frames, strict=True):
+            for message in stream:
+                sock.send_multipart(message)
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.context.term()
+
+
+# -- the servers --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def call(url: str, method: str = "GET", body: Any = None, timeout: float = 10.0) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read()
+            return response.status, json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            raw = exc.read()
+            return exc.code, json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+def wait_http(server: Server, path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.process.poll() is not None:
+            raise SystemExit(f"bench_service: {server.name} exited ({server.process.returncode}): {tail(server.log)}")
+        with contextlib.suppress(OSError):
+            if call(server.url + path, timeout=1.0)[0] == 200:
+                return
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"bench_service: {server.name} did not answer {path} within {timeout}s: {tail(server.log)}"
+            )
+        time.sleep(0.05)
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def start_reference(folder: Path) -> Server:
+    port = free_port()
+    log = folder / "reference.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "dynamo.select_service", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+        )
+    server = Server("reference", f"http://127.0.0.1:{port}", process, log)
+    wait_http(server, "/health", START_TIMEOUT)
+    return server
+
+
+def start_kvrouter(folder: Path) -> Server:
+    port = free_port()
+    log = folder / "kvrouter.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, __file__, "_serve", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT
+        )
+    server = Server("kvrouter", f"http://127.0.0.1:{port}", process, log)
+    wait_http(server, "/health", START_TIMEOUT)
+    return server
+
+
+def stop(server: Server) -> int:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+    try:
+        return server.process.wait(20)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        return server.process.wait()
+
+
+def register(server: Server, endpoints: Sequence[str]) -> None:
+    for worker, endpoint in enumerate(endpoints):
+        if server.name == "kvrouter":
+            status, answer = call(
+                server.url + "/register",
+                "POST",
+                {"instance_id": worker, "endpoint": endpoint, "model_name": MODEL, "block_size": BLOCK},
+            )
+        else:
+            status, answer = call(
+                server.url + "/workers",
+                "POST",
+                {
+                    "worker_id": worker,
+                    "model_name": MODEL,
+                    "endpoint": f"http://127.0.0.1:{9000 + worker}",
+                    "block_size": BLOCK,
+                    "kv_events_endpoints": {"0": endpoint},
+                },
+            )
+        if status not in (200, 201):
+            raise SystemExit(f"bench_service: {server.name} registering worker {worker}: {status} {answer}")
+
+
+def verify(server: Server, workload: Workload, timeout: float) -> None:
+    """Wait until ``/select`` of sample stored prompts names their owner with the whole prompt matched."""
+    samples = [i for i, owner in enumerate(workload.owner) if owner is not None][:VERIFY_SAMPLES]
+    deadline = time.monotonic() + timeout
+    while True:
+        wrong = []
+        for i in samples:
+            status, answer = call(
+                server.url + "/select", "POST", {"model_name": MODEL, "token_ids": workload.prompts[i]}
+            )
+            got = (
+                (answer.get("worker_id"), answer.get("overlap", {}).get("longest_matched")) if status == 200 else status
+            )
+            if got != (workload.owner[i], PROMPT_TOKENS):
+                wrong.append((i, workload.owner[i], got))
+        if not wrong:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"bench_service: {server.name} never routed on the events: (prompt, owner, got) {wrong[:4]}"
+            )
+        time.sleep(0.1)
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+def process_ticks(root: int) -> int:
+    """CPU clock ticks (user + system) of ``root`` and every live descendant, threads included."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        parents[int(entry)] = int(fields[1])
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])
+    family = {root}
+    grew = True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in family and pid not in family:
+                family.add(pid)
+                grew = True
+    return sum(ticks.get(pid, 0) for pid in family)
+
+
+def run_wrk(server: Server, script: Path, connections: int, seconds: float) -> dict[str, Any]:
+    command = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency", "-s", str(script)]
+    before = process_ticks(server.process.pid)
+    started = time.perf_counter()
+    process = subprocess.Popen([*command, server.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None
+    assert process.stderr is not None
+    _, code, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(code)
+    out, err = process.stdout.read().decode(), process.stderr.read().decode()
+    process.stdout.close()
+    process.stderr.close()
+    wall = time.perf_counter() - started
+    server_ticks = process_ticks(server.process.pid) - before
+    line = next((x for x in out.splitlines() if x.startswith("BENCH ")), None)
+    if process.returncode != 0 or line is None:
+        raise SystemExit(f"bench_service: wrk failed ({process.returncode}): {out}\n{err}")
+    figures: dict[str, Any] = json.loads(line[len("BENCH ") :])
+    requests = max(1, figures["requests"])
+    seconds_run = figures["duration_us"] / 1e6
+    return {
+        "connections": connections,
+        "requests": figures["requests"],
+        "rps": figures["requests"] / seconds_run,
+        "p50_ms": figures["p50_us"] / 1e3,
+        "p99_ms": figures["p99_us"] / 1e3,
+        "errors": figures["socket_errors"] + figures["non_2xx"],
+        "server_cpu_us": server_ticks / os.sysconf("SC_CLK_TCK") / requests * 1e6,
+        "wrk_cpu_share": (usage.ru_utime + usage.ru_stime) / wall,
+        "wrk_cpu_us": (usage.ru_utime + usage.ru_stime) / requests * 1e6,
+    }
+
+
+def scrape(server: Server) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = call(server.url + "/metrics")
+    if status != 200 or not isinstance(text, str):
+        return {}
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def phases(before: dict[Any, float], after: dict[Any, float]) -> dict[str, float]:
+    """Mean µs per phase between two scrapes of the routing-overhead histogram (and the HTTP handler)."""
+    out: dict[str, float] = {}
+    for (name, labels), value in after.items():
+        if name != "kvrouter_routing_overhead_seconds_sum":
+            continue
+        count_key = ("kvrouter_routing_overhead_seconds_count", labels)
+        count = after.get(count_key, 0.0) - before.get(count_key, 0.0)
+        if count > 0:
+            out[dict(labels).get("phase", "?")] = (value - before.get((name, labels), 0.0)) / count * 1e6
+    return out
+
+
+# -- kvrouter's side: the service in its own process ----------------------------------------------
+
+
+def serve(port: int, shards: int) -> int:
+    """``_serve``: kvrouter's Service with ``/metrics``, until SIGTERM/SIGINT."""
+    import asyncio
+
+    from kvrouter.service import metrics
+    from kvrouter.service.app import Service
+    from kvrouter.service.config import ServiceConfig
+
+    service = Service(ServiceConfig(port=port, shards=shards))
+    service.start()  # forks the appliers: before any loop or thread
+    metrics.install(service)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: service.stop())
+    try:
+        import uvloop
+
+        runner: Any = uvloop.run
+        loop_name = "uvloop"
+    except ImportError:
+        runner = asyncio.run
+        loop_name = "asyncio"
+    print(f"bench_service: kvrouter serving on port {port} ({loop_name}, {shards} shard)", flush=True)
+    runner(service.run())
+    return 0
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def servers(folder: Path, sides: Sequence[str]) -> Iterator[list[Server]]:
+    started: list[Server] = []
+    try:
+        for side in sides:
+            started.append(start_reference(folder) if side == "reference" else start_kvrouter(folder))
+        yield started
+    finally:
+        for server in reversed(started):
+            code = stop(server)
+            if server.name == "kvrouter" and code != 0:
+                print(f"bench_service: kvrouter exited {code}: {tail(server.log)}", file=sys.stderr)
+            if server.name == "kvrouter":
+                prefix = f"kvrouter-{server.process.pid}-"
+                SHM_LEFT.extend(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    workload = build_workload(args.bodies, args.seed)
+    bodies = folder / "bodies.jsonl"
+    bodies.write_text("".join(json.dumps({"model_name": MODEL, "token_ids": p}) + "\n" for p in workload.prompts))
+    script = folder / "select.lua"
+    script.write_text(LUA % {"bodies": bodies})
+    publishers = Publishers(WORKERS)
+    points: dict[str, dict[int, dict[str, Any]]] = {side: {} for side in args.sides}
+    breakdown: dict[str, float] = {}
+    try:
+        with servers(folder, args.sides) as started:
+            for server in started:
+                register(server, publishers.endpoints)
+            publishers.wait_subscribed(len(started), START_TIMEOUT)
+            publishers.send(workload.frames)
+            for server in started:
+                verify(server, workload, START_TIMEOUT)
+            for server in started:
+                run_wrk(server, script, RATIO_CONCURRENCY, args.warmup)
+            for connections in args.concurrency:
+                for server in started:
+                    ours = server.name == "kvrouter" and connections == RATIO_CONCURRENCY
+                    before = scrape(server) if ours else {}
+                    points[server.name][connections] = run_wrk(server, script, connections, args.seconds)
+                    if ours:
+                        breakdown = phases(before, scrape(server))
+    finally:
+        publishers.close()
+    ours, theirs = (points.get(side, {}).get(RATIO_CONCURRENCY) for side in ("kvrouter", "reference"))
+    ratios = {}
+    if ours and theirs:
+        ratios = {
+            "select_throughput": ours["rps"] / theirs["rps"],
+            "select_p99": theirs["p99_ms"] / ours["p99_ms"],
+        }
+    return {
+        "points": {name: {str(c): p for c, p in by_c.items()} for name, by_c in points.items()},
+        "phases_us": breakdown,
+        "ratios": ratios,
+        "goals": GOALS,
+        "ratio_basis": f"concurrency {RATIO_CONCURRENCY}, {WORKERS} workers, {PROMPT_TOKENS}-token prompts",
+        "workload": {"workers": WORKERS, "prompts": len(workload.prompts), "events": workload.events},
+        "generator": "wrk " + subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split()[1],
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    header = ("server", "conns", "req/s", "p50 ms", "p99 ms", "srv CPU µs/req", "wrk CPU", "errors")
+    print("{:<10} {:>5} {:>9} {:>8} {:>8} {:>15} {:>8} {:>6}".format(*header))
+    for name, by_c in result["points"].items():
+        for c, p in by_c.items():
+            print(
+                f"{name:<10} {c:>5} {p['rps']:>9.0f} {p['p50_ms']:>8.2f} {p['p99_ms']:>8.2f} "
+                f"{p['server_cpu_us']:>15.0f} {p['wrk_cpu_share']:>7.0%} {p['errors']:>6}"
+            )
+    if result["phases_us"]:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in result["phases_us"].items())
+        print(f"kvrouter time per /select at concurrency {RATIO_CONCURRENCY} (µs, mean): {parts}")
+    else:
+        print("kvrouter time per phase: the service exports no kvrouter_routing_overhead_seconds histogram")
+    if result["ratios"]:
+        print(f"ratios ({result['ratio_basis']}):")
+        for key, value in result["ratios"].items():
+            goal = result["goals"][key]
+            print(f"  {key:<18} {value:>6.2f}  goal ≥ {goal:g}: {'met' if value >= goal else 'not met'}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["_serve"]:
+        serving = argparse.ArgumentParser(prog="bench_service.py _serve")
+        serving.add_argument("--port", type=int, required=True)
+        serving.add_argument("--shards", type=int, default=1)
+        options = serving.parse_args(argv[1:])
+        return serve(options.port, options.shards)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--seconds", type=float, default=SECONDS, help="per measured point")
+    parser.add_argument("--warmup", type=float, default=WARMUP_SECONDS, help="per server, at concurrency 8")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    parser.add_argument("--bodies", type=int, default=BODIES, help="distinct prompts cycled")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--sides", nargs="+", choices=SIDES, default=list(SIDES), help="servers to measure (both for the ratios)"
+    )
+    parser.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK}")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    if RATIO_CONCURRENCY not in args.concurrency:
+        args.concurrency.append(RATIO_CONCURRENCY)
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_service-") as tmp:
+        result = run(args, Path(tmp))
+    result["machine"] = {
+        "cpu_count": os.cpu_count(),
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "python": sys.version.split()[0],
+        "seconds_per_point": args.seconds,
+        "wall_seconds": round(time.perf_counter() - started, 1),
+    }
+    print_table(result)
+    m = result["machine"]
+    print(
+        f"machine: {m['cpu_count']} CPUs; load average {m['loadavg_before']} before, {m['loadavg_after']} after; "
+        f"python {m['python']}; {args.seconds:g} s per point; {result['generator']}; {m['wall_seconds']:.0f} s"
+    )
+    result["shm_left"] = SHM_LEFT
+    print(f"shm: {'clean' if not SHM_LEFT else 'left behind: ' + ', '.join(SHM_LEFT)}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    errors = sum(p["errors"] for by_c in result["points"].values() for p in by_c.values())
+    return 1 if errors or SHM_LEFT else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,6 +44,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from numba.np.numpy_support import carray
 
 from ..hashing._xxh3 import chain_step
 from .layout import (
@@ -74,6 +75,19 @@ from .layout import (
 __all__ = [
     "ASK",
     "BLOCK_NOT_FOUND",
+    "CTX_ANSWER",
+    "CTX_BIT_KEYS",
+    "CTX_BIT_SLOTS",
+    "CTX_CONTROL",
+    "CTX_FOUND",
+    "CTX_KEYS",
+    "CTX_NWORDS",
+    "CTX_ROWS",
+    "CTX_SCRATCH",
+    "CTX_SHARDS",
+    "CTX_STATE",
+    "CTX_TABLES",
+    "CTX_WORK",
     "GENERATION",
     "INVALID_SEQUENCE",
     "MAX_READ_RETRIES",
@@ -98,6 +112,8 @@ __all__ = [
     "end_rows_change",
     "init_map",
     "lookup",
+    "match_shards",
+    "match_words",
     "overlap_shards",
     "query_shards",
     "read_rows",
@@ -839,6 +855,110 @@ def _walk_shard(
     return OK
 
 
+# -- the reader's context: every array a query touches, by address --------------------------
+
+CTX_SHARDS, CTX_ROWS, CTX_NWORDS = 0, 1, 2
+"""Context words: shards (0 once the reader closed: a query walks nothing), rows per shard, and the widest
+mask (words) of the tables the context names (the work buffers' size)."""
+CTX_CONTROL, CTX_STATE, CTX_BIT_KEYS, CTX_BIT_SLOTS, CTX_FOUND = 3, 5, 6, 7, 8
+"""Addresses of the control segment's words (its length follows it), and of the reader's ``state``
+(``[shards, 3]``), ``bit_keys`` and ``bit_slots`` (``shards * rows``) and ``found`` (``3 * TIERS * shards *
+rows``) arrays."""
+CTX_WORK, CTX_SCRATCH = 9, 11
+"""Address and length of the preallocated scores (``int64``) and walk scratch (``uint64``) buffers."""
+CTX_KEYS, CTX_ANSWER = 13, 14
+"""``id()`` of the reader's list of worker keys (``bit_keys`` indexes it) and of the one-item list the
+matching kernels put their answer dict in."""
+CTX_TABLES = 15
+"""Shard ``k``'s table: address at ``CTX_TABLES + 2 * k``, length in words after it."""
+
+
+def _pointer_typer(dtype: Any) -> Callable[[Any, Any], Any]:
+    def typer(typingctx: Any, address: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+        return types.CPointer(dtype)(types.int64), codegen  # type: ignore[no-untyped-call]
+
+    return typer
+
+
+_words_at = cast(Callable[[int], Any], intrinsic(_pointer_typer(types.uint64)))
+"""The ``uint64`` words at an address (for ``carray``): a table or the control segment, mapped by the
+reader, which keeps the mapping open while its address is in the context."""
+_counts_at = cast(Callable[[int], Any], intrinsic(_pointer_typer(types.int64)))
+"""The ``int64`` words at an address: one of the reader's own arrays."""
+
+_OBJECT = ir.IntType(8).as_pointer()
+"""``PyObject *`` as LLVM sees it."""
+
+
+def _c_api(builder: Any, name: str, result: Any, arguments: list[Any]) -> Any:
+    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, arguments), name)  # type: ignore[no-untyped-call]
+    return function
+
+
+def _dict_new_typer(typingctx: Any, size: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        new = _c_api(builder, "_PyDict_NewPresized", _OBJECT, [ir.IntType(64)])
+        return builder.ptrtoint(builder.call(new, [args[0]]), ir.IntType(64))
+
+    return types.int64(types.int64), codegen
+
+
+def _dict_set_typer(typingctx: Any, answer: Any, keys: Any, index: Any, value: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        get_item = _c_api(builder, "PyList_GetItem", _OBJECT, [_OBJECT, i64])
+        from_int = _c_api(builder, "PyLong_FromLongLong", _OBJECT, [i64])
+        set_item = _c_api(builder, "PyDict_SetItem", i32, [_OBJECT, _OBJECT, _OBJECT])
+        decref = _c_api(builder, "Py_DecRef", ir.VoidType(), [_OBJECT])
+        key = builder.call(get_item, [builder.inttoptr(args[1], _OBJECT), args[2]])  # borrowed
+        number = builder.call(from_int, [args[3]])  # new reference, NULL when out of memory
+        status = cgutils.alloca_once_value(builder, i32(-1))  # type: ignore[no-untyped-call]
+        fine = builder.and_(cgutils.is_not_null(builder, key), cgutils.is_not_null(builder, number))  # type: ignore[no-untyped-call]
+        with builder.if_then(fine, likely=True):
+            builder.store(builder.call(set_item, [builder.inttoptr(args[0], _OBJECT), key, number]), status)
+        with builder.if_then(cgutils.is_not_null(builder, number), likely=True):  # type: ignore[no-untyped-call]
+            builder.call(decref, [number])  # the dict holds its own reference
+        return builder.sext(builder.load(status), i64)
+
+    return types.int64(types.int64, types.int64, types.int64, types.int64), codegen
+
+
+def _dict_put_typer(typingctx: Any, holder: Any, answer: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        set_item = _c_api(builder, "PyList_SetItem", ir.IntType(32), [_OBJECT, ir.IntType(64), _OBJECT])
+        holder_, answer_ = builder.inttoptr(args[0], _OBJECT), builder.inttoptr(args[1], _OBJECT)
+        return builder.sext(builder.call(set_item, [holder_, ir.IntType(64)(0), answer_]), ir.IntType(64))
+
+    return types.int64(types.int64, types.int64), codegen
+
+
+def _dict_drop_typer(typingctx: Any, answer: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        builder.call(_c_api(builder, "PyErr_Clear", ir.VoidType(), []), [])
+        builder.call(_c_api(builder, "Py_DecRef", ir.VoidType(), [_OBJECT]), [builder.inttoptr(args[0], _OBJECT)])
+        return context.get_dummy_value()
+
+    return types.none(types.int64), codegen
+
+
+_dict_new = cast(Callable[[int], int], intrinsic(_dict_new_typer))
+"""A new dict with room for ``size`` items (``_PyDict_NewPresized``): its address, 0 when out of memory."""
+_dict_set = cast(Callable[[int, int, int, int], int], intrinsic(_dict_set_typer))
+"""``answer[keys[index]] = value`` on a dict and a list given by address; 0, or -1 on failure."""
+_dict_put = cast(Callable[[int, int], int], intrinsic(_dict_put_typer))
+"""``holder[0] = answer``, the dict's reference moving into the list; 0, or -1 on failure."""
+_dict_drop = cast(Callable[[int], None], intrinsic(_dict_drop_typer))
+"""Forget a failed dict build: clear the Python error, release the dict."""
+
+
+@_inlined
+def _table(ctx: Meta, at: int) -> Table:
+    return carray(_words_at(ctx[at]), (ctx[at + 1],))
+
+
 @_inlined
 def _scores(table: Table, ntiers: int, work: Counts) -> Counts:
     """``work``'s head viewed as ``[ntiers, bits]`` for the table's mask width."""
@@ -847,46 +967,35 @@ def _scores(table: Table, ntiers: int, work: Counts) -> Counts:
 
 
 @_inlined
-def _buffers(tables: tuple[Table, ...], local: npt.NDArray[np.uint64], ntiers: int) -> tuple[Counts, Table]:
-    """Scores and ``walk``'s scratch for any of ``tables``: sized for the widest mask, so small (a large
-    allocation is a ``mmap`` and ``munmap`` per call)."""
-    nwords = 0
-    for table in tables:
-        nwords = max(nwords, _i64(table[H_NWORDS]))
-    return np.empty(ntiers * nwords * 64, dtype=np.int64), np.empty(
-        2 * ntiers * nwords + 1 + local.size, dtype=np.uint64
-    )
+def _buffers(ctx: Meta, n: int, ntiers: int) -> tuple[Counts, Table]:
+    """Scores and ``walk``'s scratch: the reader's, unless the query is longer than its scratch holds
+    (then allocated for this call)."""
+    nwords = ctx[CTX_NWORDS]
+    work = carray(_counts_at(ctx[CTX_WORK]), (ctx[CTX_WORK + 1],))
+    scratch = carray(_words_at(ctx[CTX_SCRATCH]), (ctx[CTX_SCRATCH + 1],))
+    if work.size < ntiers * nwords * 64:
+        work = np.empty(ntiers * nwords * 64, dtype=np.int64)
+    if scratch.size < 2 * ntiers * nwords + 1 + n:
+        scratch = np.empty(2 * ntiers * nwords + 1 + n, dtype=np.uint64)
+    return work, scratch
 
 
-@_kernel
-def query_shards(
-    tables: tuple[Table, ...],
-    control: Table,
-    local: npt.NDArray[np.uint64],
-    ntiers: int,
-    state: Counts,
-    bit_keys: Counts,
-    found: Counts,
-) -> int:
-    """``walk`` every shard whose ``state[k, ASK]`` is set, in one call, with the answer in ``found``: per
-    worker and tier holding a block, its key (``bit_keys[k * rows + bit]``, the caller's number for the
-    worker of shard ``k``'s row ``bit``; bits with -1 are skipped), then the depths, then the tiers, each
-    run ``n`` long: ``found[:n]`` keys, ``found[n:2n]`` depths, ``found[2n:3n]`` tiers.
-
-    ``tables`` are the shards' tables (an empty header for a shard without one), ``control`` the control
-    segment's words, ``state[k, GENERATION]`` the rows generation ``bit_keys`` was read at (``read_rows``).
-    ``state[k, STATUS]`` gets ``OK`` or the shard's failure (``_walk_shard``); a failed shard adds nothing.
-    ``found`` holds at least ``3 * ntiers * rows`` words per shard. Returns ``n`` when every asked shard
-    answered, else ``-1 - n``.
-    """
-    rows = _i64(control[C_ROWS])
-    cap = found.size // 3
-    work, scratch = _buffers(tables, local, ntiers)
+@_inlined
+def _query(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int) -> int:
+    """``query_shards``' body, inlined into each kernel that answers ``find_matches``."""
+    shards, rows = ctx[CTX_SHARDS], ctx[CTX_ROWS]
+    control = _table(ctx, CTX_CONTROL)
+    state = carray(_counts_at(ctx[CTX_STATE]), (max(shards, 1), 3))
+    bit_keys = carray(_counts_at(ctx[CTX_BIT_KEYS]), (shards * rows,))
+    cap = TIERS * shards * rows
+    found = carray(_counts_at(ctx[CTX_FOUND]), (3 * cap,))
+    work, scratch = _buffers(ctx, local.size, ntiers)
     count = 0
     failed = False
-    for shard, table in enumerate(tables):  # hot path: one walk per shard, no Python step between
+    for shard in range(shards):  # hot path: one walk per shard, no Python step between
         if state[shard, ASK] == 0:
             continue
+        table = _table(ctx, CTX_TABLES + 2 * shard)
         scores = _scores(table, ntiers, work)
         code = _walk_shard(table, control, shard, local, ntiers, state[shard, GENERATION], scores, scratch)
         state[shard, STATUS] = code
@@ -908,24 +1017,75 @@ def query_shards(
 
 
 @_kernel
-def overlap_shards(
-    tables: tuple[Table, ...],
-    control: Table,
-    local: npt.NDArray[np.uint64],
-    ntiers: int,
-    state: Counts,
-    bit_slots: Counts,
-    out: Counts,
-) -> int:
+def query_shards(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int) -> int:
+    """``walk`` every shard whose ``state[k, ASK]`` is set, in one call, with the answer in ``found``: per
+    worker and tier holding a block, its key (``bit_keys[k * rows + bit]``, the caller's number for the
+    worker of shard ``k``'s row ``bit``; bits with -1 are skipped), then the depths, then the tiers, each
+    run ``n`` long: ``found[:n]`` keys, ``found[n:2n]`` depths, ``found[2n:3n]`` tiers.
+
+    ``ctx`` is the reader's context (``CTX_*``): the tables, the control segment's words, and the reader's
+    arrays, by address; ``state[k, GENERATION]`` is the rows generation ``bit_keys`` was read at
+    (``read_rows``). ``state[k, STATUS]`` gets ``OK`` or the shard's failure (``_walk_shard``); a failed
+    shard adds nothing. Returns ``n`` when every asked shard answered, else ``-1 - n``.
+    """
+    return _query(ctx, local, ntiers)
+
+
+@_inlined
+def _match(ctx: Meta, local: npt.NDArray[np.uint64]) -> int:
+    """``query_shards`` on device, and when every shard answered, the answer as a dict
+    ``{keys[found[i]]: found[n + i]}`` put in the reader's answer list. A dict that could not be built
+    (out of memory) is reported as a failed query, which the reader builds again from ``found``."""
+    count = _query(ctx, local, 1)
+    if count < 0:
+        return count
+    answer = _dict_new(count)
+    if answer == 0:
+        _dict_drop(answer)
+        return -1 - count
+    found, keys = carray(_counts_at(ctx[CTX_FOUND]), (2 * count,)), ctx[CTX_KEYS]
+    for i in range(count):
+        if _dict_set(answer, keys, found[i], found[count + i]) != 0:
+            _dict_drop(answer)
+            return -1 - count
+    if _dict_put(ctx[CTX_ANSWER], answer) != 0:
+        _dict_drop(0)
+        return -1 - count
+    return count
+
+
+_holds_gil = cast(Callable[[_F], _F], njit(cache=True))
+"""The matching kernels call the CPython API, so they keep the GIL (they are not ``nogil``)."""
+
+
+@_holds_gil
+def match_shards(ctx: Meta, local: npt.NDArray[np.uint64]) -> int:
+    """``find_matches`` in one call: ``_match`` for a ``uint64`` array."""
+    return _match(ctx, local)
+
+
+@_holds_gil
+def match_words(ctx: Meta, address: int, n: int) -> int:
+    """``find_matches`` in one call: ``_match`` for ``n`` ``uint64`` words at ``address`` (an ``array``'s
+    buffer, which the caller keeps alive): no numpy array is made for the query."""
+    return _match(ctx, carray(_words_at(address), (n,)))
+
+
+@_kernel
+def overlap_shards(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int, out: Counts) -> int:
     """``query_shards`` with the answer dense: ``out[tier, bit_slots[k * rows + bit]] = depth`` for every bit
     of an asked shard that holds a block (bits whose slot is -1 skipped); ``out`` is ``[ntiers, slots]``,
     zeroed by the caller. Returns how many asked shards failed (their status says why)."""
-    rows = _i64(control[C_ROWS])
-    work, scratch = _buffers(tables, local, ntiers)
+    shards, rows = ctx[CTX_SHARDS], ctx[CTX_ROWS]
+    control = _table(ctx, CTX_CONTROL)
+    state = carray(_counts_at(ctx[CTX_STATE]), (max(shards, 1), 3))
+    bit_slots = carray(_counts_at(ctx[CTX_BIT_SLOTS]), (shards * rows,))
+    work, scratch = _buffers(ctx, local.size, ntiers)
     failed = 0
-    for shard, table in enumerate(tables):  # hot path: one walk per shard, no Python step between
+    for shard in range(shards):  # hot path: one walk per shard, no Python step between
         if state[shard, ASK] == 0:
             continue
+        table = _table(ctx, CTX_TABLES + 2 * shard)
         scores = _scores(table, ntiers, work)
         code = _walk_shard(table, control, shard, local, ntiers, state[shard, GENERATION], scores, scratch)
         state[shard, STATUS] = code

@@ -3,7 +3,12 @@
 Everything here runs once per block, so it is numba, over arrays laid out by ``layout.py``
 (``docs/shm-engine.md``). Rules that hold for every function in this file:
 
-- numpy arrays in; scalars or preallocated arrays out; no Python objects, no logging;
+- numpy arrays in; scalars or preallocated arrays out; no Python objects, no logging. Two exceptions,
+  both on the read side: the query kernels take the reader's context (``CTX_*``), an ``int64`` array of
+  the addresses of the tables, the control segment and the reader's buffers, rebuilt here with
+  ``carray`` (numba dispatches read-only ``memoryview`` arrays, and tuples of them, on its slow path:
+  1.1-1.3 µs a call against 0.4); and ``match_words`` / ``match_shards`` build ``find_matches``' dict
+  through the CPython API (``_dict_new`` / ``_dict_set`` / ``_dict_put``), so they hold the GIL;
 - integers taken from u64 words become ``np.int64`` explicitly: numba keeps ``int(u64)`` unsigned, and
   a u64 unified with a signed value (a ``-1`` "absent") silently becomes float64;
 - no allocation inside a per-block loop;
@@ -82,6 +87,7 @@ __all__ = [
     "CTX_FOUND",
     "CTX_KEYS",
     "CTX_NWORDS",
+    "CTX_QUERY",
     "CTX_ROWS",
     "CTX_SCRATCH",
     "CTX_SHARDS",
@@ -90,6 +96,7 @@ __all__ = [
     "CTX_WORK",
     "GENERATION",
     "INVALID_SEQUENCE",
+    "LIST_REFUSED",
     "MAX_READ_RETRIES",
     "MAX_STUCK_READS",
     "NEED_ROOM",
@@ -112,6 +119,7 @@ __all__ = [
     "end_rows_change",
     "init_map",
     "lookup",
+    "match_list",
     "match_shards",
     "match_words",
     "overlap_shards",
@@ -869,8 +877,13 @@ CTX_WORK, CTX_SCRATCH = 9, 11
 CTX_KEYS, CTX_ANSWER = 13, 14
 """``id()`` of the reader's list of worker keys (``bit_keys`` indexes it) and of the one-item list the
 matching kernels put their answer dict in."""
-CTX_TABLES = 15
+CTX_QUERY = 15
+"""Address and length of the reader's query buffer (``uint64``), where ``match_list`` converts a list."""
+CTX_TABLES = 17
 """Shard ``k``'s table: address at ``CTX_TABLES + 2 * k``, length in words after it."""
+LIST_REFUSED: Final = -(1 << 62)
+"""``match_list``'s answer for a list it did not convert (an item not an int in [0, 2**64), or more items
+than the query buffer holds): the caller converts it itself (and raises)."""
 
 
 def _pointer_typer(dtype: Any) -> Callable[[Any, Any], Any]:
@@ -944,6 +957,37 @@ def _dict_drop_typer(typingctx: Any, answer: Any) -> Any:
     return types.none(types.int64), codegen
 
 
+def _list_words_typer(typingctx: Any, items: Any, dest: Any, room: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64 = ir.IntType(64)
+        size = _c_api(builder, "PyList_Size", i64, [_OBJECT])
+        get_item = _c_api(builder, "PyList_GetItem", _OBJECT, [_OBJECT, i64])
+        as_word = _c_api(builder, "PyLong_AsUnsignedLong", i64, [_OBJECT])
+        occurred = _c_api(builder, "PyErr_Occurred", _OBJECT, [])
+        clear = _c_api(builder, "PyErr_Clear", ir.VoidType(), [])
+        items_ = builder.inttoptr(args[0], _OBJECT)
+        words = builder.inttoptr(args[1], i64.as_pointer())
+        n = builder.call(size, [items_])
+        result = cgutils.alloca_once_value(builder, i64(LIST_REFUSED))  # type: ignore[no-untyped-call]
+        with builder.if_then(builder.icmp_signed("<=", n, args[2]), likely=True):
+            with cgutils.for_range(builder, n) as loop:
+                item = builder.call(get_item, [items_, loop.index])  # borrowed; the list cannot change under the GIL
+                builder.store(builder.call(as_word, [item]), builder.gep(words, [loop.index]))
+            failed = cgutils.is_not_null(builder, builder.call(occurred, []))  # type: ignore[no-untyped-call]
+            with builder.if_else(failed, likely=False) as (then, otherwise):
+                with then:
+                    builder.call(clear, [])  # the caller converts again and raises InvalidHashInput
+                with otherwise:
+                    builder.store(n, result)
+        return builder.load(result)
+
+    return types.int64(types.int64, types.int64, types.int64), codegen
+
+
+_list_words = cast(Callable[[int, int, int], int], intrinsic(_list_words_typer))
+"""Convert a Python list of ints (by address) into ``room`` u64 words at ``dest``, as ``array('L')`` does
+(``PyLong_AsUnsignedLong``: an int in [0, 2**64), no ``__index__``): the count, or ``LIST_REFUSED``.
+Every item is converted before the one error check, so a bad item anywhere refuses the list."""
 _dict_new = cast(Callable[[int], int], intrinsic(_dict_new_typer))
 """A new dict with room for ``size`` items (``_PyDict_NewPresized``): its address, 0 when out of memory."""
 _dict_set = cast(Callable[[int, int, int, int], int], intrinsic(_dict_set_typer))
@@ -1069,6 +1113,17 @@ def match_words(ctx: Meta, address: int, n: int) -> int:
     """``find_matches`` in one call: ``_match`` for ``n`` ``uint64`` words at ``address`` (an ``array``'s
     buffer, which the caller keeps alive): no numpy array is made for the query."""
     return _match(ctx, carray(_words_at(address), (n,)))
+
+
+@_holds_gil
+def match_list(ctx: Meta, items: int) -> int:
+    """``find_matches`` in one call from the list whose ``id()`` is ``items``: converted into the reader's
+    query buffer here (no ``array`` or numpy array made), then ``_match``. ``LIST_REFUSED`` when the list
+    is too long for the buffer or holds an item that is not a u64 int."""
+    n = _list_words(items, ctx[CTX_QUERY], ctx[CTX_QUERY + 1])
+    if n < 0:
+        return LIST_REFUSED
+    return _match(ctx, carray(_words_at(ctx[CTX_QUERY]), (n,)))
 
 
 @_kernel

@@ -1,13 +1,20 @@
 """``IndexReader``: overlap queries over every shard, from any process, without a lock or a message.
 
 A reader maps the control segment and each shard's current segment read-only, and answers a query with
-one compiled call over every shard (``kernels.query_shards``, or ``overlap_shards`` for the dense
-answer): the query's local hashes go in once as a ``uint64`` array, each shard's walk is checked against
-the shard's epoch and rows generation, and the answer comes back in preallocated arrays that the
-reader turns into a dict in one step (``dict(zip(...))`` of two lists), or not at all (``overlaps``).
-The rejected alternative, one compiled call per shard returning an array of ``[tier, worker, rank,
-depth]`` rows and a Python loop building the dict, spent 10-20 µs a 64-block query at 16 workers around
-a 4 µs walk: array boxing and per-call dispatch, a tuple per worker, the list conversion.
+one compiled call over every shard (``kernels.match_words`` for a list, ``match_shards`` for an array,
+``overlap_shards`` for the dense answer). The kernels get one ``int64`` context array of addresses
+(``kernels.CTX_*``: the tables, the control segment, the reader's state, bit maps and preallocated
+buffers), so a call is dispatched in about 0.4 µs: numba types a read-only array over a ``memoryview``,
+and a tuple of them, on its slow path (1.1-1.3 µs a call). The reader keeps every mapping whose address
+is in the context open: a remap puts the new address in, then closes the old segment. A list of local
+hashes goes in as the address of an ``array('L')`` (no numpy array made for it); each shard's walk is
+checked against the shard's epoch and rows generation, and ``find_matches``' dict is built inside the
+kernel (``PyDict_SetItem`` of the reader's worker-key tuples) and handed back through ``_answer``.
+The rejected alternatives: one compiled call per shard returning ``[tier, worker, rank, depth]`` rows and
+a Python loop building the dict (10-20 µs a 64-block query at 16 workers around a 4 µs walk), then one
+call writing ``(key, depth)`` into an array and ``dict(zip(map(keys.__getitem__, ...)))`` in Python (2-6 µs
+for 15-45 workers, as much as the walk). ``find_matches_by_tier`` and the retry path still build their
+dicts in Python from ``found``.
 
 Which worker a mask bit names is read once per rows generation, not per query: the reader copies a
 shard's worker rows (``kernels.read_rows``, between two equal reads of the generation) into a bit map
@@ -98,6 +105,8 @@ class IndexReader:
         nwords = -(-rows // 64)
         self._work = np.empty(TIERS * nwords * 64, dtype=np.int64)
         self._scratch = np.empty(2 * TIERS * nwords + 1 + SCRATCH_BLOCKS, dtype=np.uint64)
+        self._query = np.empty(SCRATCH_BLOCKS, dtype=np.uint64)
+        """Where ``match_list`` converts a list query."""
         self._nwords = [0] * shards
         """Per shard, the mask words of its mapped table (0 before the first)."""
         self._ctx = np.zeros(kernels.CTX_TABLES + 2 * shards, dtype=np.int64)
@@ -116,6 +125,7 @@ class IndexReader:
         ctx[kernels.CTX_WORK], ctx[kernels.CTX_WORK + 1] = self._work.ctypes.data, self._work.size
         ctx[kernels.CTX_SCRATCH], ctx[kernels.CTX_SCRATCH + 1] = self._scratch.ctypes.data, self._scratch.size
         ctx[kernels.CTX_KEYS], ctx[kernels.CTX_ANSWER] = id(self._keys), id(self._answer)
+        ctx[kernels.CTX_QUERY], ctx[kernels.CTX_QUERY + 1] = self._query.ctypes.data, self._query.size
         for shard in range(shards):
             self._set_table(shard, self._no_table)
         self._torn: set[int] = set()
@@ -126,26 +136,26 @@ class IndexReader:
 
     def find_matches(self, local_hashes: Sequence[int], early_exit: bool = False) -> dict[WorkerKey, int]:
         """Per worker, the leading query blocks it holds on device. ``early_exit`` never changes the answer."""
-        if type(local_hashes) is list:  # hot path: one conversion, one compiled call that builds the dict
-            words = local_hash_words(local_hashes)
-            address, n = words.buffer_info()
-            if n == 0:
+        if type(local_hashes) is list:  # hot path: one compiled call converts, walks and builds the dict
+            if not local_hashes:
                 return {}
-            count = kernels.match_words(self._ctx, address, n)
-            if count >= 0:
-                if self._torn:
-                    self._torn.clear()
-                return self._answer[0]
-            local = np.frombuffer(words, dtype=np.uint64)
+            count = kernels.match_list(self._ctx, id(local_hashes))
+            if count == kernels.LIST_REFUSED:  # too long for the query buffer, or not all u64 ints (raises)
+                words = local_hash_words(local_hashes)
+                address, n = words.buffer_info()
+                count = kernels.match_words(self._ctx, address, n)
+                local = np.frombuffer(words, dtype=np.uint64)
+            elif count < 0:
+                local = self._query[: len(local_hashes)].copy()
         else:
             local = local_hash_array(local_hashes)
             if local.size == 0:
                 return {}
             count = kernels.match_shards(self._ctx, local)
-            if count >= 0:
-                if self._torn:
-                    self._torn.clear()
-                return self._answer[0]
+        if count >= 0:
+            if self._torn:
+                self._torn.clear()
+            return self._answer[0]
         keys, depths, _ = self._query_again(local, 1, count)
         return dict(zip(keys, depths, strict=True))
 

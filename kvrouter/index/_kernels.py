@@ -40,6 +40,7 @@ is the count of 1). A holder is ``bit * TIERS + tier``: one worker in one tier o
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any, Final, TypeVar, cast
 
@@ -86,6 +87,7 @@ __all__ = [
     "CTX_CONTROL",
     "CTX_FOUND",
     "CTX_KEYS",
+    "CTX_KEY_HASHES",
     "CTX_NWORDS",
     "CTX_QUERY",
     "CTX_ROWS",
@@ -894,7 +896,9 @@ CTX_KEYS, CTX_ANSWER = 13, 14
 matching kernels put their answer dict in."""
 CTX_QUERY = 15
 """Address and length of the reader's query buffer (``uint64``), where ``match_list`` converts a list."""
-CTX_TABLES = 17
+CTX_KEY_HASHES = 17
+"""Address of the reader's ``hash()`` of each worker key (``int64``, beside ``CTX_KEYS``' list)."""
+CTX_TABLES = 18
 """Shard ``k``'s table: address at ``CTX_TABLES + 2 * k``, length in words after it."""
 LIST_REFUSED: Final = -(1 << 62)
 """``match_list``'s answer for a list it did not convert (an item not an int in [0, 2**64), or more items
@@ -926,32 +930,46 @@ def _c_api(builder: Any, name: str, result: Any, arguments: list[Any]) -> Any:
     return function
 
 
+_PRESIZED = hasattr(ctypes.pythonapi, "_PyDict_NewPresized")
+_KNOWN_HASH = hasattr(ctypes.pythonapi, "_PyDict_SetItem_KnownHash")
+"""CPython's private dict constructors (exported in 3.11 and 3.12): a dict sized for its answer, and an
+insert that takes the key's hash (the reader's, computed once per rows generation) instead of hashing
+the tuple, its ints and their cache lines per query. Where an interpreter lacks them the public
+``PyDict_New`` and ``PyDict_SetItem`` stand in."""
+
+
 def _dict_new_typer(typingctx: Any, size: Any) -> Any:
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        new = _c_api(builder, "_PyDict_NewPresized", _OBJECT, [ir.IntType(64)])
-        return builder.ptrtoint(builder.call(new, [args[0]]), ir.IntType(64))
+        if _PRESIZED:
+            new = _c_api(builder, "_PyDict_NewPresized", _OBJECT, [ir.IntType(64)])
+            return builder.ptrtoint(builder.call(new, [args[0]]), ir.IntType(64))
+        return builder.ptrtoint(builder.call(_c_api(builder, "PyDict_New", _OBJECT, []), []), ir.IntType(64))
 
     return types.int64(types.int64), codegen
 
 
-def _dict_set_typer(typingctx: Any, answer: Any, keys: Any, index: Any, value: Any) -> Any:
+def _dict_set_typer(typingctx: Any, answer: Any, keys: Any, index: Any, value: Any, hashed: Any) -> Any:
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         i64, i32 = ir.IntType(64), ir.IntType(32)
         get_item = _c_api(builder, "PyList_GetItem", _OBJECT, [_OBJECT, i64])
         from_int = _c_api(builder, "PyLong_FromLongLong", _OBJECT, [i64])
-        set_item = _c_api(builder, "PyDict_SetItem", i32, [_OBJECT, _OBJECT, _OBJECT])
+        if _KNOWN_HASH:
+            set_item = _c_api(builder, "_PyDict_SetItem_KnownHash", i32, [_OBJECT, _OBJECT, _OBJECT, i64])
+            hashed_ = [args[4]]
+        else:
+            set_item, hashed_ = _c_api(builder, "PyDict_SetItem", i32, [_OBJECT, _OBJECT, _OBJECT]), []
         decref = _c_api(builder, "Py_DecRef", ir.VoidType(), [_OBJECT])
         key = builder.call(get_item, [builder.inttoptr(args[1], _OBJECT), args[2]])  # borrowed
         number = builder.call(from_int, [args[3]])  # new reference, NULL when out of memory
         status = cgutils.alloca_once_value(builder, i32(-1))  # type: ignore[no-untyped-call]
         fine = builder.and_(cgutils.is_not_null(builder, key), cgutils.is_not_null(builder, number))  # type: ignore[no-untyped-call]
         with builder.if_then(fine, likely=True):
-            builder.store(builder.call(set_item, [builder.inttoptr(args[0], _OBJECT), key, number]), status)
+            builder.store(builder.call(set_item, [builder.inttoptr(args[0], _OBJECT), key, number, *hashed_]), status)
         with builder.if_then(cgutils.is_not_null(builder, number), likely=True):  # type: ignore[no-untyped-call]
             builder.call(decref, [number])  # the dict holds its own reference
         return builder.sext(builder.load(status), i64)
 
-    return types.int64(types.int64, types.int64, types.int64, types.int64), codegen
+    return types.int64(types.int64, types.int64, types.int64, types.int64, types.int64), codegen
 
 
 def _dict_put_typer(typingctx: Any, holder: Any, answer: Any) -> Any:
@@ -1005,8 +1023,9 @@ _list_words = cast(Callable[[int, int, int], int], intrinsic(_list_words_typer))
 Every item is converted before the one error check, so a bad item anywhere refuses the list."""
 _dict_new = cast(Callable[[int], int], intrinsic(_dict_new_typer))
 """A new dict with room for ``size`` items (``_PyDict_NewPresized``): its address, 0 when out of memory."""
-_dict_set = cast(Callable[[int, int, int, int], int], intrinsic(_dict_set_typer))
-"""``answer[keys[index]] = value`` on a dict and a list given by address; 0, or -1 on failure."""
+_dict_set = cast(Callable[[int, int, int, int, int], int], intrinsic(_dict_set_typer))
+"""``answer[keys[index]] = value`` on a dict and a list given by address, the key's ``hash()`` given;
+0, or -1 on failure."""
 _dict_put = cast(Callable[[int, int], int], intrinsic(_dict_put_typer))
 """``holder[0] = answer``, the dict's reference moving into the list; 0, or -1 on failure."""
 _dict_drop = cast(Callable[[int], None], intrinsic(_dict_drop_typer))
@@ -1103,8 +1122,9 @@ def _match(ctx: Meta, local: npt.NDArray[np.uint64]) -> int:
         _dict_drop(answer)
         return -1 - count
     found, keys = carray(_counts_at(ctx[CTX_FOUND]), (2 * count,)), ctx[CTX_KEYS]
+    hashes = carray(_counts_at(ctx[CTX_KEY_HASHES]), (ctx[CTX_SHARDS] * ctx[CTX_ROWS],))
     for i in range(count):
-        if _dict_set(answer, keys, found[i], found[count + i]) != 0:
+        if _dict_set(answer, keys, found[i], found[count + i], hashes[found[i]]) != 0:
             _dict_drop(answer)
             return -1 - count
     if _dict_put(ctx[CTX_ANSWER], answer) != 0:

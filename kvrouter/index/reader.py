@@ -92,6 +92,8 @@ class IndexReader:
         """Per shard, the rows in use at the generation read: their bits and workers."""
         self._keys: list[WorkerKey | None] = [None] * (shards * rows)
         """Per shard and bit (``shard * rows + bit``), the worker its row names at the generation read."""
+        self._key_hashes = np.zeros(shards * rows, dtype=np.int64)
+        """``hash()`` of each of ``_keys``, for the kernel's dict inserts (a tuple does not cache its hash)."""
         self._bit_keys = np.full(shards * rows, -1, dtype=np.int64)
         """``find_matches``' bit map: the index into ``_keys`` of a bit whose row is in use, else -1."""
         self._bit_slots = np.full(shards * rows, -1, dtype=np.int64)
@@ -120,6 +122,7 @@ class IndexReader:
             (kernels.CTX_BIT_KEYS, self._bit_keys),
             (kernels.CTX_BIT_SLOTS, self._bit_slots),
             (kernels.CTX_FOUND, self._found),
+            (kernels.CTX_KEY_HASHES, self._key_hashes),
         ):
             ctx[at] = array.ctypes.data
         ctx[kernels.CTX_WORK], ctx[kernels.CTX_WORK + 1] = self._work.ctypes.data, self._work.size
@@ -329,8 +332,10 @@ class IndexReader:
         for bit in self._used[shard][0]:
             keys[first + bit] = None
             bit_keys[first + bit] = -1
+        key_hashes = self._key_hashes
         for bit, worker in zip(bits.tolist(), workers, strict=True):
             keys[first + bit] = worker
+            key_hashes[first + bit] = hash(worker)
             bit_keys[first + bit] = first + bit
         self._used[shard] = (bits.tolist(), workers)
         if self._slots is not None:

@@ -18,7 +18,7 @@ from ..errors import InvalidHashInput
 from ._xxh3 import chain_hashes
 from .blocks import XXH3_SEED
 
-__all__ = ["local_hash_array", "sequence_hashes", "sequence_hashes_array"]
+__all__ = ["local_hash_array", "local_hash_words", "sequence_hashes", "sequence_hashes_array"]
 
 _SEED: Final = np.uint64(XXH3_SEED)
 """The chain's seed as the kernel takes it, built once (``np.uint64()`` costs 0.17 µs a call)."""
@@ -52,6 +52,20 @@ def local_hash_array(local_hashes: LocalHashes) -> npt.NDArray[np.uint64]:
         except (OverflowError, TypeError) as exc:
             raise InvalidHashInput(f"local_hashes: hashes must be integers in [0, 2**64), {exc}") from exc
     return local
+
+
+def local_hash_words(local_hashes: list[int]) -> array[int]:
+    """A list of local hashes as an ``array`` of u64 words, for a kernel that takes the buffer's address
+    (``IndexReader.find_matches``): 1.0 µs for 64 hashes, where ``local_hash_array`` adds a numpy array
+    over it (0.5 µs more).
+
+    Raises:
+        InvalidHashInput: as ``sequence_hashes``.
+    """
+    try:
+        return array(_WORD, local_hashes)
+    except (OverflowError, TypeError) as exc:
+        raise InvalidHashInput(f"local_hashes: hashes must be integers in [0, 2**64), {exc}") from exc
 
 
 def sequence_hashes_array(local_hashes: LocalHashes) -> npt.NDArray[np.uint64]:

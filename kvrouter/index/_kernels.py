@@ -3,7 +3,12 @@
 Everything here runs once per block, so it is numba, over arrays laid out by ``layout.py``
 (``docs/shm-engine.md``). Rules that hold for every function in this file:
 
-- numpy arrays in; scalars or preallocated arrays out; no Python objects, no logging;
+- numpy arrays in; scalars or preallocated arrays out; no Python objects, no logging. Two exceptions,
+  both on the read side: the query kernels take the reader's context (``CTX_*``), an ``int64`` array of
+  the addresses of the tables, the control segment and the reader's buffers, rebuilt here with
+  ``carray`` (numba dispatches read-only ``memoryview`` arrays, and tuples of them, on its slow path:
+  1.1-1.3 µs a call against 0.4); and ``match_words`` / ``match_shards`` build ``find_matches``' dict
+  through the CPython API (``_dict_new`` / ``_dict_set`` / ``_dict_put``), so they hold the GIL;
 - integers taken from u64 words become ``np.int64`` explicitly: numba keeps ``int(u64)`` unsigned, and
   a u64 unified with a signed value (a ``-1`` "absent") silently becomes float64;
 - no allocation inside a per-block loop;
@@ -35,6 +40,7 @@ is the count of 1). A holder is ``bit * TIERS + tier``: one worker in one tier o
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any, Final, TypeVar, cast
 
@@ -44,6 +50,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from numba.np.numpy_support import carray
 
 from ..hashing._xxh3 import chain_step
 from .layout import (
@@ -74,8 +81,24 @@ from .layout import (
 __all__ = [
     "ASK",
     "BLOCK_NOT_FOUND",
+    "CTX_ANSWER",
+    "CTX_BIT_KEYS",
+    "CTX_BIT_SLOTS",
+    "CTX_CONTROL",
+    "CTX_FOUND",
+    "CTX_KEYS",
+    "CTX_KEY_HASHES",
+    "CTX_NWORDS",
+    "CTX_QUERY",
+    "CTX_ROWS",
+    "CTX_SCRATCH",
+    "CTX_SHARDS",
+    "CTX_STATE",
+    "CTX_TABLES",
+    "CTX_WORK",
     "GENERATION",
     "INVALID_SEQUENCE",
+    "LIST_REFUSED",
     "MAX_READ_RETRIES",
     "MAX_STUCK_READS",
     "NEED_ROOM",
@@ -98,6 +121,9 @@ __all__ = [
     "end_rows_change",
     "init_map",
     "lookup",
+    "match_list",
+    "match_shards",
+    "match_words",
     "overlap_shards",
     "query_shards",
     "read_rows",
@@ -229,6 +255,21 @@ def _prefetch_typer(typingctx: Any, array: Any, index: Any) -> Any:
 _prefetch_line = cast(Callable[[Table, int], None], intrinsic(_prefetch_typer))
 """A hint to bring one word's cache line in: unlike a load it never holds up the instructions after it
 (a load that misses does, once the reorder buffer fills, which a few chained hashes do)."""
+
+
+def _lowest_bit_typer(typingctx: Any, word: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64 = ir.IntType(64)
+        cttz = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(i64, [i64, ir.IntType(1)]), "llvm.cttz.i64"
+        )  # type: ignore[no-untyped-call]
+        return builder.call(cttz, [args[0], ir.IntType(1)(1)])  # nonzero word: the result is defined
+
+    return types.int64(types.uint64), codegen
+
+
+_lowest_bit = cast(Callable[[np.uint64], int], intrinsic(_lowest_bit_typer))
+"""The index of the lowest set bit of a nonzero word (one ``tzcnt``/``bsf``)."""
 _i64 = cast(Callable[[object], int], np.int64)
 """``np.int64``, typed for mypy as returning ``int`` (numba sees the numpy type itself)."""
 
@@ -839,6 +880,163 @@ def _walk_shard(
     return OK
 
 
+# -- the reader's context: every array a query touches, by address --------------------------
+
+CTX_SHARDS, CTX_ROWS, CTX_NWORDS = 0, 1, 2
+"""Context words: shards (0 once the reader closed: a query walks nothing), rows per shard, and the widest
+mask (words) of the tables the context names (the work buffers' size)."""
+CTX_CONTROL, CTX_STATE, CTX_BIT_KEYS, CTX_BIT_SLOTS, CTX_FOUND = 3, 5, 6, 7, 8
+"""Addresses of the control segment's words (its length follows it), and of the reader's ``state``
+(``[shards, 3]``), ``bit_keys`` and ``bit_slots`` (``shards * rows``) and ``found`` (``3 * TIERS * shards *
+rows``) arrays."""
+CTX_WORK, CTX_SCRATCH = 9, 11
+"""Address and length of the preallocated scores (``int64``) and walk scratch (``uint64``) buffers."""
+CTX_KEYS, CTX_ANSWER = 13, 14
+"""``id()`` of the reader's list of worker keys (``bit_keys`` indexes it) and of the one-item list the
+matching kernels put their answer dict in."""
+CTX_QUERY = 15
+"""Address and length of the reader's query buffer (``uint64``), where ``match_list`` converts a list."""
+CTX_KEY_HASHES = 17
+"""Address of the reader's ``hash()`` of each worker key (``int64``, beside ``CTX_KEYS``' list)."""
+CTX_TABLES = 18
+"""Shard ``k``'s table: address at ``CTX_TABLES + 2 * k``, length in words after it."""
+LIST_REFUSED: Final = -(1 << 62)
+"""``match_list``'s answer for a list it did not convert (an item not an int in [0, 2**64), or more items
+than the query buffer holds): the caller converts it itself (and raises)."""
+
+
+def _pointer_typer(dtype: Any) -> Callable[[Any, Any], Any]:
+    def typer(typingctx: Any, address: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+        return types.CPointer(dtype)(types.int64), codegen  # type: ignore[no-untyped-call]
+
+    return typer
+
+
+_words_at = cast(Callable[[int], Any], intrinsic(_pointer_typer(types.uint64)))
+"""The ``uint64`` words at an address (for ``carray``): a table or the control segment, mapped by the
+reader, which keeps the mapping open while its address is in the context."""
+_counts_at = cast(Callable[[int], Any], intrinsic(_pointer_typer(types.int64)))
+"""The ``int64`` words at an address: one of the reader's own arrays."""
+
+_OBJECT = ir.IntType(8).as_pointer()
+"""``PyObject *`` as LLVM sees it."""
+
+
+def _c_api(builder: Any, name: str, result: Any, arguments: list[Any]) -> Any:
+    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, arguments), name)  # type: ignore[no-untyped-call]
+    return function
+
+
+_PRESIZED = hasattr(ctypes.pythonapi, "_PyDict_NewPresized")
+_KNOWN_HASH = hasattr(ctypes.pythonapi, "_PyDict_SetItem_KnownHash")
+"""CPython's private dict constructors (exported in 3.11 and 3.12): a dict sized for its answer, and an
+insert that takes the key's hash (the reader's, computed once per rows generation) instead of hashing
+the tuple, its ints and their cache lines per query. Where an interpreter lacks them the public
+``PyDict_New`` and ``PyDict_SetItem`` stand in."""
+
+
+def _dict_new_typer(typingctx: Any, size: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        if _PRESIZED:
+            new = _c_api(builder, "_PyDict_NewPresized", _OBJECT, [ir.IntType(64)])
+            return builder.ptrtoint(builder.call(new, [args[0]]), ir.IntType(64))
+        return builder.ptrtoint(builder.call(_c_api(builder, "PyDict_New", _OBJECT, []), []), ir.IntType(64))
+
+    return types.int64(types.int64), codegen
+
+
+def _dict_set_typer(typingctx: Any, answer: Any, keys: Any, index: Any, value: Any, hashed: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        get_item = _c_api(builder, "PyList_GetItem", _OBJECT, [_OBJECT, i64])
+        from_int = _c_api(builder, "PyLong_FromLongLong", _OBJECT, [i64])
+        if _KNOWN_HASH:
+            set_item = _c_api(builder, "_PyDict_SetItem_KnownHash", i32, [_OBJECT, _OBJECT, _OBJECT, i64])
+            hashed_ = [args[4]]
+        else:
+            set_item, hashed_ = _c_api(builder, "PyDict_SetItem", i32, [_OBJECT, _OBJECT, _OBJECT]), []
+        decref = _c_api(builder, "Py_DecRef", ir.VoidType(), [_OBJECT])
+        key = builder.call(get_item, [builder.inttoptr(args[1], _OBJECT), args[2]])  # borrowed
+        number = builder.call(from_int, [args[3]])  # new reference, NULL when out of memory
+        status = cgutils.alloca_once_value(builder, i32(-1))  # type: ignore[no-untyped-call]
+        fine = builder.and_(cgutils.is_not_null(builder, key), cgutils.is_not_null(builder, number))  # type: ignore[no-untyped-call]
+        with builder.if_then(fine, likely=True):
+            builder.store(builder.call(set_item, [builder.inttoptr(args[0], _OBJECT), key, number, *hashed_]), status)
+        with builder.if_then(cgutils.is_not_null(builder, number), likely=True):  # type: ignore[no-untyped-call]
+            builder.call(decref, [number])  # the dict holds its own reference
+        return builder.sext(builder.load(status), i64)
+
+    return types.int64(types.int64, types.int64, types.int64, types.int64, types.int64), codegen
+
+
+def _dict_put_typer(typingctx: Any, holder: Any, answer: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        set_item = _c_api(builder, "PyList_SetItem", ir.IntType(32), [_OBJECT, ir.IntType(64), _OBJECT])
+        holder_, answer_ = builder.inttoptr(args[0], _OBJECT), builder.inttoptr(args[1], _OBJECT)
+        return builder.sext(builder.call(set_item, [holder_, ir.IntType(64)(0), answer_]), ir.IntType(64))
+
+    return types.int64(types.int64, types.int64), codegen
+
+
+def _dict_drop_typer(typingctx: Any, answer: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        builder.call(_c_api(builder, "PyErr_Clear", ir.VoidType(), []), [])
+        builder.call(_c_api(builder, "Py_DecRef", ir.VoidType(), [_OBJECT]), [builder.inttoptr(args[0], _OBJECT)])
+        return context.get_dummy_value()
+
+    return types.none(types.int64), codegen
+
+
+def _list_words_typer(typingctx: Any, items: Any, dest: Any, room: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64 = ir.IntType(64)
+        size = _c_api(builder, "PyList_Size", i64, [_OBJECT])
+        get_item = _c_api(builder, "PyList_GetItem", _OBJECT, [_OBJECT, i64])
+        as_word = _c_api(builder, "PyLong_AsUnsignedLong", i64, [_OBJECT])
+        occurred = _c_api(builder, "PyErr_Occurred", _OBJECT, [])
+        clear = _c_api(builder, "PyErr_Clear", ir.VoidType(), [])
+        items_ = builder.inttoptr(args[0], _OBJECT)
+        words = builder.inttoptr(args[1], i64.as_pointer())
+        n = builder.call(size, [items_])
+        result = cgutils.alloca_once_value(builder, i64(LIST_REFUSED))  # type: ignore[no-untyped-call]
+        with builder.if_then(builder.icmp_signed("<=", n, args[2]), likely=True):
+            with cgutils.for_range(builder, n) as loop:
+                item = builder.call(get_item, [items_, loop.index])  # borrowed; the list cannot change under the GIL
+                builder.store(builder.call(as_word, [item]), builder.gep(words, [loop.index]))
+            failed = cgutils.is_not_null(builder, builder.call(occurred, []))  # type: ignore[no-untyped-call]
+            with builder.if_else(failed, likely=False) as (then, otherwise):
+                with then:
+                    builder.call(clear, [])  # the caller converts again and raises InvalidHashInput
+                with otherwise:
+                    builder.store(n, result)
+        return builder.load(result)
+
+    return types.int64(types.int64, types.int64, types.int64), codegen
+
+
+_list_words = cast(Callable[[int, int, int], int], intrinsic(_list_words_typer))
+"""Convert a Python list of ints (by address) into ``room`` u64 words at ``dest``, as ``array('L')`` does
+(``PyLong_AsUnsignedLong``: an int in [0, 2**64), no ``__index__``): the count, or ``LIST_REFUSED``.
+Every item is converted before the one error check, so a bad item anywhere refuses the list."""
+_dict_new = cast(Callable[[int], int], intrinsic(_dict_new_typer))
+"""A new dict with room for ``size`` items (``_PyDict_NewPresized``): its address, 0 when out of memory."""
+_dict_set = cast(Callable[[int, int, int, int, int], int], intrinsic(_dict_set_typer))
+"""``answer[keys[index]] = value`` on a dict and a list given by address, the key's ``hash()`` given;
+0, or -1 on failure."""
+_dict_put = cast(Callable[[int, int], int], intrinsic(_dict_put_typer))
+"""``holder[0] = answer``, the dict's reference moving into the list; 0, or -1 on failure."""
+_dict_drop = cast(Callable[[int], None], intrinsic(_dict_drop_typer))
+"""Forget a failed dict build: clear the Python error, release the dict."""
+
+
+@_inlined
+def _table(ctx: Meta, at: int) -> Table:
+    return carray(_words_at(ctx[at]), (ctx[at + 1],))
+
+
 @_inlined
 def _scores(table: Table, ntiers: int, work: Counts) -> Counts:
     """``work``'s head viewed as ``[ntiers, bits]`` for the table's mask width."""
@@ -847,46 +1045,35 @@ def _scores(table: Table, ntiers: int, work: Counts) -> Counts:
 
 
 @_inlined
-def _buffers(tables: tuple[Table, ...], local: npt.NDArray[np.uint64], ntiers: int) -> tuple[Counts, Table]:
-    """Scores and ``walk``'s scratch for any of ``tables``: sized for the widest mask, so small (a large
-    allocation is a ``mmap`` and ``munmap`` per call)."""
-    nwords = 0
-    for table in tables:
-        nwords = max(nwords, _i64(table[H_NWORDS]))
-    return np.empty(ntiers * nwords * 64, dtype=np.int64), np.empty(
-        2 * ntiers * nwords + 1 + local.size, dtype=np.uint64
-    )
+def _buffers(ctx: Meta, n: int, ntiers: int) -> tuple[Counts, Table]:
+    """Scores and ``walk``'s scratch: the reader's, unless the query is longer than its scratch holds
+    (then allocated for this call)."""
+    nwords = ctx[CTX_NWORDS]
+    work = carray(_counts_at(ctx[CTX_WORK]), (ctx[CTX_WORK + 1],))
+    scratch = carray(_words_at(ctx[CTX_SCRATCH]), (ctx[CTX_SCRATCH + 1],))
+    if work.size < ntiers * nwords * 64:
+        work = np.empty(ntiers * nwords * 64, dtype=np.int64)
+    if scratch.size < 2 * ntiers * nwords + 1 + n:
+        scratch = np.empty(2 * ntiers * nwords + 1 + n, dtype=np.uint64)
+    return work, scratch
 
 
-@_kernel
-def query_shards(
-    tables: tuple[Table, ...],
-    control: Table,
-    local: npt.NDArray[np.uint64],
-    ntiers: int,
-    state: Counts,
-    bit_keys: Counts,
-    found: Counts,
-) -> int:
-    """``walk`` every shard whose ``state[k, ASK]`` is set, in one call, with the answer in ``found``: per
-    worker and tier holding a block, its key (``bit_keys[k * rows + bit]``, the caller's number for the
-    worker of shard ``k``'s row ``bit``; bits with -1 are skipped), then the depths, then the tiers, each
-    run ``n`` long: ``found[:n]`` keys, ``found[n:2n]`` depths, ``found[2n:3n]`` tiers.
-
-    ``tables`` are the shards' tables (an empty header for a shard without one), ``control`` the control
-    segment's words, ``state[k, GENERATION]`` the rows generation ``bit_keys`` was read at (``read_rows``).
-    ``state[k, STATUS]`` gets ``OK`` or the shard's failure (``_walk_shard``); a failed shard adds nothing.
-    ``found`` holds at least ``3 * ntiers * rows`` words per shard. Returns ``n`` when every asked shard
-    answered, else ``-1 - n``.
-    """
-    rows = _i64(control[C_ROWS])
-    cap = found.size // 3
-    work, scratch = _buffers(tables, local, ntiers)
+@_inlined
+def _query(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int) -> int:
+    """``query_shards``' body, inlined into each kernel that answers ``find_matches``."""
+    shards, rows = ctx[CTX_SHARDS], ctx[CTX_ROWS]
+    control = _table(ctx, CTX_CONTROL)
+    state = carray(_counts_at(ctx[CTX_STATE]), (max(shards, 1), 3))
+    bit_keys = carray(_counts_at(ctx[CTX_BIT_KEYS]), (shards * rows,))
+    cap = TIERS * shards * rows
+    found = carray(_counts_at(ctx[CTX_FOUND]), (3 * cap,))
+    work, scratch = _buffers(ctx, local.size, ntiers)
     count = 0
     failed = False
-    for shard, table in enumerate(tables):  # hot path: one walk per shard, no Python step between
+    for shard in range(shards):  # hot path: one walk per shard, no Python step between
         if state[shard, ASK] == 0:
             continue
+        table = _table(ctx, CTX_TABLES + 2 * shard)
         scores = _scores(table, ntiers, work)
         code = _walk_shard(table, control, shard, local, ntiers, state[shard, GENERATION], scores, scratch)
         state[shard, STATUS] = code
@@ -908,24 +1095,87 @@ def query_shards(
 
 
 @_kernel
-def overlap_shards(
-    tables: tuple[Table, ...],
-    control: Table,
-    local: npt.NDArray[np.uint64],
-    ntiers: int,
-    state: Counts,
-    bit_slots: Counts,
-    out: Counts,
-) -> int:
+def query_shards(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int) -> int:
+    """``walk`` every shard whose ``state[k, ASK]`` is set, in one call, with the answer in ``found``: per
+    worker and tier holding a block, its key (``bit_keys[k * rows + bit]``, the caller's number for the
+    worker of shard ``k``'s row ``bit``; bits with -1 are skipped), then the depths, then the tiers, each
+    run ``n`` long: ``found[:n]`` keys, ``found[n:2n]`` depths, ``found[2n:3n]`` tiers.
+
+    ``ctx`` is the reader's context (``CTX_*``): the tables, the control segment's words, and the reader's
+    arrays, by address; ``state[k, GENERATION]`` is the rows generation ``bit_keys`` was read at
+    (``read_rows``). ``state[k, STATUS]`` gets ``OK`` or the shard's failure (``_walk_shard``); a failed
+    shard adds nothing. Returns ``n`` when every asked shard answered, else ``-1 - n``.
+    """
+    return _query(ctx, local, ntiers)
+
+
+@_inlined
+def _match(ctx: Meta, local: npt.NDArray[np.uint64]) -> int:
+    """``query_shards`` on device, and when every shard answered, the answer as a dict
+    ``{keys[found[i]]: found[n + i]}`` put in the reader's answer list. A dict that could not be built
+    (out of memory) is reported as a failed query, which the reader builds again from ``found``."""
+    count = _query(ctx, local, 1)
+    if count < 0:
+        return count
+    answer = _dict_new(count)
+    if answer == 0:
+        _dict_drop(answer)
+        return -1 - count
+    found, keys = carray(_counts_at(ctx[CTX_FOUND]), (2 * count,)), ctx[CTX_KEYS]
+    hashes = carray(_counts_at(ctx[CTX_KEY_HASHES]), (ctx[CTX_SHARDS] * ctx[CTX_ROWS],))
+    for i in range(count):
+        if _dict_set(answer, keys, found[i], found[count + i], hashes[found[i]]) != 0:
+            _dict_drop(answer)
+            return -1 - count
+    if _dict_put(ctx[CTX_ANSWER], answer) != 0:
+        _dict_drop(0)
+        return -1 - count
+    return count
+
+
+_holds_gil = cast(Callable[[_F], _F], njit(cache=True))
+"""The matching kernels call the CPython API, so they keep the GIL (they are not ``nogil``)."""
+
+
+@_holds_gil
+def match_shards(ctx: Meta, local: npt.NDArray[np.uint64]) -> int:
+    """``find_matches`` in one call: ``_match`` for a ``uint64`` array."""
+    return _match(ctx, local)
+
+
+@_holds_gil
+def match_words(ctx: Meta, address: int, n: int) -> int:
+    """``find_matches`` in one call: ``_match`` for ``n`` ``uint64`` words at ``address`` (an ``array``'s
+    buffer, which the caller keeps alive): no numpy array is made for the query."""
+    return _match(ctx, carray(_words_at(address), (n,)))
+
+
+@_holds_gil
+def match_list(ctx: Meta, items: int) -> int:
+    """``find_matches`` in one call from the list whose ``id()`` is ``items``: converted into the reader's
+    query buffer here (no ``array`` or numpy array made), then ``_match``. ``LIST_REFUSED`` when the list
+    is too long for the buffer or holds an item that is not a u64 int."""
+    n = _list_words(items, ctx[CTX_QUERY], ctx[CTX_QUERY + 1])
+    if n < 0:
+        return LIST_REFUSED
+    return _match(ctx, carray(_words_at(ctx[CTX_QUERY]), (n,)))
+
+
+@_kernel
+def overlap_shards(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int, out: Counts) -> int:
     """``query_shards`` with the answer dense: ``out[tier, bit_slots[k * rows + bit]] = depth`` for every bit
     of an asked shard that holds a block (bits whose slot is -1 skipped); ``out`` is ``[ntiers, slots]``,
     zeroed by the caller. Returns how many asked shards failed (their status says why)."""
-    rows = _i64(control[C_ROWS])
-    work, scratch = _buffers(tables, local, ntiers)
+    shards, rows = ctx[CTX_SHARDS], ctx[CTX_ROWS]
+    control = _table(ctx, CTX_CONTROL)
+    state = carray(_counts_at(ctx[CTX_STATE]), (max(shards, 1), 3))
+    bit_slots = carray(_counts_at(ctx[CTX_BIT_SLOTS]), (shards * rows,))
+    work, scratch = _buffers(ctx, local.size, ntiers)
     failed = 0
-    for shard, table in enumerate(tables):  # hot path: one walk per shard, no Python step between
+    for shard in range(shards):  # hot path: one walk per shard, no Python step between
         if state[shard, ASK] == 0:
             continue
+        table = _table(ctx, CTX_TABLES + 2 * shard)
         scores = _scores(table, ntiers, work)
         code = _walk_shard(table, control, shard, local, ntiers, state[shard, GENERATION], scores, scratch)
         state[shard, STATUS] = code
@@ -998,12 +1248,11 @@ def end_rows_change(block: Table) -> None:
 
 @_inlined
 def _drop(scores: Counts, tier: int, first_bit: int, dropped: np.uint64, depth: int) -> None:
-    bit = first_bit
+    """``scores[tier, first_bit + b] = depth`` for each set bit ``b`` of ``dropped``: one step per set bit
+    (a shift per bit position cost up to 64 steps a word, most of a walk's time at 256 workers)."""
     while dropped != _ZERO:
-        if dropped & _ONE:
-            scores[tier, bit] = depth
-        dropped >>= _ONE
-        bit += 1
+        scores[tier, first_bit + _lowest_bit(dropped)] = depth
+        dropped &= dropped - _ONE
 
 
 @_inlined

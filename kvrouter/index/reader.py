@@ -1,13 +1,22 @@
 """``IndexReader``: overlap queries over every shard, from any process, without a lock or a message.
 
 A reader maps the control segment and each shard's current segment read-only, and answers a query with
-one compiled call over every shard (``kernels.query_shards``, or ``overlap_shards`` for the dense
-answer): the query's local hashes go in once as a ``uint64`` array, each shard's walk is checked against
-the shard's epoch and rows generation, and the answer comes back in preallocated arrays that the
-reader turns into a dict in one step (``dict(zip(...))`` of two lists), or not at all (``overlaps``).
-The rejected alternative, one compiled call per shard returning an array of ``[tier, worker, rank,
-depth]`` rows and a Python loop building the dict, spent 10-20 µs a 64-block query at 16 workers around
-a 4 µs walk: array boxing and per-call dispatch, a tuple per worker, the list conversion.
+one compiled call over every shard (``kernels.match_words`` for a list, ``match_shards`` for an array,
+``overlap_shards`` for the dense answer). The kernels get one ``int64`` context array of addresses
+(``kernels.CTX_*``: the tables, the control segment, the reader's state, bit maps and preallocated
+buffers), so a call is dispatched in about 0.4 µs: numba types a read-only array over a ``memoryview``,
+and a tuple of them, on its slow path (1.1-1.3 µs a call). The reader keeps every mapping whose address
+is in the context open: a remap puts the new address in, then closes the old segment. A list of local
+hashes goes in by its ``id()``: the kernel converts it into the reader's query buffer as ``array('L')``
+would (a list it refuses goes through ``local_hash_words``, which raises). Each shard's walk is checked
+against the shard's epoch and rows generation, and ``find_matches``' dict is built inside the kernel
+(``_PyDict_SetItem_KnownHash`` of the reader's worker-key tuples, their ``hash()`` taken once per rows
+generation) and handed back through ``_answer``: about 4 µs a 64-block query at 16 workers, 8 at 256.
+The rejected alternatives: one compiled call per shard returning ``[tier, worker, rank, depth]`` rows and
+a Python loop building the dict (10-20 µs a 64-block query at 16 workers around a 4 µs walk), then one
+call writing ``(key, depth)`` into an array and ``dict(zip(map(keys.__getitem__, ...)))`` in Python (2-6 µs
+for 15-45 workers, as much as the walk). ``find_matches_by_tier`` and the retry path still build their
+dicts in Python from ``found``.
 
 Which worker a mask bit names is read once per rows generation, not per query: the reader copies a
 shard's worker rows (``kernels.read_rows``, between two equal reads of the generation) into a bit map
@@ -41,9 +50,10 @@ import numpy.typing as npt
 from ..errors import ConfigError
 from ..events.model import StorageTier, WorkerKey
 from ..hashing import local_hash_array
+from ..hashing.chain import local_hash_words
 from . import _kernels as kernels
 from .dense import WorkerSlots
-from .layout import HEADER_WORDS, STATUS_RECOVERING, STATUS_STOPPED, TIERS, Control, Segment
+from .layout import H_NWORDS, HEADER_WORDS, STATUS_RECOVERING, STATUS_STOPPED, TIERS, Control, Segment
 
 __all__ = ["IndexReader"]
 
@@ -54,6 +64,8 @@ REMAP_ATTEMPTS: Final = 8
 PATIENT_QUERIES: Final = kernels.MAX_STUCK_READS // kernels.STUCK_SPINS
 """Compiled queries one shard gets, each spinning ``STUCK_SPINS`` reads, while its live writer is stuck
 mid-write (or its table keeps being replaced) before the reader gives the shard up for this query."""
+SCRATCH_BLOCKS: Final = 4096
+"""Query blocks the preallocated walk scratch holds; a longer query's kernel allocates its own."""
 _ROW_USED, _ROW_ID, _ROW_RANK = 0, 1, 2
 """Columns of ``kernels.read_rows``' copy of a shard's rows."""
 
@@ -73,8 +85,6 @@ class IndexReader:
         self._epochs = [0] * shards
         self._no_table: Table = np.zeros(HEADER_WORDS, dtype=np.uint64)
         """Stands for a shard before its first segment: epoch 0 (as the control block's), no live key."""
-        self._no_table.setflags(write=False)  # typed like the read-only mappings, so all fit one tuple
-        self._tables: tuple[Table, ...] = (self._no_table,) * shards
         self._state = np.zeros((shards, 3), dtype=np.int64)
         """Per shard: the rows generation its bit maps were read at (-1: not yet), ask, answer."""
         self._state[:, kernels.GENERATION] = -1
@@ -84,6 +94,8 @@ class IndexReader:
         """Per shard, the rows in use at the generation read: their bits and workers."""
         self._keys: list[WorkerKey | None] = [None] * (shards * rows)
         """Per shard and bit (``shard * rows + bit``), the worker its row names at the generation read."""
+        self._key_hashes = np.zeros(shards * rows, dtype=np.int64)
+        """``hash()`` of each of ``_keys``, for the kernel's dict inserts (a tuple does not cache its hash)."""
         self._bit_keys = np.full(shards * rows, -1, dtype=np.int64)
         """``find_matches``' bit map: the index into ``_keys`` of a bit whose row is in use, else -1."""
         self._bit_slots = np.full(shards * rows, -1, dtype=np.int64)
@@ -92,6 +104,35 @@ class IndexReader:
         self._slots_version = -1
         self._found = np.empty(3 * TIERS * shards * rows, dtype=np.int64)
         """``query_shards``' answer: ``(tier, key, depth)`` triples, at most one per tier and row in use."""
+        self._answer: list[dict[WorkerKey, int]] = [{}]
+        """Where ``match_words`` / ``match_shards`` put the answer dict they build."""
+        nwords = -(-rows // 64)
+        self._work = np.empty(TIERS * nwords * 64, dtype=np.int64)
+        self._scratch = np.empty(2 * TIERS * nwords + 1 + SCRATCH_BLOCKS, dtype=np.uint64)
+        self._query = np.empty(SCRATCH_BLOCKS, dtype=np.uint64)
+        """Where ``match_list`` converts a list query."""
+        self._nwords = [0] * shards
+        """Per shard, the mask words of its mapped table (0 before the first)."""
+        self._ctx = np.zeros(kernels.CTX_TABLES + 2 * shards, dtype=np.int64)
+        """What every query kernel reads, by address (``kernels.CTX_*``): one array argument instead of a
+        tuple of read-only mappings, which numba's dispatcher types slowly (1.1-1.3 µs a call, against 0.4)."""
+        ctx = self._ctx
+        ctx[kernels.CTX_SHARDS], ctx[kernels.CTX_ROWS] = shards, rows
+        ctx[kernels.CTX_CONTROL], ctx[kernels.CTX_CONTROL + 1] = self._words.ctypes.data, self._words.size
+        for at, array in (
+            (kernels.CTX_STATE, self._state),
+            (kernels.CTX_BIT_KEYS, self._bit_keys),
+            (kernels.CTX_BIT_SLOTS, self._bit_slots),
+            (kernels.CTX_FOUND, self._found),
+            (kernels.CTX_KEY_HASHES, self._key_hashes),
+        ):
+            ctx[at] = array.ctypes.data
+        ctx[kernels.CTX_WORK], ctx[kernels.CTX_WORK + 1] = self._work.ctypes.data, self._work.size
+        ctx[kernels.CTX_SCRATCH], ctx[kernels.CTX_SCRATCH + 1] = self._scratch.ctypes.data, self._scratch.size
+        ctx[kernels.CTX_KEYS], ctx[kernels.CTX_ANSWER] = id(self._keys), id(self._answer)
+        ctx[kernels.CTX_QUERY], ctx[kernels.CTX_QUERY + 1] = self._query.ctypes.data, self._query.size
+        for shard in range(shards):
+            self._set_table(shard, self._no_table)
         self._torn: set[int] = set()
         self.writer_checks = 0
         """How often a walk met a slot left mid-write and the reader asked whether the shard's writer lives."""
@@ -100,15 +141,26 @@ class IndexReader:
 
     def find_matches(self, local_hashes: Sequence[int], early_exit: bool = False) -> dict[WorkerKey, int]:
         """Per worker, the leading query blocks it holds on device. ``early_exit`` never changes the answer."""
-        if len(local_hashes) == 0:
-            return {}
-        local = local_hash_array(local_hashes)
-        count = kernels.query_shards(self._tables, self._words, local, 1, self._state, self._bit_keys, self._found)
-        if count >= 0:  # hot path: every shard answered
+        if type(local_hashes) is list:  # hot path: one compiled call converts, walks and builds the dict
+            if not local_hashes:
+                return {}
+            count = kernels.match_list(self._ctx, id(local_hashes))
+            if count == kernels.LIST_REFUSED:  # too long for the query buffer, or not all u64 ints (raises)
+                words = local_hash_words(local_hashes)
+                address, n = words.buffer_info()
+                count = kernels.match_words(self._ctx, address, n)
+                local = np.frombuffer(words, dtype=np.uint64)
+            elif count < 0:
+                local = self._query[: len(local_hashes)].copy()
+        else:
+            local = local_hash_array(local_hashes)
+            if local.size == 0:
+                return {}
+            count = kernels.match_shards(self._ctx, local)
+        if count >= 0:
             if self._torn:
                 self._torn.clear()
-            found = self._found[: 2 * count].tolist()
-            return dict(zip(map(self._keys.__getitem__, found[:count]), found[count:], strict=True))  # type: ignore[arg-type]
+            return self._answer[0]
         keys, depths, _ = self._query_again(local, 1, count)
         return dict(zip(keys, depths, strict=True))
 
@@ -117,9 +169,7 @@ class IndexReader:
         results: list[dict[WorkerKey, int]] = [{} for _ in StorageTier]
         if len(local_hashes) > 0:
             local = local_hash_array(local_hashes)
-            count = kernels.query_shards(
-                self._tables, self._words, local, TIERS, self._state, self._bit_keys, self._found
-            )
+            count = kernels.query_shards(self._ctx, local, TIERS)
             if count >= 0 and self._torn:
                 self._torn.clear()
             for key, depth, tier in zip(*self._query_again(local, TIERS, count), strict=True):
@@ -153,12 +203,8 @@ class IndexReader:
             self._slots, self._slots_version = slots, slots.version
             for shard in range(self.control.shards):
                 self._map_slots(shard)
-        if kernels.overlap_shards(self._tables, self._words, hashes, ntiers, self._state, self._bit_slots, out):
-            self._retry(  # the tables as they are after each mend: a remap replaces them
-                lambda: kernels.overlap_shards(
-                    self._tables, self._words, hashes, ntiers, self._state, self._bit_slots, out
-                )
-            )
+        if kernels.overlap_shards(self._ctx, hashes, ntiers, out):
+            self._retry(lambda: kernels.overlap_shards(self._ctx, hashes, ntiers, out))
         elif self._torn:
             self._torn.clear()
         return out
@@ -183,11 +229,7 @@ class IndexReader:
         if count < 0:
 
             def again() -> None:
-                more = self._taken(
-                    kernels.query_shards(
-                        self._tables, self._words, local, ntiers, self._state, self._bit_keys, self._found
-                    )
-                )
+                more = self._taken(kernels.query_shards(self._ctx, local, ntiers))
                 keys.extend(more[0])
                 depths.extend(more[1])
                 tiers.extend(more[2])
@@ -272,9 +314,9 @@ class IndexReader:
                 continue  # replaced again between reading the name and opening it
             current = self._segments[shard]
             self._segments[shard], self._epochs[shard] = segment, epoch
-            self._tables = tuple(self._no_table if s is None else s.words for s in self._segments)
+            self._set_table(shard, segment.words)
             if current is not None:
-                current.close()
+                current.close()  # its address left the context above: no kernel reads it again
             return
         log.warning("shard segment kept moving shard=%d attempts=%d", shard, REMAP_ATTEMPTS)
 
@@ -292,8 +334,10 @@ class IndexReader:
         for bit in self._used[shard][0]:
             keys[first + bit] = None
             bit_keys[first + bit] = -1
+        key_hashes = self._key_hashes
         for bit, worker in zip(bits.tolist(), workers, strict=True):
             keys[first + bit] = worker
+            key_hashes[first + bit] = hash(worker)
             bit_keys[first + bit] = first + bit
         self._used[shard] = (bits.tolist(), workers)
         if self._slots is not None:
@@ -313,11 +357,26 @@ class IndexReader:
             if slot is not None:
                 bit_slots[bit] = slot
 
+    def _set_table(self, shard: int, words: Table) -> None:
+        """Name ``words`` as the shard's table in the context, with the work buffers wide enough for it."""
+        self._nwords[shard] = int(words[H_NWORDS])
+        nwords = max(self._nwords)
+        if self._work.size < TIERS * nwords * 64 or self._scratch.size < 2 * TIERS * nwords + 1 + SCRATCH_BLOCKS:
+            self._work = np.empty(TIERS * nwords * 64, dtype=np.int64)
+            self._scratch = np.empty(2 * TIERS * nwords + 1 + SCRATCH_BLOCKS, dtype=np.uint64)
+            ctx = self._ctx
+            ctx[kernels.CTX_WORK], ctx[kernels.CTX_WORK + 1] = self._work.ctypes.data, self._work.size
+            ctx[kernels.CTX_SCRATCH], ctx[kernels.CTX_SCRATCH + 1] = self._scratch.ctypes.data, self._scratch.size
+        self._ctx[kernels.CTX_NWORDS] = nwords
+        at = kernels.CTX_TABLES + 2 * shard
+        self._ctx[at], self._ctx[at + 1] = words.ctypes.data, words.size
+
     def close(self) -> None:
-        for segment in self._segments:
+        self._ctx[kernels.CTX_SHARDS] = 0  # a query after close walks nothing and reads no mapping
+        for shard, segment in enumerate(self._segments):
+            self._set_table(shard, self._no_table)
             if segment is not None:
                 segment.close()
         self._segments = [None] * self.control.shards
-        self._tables = (self._no_table,) * self.control.shards
         self._words = self._no_table
         self.control.close()

@@ -107,12 +107,41 @@ class OverlapsAgree(RuleBasedStateMachine):
                     )
                 assert reader.find_matches_by_tier(query) == expected, (len(index.writers), query)
                 assert reader.find_matches(query) == expected[StorageTier.DEVICE]
+                assert reader.find_matches(list(query)) == expected[StorageTier.DEVICE]  # the array('L') path
 
 
 OverlapsAgree.TestCase.settings = settings(
     max_examples=60, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestOverlapsAgree = OverlapsAgree.TestCase
+
+
+def test_find_matches_answers_are_fresh_dicts_from_list_and_array_alike():
+    """The kernel-built dict: a new one per query (the caller may keep or change it), equal from a list, a
+    tuple and an array, for a query longer than the reader's preallocated scratch too."""
+    from kvrouter.index.reader import SCRATCH_BLOCKS
+
+    index = InProcessShards(2)
+    try:
+        long = SCRATCH_BLOCKS + 100
+        chain = tuple(StoredBlock(EngineHash(10 + h), LocalHash(h)) for h in range(1, long + 1))
+        index.apply_event(5, Stored(5, None, chain))
+        index.apply_event(6, Stored(6, None, chain[:2], dp_rank=1))
+        reader = index.reader
+        first = reader.find_matches([1, 2, 3])
+        assert first == {(5, 0): 3, (6, 1): 2}
+        first[(7, 0)] = 1
+        second = reader.find_matches([1, 2, 3])
+        assert second == {(5, 0): 3, (6, 1): 2}
+        assert second is not first
+        assert first == {(5, 0): 3, (6, 1): 2, (7, 0): 1}  # the caller's, untouched by the next query
+        query = list(range(1, long + 1))
+        for shape in (query, tuple(query), np.array(query, dtype=np.uint64)):
+            assert reader.find_matches(shape) == {(5, 0): long, (6, 1): 2}  # type: ignore[arg-type]
+        assert reader.find_matches([long + 1]) == {}
+        assert reader.find_matches([]) == {}
+    finally:
+        index.close()
 
 
 def test_overlaps_edges():

@@ -292,6 +292,7 @@ class Embedded:
                 "routing_group": cfg.routing_group,
                 "block_size": cfg.block_size,
                 "dp_rank": 0,
+                "total_kv_blocks": cfg.num_gpu_blocks,
             }
             status, answer = await self._call("POST", "/register", body)
             if status not in (200, 201):

@@ -217,6 +217,8 @@ class Stats:
     prompt_tokens: int = 0
     predicted_tokens: int = 0
     cached_tokens: int = 0
+    """Engine-reported cached prompt tokens of the requests completed (``usage.prompt_tokens_details``)."""
+    completed_prompt_tokens: int = 0
     completed: int = 0
     errors: int = 0
     total_decisions: int = 0
@@ -395,6 +397,7 @@ class Embedded:
             endpoint = self._endpoint(answer, worker)
             cached = await self._complete(endpoint, prompt, max_tokens, answer.get("dp_rank", 0), selection)
             stats.cached_tokens += cached
+            stats.completed_prompt_tokens += len(prompt)
             stats.completed += 1
         except asyncio.CancelledError:
             raise
@@ -453,20 +456,23 @@ class Embedded:
             now = time.monotonic()
             self.print(self.status_line(now - start, now - last, await self._active_blocks()))
             last = now
-            stats.decisions = stats.prompt_tokens = stats.predicted_tokens = stats.cached_tokens = 0
+            stats.decisions = stats.prompt_tokens = stats.predicted_tokens = 0
+            stats.cached_tokens = stats.completed_prompt_tokens = 0
 
     def status_line(self, uptime: float, interval: float, active: dict[int, int] | None) -> str:
         s = self.stats
 
-        def pct(part: int) -> str:
-            return f"{100 * part / s.prompt_tokens:.0f}%" if s.prompt_tokens else "-"
+        def pct(part: int, whole: int) -> str:
+            return f"{100 * part / whole:.0f}%" if whole else "-"
 
         blocks = (
             "?" if active is None else " ".join(f"{w}:{active.get(w, 0)}" for w in (m.worker_id for m in self.mocks))
         )
+        predicted = pct(s.predicted_tokens, s.prompt_tokens)
+        engine = pct(s.cached_tokens, s.completed_prompt_tokens)
         return (
-            f"[{uptime:6.0f}s] {s.decisions / interval:5.1f} decisions/s | hit {pct(s.predicted_tokens)} predicted, "
-            f"{pct(s.cached_tokens)} engine | active blocks {blocks} | {s.total_decisions} decisions, {s.errors} errors"
+            f"[{uptime:6.0f}s] {s.decisions / interval:5.1f} decisions/s | hit {predicted} predicted, {engine} engine"
+            f" | active blocks {blocks} | {s.total_decisions} decisions, {s.errors} errors"
         )
 
     async def _active_blocks(self) -> dict[int, int] | None:

@@ -626,7 +626,7 @@ def serve(service_values: dict[str, Any], demo_values: dict[str, Any]) -> int:
         typer.echo(f"kvrouter up: warning: {config.host} is not loopback and no --auth-token is set", err=True)
     service = Service(config)
     service.start()  # forks the engine's fork server: before the loop and before any thread
-    return asyncio.run(_run(service, config, demo and Embedded(demo)))
+    return asyncio.run(_run(service, config, None if demo is None else Embedded(demo)))
 
 
 async def _run(service: Service, config: ServiceConfig, embedded: Embedded | None) -> int:

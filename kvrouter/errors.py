@@ -7,6 +7,7 @@ KvRouterError
 ├── DuplicateRequest         a request id the slot tracker already holds
 ├── ConfigError              (also a ValueError) a setting out of range; names the field
 ├── NoWorkerAvailable        no candidate worker is eligible (none given, or all busy)
+├── ServiceError             an HTTP request the service refuses; ``status`` is the HTTP status
 ├── RequestFailed            the mock engine could not serve a completion; ``status`` is its HTTP status
 ├── EngineError              the shared-memory engine is not running, or could not start
 │   └── FlushTimeout         (also a TimeoutError) an applier did not reach a flush in time
@@ -41,6 +42,7 @@ __all__ = [
     "NoWorkerAvailable",
     "ParentNotFound",
     "RequestFailed",
+    "ServiceError",
 ]
 
 
@@ -69,6 +71,18 @@ class ConfigError(KvRouterError, ValueError):
 class NoWorkerAvailable(KvRouterError):
     """No candidate worker can take the request: none was given, or every one is over a busy threshold.
     The service answers 503 (none) or 529 (all busy) and the client retries later."""
+
+
+class ServiceError(KvRouterError):
+    """The service refuses a request: ``status`` is the HTTP status it answers with (400 malformed, 401
+    no or wrong bearer token, 404 unknown model, group or reservation, 409 a conflict with what is
+    registered, 413 body too large, 503 no worker, 529 / 429 every worker busy) and the message is the
+    ``{"error": ...}`` text. Raised by ``kvrouter.service`` so its Python callers (the ``up`` command,
+    tests) see the same refusal an HTTP client does."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class DuplicateRequest(KvRouterError):

@@ -1,0 +1,28 @@
+"""The router service behind ``kvrouter up``: partitions, the HTTP API (``docs/http-api.md``), lifecycle.
+
+``Service`` (``app.py``) owns one shared-memory engine and one asyncio loop; ``Partition``
+(``partition.py``) holds one (model, routing group); ``validation.py`` turns bodies into typed requests.
+"""
+
+from __future__ import annotations
+
+from ..errors import ServiceError
+from .app import DECISION_BUCKETS, SelectResult, Service, ServiceCounters
+from .config import ServiceConfig
+from .partition import Instance, Partition
+from .validation import QueryRequest, Registration, SelectRequest, Unregistration
+
+__all__ = [
+    "DECISION_BUCKETS",
+    "Instance",
+    "Partition",
+    "QueryRequest",
+    "Registration",
+    "SelectRequest",
+    "SelectResult",
+    "Service",
+    "ServiceConfig",
+    "ServiceCounters",
+    "ServiceError",
+    "Unregistration",
+]

@@ -1,0 +1,75 @@
+"""``ServiceConfig``: everything ``kvrouter up`` hands the service, immutable and validated once.
+
+The service reads no flags or environment itself: the ``up`` command resolves flags, ``KVROUTER_*``
+variables and the TOML file into this one object (``spec/interfaces.md`` §5), so tests build a service
+from a literal and the precedence rules live in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from ..plane.config import PlaneConfig
+from ..plane.registry import WorkerSpec
+from ..routing.config import KVROUTER_CONFIG, RouterConfig
+
+__all__ = ["ServiceConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """How the service binds, which workers it starts with, how it routes and protects itself.
+
+    Raises:
+        ConfigError: a port outside 0..65535, shards below 1, a block size below 1, an overload status
+            that is not 429 or 5xx, a body limit below 1 KiB, or a negative drain time.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8490
+    """0 picks a free port (tests); ``Service.url`` tells which."""
+    shards: int = 4
+    """Applier processes of the one engine every partition shares."""
+    block_size: int = 16
+    """Block size of the partition of the workers given on the command line."""
+    model_name: str = "default"
+    routing_group: str = "default"
+    workers: tuple[WorkerSpec, ...] = ()
+    """``--workers``: registered in (``model_name``, ``routing_group``) when ``run`` starts."""
+    router: RouterConfig = KVROUTER_CONFIG
+    """Weights and switches of every partition's router; ``use_kv_events=False`` is approximate mode."""
+    auth_token: str | None = None
+    """Bearer token the write routes require; None leaves them open (and warns off loopback)."""
+    overload_status: int = 529
+    """Status when every candidate is over a busy threshold (529 as the reference; 429 for clients
+    that cannot handle 529)."""
+    max_body_bytes: int = 8 << 20
+    """Request bodies above this are refused with 413 (the reference indexer's 8 MiB)."""
+    drain_secs: float = 5.0
+    """On stop, how long in-flight requests are given to finish before the sockets close."""
+    health_interval_secs: float = 0.5
+    """How often worker health (stale streams, dead ``http_endpoint``), shard status and the index
+    summary are refreshed; ``/select`` reads the cached result."""
+    plane: PlaneConfig = field(default_factory=PlaneConfig)
+    """The event plane's timers (``stale_after``, recovery timeout) for every registered worker."""
+    decisions_ring: int = 1024
+    events_ring: int = 1024
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"ServiceConfig.port must be in 0..65535, got {self.port}")
+        if self.shards < 1:
+            raise ConfigError(f"ServiceConfig.shards must be >= 1, got {self.shards}")
+        if self.block_size < 1:
+            raise ConfigError(f"ServiceConfig.block_size must be >= 1, got {self.block_size}")
+        if self.overload_status != 429 and not 500 <= self.overload_status <= 599:
+            raise ConfigError(f"ServiceConfig.overload_status must be 429 or 5xx, got {self.overload_status}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"ServiceConfig.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if not self.drain_secs >= 0:
+            raise ConfigError(f"ServiceConfig.drain_secs must be >= 0, got {self.drain_secs}")
+        if not self.health_interval_secs > 0:
+            raise ConfigError(f"ServiceConfig.health_interval_secs must be > 0, got {self.health_interval_secs}")
+        if self.decisions_ring < 1 or self.events_ring < 1:
+            raise ConfigError("ServiceConfig.decisions_ring and events_ring must be >= 1")

@@ -1,0 +1,276 @@
+"""Request bodies into typed requests, refusing what does not fit with a ``ServiceError(400)``.
+
+Every field a client sends is checked here, before it reaches the router, the slot manager or the
+engine: a wrong type, a token id outside u32, a hash outside i64/u64, an unknown format. So the code
+past this module can trust its inputs, and nothing a client sends turns into a 500 or a half-booked
+reservation. Token ids are checked as one numpy array (about 10 µs for 1,024 ids, against 60 µs for a
+per-item ``isinstance`` loop); the array goes on to the hasher without another copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, cast
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from ..errors import ConfigError, ServiceError
+from ..plane.registry import FORMATS, Format, offset_endpoint
+
+__all__ = [
+    "QueryRequest",
+    "Registration",
+    "SelectRequest",
+    "Unregistration",
+    "parse_body",
+    "parse_query",
+    "parse_registration",
+    "parse_select",
+    "parse_unregistration",
+]
+
+U32_MAX: Final = (1 << 32) - 1
+U64_MASK: Final = (1 << 64) - 1
+I64_MIN: Final = -(1 << 63)
+MAX_NAME: Final = 256
+MAX_FALLBACKS: Final = 64
+MAX_ID: Final = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """``POST /register``: the reference indexer's fields plus kvrouter's optional ones."""
+
+    instance_id: int
+    endpoint: str | None
+    """The rank's KV-event PUB endpoint; optional only in approximate mode."""
+    model_name: str = "default"
+    block_size: int = 16
+    dp_rank: int = 0
+    routing_group: str = "default"
+    replay_endpoint: str | None = None
+    format: Format = "vllm"
+    topic: str = ""
+    query_endpoint: str | None = None
+    http_endpoint: str | None = None
+    total_kv_blocks: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Unregistration:
+    instance_id: int
+    model_name: str
+    routing_group: str | None = None
+    """None: every group of the model."""
+    dp_rank: int | None = None
+    """None: every rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueryRequest:
+    model_name: str
+    routing_group: str
+    token_ids: npt.NDArray[np.uint32] | None
+    block_hashes: list[int] | None
+    """Local block hashes as u64 (i64 input reinterpreted)."""
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SelectRequest:
+    """``POST /select`` and ``/select_and_reserve``: a prompt as token ids or as local block hashes."""
+
+    model_name: str
+    routing_group: str = "default"
+    token_ids: npt.NDArray[np.uint32] | None = None
+    block_hashes: list[int] | None = None
+    isl_tokens: int | None = None
+    selection_id: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    explain: bool = False
+    fallbacks: int = 0
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    """A JSON object, or a 400."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ServiceError(400, f"body is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ServiceError(400, f"body must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _int(body: Mapping[str, Any], name: str, default: int | None = None, *, low: int = 0, high: int = U64_MASK) -> int:
+    value = body.get(name, default)
+    if value is None:
+        raise ServiceError(400, f"{name}: required")
+    if type(value) is not int:
+        raise ServiceError(400, f"{name}: expected an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ServiceError(400, f"{name}: {value} is outside [{low}, {high}]")
+    return value
+
+
+def _opt_int(body: Mapping[str, Any], name: str, *, low: int = 0, high: int = U64_MASK) -> int | None:
+    return None if body.get(name) is None else _int(body, name, low=low, high=high)
+
+
+def _str(body: Mapping[str, Any], name: str, default: str | None = None, *, limit: int = MAX_NAME) -> str:
+    value = body.get(name, default)
+    if value is None:
+        raise ServiceError(400, f"{name}: required")
+    if not isinstance(value, str):
+        raise ServiceError(400, f"{name}: expected a string, got {type(value).__name__}")
+    if not value or len(value) > limit:
+        raise ServiceError(400, f"{name}: expected 1..{limit} characters, got {len(value)}")
+    return value
+
+
+def _opt_str(body: Mapping[str, Any], name: str, *, limit: int = 2048) -> str | None:
+    return None if body.get(name) is None else _str(body, name, limit=limit)
+
+
+def _bool(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise ServiceError(400, f"{name}: expected true or false, got {type(value).__name__}")
+    return value
+
+
+def _endpoint(body: Mapping[str, Any], name: str, *, required: bool) -> str | None:
+    value = _str(body, name) if required else _opt_str(body, name)
+    if value is not None:
+        try:
+            offset_endpoint(value, 0)
+        except ConfigError as exc:
+            raise ServiceError(400, f"{name}: {exc}") from exc
+    return value
+
+
+def _http_endpoint(body: Mapping[str, Any]) -> str | None:
+    value = _opt_str(body, "http_endpoint")
+    if value is not None and not value.startswith(("http://", "https://")):
+        value = "http://" + value  # ip:port, as a gateway writes it
+    return value
+
+
+def token_array(value: Any, name: str = "token_ids") -> npt.NDArray[np.uint32]:
+    """A JSON list of token ids as a ``uint32`` array, each checked to be an integer in u32."""
+    if not isinstance(value, list):
+        raise ServiceError(400, f"{name}: expected a list of integers, got {type(value).__name__}")
+    if not value:
+        return np.empty(0, dtype=np.uint32)
+    try:
+        array = np.asarray(value)
+    except (ValueError, OverflowError) as exc:
+        raise ServiceError(400, f"{name}: expected a flat list of integers: {exc}") from exc
+    if array.ndim != 1 or array.dtype.kind not in "iu" or array.dtype == np.bool_:
+        raise ServiceError(400, f"{name}: expected a flat list of integers in [0, 2**32)")
+    if int(array.min()) < 0 or int(array.max()) > U32_MAX:
+        raise ServiceError(400, f"{name}: token ids must be in [0, 2**32), got [{array.min()}, {array.max()}]")
+    return array.astype(np.uint32)
+
+
+def hash_list(value: Any, name: str = "block_hashes") -> list[int]:
+    """Local block hashes: i64 as Dynamo sends them (reinterpreted as u64), or u64."""
+    if not isinstance(value, list):
+        raise ServiceError(400, f"{name}: expected a list of integers, got {type(value).__name__}")
+    out = []
+    for i, h in enumerate(value):
+        if type(h) is not int or not I64_MIN <= h <= U64_MASK:
+            raise ServiceError(400, f"{name}[{i}]: expected an integer in i64 or u64, got {h!r}")
+        out.append(h & U64_MASK)
+    return out
+
+
+def _topic(body: Mapping[str, Any]) -> str:
+    value = body.get("topic") or ""
+    if not isinstance(value, str) or len(value) > MAX_NAME:
+        raise ServiceError(400, f"topic: expected a string of at most {MAX_NAME} characters")
+    return value
+
+
+def parse_registration(body: Mapping[str, Any], *, endpoint_required: bool = True) -> Registration:
+    fmt = body.get("format", "vllm")
+    if fmt not in FORMATS:
+        raise ServiceError(400, f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    return Registration(
+        instance_id=_int(body, "instance_id"),
+        endpoint=_endpoint(body, "endpoint", required=endpoint_required),
+        model_name=_str(body, "model_name", "default"),
+        block_size=_int(body, "block_size", 16, low=1, high=1 << 20),
+        dp_rank=_int(body, "dp_rank", 0, high=1023),
+        routing_group=_str(body, "routing_group", "default"),
+        replay_endpoint=_endpoint(body, "replay_endpoint", required=False),
+        format=cast(Format, fmt),
+        topic=_topic(body),
+        query_endpoint=_endpoint(body, "query_endpoint", required=False),
+        http_endpoint=_http_endpoint(body),
+        total_kv_blocks=_opt_int(body, "total_kv_blocks", low=1, high=1 << 40),
+    )
+
+
+def parse_unregistration(body: Mapping[str, Any]) -> Unregistration:
+    return Unregistration(
+        instance_id=_int(body, "instance_id"),
+        model_name=_str(body, "model_name", "default"),
+        routing_group=_opt_str(body, "routing_group", limit=MAX_NAME),
+        dp_rank=_opt_int(body, "dp_rank", high=1023),
+    )
+
+
+def parse_query(body: Mapping[str, Any], *, by_hash: bool) -> QueryRequest:
+    if by_hash:
+        if body.get("cache_salt") is not None:
+            raise ServiceError(400, "cache_salt: not accepted by /query_by_hash (the hashes already carry it)")
+        if "block_hashes" not in body:
+            raise ServiceError(400, "block_hashes: required")
+        tokens, hashes = None, hash_list(body["block_hashes"])
+    else:
+        if "token_ids" not in body:
+            raise ServiceError(400, "token_ids: required")
+        tokens, hashes = token_array(body["token_ids"]), None
+    return QueryRequest(
+        model_name=_str(body, "model_name", "default"),
+        routing_group=_str(body, "routing_group", "default"),
+        token_ids=tokens,
+        block_hashes=hashes,
+        lora_name=_opt_str(body, "lora_name", limit=MAX_NAME),
+        cache_salt=_opt_str(body, "cache_salt"),
+    )
+
+
+def parse_select(body: Mapping[str, Any]) -> SelectRequest:
+    tokens = hashes = None
+    if body.get("token_ids") is not None:
+        tokens = token_array(body["token_ids"])
+    elif body.get("block_hashes") is not None:
+        hashes = hash_list(body["block_hashes"])
+        if body.get("sequence_hashes") is not None:
+            sequence = hash_list(body["sequence_hashes"], "sequence_hashes")
+            if len(sequence) != len(hashes):
+                raise ServiceError(400, "sequence_hashes: expected one per block hash")
+    else:
+        raise ServiceError(400, "token_ids or block_hashes: one is required")
+    selection_id = _opt_str(body, "selection_id", limit=MAX_ID)
+    return SelectRequest(
+        model_name=_str(body, "model_name", "default"),
+        routing_group=_str(body, "routing_group", "default"),
+        token_ids=tokens,
+        block_hashes=hashes,
+        isl_tokens=_opt_int(body, "isl_tokens", high=1 << 40),
+        selection_id=selection_id,
+        session_id=_opt_str(body, "session_id", limit=MAX_ID),
+        lora_name=_opt_str(body, "lora_name", limit=MAX_NAME),
+        cache_salt=_opt_str(body, "cache_salt"),
+        explain=_bool(body, "explain"),
+        fallbacks=_int(body, "fallbacks", 0, high=MAX_FALLBACKS),
+    )

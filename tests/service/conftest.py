@@ -1,0 +1,168 @@
+"""A real service for the API tests: its engine's applier, two ``kvrouter mock-worker`` processes
+(``--format vllm`` with replay sockets) registered through ``/register``, and plain HTTP on 127.0.0.1.
+
+One service per module: starting the engine and the mock engines is most of a test's time, and one
+engine per process is the rule, so the tests of a module share them and keep their state apart (their
+own prompts, selection ids and partitions). Tearing the service down asserts the lifecycle's promise:
+``stop()`` returns, the mock engines exit 0, and ``/dev/shm`` holds nothing of this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvrouter
+from kvrouter.routing.config import RouterConfig
+from kvrouter.service import Service, ServiceConfig
+from tests.conftest import MOCK_SPEEDUP, MOCK_TIMEOUT, Worker
+
+BLOCK = 16
+MODEL = "m"
+TOKEN = "s3cret"
+
+
+def http(
+    url: str, method: str = "GET", body: object = None, *, token: str | None = TOKEN, raw: bytes | None = None
+) -> tuple[int, Any, dict[str, str]]:
+    """One request; (status, parsed JSON body, headers), 4xx and 5xx included."""
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method)
+    request.add_header("Content-Type", "application/json")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read()), dict(response.headers)
+    except urllib.error.HTTPError as exc:
+        with exc:
+            text = exc.read()
+            return exc.code, json.loads(text) if text else None, dict(exc.headers)
+
+
+def start_mock(worker_id: int, err: Path) -> Worker:
+    command = [sys.executable, "-m", "kvrouter", "mock-worker", "--port", "0", "--worker-id", str(worker_id)]
+    command += ["--zmq-kv-events-port", "0", "--zmq-replay-port", "0", "--speedup-ratio", MOCK_SPEEDUP]
+    command += ["--format", "vllm", "--block-size", str(BLOCK), "--num-gpu-blocks", "512"]
+    with err.open("w") as stderr:
+        proc = subprocess.Popen(
+            command, cwd=Path(kvrouter.__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
+    try:
+        line = lines.get(timeout=MOCK_TIMEOUT)
+    except queue.Empty:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"mock worker printed no ready line: {err.read_text()}")
+    assert line.startswith("kvrouter-mock-worker ready "), line
+    fields = dict(part.split("=", 1) for part in line.split()[2:])
+    return Worker(proc, fields["http"], fields["events"].split(","), fields["replay"].split(","))
+
+
+def stop_mock(worker: Worker) -> int:
+    if worker.proc.poll() is None:
+        worker.proc.send_signal(signal.SIGTERM)
+    try:
+        code = worker.proc.wait(MOCK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        worker.proc.kill()
+        code = worker.proc.wait()
+    if worker.proc.stdout is not None:
+        worker.proc.stdout.close()
+    return code
+
+
+@dataclass
+class Running:
+    """A service serving on a thread of its own, and what the tests reach it by."""
+
+    service: Service
+    url: str
+    workers: list[Worker] = field(default_factory=list)
+
+    def call(self, method: str, path: str, body: object = None, **kwargs: Any) -> tuple[int, Any, dict[str, str]]:
+        return http(self.url + path, method, body, **kwargs)
+
+    def ok(self, method: str, path: str, body: object = None) -> Any:
+        status, answer, _ = self.call(method, path, body)
+        assert 200 <= status < 300, (status, answer)
+        return answer
+
+
+def serve(service: Service) -> tuple[threading.Thread, str]:
+    """Run ``service`` on a new thread's event loop; returns once it listens."""
+    ready: queue.Queue[str] = queue.Queue()
+    failed: list[BaseException] = []
+
+    def main() -> None:
+        try:
+            asyncio.run(service.run(on_ready=ready.put))
+        except BaseException as exc:
+            failed.append(exc)
+            ready.put("")
+
+    thread = threading.Thread(target=main, name="kvrouter-service", daemon=True)
+    thread.start()
+    url = ready.get(timeout=60)
+    assert not failed, failed
+    assert url
+    return thread, url
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    config = ServiceConfig(
+        port=0, shards=1, auth_token=TOKEN, health_interval_secs=0.1, drain_secs=2.0, router=RouterConfig()
+    )
+    service = Service(config)
+    service.start()  # forks the applier: before the service thread
+    workers: list[Worker] = []
+    thread: threading.Thread | None = None
+    try:
+        tmp = tmp_path_factory.mktemp("service")
+        workers = [start_mock(wid, tmp / f"worker{wid}.err") for wid in (1, 2)]
+        thread, url = serve(service)
+        run = Running(service, url, workers)
+        for wid, worker in zip((1, 2), workers, strict=True):
+            run.ok(
+                "POST",
+                "/register",
+                {
+                    "instance_id": wid,
+                    "endpoint": worker.events[0],
+                    "replay_endpoint": worker.replay[0],
+                    "model_name": MODEL,
+                    "block_size": BLOCK,
+                    "http_endpoint": worker.http,
+                },
+            )
+        yield run
+    finally:
+        service.stop()
+        if thread is not None:
+            thread.join(30)
+            assert not thread.is_alive(), "the service did not stop"
+        else:
+            service.engine.close()
+        codes = [stop_mock(worker) for worker in workers]
+        assert codes == [0] * len(workers)
+    leftovers = sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{os.getpid()}-"))
+    assert leftovers == [], leftovers

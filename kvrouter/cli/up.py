@@ -42,14 +42,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Final
 
 import typer
 
-from ..errors import ConfigError
+from ..errors import ConfigError, KvRouterError
 from ..plane.registry import WorkerSpec, parse_workers
 from ..routing.config import KVROUTER_CONFIG
 
 if TYPE_CHECKING:
     from ..service.app import Service
     from ..service.config import ServiceConfig
-    from ..service.embedded import Embedded
+    from ..service.embedded import Embedded, EmbeddedConfig
 
 __all__ = ["EPILOG", "ROUTER_FLAGS", "load_toml", "up"]
 
@@ -574,10 +574,18 @@ def up(
         "seed": seed,
         "first_worker_id": 1 + max((s.worker_id for s in specs), default=0),
     }
+    from ..service.config import ServiceConfig  # here: the service package imports aiohttp and the engine
+    from ..service.embedded import EmbeddedConfig
+
+    try:
+        service_config = ServiceConfig(**service_values)
+        demo_config = EmbeddedConfig(**demo)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     if print_config:
         typer.echo(json.dumps(_resolved(ctx, service_values, demo), indent=2))
         return
-    raise typer.Exit(serve(service_values, demo))
+    raise typer.Exit(serve(service_config, demo_config if demo_config.mock_workers > 0 else None))
 
 
 def _workers(ctx: typer.Context, text: str | None, block_size: int) -> list[WorkerSpec]:
@@ -611,22 +619,23 @@ def _resolved(ctx: typer.Context, service: dict[str, Any], demo: dict[str, Any])
 # -- running ---------------------------------------------------------------------------------------
 
 
-def serve(service_values: dict[str, Any], demo_values: dict[str, Any]) -> int:
+def serve(config: ServiceConfig, demo: EmbeddedConfig | None) -> int:
     """Start the engine (forks), then run the loop until a signal; the process's exit status."""
     from ..service.app import Service
-    from ..service.config import ServiceConfig
-    from ..service.embedded import Embedded, EmbeddedConfig
+    from ..service.embedded import Embedded
 
-    config = ServiceConfig(**service_values)
-    demo = EmbeddedConfig(**demo_values) if demo_values["mock_workers"] > 0 else None
     if config.auth_token is None and config.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning(
-            "binding non-loopback host=%s without --auth-token: anyone who reaches it can register workers", config.host
-        )
         typer.echo(f"kvrouter up: warning: {config.host} is not loopback and no --auth-token is set", err=True)
     service = Service(config)
-    service.start()  # forks the engine's fork server: before the loop and before any thread
-    return asyncio.run(_run(service, config, None if demo is None else Embedded(demo)))
+    try:
+        service.start()  # forks the engine's fork server: before the loop and before any thread
+    except KvRouterError as exc:
+        typer.echo(f"kvrouter up: the engine did not start: {exc}", err=True)
+        with contextlib.suppress(Exception):
+            service.engine.close()
+        return 1
+    embedded = None if demo is None else Embedded(demo, decisions=lambda: service.counters.decisions)
+    return asyncio.run(_run(service, config, embedded))
 
 
 async def _run(service: Service, config: ServiceConfig, embedded: Embedded | None) -> int:

@@ -35,6 +35,7 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, TextIO
 
@@ -254,9 +255,14 @@ class Embedded:
     """The demo fleet of ``kvrouter up``: :meth:`start` once the API listens, :meth:`stop_client` on a
     signal (synchronous, from the signal handler), :meth:`close` after the service stopped."""
 
-    def __init__(self, config: EmbeddedConfig, out: TextIO | None = None) -> None:
+    def __init__(
+        self, config: EmbeddedConfig, out: TextIO | None = None, *, decisions: Callable[[], int] | None = None
+    ) -> None:
+        """``decisions``: the service's decision counter (every client's, not only this one's) for the
+        status line's decisions/s; None counts this client's own."""
         self.config = config
         self.out = out if out is not None else sys.stdout
+        self._decisions = decisions if decisions is not None else self._own_decisions
         self.mocks: list[MockProcess] = []
         self.stats = Stats()
         self.workload = Workload(config.seed, config.block_size)
@@ -265,6 +271,9 @@ class Embedded:
         self._http: aiohttp.ClientSession | None = None
         self._stopped = False
         self.url = ""
+
+    def _own_decisions(self) -> int:
+        return self.stats.total_decisions
 
     def print(self, line: str) -> None:
         self.out.write(line + "\n")
@@ -451,15 +460,19 @@ class Embedded:
         """One line every ``status_secs``: decisions/s, hit rates, active blocks per worker."""
         stats = self.stats
         start = last = time.monotonic()
+        counted = self._decisions()
         while True:
             await asyncio.sleep(self.config.status_secs)
-            now = time.monotonic()
-            self.print(self.status_line(now - start, now - last, await self._active_blocks()))
-            last = now
+            now, total = time.monotonic(), self._decisions()
+            rate = (total - counted) / (now - last)
+            self.print(self.status_line(now - start, rate, total, await self._active_blocks()))
+            last, counted = now, total
             stats.decisions = stats.prompt_tokens = stats.predicted_tokens = 0
             stats.cached_tokens = stats.completed_prompt_tokens = 0
 
-    def status_line(self, uptime: float, interval: float, active: dict[int, int] | None) -> str:
+    def status_line(self, uptime: float, rate: float, decisions: int, active: dict[int, int] | None) -> str:
+        """``rate`` and ``decisions``: the service's decisions per second and in total; hit rates over this
+        client's requests since the last line."""
         s = self.stats
 
         def pct(part: int, whole: int) -> str:
@@ -471,8 +484,8 @@ class Embedded:
         predicted = pct(s.predicted_tokens, s.prompt_tokens)
         engine = pct(s.cached_tokens, s.completed_prompt_tokens)
         return (
-            f"[{uptime:6.0f}s] {s.decisions / interval:5.1f} decisions/s | hit {predicted} predicted, {engine} engine"
-            f" | active blocks {blocks} | {s.total_decisions} decisions, {s.errors} errors"
+            f"[{uptime:6.0f}s] {rate:5.1f} decisions/s | hit {predicted} predicted, {engine} engine"
+            f" | active blocks {blocks} | {decisions} decisions, {s.errors} errors"
         )
 
     async def _active_blocks(self) -> dict[int, int] | None:

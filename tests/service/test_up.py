@@ -29,7 +29,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-START_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 120.0
 """Cold numba caches on 2 shared cores: the engine and the mock engines compile before they answer."""
 EXIT_BOUND_S = 10.0
 """Issue 11, item 9: SIGTERM → exit 0 within 10 s."""

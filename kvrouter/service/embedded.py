@@ -445,7 +445,7 @@ class Embedded:
                     continue
                 payload = line[6:].strip()
                 if payload == b"[DONE]":
-                    break
+                    continue  # read to the end: the engine closes the connection, so it is never reset
                 chunk = orjson.loads(payload)
                 if "error" in chunk:
                     raise ValueError(f"engine error: {chunk['error']}")

@@ -171,6 +171,13 @@ def test_up_routes_the_demo_workload_and_stops_cleanly_on_sigterm(start_up, shm_
     assert sorted(row["instance_id"] for row in rows) == [1, 2]
     decided = up.expect(STATUS_LINE, START_TIMEOUT_S, accept=lambda m: int(m[1]) >= 5)
     assert int(decided[2]) == 0, up.seen  # no request of the client failed
+    status, ring = get(url + "/decisions?since=0")
+    assert status == 200
+    assert {d["worker_id"] for d in ring["decisions"]} <= {1, 2}
+    assert ring["last"] >= 5
+    status, loads = get(url + "/loads")
+    assert status == 200
+    assert sorted(load["worker_id"] for group in loads for load in group["loads"]) == [1, 2]
     assert len(descendants(up.proc.pid)) >= 2 + 2  # two mock engines, fork server and appliers
     stop_and_check(up, signal.SIGTERM, shm_entries)
 

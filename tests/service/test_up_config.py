@@ -7,6 +7,7 @@ on the right ``RouterConfig`` fields, starting from ``KVROUTER_CONFIG``; ``--hel
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -230,3 +231,22 @@ def test_help_is_grouped_with_units_env_vars_and_an_example(runner):
         "kvrouter up --workers",
     ):
         assert needle in text, needle
+
+
+def test_the_demo_workload_shares_system_prompts_and_grows_sessions():
+    from kvrouter.service.embedded import SYSTEM_PROMPTS, Workload
+
+    first, again = Workload(7, 16), Workload(7, 16)
+    assert first.system_prompts == again.system_prompts  # deterministic from the seed
+    assert len(first.system_prompts) == SYSTEM_PROMPTS
+    assert all(len(p) % 16 == 0 for p in first.system_prompts)
+    session = first.session()
+    prompts = []
+    while session.turns_left:
+        prompt, max_tokens = first.turn(session)
+        assert max_tokens >= 1
+        prompts.append(prompt)
+    system = first.system_prompts[session.system]
+    for earlier, later in itertools.pairwise(prompts):
+        assert later[: len(earlier)] == earlier  # a turn extends the previous prompt (plus its answer)
+        assert earlier[: len(system)] == system

@@ -1,0 +1,506 @@
+"""The embedded default of ``kvrouter up``: mock engines, a gentle client, a status line.
+
+A newcomer runs one command and sees routing, overlap and load move, with no GPU and no external
+service. Everything here goes through the public surfaces a real deployment uses, so the demo also
+exercises them end to end:
+
+- **Mock engines** are ``python -m kvrouter mock-worker`` subprocesses (vLLM event format with a replay
+  socket, block size 16, 4,096 blocks each, every port chosen by the OS), each in its own session so a
+  terminal's Ctrl-C reaches ``kvrouter up`` alone and the shutdown order stays ours. Their ready line
+  gives the ports; they join through ``POST /register`` with ``http_endpoint``, as an operator's
+  engines would. Exec'd children rather than forks: the front's process has threads by then.
+- **The client** is an asyncio task in the front's own loop (aiohttp client; a thread or process would
+  cost more than the few requests a second it sends). Each request is the router protocol, not the
+  proxy: ``/select_and_reserve`` → the chosen engine's ``/v1/completions`` (token-id prompt, streamed)
+  → ``/reservations/{id}/prefill_complete`` at the first token → ``DELETE /reservations/{id}`` at the
+  end, always, so an error never leaks a reservation. The workload is synthetic multi-turn chat: a few
+  shared system prompts (popular ones more often), sessions of 2-6 turns whose prompts grow by the
+  previous turn, so overlap comes from shared prefixes and from a session's own history.
+- **The status line** every few seconds: decisions per second, the hit rate the router predicted
+  (overlap tokens / prompt tokens of the chosen workers) beside the one the engines reported
+  (``cached_tokens``), and each worker's active blocks from ``GET /loads``.
+
+Rejected: an in-process mock engine (its threads would share the front's GIL and skew what the demo
+shows) and driving the mocks without the router protocol (the demo would then show nothing routed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import re
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final, TextIO
+
+import aiohttp
+import orjson
+
+from ..errors import KvRouterError
+
+__all__ = ["Embedded", "EmbeddedConfig", "MockProcess", "Workload", "start_mock", "stop_mocks"]
+
+log = logging.getLogger(__name__)
+
+READY_RE: Final = re.compile(r"kvrouter-mock-worker ready http=(\S+) events=(\S+) replay=(\S+)")
+"""The mock worker's ready line (``kvrouter/cli/mock_worker.py``)."""
+
+MOCK_START_TIMEOUT_S: Final = 120.0
+"""Longest wait for a mock engine's ready line: a cold numba cache compiles for tens of seconds on 2 cores."""
+
+MOCK_STOP_TIMEOUT_S: Final = 3.0
+"""SIGTERM, then this long, then SIGKILL: the mocks poll for a stop every 0.1 s."""
+
+HTTP_TIMEOUT_S: Final = 30.0
+
+VOCAB: Final = 32_000
+SYSTEM_PROMPTS: Final = 6
+
+
+class EmbeddedError(KvRouterError):
+    """The demo fleet could not start (a mock engine died, or the service refused a registration)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddedConfig:
+    """What ``kvrouter up`` starts when no workers are given (see the module docstring)."""
+
+    mock_workers: int = 4
+    block_size: int = 16
+    num_gpu_blocks: int = 4096
+    model_name: str = "default"
+    routing_group: str = "default"
+    client_rate: float = 3.0
+    """Requests a second (Poisson arrivals); 0: no client."""
+    status_secs: float = 5.0
+    seed: int = 0
+    first_worker_id: int = 1
+    max_in_flight: int = 32
+
+
+# -- mock engines ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class MockProcess:
+    """One mock engine subprocess and what its ready line said."""
+
+    worker_id: int
+    proc: asyncio.subprocess.Process
+    http: str = ""
+    events: str = ""
+    replay: str | None = None
+
+
+async def start_mock(worker_id: int, config: EmbeddedConfig, started: list[MockProcess]) -> MockProcess:
+    """Start one mock engine and wait for its ready line; appended to ``started`` at once, so a caller
+    that is cancelled meanwhile still stops it.
+
+    Raises:
+        EmbeddedError: the process exited or printed no ready line within :data:`MOCK_START_TIMEOUT_S`.
+    """
+    argv = [
+        sys.executable, "-m", "kvrouter", "mock-worker",
+        "--worker-id", str(worker_id),
+        "--host", "127.0.0.1",
+        "--port", "0",
+        "--zmq-kv-events-port", "0",
+        "--zmq-replay-port", "0",
+        "--format", "vllm",
+        "--block-size", str(config.block_size),
+        "--num-gpu-blocks", str(config.num_gpu_blocks),
+    ]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True
+    )
+    mock = MockProcess(worker_id, proc)
+    started.append(mock)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + MOCK_START_TIMEOUT_S
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), timeout=max(remaining, 0.001))
+        except TimeoutError:
+            raise EmbeddedError(
+                f"mock engine {worker_id} printed no ready line in {MOCK_START_TIMEOUT_S:.0f}s"
+            ) from None
+        if not line:
+            code = await proc.wait()
+            raise EmbeddedError(f"mock engine {worker_id} exited with status {code} before it was ready")
+        match = READY_RE.search(line.decode(errors="replace"))
+        if match:
+            mock.http, mock.events = match[1], match[2]
+            mock.replay = None if match[3] == "none" else match[3]
+            return mock
+
+
+async def stop_mocks(mocks: list[MockProcess], timeout: float = MOCK_STOP_TIMEOUT_S) -> None:
+    """SIGTERM every mock engine, wait up to ``timeout``, SIGKILL the rest; every one reaped."""
+    for mock in mocks:
+        if mock.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                mock.proc.send_signal(signal.SIGTERM)
+    waits = [asyncio.create_task(mock.proc.wait()) for mock in mocks]
+    if not waits:
+        return
+    _, pending = await asyncio.wait(waits, timeout=timeout)
+    for mock in mocks:
+        if mock.proc.returncode is None:
+            log.warning(
+                "mock engine did not stop on SIGTERM worker=%d pid=%d; killing it", mock.worker_id, mock.proc.pid
+            )
+            with contextlib.suppress(ProcessLookupError):
+                mock.proc.kill()
+    if pending:
+        await asyncio.wait(pending)
+    for mock in mocks:
+        if mock.proc.stdout is not None:
+            mock.proc.stdout.feed_eof()
+
+
+# -- the workload ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Session:
+    """One synthetic conversation: a shared system prompt, then its own turns."""
+
+    system: int
+    turns_left: int
+    history: list[int] = field(default_factory=list)
+    busy: bool = False
+
+
+class Workload:
+    """Synthetic multi-turn chat, deterministic from a seed (see the module docstring).
+
+    ``system_prompts`` are 20-60 blocks each; a session picks one with weight 1/(rank+1), then each turn
+    adds 16-200 user tokens and the previous answer (synthetic ids: the mock returns none).
+    """
+
+    def __init__(self, seed: int, block_size: int) -> None:
+        self.rng = random.Random(seed)
+        self.system_prompts = [
+            [self.rng.randrange(1, VOCAB) for _ in range(block_size * self.rng.randint(20, 60))]
+            for _ in range(SYSTEM_PROMPTS)
+        ]
+        self.weights = [1.0 / (rank + 1) for rank in range(SYSTEM_PROMPTS)]
+
+    def session(self) -> Session:
+        system = self.rng.choices(range(SYSTEM_PROMPTS), self.weights)[0]
+        return Session(system, self.rng.randint(2, 6))
+
+    def turn(self, session: Session) -> tuple[list[int], int]:
+        """(the prompt of the session's next turn, its max_tokens); the session's history grows by it."""
+        session.history.extend(self.rng.randrange(1, VOCAB) for _ in range(self.rng.randint(16, 200)))
+        prompt = self.system_prompts[session.system] + session.history
+        max_tokens = self.rng.randint(32, 192)
+        session.history.extend(self.rng.randrange(1, VOCAB) for _ in range(max_tokens))
+        session.turns_left -= 1
+        return prompt, max_tokens
+
+
+# -- the client and the status line ----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Stats:
+    """What the client saw since the last status line (and in total)."""
+
+    decisions: int = 0
+    prompt_tokens: int = 0
+    predicted_tokens: int = 0
+    cached_tokens: int = 0
+    """Engine-reported cached prompt tokens of the requests completed (``usage.prompt_tokens_details``)."""
+    completed_prompt_tokens: int = 0
+    completed: int = 0
+    errors: int = 0
+    total_decisions: int = 0
+    per_worker: Counter[int] = field(default_factory=Counter)
+    error_kinds: set[str] = field(default_factory=set)
+
+    def error(self, kind: str, detail: str) -> None:
+        self.errors += 1
+        if kind not in self.error_kinds:
+            self.error_kinds.add(kind)
+            log.warning("demo client request failed kind=%s detail=%s (logged once per kind)", kind, detail)
+
+
+def overlap_tokens(answer: dict[str, Any]) -> int:
+    """The chosen worker's predicted overlap in tokens: ``overlap.dp[rank]``, else ``gpu``, else
+    ``longest_matched`` (the selection service's shapes)."""
+    overlap = answer.get("overlap")
+    if not isinstance(overlap, dict):
+        return 0
+    by_rank = overlap.get("dp")
+    if isinstance(by_rank, dict):
+        value = by_rank.get(str(answer.get("dp_rank", 0)))
+        if isinstance(value, int):
+            return value
+    for key in ("gpu", "longest_matched"):
+        value = overlap.get(key)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+class Embedded:
+    """The demo fleet of ``kvrouter up``: :meth:`start` once the API listens, :meth:`stop_client` on a
+    signal (synchronous, from the signal handler), :meth:`close` after the service stopped."""
+
+    def __init__(
+        self, config: EmbeddedConfig, out: TextIO | None = None, *, decisions: Callable[[], int] | None = None
+    ) -> None:
+        """``decisions``: the service's decision counter (every client's, not only this one's) for the
+        status line's decisions/s; None counts this client's own."""
+        self.config = config
+        self.out = out if out is not None else sys.stdout
+        self._decisions = decisions if decisions is not None else self._own_decisions
+        self.mocks: list[MockProcess] = []
+        self.stats = Stats()
+        self.workload = Workload(config.seed, config.block_size)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._requests: set[asyncio.Task[None]] = set()
+        self._http: aiohttp.ClientSession | None = None
+        self._stopped = False
+        self.url = ""
+
+    def _own_decisions(self) -> int:
+        return self.stats.total_decisions
+
+    def print(self, line: str) -> None:
+        self.out.write(line + "\n")
+        self.out.flush()
+
+    async def start(self, url: str) -> None:
+        """Start the mock engines, register them, print the banner, start the client and the status line.
+
+        Raises:
+            EmbeddedError: a mock engine did not start, or ``/register`` refused one.
+        """
+        self.url = url
+        cfg = self.config
+        self.print(f"kvrouter up: starting {cfg.mock_workers} mock engines (block size {cfg.block_size}, "
+                   f"{cfg.num_gpu_blocks} blocks each)...")  # fmt: skip
+        ids = range(cfg.first_worker_id, cfg.first_worker_id + cfg.mock_workers)
+        await asyncio.gather(*(start_mock(worker_id, cfg, self.mocks) for worker_id in ids))
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S))
+        for mock in self.mocks:
+            body = {
+                "instance_id": mock.worker_id,
+                "endpoint": mock.events,
+                "replay_endpoint": mock.replay,
+                "http_endpoint": mock.http,
+                "format": "vllm",
+                "model_name": cfg.model_name,
+                "routing_group": cfg.routing_group,
+                "block_size": cfg.block_size,
+                "dp_rank": 0,
+                "total_kv_blocks": cfg.num_gpu_blocks,
+            }
+            status, answer = await self._call("POST", "/register", body)
+            if status not in (200, 201):
+                raise EmbeddedError(f"/register of mock engine {mock.worker_id} answered {status}: {answer}")
+        if self._stopped:
+            return
+        self.print(self.banner())
+        if cfg.client_rate > 0:
+            self._tasks.append(asyncio.create_task(self._drive(), name="demo-client"))
+            self._tasks.append(asyncio.create_task(self._status(), name="demo-status"))
+
+    def banner(self) -> str:
+        """What to try next, printed once the fleet is registered."""
+        cfg, url = self.config, self.url
+        sample = self.workload.system_prompts[0][: 2 * cfg.block_size]
+        select = orjson.dumps({"model_name": cfg.model_name, "token_ids": sample, "explain": True}).decode()
+        workers = ", ".join(f"{m.worker_id}={m.http}" for m in self.mocks)
+        client = (f"a client sends ~{cfg.client_rate:g} requests/s of multi-turn chat with shared system prompts"
+                  if cfg.client_rate > 0 else "no client (--client-rate 0)")  # fmt: skip
+        return "\n".join([
+            f"kvrouter up: routing for model {cfg.model_name!r} across {len(self.mocks)} mock engines ({workers});",
+            f"  {client}.",
+            "Try:",
+            f"  curl -s {url}/health",
+            f"  curl -s {url}/workers",
+            f"  curl -s {url}/loads",
+            f"  curl -s {url}/select -d '{select}'",
+            f"  kvrouter top --url {url}",
+            "Status every few seconds: decisions/s, hit rate (router-predicted / engine-reported), active blocks per "
+            "worker. Ctrl-C stops everything.",
+        ])  # fmt: skip
+
+    def stop_client(self) -> None:
+        """Cancel the client and the status line (signal-handler safe: it only cancels tasks)."""
+        self._stopped = True
+        for task in [*self._tasks, *self._requests]:
+            task.cancel()
+
+    async def close(self) -> None:
+        """Stop the client if still running, close its HTTP session, stop and reap every mock engine."""
+        self.stop_client()
+        pending = [*self._tasks, *self._requests]
+        if pending:
+            await asyncio.wait(pending, timeout=2.0)
+        if self._http is not None:
+            await self._http.close()
+        await stop_mocks(self.mocks)
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    async def _call(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
+        assert self._http is not None
+        data = None if body is None else orjson.dumps(body)
+        headers = {"Content-Type": "application/json"} if data is not None else None
+        async with self._http.request(method, self.url + path, data=data, headers=headers) as response:
+            raw = await response.read()
+            try:
+                return response.status, orjson.loads(raw) if raw else None
+            except orjson.JSONDecodeError:
+                return response.status, raw.decode(errors="replace")
+
+    async def _drive(self) -> None:
+        """Poisson arrivals at ``client_rate``; each takes an idle session (a new one when none is idle)."""
+        cfg = self.config
+        rng = random.Random(cfg.seed + 1)
+        sessions: list[Session] = []
+        while True:
+            await asyncio.sleep(rng.expovariate(cfg.client_rate))
+            if len(self._requests) >= cfg.max_in_flight:
+                continue
+            sessions = [s for s in sessions if s.turns_left > 0 or s.busy]
+            idle = [s for s in sessions if not s.busy and s.turns_left > 0]
+            if idle and rng.random() < 0.7:
+                session = rng.choice(idle)
+            else:
+                session = self.workload.session()
+                sessions.append(session)
+            prompt, max_tokens = self.workload.turn(session)
+            session.busy = True
+            task = asyncio.create_task(self._request(session, prompt, max_tokens))
+            self._requests.add(task)
+            task.add_done_callback(self._requests.discard)
+
+    async def _request(self, session: Session, prompt: list[int], max_tokens: int) -> None:
+        cfg, stats = self.config, self.stats
+        selection: str | None = None
+        try:
+            body = {"model_name": cfg.model_name, "routing_group": cfg.routing_group, "token_ids": prompt}
+            status, answer = await self._call("POST", "/select_and_reserve", body)
+            if status != 200 or not isinstance(answer, dict):
+                stats.error(f"select {status}", str(answer)[:200])
+                return
+            selection = str(answer.get("selection_id"))
+            worker = int(answer["worker_id"])
+            stats.decisions += 1
+            stats.total_decisions += 1
+            stats.per_worker[worker] += 1
+            stats.prompt_tokens += len(prompt)
+            stats.predicted_tokens += overlap_tokens(answer)
+            endpoint = self._endpoint(answer, worker)
+            cached = await self._complete(endpoint, prompt, max_tokens, answer.get("dp_rank", 0), selection)
+            stats.cached_tokens += cached
+            stats.completed_prompt_tokens += len(prompt)
+            stats.completed += 1
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, TypeError) as exc:
+            stats.error(type(exc).__name__, str(exc)[:200])
+        finally:
+            session.busy = False
+            if selection is not None and not self._stopped:
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    await self._call("DELETE", f"/reservations/{selection}")
+
+    def _endpoint(self, answer: dict[str, Any], worker: int) -> str:
+        """The chosen engine's HTTP URL: the answer's ``endpoint`` when it is one, else the mock's own."""
+        endpoint = answer.get("endpoint")
+        if isinstance(endpoint, str) and endpoint.startswith("http"):
+            return endpoint.rstrip("/")
+        for mock in self.mocks:
+            if mock.worker_id == worker:
+                return mock.http
+        raise ValueError(f"/select_and_reserve chose worker {worker}, which is not a mock engine")
+
+    async def _complete(
+        self, endpoint: str, prompt: list[int], max_tokens: int, dp_rank: object, selection: str
+    ) -> int:
+        """Stream one completion; prefill complete at the first chunk. The engine's ``cached_tokens``."""
+        assert self._http is not None
+        body = orjson.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True, "dp_rank": dp_rank})
+        cached = 0
+        first = True
+        async with self._http.post(endpoint + "/v1/completions", data=body,
+                                   headers={"Content-Type": "application/json"}) as response:  # fmt: skip
+            if response.status != 200:
+                raise ValueError(f"engine answered {response.status}: {(await response.read())[:200]!r}")
+            async for line in response.content:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    continue  # read to the end: the engine closes the connection, so it is never reset
+                chunk = orjson.loads(payload)
+                if "error" in chunk:
+                    raise ValueError(f"engine error: {chunk['error']}")
+                if first:
+                    first = False
+                    await self._call("POST", f"/reservations/{selection}/prefill_complete")
+                usage = chunk.get("usage") or {}
+                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) or 0)
+        return cached
+
+    async def _status(self) -> None:
+        """One line every ``status_secs``: decisions/s, hit rates, active blocks per worker."""
+        stats = self.stats
+        start = last = time.monotonic()
+        counted = self._decisions()
+        while True:
+            await asyncio.sleep(self.config.status_secs)
+            now, total = time.monotonic(), self._decisions()
+            rate = (total - counted) / (now - last)
+            self.print(self.status_line(now - start, rate, total, await self._active_blocks()))
+            last, counted = now, total
+            stats.decisions = stats.prompt_tokens = stats.predicted_tokens = 0
+            stats.cached_tokens = stats.completed_prompt_tokens = 0
+
+    def status_line(self, uptime: float, rate: float, decisions: int, active: dict[int, int] | None) -> str:
+        """``rate`` and ``decisions``: the service's decisions per second and in total; hit rates over this
+        client's requests since the last line."""
+        s = self.stats
+
+        def pct(part: int, whole: int) -> str:
+            return f"{100 * part / whole:.0f}%" if whole else "-"
+
+        blocks = (
+            "?" if active is None else " ".join(f"{w}:{active.get(w, 0)}" for w in (m.worker_id for m in self.mocks))
+        )
+        predicted = pct(s.predicted_tokens, s.prompt_tokens)
+        engine = pct(s.cached_tokens, s.completed_prompt_tokens)
+        return (
+            f"[{uptime:6.0f}s] {rate:5.1f} decisions/s | hit {predicted} predicted, {engine} engine"
+            f" | active blocks {blocks} | {decisions} decisions, {s.errors} errors"
+        )
+
+    async def _active_blocks(self) -> dict[int, int] | None:
+        """Per worker, active (decode) blocks summed over dp ranks, from ``GET /loads``; None when unreadable."""
+        try:
+            status, answer = await self._call("GET", "/loads")
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        if status != 200:
+            return None
+        groups = answer if isinstance(answer, list) else answer.get("loads", []) if isinstance(answer, dict) else []
+        blocks: Counter[int] = Counter()
+        for group in groups:
+            if group.get("model_name", self.config.model_name) != self.config.model_name:
+                continue
+            for load in group.get("loads", []):
+                blocks[int(load["worker_id"])] += int(load.get("potential_decode_blocks", 0))
+        return dict(blocks)

@@ -1,0 +1,191 @@
+"""``kvrouter up`` as a real process: the embedded demo routes, SIGTERM / SIGINT end it cleanly.
+
+The command runs as ``python -m kvrouter up --port 0`` with its own mock engines (real subprocesses)
+and engine (real applier processes in /dev/shm). The test reads the URL from the first stdout line,
+sees the API answer and the built-in client's decisions in the status line and the registered mocks in
+``GET /workers``, then signals the process and checks it exits 0 within the issue's 10 s, that every
+process it started (mock engines, fork server, appliers) is gone, and that /dev/shm holds nothing under
+its pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT
+
+START_TIMEOUT_S = 120.0
+"""Cold numba caches on 2 shared cores: the engine and the mock engines compile before they answer."""
+EXIT_BOUND_S = 10.0
+"""Issue 11, item 9: SIGTERM → exit 0 within 10 s."""
+
+URL_LINE = re.compile(r"kvrouter up: API at (http://\S+)")
+STATUS_LINE = re.compile(r"decisions/s .* (\d+) decisions, (\d+) errors")
+
+
+class Up:
+    """A running ``kvrouter up`` with its stdout read line by line into a queue (stderr to a file)."""
+
+    def __init__(self, *args: str, stderr: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
+        self._stderr = stderr.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvrouter", "up", "--port", "0", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def expect(
+        self, pattern: re.Pattern[str], timeout: float, accept: Callable[[re.Match[str]], bool] = bool
+    ) -> re.Match[str]:
+        """The first stdout line from now on matching ``pattern`` (and ``accept``); fails after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or (self.proc.poll() is not None and self.lines.empty()):
+                pytest.fail(
+                    f"no line matching {pattern.pattern!r} (exit {self.proc.poll()}); stdout so far: {self.seen}"
+                )
+            try:
+                line = self.lines.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                continue
+            self.seen.append(line)
+            match = pattern.search(line)
+            if match and accept(match):
+                return match
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._reader.join(timeout=5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._stderr.close()
+
+
+@pytest.fixture
+def start_up(tmp_path: Path) -> Iterator[Callable[..., Up]]:
+    started: list[Up] = []
+
+    def start(*args: str) -> Up:
+        up = Up(*args, stderr=tmp_path / f"up-{len(started)}.err")
+        started.append(up)
+        return up
+
+    yield start
+    for up in started:
+        tree = descendants(up.proc.pid)
+        up.close()
+        for pid in still_there(tree):  # a failed test still leaves nothing behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def get(url: str) -> tuple[int, Any]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.status, json.loads(response.read())
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, start time) of a live process, None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return int(fields[1]), fields[19]
+
+
+def descendants(root: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every process below ``root`` now; the start time tells a reused pid apart."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _stat(int(entry))) is not None:
+            children.setdefault(stat[0], []).append(int(entry))
+    found: list[tuple[int, str]] = []
+    stack = [root]
+    while stack:
+        for pid in children.get(stack.pop(), []):
+            stat = _stat(pid)
+            if stat is not None:
+                found.append((pid, stat[1]))
+                stack.append(pid)
+    return found
+
+
+def still_there(tree: list[tuple[int, str]]) -> list[int]:
+    return [pid for pid, started in tree if (stat := _stat(pid)) is not None and stat[1] == started]
+
+
+def stop_and_check(up: Up, signum: int, shm_entries: Callable[[int], list[str]]) -> None:
+    tree = descendants(up.proc.pid)
+    up.proc.send_signal(signum)
+    try:
+        code = up.proc.wait(timeout=EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"kvrouter up still running {EXIT_BOUND_S}s after {signal.Signals(signum).name}")
+    assert code == 0
+    assert still_there(tree) == [], "processes kvrouter up started outlived it"
+    assert shm_entries(up.proc.pid) == []
+
+
+def test_up_routes_the_demo_workload_and_stops_cleanly_on_sigterm(start_up, shm_entries):
+    up = start_up("--mock-workers", "2", "--shards", "2", "--status-secs", "1", "--client-rate", "6")
+    url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
+    assert get(url + "/health")[0] == 200
+    up.expect(re.compile(r"Ctrl-C stops everything"), START_TIMEOUT_S)  # the banner: mocks up and registered
+    assert any("curl -s " + url + "/select" in line and '"explain":true' in line for line in up.seen)
+    status, workers = get(url + "/workers")
+    assert status == 200
+    rows = workers if isinstance(workers, list) else workers["workers"]
+    assert sorted(row["instance_id"] for row in rows) == [1, 2]
+    decided = up.expect(STATUS_LINE, START_TIMEOUT_S, accept=lambda m: int(m[1]) >= 5)
+    assert int(decided[2]) == 0, up.seen  # no request of the client failed
+    status, ring = get(url + "/decisions?since=0")
+    assert status == 200
+    assert {d["worker_id"] for d in ring["decisions"]} <= {1, 2}
+    assert ring["last"] >= 5
+    status, loads = get(url + "/loads")
+    assert status == 200
+    assert sorted(load["worker_id"] for group in loads for load in group["loads"]) == [1, 2]
+    assert len(descendants(up.proc.pid)) >= 2 + 2  # two mock engines, fork server and appliers
+    stop_and_check(up, signal.SIGTERM, shm_entries)
+
+
+def test_up_without_a_demo_serves_and_stops_on_sigint(start_up, shm_entries):
+    up = start_up("--mock-workers", "0", "--shards", "1")
+    url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
+    assert get(url + "/health")[0] == 200
+    up.expect(re.compile(r"kvrouter top --url"), START_TIMEOUT_S)
+    assert not any("mock engines" in line for line in up.seen)
+    stop_and_check(up, signal.SIGINT, shm_entries)

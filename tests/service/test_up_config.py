@@ -1,0 +1,252 @@
+"""``kvrouter up``'s configuration, resolved without starting anything (``--print-config``).
+
+Precedence per option: flag > ``KVROUTER_*`` environment variable > ``--config`` TOML file > default,
+checked on one option at every level and across options mixing levels; the ``--router-*`` flags land
+on the right ``RouterConfig`` fields, starting from ``KVROUTER_CONFIG``; ``--help`` is grouped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from kvrouter.cli import app
+from kvrouter.cli.up import ROUTER_FLAGS
+from kvrouter.routing.config import KVROUTER_CONFIG
+
+ENV_PREFIX = "KVROUTER_"
+WIDE = {"COLUMNS": "400"}
+"""Rich wraps error boxes at the terminal width; wide enough that a message stays on one line."""
+
+
+@pytest.fixture
+def runner(monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    """A runner with no ``KVROUTER_*`` variable of the calling shell leaking in."""
+    for name in list(os.environ):
+        if name.startswith(ENV_PREFIX):
+            monkeypatch.delenv(name)
+    return CliRunner()
+
+
+def resolve(runner: CliRunner, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    result = runner.invoke(app, ["up", *args, "--print-config"], env=env)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)  # type: ignore[no-any-return]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvrouter.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_the_issues_and_kvrouters_tuned_router(runner):
+    resolved = resolve(runner)
+    service = resolved["service"]
+    assert (service["host"], service["port"], service["shards"], service["block_size"]) == ("127.0.0.1", 8490, 4, 16)
+    assert (service["model_name"], service["routing_group"], service["workers"]) == ("default", "default", [])
+    assert service["overload_status"] == 529
+    router = service["router"]
+    assert router["router_selection_policy"] == KVROUTER_CONFIG.router_selection_policy == "lmetric"
+    assert router["overlap_score_credit"] == KVROUTER_CONFIG.overlap_score_credit
+    assert resolved["embedded"]["mock_workers"] == 4  # no --workers: the demo fleet
+    assert set(resolved["sources"].values()) == {"default"}
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "toml", "expected", "source"),
+    [
+        (None, None, None, 4, "default"),
+        (None, None, 3, 3, "config file"),
+        (None, "5", 3, 5, "env"),
+        ("7", "5", 3, 7, "flag"),
+        ("7", None, None, 7, "flag"),
+        (None, "5", None, 5, "env"),
+    ],
+)
+def test_precedence_is_flag_then_env_then_file_then_default(runner, tmp_path, flag, env, toml, expected, source):
+    args: list[str] = []
+    environ: dict[str, str] = {}
+    if flag is not None:
+        args += ["--shards", flag]
+    if env is not None:
+        environ["KVROUTER_SHARDS"] = env
+    if toml is not None:
+        args += ["--config", str(write(tmp_path, f"shards = {toml}\n"))]
+    resolved = resolve(runner, *args, env=environ)
+    assert resolved["service"]["shards"] == expected
+    assert resolved["sources"]["shards"] == source
+
+
+def test_levels_mix_across_options_and_the_file_comes_from_its_env_var(runner, tmp_path):
+    path = write(
+        tmp_path,
+        'port = 9001\nrouter-temperature = 0.25\nrouter_ttl_secs = 30\nmodel_name = "flat"\n'
+        '[up]\nmodel_name = "llama"\nrouter_kv_events = false\n',
+    )
+    resolved = resolve(
+        runner,
+        "--router-event-threads",
+        "2",
+        "--router-kv-events",
+        env={"KVROUTER_CONFIG_FILE": str(path), "KVROUTER_PORT": "9002", "KVROUTER_ROUTER_TTL_SECS": "45"},
+    )
+    service, sources = resolved["service"], resolved["sources"]
+    assert (service["shards"], sources["shards"]) == (2, "flag")  # the Dynamo alias of --shards
+    assert (service["port"], sources["port"]) == (9002, "env")
+    assert (service["model_name"], sources["model_name"]) == ("llama", "config file")  # [up] wins over top level
+    assert (service["router"]["router_temperature"], sources["router_temperature"]) == (0.25, "config file")
+    assert (service["router"]["router_ttl_secs"], sources["router_ttl_secs"]) == (45.0, "env")
+    assert (service["router"]["use_kv_events"], sources["router_kv_events"]) == (True, "flag")
+    assert sources["config"] == "env"
+
+
+def test_every_router_flag_sets_its_router_config_field(runner):
+    args = [
+        "--router-selection-policy", "default",
+        "--router-kv-overlap-score-credit", "0.5",
+        "--router-kv-overlap-score-credit-decay", "0.1",
+        "--router-prefill-load-scale", "2",
+        "--router-decode-active-request-weight", "0.3",
+        "--router-prefill-work-weight", "0",
+        "--router-host-cache-hit-weight", "0.6",
+        "--router-disk-cache-hit-weight", "0.2",
+        "--router-temperature", "0.7",
+        "--no-router-track-active-blocks",
+        "--no-router-track-prefill-tokens",
+        "--no-router-assume-kv-reuse",
+        "--no-router-kv-events",
+        "--router-ttl-secs", "60",
+        "--active-decode-blocks-threshold", "0.9",
+        "--active-prefill-tokens-threshold", "4096",
+    ]  # fmt: skip
+    router = resolve(runner, *args)["service"]["router"]
+    assert router == {
+        **router,
+        "router_selection_policy": "default",
+        "overlap_score_credit": 0.5,
+        "overlap_score_credit_decay": 0.1,
+        "prefill_load_scale": 2.0,
+        "decode_active_request_weight": 0.3,
+        "prefill_work_weight": 0.0,
+        "host_cache_hit_weight": 0.6,
+        "disk_cache_hit_weight": 0.2,
+        "router_temperature": 0.7,
+        "router_track_active_blocks": False,
+        "router_track_prefill_tokens": False,
+        "router_assume_kv_reuse": False,
+        "use_kv_events": False,
+        "router_ttl_secs": 60.0,
+        "active_decode_blocks_threshold": 0.9,
+        "active_prefill_tokens_threshold": 4096,
+    }
+    assert set(ROUTER_FLAGS.values()) <= set(router)
+
+
+def test_workers_parse_the_reference_syntax_and_turn_the_demo_off(runner):
+    resolved = resolve(runner, "--workers", "1=tcp://127.0.0.1:5557, 2:2=tcp://127.0.0.1:5600", "--block-size", "32")
+    workers = resolved["service"]["workers"]
+    assert [(w["worker_id"], w["endpoint"], w["dp_ranks"], w["block_size"]) for w in workers] == [
+        (1, "tcp://127.0.0.1:5557", [0], 32),
+        (2, "tcp://127.0.0.1:5600", [0, 1], 32),
+    ]
+    assert resolved["embedded"]["mock_workers"] == 0
+    both = resolve(runner, "--workers", "3=tcp://127.0.0.1:5557", "--mock-workers", "2")["embedded"]
+    assert (both["mock_workers"], both["first_worker_id"]) == (2, 4)  # mock ids after the given ones
+
+
+def test_config_file_workers_carry_replay_endpoints_and_the_flag_replaces_them(runner, tmp_path):
+    path = write(
+        tmp_path,
+        '[[workers]]\nworker_id = 5\nendpoint = "tcp://127.0.0.1:5557"\nreplay_endpoint = "tcp://127.0.0.1:5558"\n'
+        'dp_size = 2\n[[workers]]\nworker_id = 6\nendpoint = "tcp://127.0.0.1:5560"\nformat = "kvrouter"\n'
+        'query_endpoint = "tcp://127.0.0.1:5561"\ntopic = "kv"\n',
+    )
+    resolved = resolve(runner, "--config", str(path))
+    first, second = resolved["service"]["workers"]
+    assert (first["worker_id"], first["replay_endpoint"], first["dp_ranks"]) == (5, "tcp://127.0.0.1:5558", [0, 1])
+    assert (second["format"], second["query_endpoint"], second["topic"]) == ("kvrouter", "tcp://127.0.0.1:5561", "kv")
+    assert resolved["sources"]["workers"] == "config file"
+    replaced = resolve(runner, "--config", str(path), env={"KVROUTER_WORKERS": "9=tcp://127.0.0.1:7000"})
+    assert [w["worker_id"] for w in replaced["service"]["workers"]] == [9]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("shardz = 3\n", "unknown key 'shardz'"),
+        ("shards = \n", "kvrouter.toml"),
+        ('[[workers]]\nendpoint = "tcp://h:1"\n', "missing 'worker_id'"),
+        ('[[workers]]\nworker_id = 1\nendpoint = "tcp://h:1"\nformat = "nope"\n', "unknown format"),
+        ('shards = "many"\n', "'--shards'"),
+    ],
+)
+def test_a_bad_config_file_is_a_usage_error_naming_the_problem(runner, tmp_path, text, message):
+    result = runner.invoke(app, ["up", "--config", str(write(tmp_path, text)), "--print-config"], env=WIDE)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--workers", "one=tcp://h:1"],
+        ["--router-selection-policy", "cheapest"],
+        ["--port", "70000"],
+        ["--router-temperature", "-1"],
+    ],
+)
+def test_bad_values_are_usage_errors(runner, args):
+    assert runner.invoke(app, ["up", *args, "--print-config"]).exit_code == 2
+
+
+def test_auth_token_comes_from_the_environment_and_is_not_printed(runner):
+    resolved = resolve(runner, env={"KVROUTER_AUTH_TOKEN": "s3cret"})
+    assert resolved["service"]["auth_token"] == "<set>"
+    assert resolved["sources"]["auth_token"] == "env"
+
+
+def test_help_is_grouped_with_units_env_vars_and_an_example(runner):
+    result = runner.invoke(app, ["up", "--help"], env=WIDE)
+    assert result.exit_code == 0
+    text = result.output
+    for panel in ("Server", "Workers", "Routing cost", "KV events", "Overload", "Embedded demo", "Configuration"):
+        assert f" {panel}" in text, panel
+    for needle in (
+        "--router-event-threads",
+        "--router-kv-overlap-score-credit",
+        "--no-router-kv-events",
+        "[secs]",
+        "[tokens]",
+        "[blocks]",
+        "KVROUTER_SHARDS",
+        "KVROUTER_AUTH_TOKEN",
+        "KVROUTER_CONFIG_FILE",
+        "kvrouter up --workers",
+    ):
+        assert needle in text, needle
+
+
+def test_the_demo_workload_shares_system_prompts_and_grows_sessions():
+    from kvrouter.service.embedded import SYSTEM_PROMPTS, Workload
+
+    first, again = Workload(7, 16), Workload(7, 16)
+    assert first.system_prompts == again.system_prompts  # deterministic from the seed
+    assert len(first.system_prompts) == SYSTEM_PROMPTS
+    assert all(len(p) % 16 == 0 for p in first.system_prompts)
+    session = first.session()
+    prompts = []
+    while session.turns_left:
+        prompt, max_tokens = first.turn(session)
+        assert max_tokens >= 1
+        prompts.append(prompt)
+    system = first.system_prompts[session.system]
+    for earlier, later in itertools.pairwise(prompts):
+        assert later[: len(earlier)] == earlier  # a turn extends the previous prompt (plus its answer)
+        assert earlier[: len(system)] == system

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final
@@ -426,6 +426,27 @@ class Engine:
         """
         with self._query_lock:
             return self._query_reader().overlaps(local, slots, ntiers)
+
+    def overlaps_and(
+        self,
+        kernel: Callable[..., tuple[int, ...]],
+        local: npt.NDArray[np.uint64],
+        slots: WorkerSlots,
+        ntiers: int,
+        out: npt.NDArray[np.int64],
+        *args: Any,
+    ) -> tuple[tuple[int, ...], bool]:
+        """:meth:`IndexReader.overlaps_and` under the query lock: the overlaps and a compiled consumer of
+        them in one call (the router's decision).
+
+        Raises:
+            EngineError: the engine is not running.
+        """
+        with self._query_lock:
+            reader = self._reader
+            if reader is None:
+                raise EngineError("the engine is not running: use it inside `with Engine(...)`, or call start()")
+            return reader.overlaps_and(kernel, local, slots, ntiers, out, *args)
 
     def _query_reader(self) -> IndexReader:
         """The engine's reader, under ``_query_lock``: set from a successful start until close."""

@@ -209,6 +209,37 @@ class IndexReader:
             self._torn.clear()
         return out
 
+    def overlaps_and(
+        self,
+        kernel: Callable[..., tuple[int, ...]],
+        local: npt.NDArray[np.uint64],
+        slots: WorkerSlots,
+        ntiers: int,
+        out: npt.NDArray[np.int64],
+        *args: Any,
+    ) -> tuple[tuple[int, ...], bool]:
+        """:meth:`overlaps` into ``out`` and the caller's work on it in one compiled call: ``kernel(ctx,
+        local, ntiers, out, *args)`` must start with ``failed = overlap_shards(ctx, local, ntiers, out)``
+        (which zeroes nothing: the kernel zeroes ``out`` first) and return a tuple starting with
+        ``failed``. The router's decision is such a kernel: one call and one dispatch where two cost
+        twice the fixed price (``routing/_kernels.py``).
+
+        Returns:
+            The kernel's tuple, and whether shards failed and were mended into ``out`` afterwards (the
+            caller's work then saw a partial ``out`` and must be redone on the mended one).
+        """
+        if slots is not self._slots or slots.version != self._slots_version:
+            self._slots, self._slots_version = slots, slots.version
+            for shard in range(self.control.shards):
+                self._map_slots(shard)
+        result = kernel(self._ctx, local, ntiers, out, *args)
+        if result[0]:
+            self._retry(lambda: kernels.overlap_shards(self._ctx, local, ntiers, out))
+            return result, True
+        if self._torn:
+            self._torn.clear()
+        return result, False
+
     def recovering(self) -> set[int]:
         """Shards whose status says recovering, or whose last walk gave up on a slot left mid-write."""
         marked = {k for k in range(self.control.shards) if self.control.status(k) == STATUS_RECOVERING}

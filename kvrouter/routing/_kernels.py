@@ -25,9 +25,10 @@ from numba import njit
 
 from ..hashing._xxh3 import chain_hashes
 from ..hashing.blocks import XXH3_SEED
+from ..index._kernels import overlap_shards
 from . import _active
 
-__all__ = ["COLUMNS", "NPARAMS", "cost_and_choose", "decide", "sample"]
+__all__ = ["COLUMNS", "NPARAMS", "cost_and_choose", "decide", "decide_on_shards", "sample"]
 
 # params: one float64 vector, so the call unboxes one array instead of a dozen scalars
 P_ISL: Final = 0
@@ -115,6 +116,37 @@ def decide(
     for j in range(touched):
         leading[scratch[1, j]] = 0
     return result
+
+
+@njit(cache=True, nogil=True)
+def decide_on_shards(
+    ctx: npt.NDArray[np.int64],
+    local: npt.NDArray[np.uint64],
+    ntiers: int,
+    overlaps: npt.NDArray[np.int64],
+    isl: float,
+    age: float,
+    seqs: npt.NDArray[np.uint64],
+    candidates: npt.NDArray[np.int64],
+    loads: npt.NDArray[np.int64],
+    work: npt.NDArray[np.float64],
+    holders: npt.NDArray[np.uint64],
+    scratch: npt.NDArray[np.int64],
+    capacities: npt.NDArray[np.float64],
+    params: npt.NDArray[np.float64],
+    out: npt.NDArray[np.float64],
+    ties: npt.NDArray[np.int64],
+) -> tuple[int, int, int, int]:
+    """The shared-memory index's walk over every shard into ``overlaps`` (``index/_kernels.overlap_shards``,
+    on the reader's context ``ctx``), then :func:`decide`: a whole decision in one call
+    (``IndexReader.overlaps_and``). Returns ``(failed shards, head, skip, count)``; with failed shards
+    the decision saw a partial answer and the caller decides again once the reader mended it."""
+    overlaps[:] = 0
+    failed = overlap_shards(ctx, local, ntiers, overlaps)
+    head, skip, count = decide(
+        local, isl, age, seqs, candidates, overlaps, loads, work, holders, scratch, capacities, params, out, ties
+    )
+    return failed, head, skip, count
 
 
 @njit(cache=True, nogil=True)

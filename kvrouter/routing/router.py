@@ -135,6 +135,8 @@ class Router:
         self._last_slots = np.empty(0, dtype=np.int64)
         self._no_capacity = np.empty(0, dtype=np.float64)
         self._seqs = np.empty(0, dtype=np.uint64)
+        self._overlaps = np.zeros((NTIERS, 0), dtype=np.int64)
+        """The engine's answer, written by the decision kernel (kept while the numbering's size stays)."""
         """The last prompt's sequence hashes, written by the decision kernel (grown to the longest prompt)."""
         self._out = np.empty((kernels.COLUMNS, 0), dtype=np.float64)
         self._ties = np.empty(0, dtype=np.int64)
@@ -188,7 +190,6 @@ class Router:
         k = len(keys)
         if not k:
             raise NoWorkerAvailable("no candidate workers")
-        overlaps = self._overlaps(index, local, slots.numbering)
         if slots.loads.shape[1] < len(slots.numbering):
             slots.ready()
         n = len(local)
@@ -201,22 +202,26 @@ class Router:
             self._out = np.empty((kernels.COLUMNS, k), dtype=np.float64)
             self._ties = np.empty(k, dtype=np.int64)
         out = self._out
-        head, skip, count = kernels.decide(
-            local,
-            isl,
-            now - slots.work_epoch,
-            self._seqs,
-            candidates,
-            overlaps,
-            slots.loads,
-            slots.work,
-            slots.holders,
-            slots.scratch,
-            capacity,
-            self._params,
-            out,
-            self._ties,
-        )
+        age = now - slots.work_epoch
+        state = (self._seqs, candidates, slots.loads, slots.work, slots.holders, slots.scratch, capacity, self._params)
+        fused = getattr(index, "overlaps_and", None)  # the engine or its reader: the walk inside the decision
+        if fused is not None and n:
+            numbering = slots.numbering
+            if self._overlaps.shape[1] != len(numbering):
+                self._overlaps = np.zeros((NTIERS, len(numbering)), dtype=np.int64)
+            overlaps = self._overlaps
+            (_, head, skip, count), mended = fused(
+                kernels.decide_on_shards, local, numbering, NTIERS, overlaps, isl, age, *state, out, self._ties
+            )
+            if mended:  # a shard answered late: decide again on the whole answer
+                head, skip, count = kernels.decide(
+                    local, isl, age, state[0], candidates, overlaps, *state[2:], out, self._ties
+                )
+        else:
+            overlaps = self._overlaps_of(index, local, slots.numbering)
+            head, skip, count = kernels.decide(
+                local, isl, age, state[0], candidates, overlaps, *state[2:], out, self._ties
+            )
         if head < 0:
             if head == kernels.NO_WORKER:
                 raise NoWorkerAvailable(f"all {k} candidate workers are over a busy threshold")
@@ -253,7 +258,7 @@ class Router:
             self._last_workers, self._last_keys, self._last_slots = workers, keys, slots
         return keys, slots
 
-    def _overlaps(
+    def _overlaps_of(
         self, index: OverlapSource, local: npt.NDArray[np.uint64], numbering: WorkerSlots
     ) -> npt.NDArray[np.int64]:
         """``(tiers, slots)`` overlaps: straight from an array index, else from its dict answer."""
@@ -298,7 +303,7 @@ def _as_hashes(local_hashes: Sequence[int] | npt.NDArray[np.integer[Any]]) -> np
         and local_hashes.ndim == 1
         and local_hashes.flags.c_contiguous
     ):
-        return cast(npt.NDArray[np.uint64], local_hashes)
+        return cast("npt.NDArray[np.uint64]", local_hashes)  # a string: the subscript costs µs at run time
     return local_hash_array(local_hashes)
 
 

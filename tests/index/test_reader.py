@@ -9,17 +9,25 @@ and the dict answers must equal ``RadixIndex``'s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from numba import njit
 
 from kvrouter.errors import ConfigError, InvalidHashInput
 from kvrouter.events.model import EngineHash, LocalHash, StorageTier, Stored, StoredBlock, WorkerKey
 from kvrouter.index import RadixIndex
+from kvrouter.index._kernels import overlap_shards
 from kvrouter.index.dense import WorkerSlots, overlaps_from_tiers
 from tests.index.contract import error_kind
 from tests.index.shm import InProcessShards
+
+Hashes = npt.NDArray[np.uint64]
 
 CONTENT = st.integers(1, 4)
 WORKER_IDS = st.integers(1, 80)
@@ -97,17 +105,26 @@ class OverlapsAgree(RuleBasedStateMachine):
             local = np.array(query, dtype=np.uint64)
             for index in self.shards:
                 reader = index.reader
-                for ntiers in range(1, len(StorageTier) + 1):  # first: a remap or new rows meet overlaps first
+                for ntiers in range(1, len(StorageTier) + 1):  # first: a remap or new rows meet them first
+                    wanted = overlaps_from_tiers(expected, self.slots, ntiers)
+                    fused = np.full((ntiers, len(self.slots)), -1, dtype=np.int64)
+                    reader.overlaps_and(_fill, local, self.slots, ntiers, fused)  # mends late shards too
+                    assert np.array_equal(fused, wanted), (len(index.writers), query, ntiers)
                     dense = reader.overlaps(local, self.slots, ntiers)
                     assert dense.shape == (ntiers, len(self.slots))
-                    assert np.array_equal(dense, overlaps_from_tiers(expected, self.slots, ntiers)), (
-                        len(index.writers),
-                        query,
-                        ntiers,
-                    )
+                    assert np.array_equal(dense, wanted), (len(index.writers), query, ntiers)
                 assert reader.find_matches_by_tier(query) == expected, (len(index.writers), query)
                 assert reader.find_matches(query) == expected[StorageTier.DEVICE]
                 assert reader.find_matches(list(query)) == expected[StorageTier.DEVICE]  # the array('L') path
+
+
+def _fill_py(ctx: npt.NDArray[np.int64], local: Hashes, ntiers: int, out: npt.NDArray[np.int64]) -> tuple[int]:
+    """The least consumer ``overlaps_and`` takes: the walk into ``out``, nothing after it."""
+    out[:] = 0
+    return (overlap_shards(ctx, local, ntiers, out),)
+
+
+_fill = cast(Callable[..., tuple[int]], njit(_fill_py))
 
 
 OverlapsAgree.TestCase.settings = settings(

@@ -447,13 +447,11 @@ def serve(port: int, shards: int) -> int:
     """``_serve``: kvrouter's Service with ``/metrics``, until SIGTERM/SIGINT."""
     import asyncio
 
-    from kvrouter.service import metrics
     from kvrouter.service.app import Service
     from kvrouter.service.config import ServiceConfig
 
     service = Service(ServiceConfig(port=port, shards=shards))
     service.start()  # forks the appliers: before any loop or thread
-    metrics.install(service)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: service.stop())
     try:

@@ -7,13 +7,13 @@
 from __future__ import annotations
 
 from ..errors import ServiceError
-from .app import DECISION_BUCKETS, SelectResult, Service, ServiceCounters
+from .app import PHASES, SelectResult, Service, ServiceCounters
 from .config import ServiceConfig
 from .partition import Instance, Partition
 from .validation import QueryRequest, Registration, SelectRequest, Unregistration
 
 __all__ = [
-    "DECISION_BUCKETS",
+    "PHASES",
     "Instance",
     "Partition",
     "QueryRequest",

@@ -57,7 +57,9 @@ from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes_array
 from ..routing.router import Selection
 from ..routing.slots import DEFAULT_EXPIRY_SECS
+from . import metrics
 from .config import ServiceConfig
+from .histogram import HIT_RATE_BUCKETS, Buckets
 from .partition import Instance, Partition
 from .validation import (
     Registration,
@@ -70,13 +72,14 @@ from .validation import (
     parse_unregistration,
 )
 
-__all__ = ["DECISION_BUCKETS", "SelectResult", "Service", "ServiceCounters"]
+__all__ = ["PHASES", "SelectResult", "Service", "ServiceCounters"]
 
 log = logging.getLogger(__name__)
 
-DECISION_BUCKETS: Final = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 0.1, 1.0)
-"""Upper bounds of the decision-latency histogram in ``ServiceCounters.decision_buckets`` [s]; a last,
-open bucket follows."""
+PHASES: Final = ("parse", "hash", "decide", "serialise", "total")
+"""Where a ``/select``'s time goes (``ServiceCounters.phases``): the body read, decoded and validated; the
+tokens hashed to blocks; the decision (``Router.select``: index walk, costs, choice); the answer built
+and encoded; and the whole handler."""
 PROBE_EVERY: Final = 4
 """``http_endpoint`` probes run every this many health ticks."""
 PROBE_TIMEOUT_S: Final = 1.0
@@ -107,23 +110,18 @@ class ServiceCounters:
     no_worker: int = 0
     """Requests refused because the partition had no schedulable worker."""
     expired_reservations: int = 0
-    decision_seconds: float = 0.0
-    decision_buckets: list[int] = field(default_factory=lambda: [0] * (len(DECISION_BUCKETS) + 1))
-    """Per bucket of ``DECISION_BUCKETS`` (non-cumulative), then the overflow bucket."""
+    decision: Buckets = field(default_factory=Buckets)
+    """Seconds per decision (``Router.select``)."""
+    hit_rate: Buckets = field(default_factory=lambda: Buckets(HIT_RATE_BUCKETS))
+    """Per decision, the chosen worker's predicted overlap over the prompt's blocks."""
+    phases: dict[str, Buckets] = field(default_factory=lambda: {phase: Buckets() for phase in PHASES})
+    """Seconds per phase of a ``/select`` (``PHASES``)."""
     http_requests: dict[tuple[str, str], int] = field(default_factory=dict)
     """(route, method) -> requests."""
     http_errors: dict[tuple[str, str], int] = field(default_factory=dict)
     """(route, "4xx" | "5xx") -> answers."""
     http_seconds: dict[tuple[str, str], float] = field(default_factory=dict)
     """(route, method) -> total seconds spent answering."""
-
-    def observe_decision(self, seconds: float) -> None:
-        self.decision_seconds += seconds
-        for i, bound in enumerate(DECISION_BUCKETS):
-            if seconds <= bound:
-                self.decision_buckets[i] += 1
-                return
-        self.decision_buckets[-1] += 1
 
 
 @dataclass(slots=True)
@@ -218,6 +216,7 @@ class Service:
         self._ticks = 0
         self._session: ClientSession | None = None
         self._add_routes()
+        metrics.install(self)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -447,6 +446,7 @@ class Service:
             raise ServiceError(503, f"no schedulable worker in {partition.name} ({skipped} skipped as unhealthy)")
         block_size = partition.block_size
         local: npt.NDArray[np.uint64]
+        hashing = time.perf_counter()
         if request.token_ids is not None:
             try:
                 local = block_hashes_array(
@@ -468,6 +468,7 @@ class Service:
         router = partition.router
         index: Any = partition.approx if partition.approx is not None else self.engine
         started = time.perf_counter()
+        self.counters.phases["hash"].observe(started - hashing)
         try:
             selection = router.select(
                 index,
@@ -487,7 +488,9 @@ class Service:
             raise ServiceError(503, f"engine: {exc}") from exc
         elapsed = time.perf_counter() - started
         counters = self.counters
-        counters.observe_decision(elapsed)
+        counters.decision.observe(elapsed)
+        counters.phases["decide"].observe(elapsed)
+        counters.hit_rate.observe(selection.overlap_blocks / len(local) if len(local) else 0.0)
         counters.decisions += 1
         counters.selections[selection.worker] = counters.selections.get(selection.worker, 0) + 1
         counters.overlap_blocks += selection.overlap_blocks
@@ -980,8 +983,12 @@ class Service:
         return body
 
     async def _select_route(self, request: web.Request, *, reserve: bool) -> web.Response:
+        started = time.perf_counter()
         select = parse_select(await self._body(request))
+        phases = self.counters.phases
+        phases["parse"].observe(time.perf_counter() - started)
         result = self.select(select, reserve=reserve)
+        serialising = time.perf_counter()
         response = self._with_index(self._select_json(result, select))
         if result.address is not None:
             response.headers["X-Gateway-Destination-Endpoint"] = ",".join(
@@ -994,6 +1001,9 @@ class Service:
                     ),
                 ]
             )
+        done = time.perf_counter()
+        phases["serialise"].observe(done - serialising)
+        phases["total"].observe(done - started)
         return response
 
     async def _h_select(self, request: web.Request) -> web.Response:

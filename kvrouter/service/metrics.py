@@ -32,7 +32,6 @@ is exported as a gauge) and a shard queue depth (the appliers' ZMQ queues are no
 
 from __future__ import annotations
 
-import bisect
 import logging
 import platform
 import time
@@ -57,12 +56,10 @@ from ..errors import EngineError
 from ..events.model import WorkerKey
 from ..index.layout import ERROR_KINDS, WORKER_STATES
 from ..routing.slots import SlotManager
+from .histogram import Buckets
 
 __all__ = [
     "GAP_OUTCOMES",
-    "HIT_RATE_BUCKETS",
-    "LATENCY_BUCKETS",
-    "Buckets",
     "PartitionLoad",
     "ServiceCollector",
     "exposition",
@@ -72,48 +69,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-LATENCY_BUCKETS: Final = tuple(0.000025 * 2**n for n in range(16))
-"""Routing overhead and HTTP duration buckets [s]: 25 µs doubling to 0.82 s. A decision costs tens of
-µs, an HTTP round trip hundreds: Dynamo's 0.1 ms first bucket would put every decision in it."""
-HIT_RATE_BUCKETS: Final = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
-"""Predicted hit rate (cached prompt tokens / prompt tokens) of the chosen worker; 0.0 gets its own
-bucket, as a cold prompt is the case to tell apart."""
 GAP_OUTCOMES: Final = ("detected", "recovered", "lost")
 STATUS_CLASSES: Final = ("2xx", "3xx", "4xx", "5xx")
-
-
-class Buckets:
-    """A histogram's cumulative-ready state without a lock: per-bucket counts, count and sum.
-
-    ``observe`` is for one writer (the front's event loop); a reader on another thread may see a count
-    one behind its sum, which a scrape tolerates. prometheus-client's ``Histogram`` takes a lock and a
-    label lookup per observation; this is a ``bisect`` and three additions.
-    """
-
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float] = LATENCY_BUCKETS) -> None:
-        if list(bounds) != sorted(set(bounds)):
-            raise ValueError(f"histogram bounds must be strictly increasing, got {list(bounds)}")
-        self.bounds: tuple[float, ...] = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        """Per bucket (the last one is +Inf), observations that fell in it (not cumulative)."""
-        self.count = 0
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.count += 1
-        self.sum += value
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        """``(le, cumulative count)`` pairs ending with ``+Inf``, as ``HistogramMetricFamily`` takes them."""
-        out: list[tuple[str, float]] = []
-        total = 0
-        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            total += count
-            out.append(("+Inf" if bound == float("inf") else repr(bound), float(total)))
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,8 +286,9 @@ class Counters(Protocol):
     overloaded: int
     no_worker: int
     expired_reservations: int
-    decision_seconds: float
-    decision_buckets: list[int]
+    decision: Buckets
+    hit_rate: Buckets
+    phases: dict[str, Buckets]
     http_requests: dict[tuple[str, str], int]
     http_errors: dict[tuple[str, str], int]
     http_seconds: dict[tuple[str, str], float]
@@ -359,10 +317,9 @@ class ServiceView(Protocol):
     def counters(self) -> Counters: ...
 
 
-def front_families(counters: Counters, decision_bounds: Sequence[float]) -> Iterator[Metric]:
-    """The front's figures: decisions, selections per worker, hit-rate sums, refusals, decision latency,
-    HTTP requests / errors / time. Optional ``Buckets`` on the counters (``hit_rate``, and ``phases``:
-    phase -> Buckets) are exported when the service keeps them."""
+def front_families(counters: Counters) -> Iterator[Metric]:
+    """The front's figures: decisions, selections per worker, hit-rate sums and histogram, refusals,
+    decision latency, the time per phase of a ``/select``, HTTP requests / errors / time."""
     decisions = CounterMetricFamily("kvrouter_decisions", "Routing decisions made (/select and reservations)")
     decisions.add_metric([], counters.decisions)
     reservations = CounterMetricFamily("kvrouter_reservations", "Decisions that booked load (/select_and_reserve)")
@@ -386,12 +343,12 @@ def front_families(counters: Counters, decision_bounds: Sequence[float]) -> Iter
     refused.add_metric(["no_worker"], counters.no_worker)
     expired = CounterMetricFamily("kvrouter_expired_reservations", "Reservations dropped at expiry, never freed")
     expired.add_metric([], counters.expired_reservations)
-    latency = HistogramMetricFamily(
-        "kvrouter_decision_seconds", "Time of one decision: index walk, costs and choice (Router.select)"
+    latency = histogram(
+        "kvrouter_decision_seconds",
+        "Time of one decision: index walk, costs and choice (Router.select)",
+        {(): counters.decision},
+        [],
     )
-    bounded = Buckets(decision_bounds)
-    bounded.counts = list(counters.decision_buckets)
-    latency.add_metric([], bounded.cumulative(), sum_value=counters.decision_seconds)
     yield from (decisions, reservations, selections, overlap, prompt, refused, expired, latency)
 
     requests = CounterMetricFamily("kvrouter_http_requests", "HTTP requests answered", labels=["endpoint", "method"])
@@ -410,26 +367,20 @@ def front_families(counters: Counters, decision_bounds: Sequence[float]) -> Iter
         errors.add_metric(list(route_class), count)
     yield from (requests, seconds, errors)
 
-    hit_rate = getattr(counters, "hit_rate", None)
-    if isinstance(hit_rate, Buckets):
-        yield histogram(
-            "kvrouter_kv_hit_rate", "Predicted hit rate of the chosen worker per decision", {(): hit_rate}, []
-        )
-    phases = getattr(counters, "phases", None)
-    if isinstance(phases, Mapping):
-        series: dict[tuple[str, ...], Buckets] = {
-            (str(name),): b for name, b in phases.items() if isinstance(b, Buckets)
-        }
-        yield histogram("kvrouter_routing_overhead_seconds", "Time per phase of a /select", series, ["phase"])
+    yield histogram(
+        "kvrouter_kv_hit_rate", "Predicted hit rate of the chosen worker per decision", {(): counters.hit_rate}, []
+    )
+    series: dict[tuple[str, ...], Buckets] = {(name,): b for name, b in counters.phases.items()}
+    yield histogram(
+        "kvrouter_routing_overhead_seconds",
+        "Time per phase of a /select: parse (body to request), hash (tokens to blocks), decide, serialise, total",
+        series,
+        ["phase"],
+    )
 
 
-def install(service: ServiceView, *, decision_bounds: Sequence[float] | None = None) -> CollectorRegistry:
+def install(service: ServiceView) -> CollectorRegistry:
     """Add ``GET /metrics`` to ``service.app`` (before it runs), on a registry of its own; returns it."""
-    if decision_bounds is None:
-        from .app import DECISION_BUCKETS
-
-        decision_bounds = DECISION_BUCKETS
-    bounds = tuple(decision_bounds)
 
     def partitions() -> list[PartitionLoad]:
         return [
@@ -439,7 +390,7 @@ def install(service: ServiceView, *, decision_bounds: Sequence[float] | None = N
 
     registry = CollectorRegistry()
     registry.register(
-        ServiceCollector(service.engine, partitions=partitions, front=lambda: front_families(service.counters, bounds))
+        ServiceCollector(service.engine, partitions=partitions, front=lambda: front_families(service.counters))
     )
 
     async def metrics(_request: web.Request) -> web.Response:

@@ -24,7 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvrouter import Engine
 from kvrouter.plane import WorkerSpec
 from kvrouter.routing.slots import SlotManager
-from kvrouter.service.metrics import Buckets, PartitionLoad, ServiceCollector, exposition, histogram, install
+from kvrouter.service import PHASES
+from kvrouter.service.histogram import Buckets
+from kvrouter.service.metrics import PartitionLoad, ServiceCollector, exposition, histogram
 from tests.conftest import Worker, free_port
 
 BLOCK = 16
@@ -168,8 +170,9 @@ def test_scrape_reads_slot_manager_load_and_front_histograms(wait_until: Callabl
 
 
 def test_service_metrics_route_moves_with_decisions_load_and_events(start_worker, wait_until):
-    """``install(service)``: ``GET /metrics`` on a running Service; a reservation moves the decision,
-    selection and load families, the mock engine's events move its cached blocks, HTTP is counted."""
+    """``GET /metrics`` on a running Service (installed by the service itself); a reservation moves the
+    decision, selection, hit-rate, phase and load families, the mock engine's events move its cached
+    blocks, HTTP is counted."""
     app = pytest.importorskip("kvrouter.service.app")
     config = pytest.importorskip("kvrouter.service.config")
 
@@ -181,7 +184,6 @@ def test_service_metrics_route_moves_with_decisions_load_and_events(start_worker
     service.start()  # forks the applier: before the service's thread
     thread: threading.Thread | None = None
     try:
-        install(service)
         ready: queue.Queue[str] = queue.Queue()
         thread = threading.Thread(target=lambda: asyncio.run(service.run(on_ready=ready.put)), daemon=True)
         thread.start()
@@ -226,6 +228,9 @@ def test_service_metrics_route_moves_with_decisions_load_and_events(start_worker
         assert value(samples, "kvrouter_selected_overlap_blocks_total") == 3
         assert value(samples, "kvrouter_workers", model="m", routing_group="default") == 1
         assert value(samples, "kvrouter_decision_seconds_count") == 1
+        assert value(samples, "kvrouter_kv_hit_rate_count") == 1
+        for phase in PHASES:
+            assert value(samples, "kvrouter_routing_overhead_seconds_count", phase=phase) == 1
         assert value(samples, "kvrouter_http_requests_total", endpoint="/select_and_reserve", method="POST") == 1
         assert http(url + "/reservations/r1", "DELETE")[0] == 200
         assert http(url + "/reservations/r1", "DELETE")[0] == 404

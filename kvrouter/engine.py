@@ -235,8 +235,15 @@ class Engine:
 
     # -- lifetime -----------------------------------------------------------------------------
 
-    def start(self) -> Engine:
+    def start(self, *, wait: bool = True) -> Engine:
         """Fork the appliers and wait until every shard is up.
+
+        Args:
+            wait: False forks only the fork server (the one fork this process makes, which must come
+                before any thread) and returns at once; :meth:`finish_start` forks the appliers and waits,
+                and may run on another thread (``kvrouter up`` answers ``/health`` meanwhile: on a cold
+                numba cache the appliers' kernels take minutes to compile). Queries before it ends raise
+                ``EngineError``.
 
         Raises:
             EngineError: already started, another engine runs in this process, or an applier did not come up.
@@ -244,14 +251,30 @@ class Engine:
         if self._supervisor is not None:
             raise EngineError("the engine is already started")
         self._creator_pid = os.getpid()
-        self._supervisor = Supervisor(self.shards, stop_timeout=self.stop_timeout, plane=self.plane)
+        self._supervisor = Supervisor(self.shards, stop_timeout=self.stop_timeout, plane=self.plane, defer=True)
+        if wait:
+            self.finish_start()
+        return self
+
+    def finish_start(self) -> None:
+        """What :meth:`start` with ``wait=False`` left: fork the appliers, wait until every shard is up, map
+        the shards for queries. On failure the engine is closed.
+
+        Raises:
+            EngineError: not started, or an applier did not come up.
+        """
+        supervisor = self._supervisor
+        if supervisor is None:
+            raise EngineError("the engine is not started: call start() first")
         try:
-            self._wait_up(self._supervisor)
-            self._reader = IndexReader(self._supervisor.control.name)
+            supervisor.complete_start()
+            self._wait_up(supervisor)
+            reader = IndexReader(supervisor.control.name)
+            with self._query_lock:
+                self._reader = reader
         except BaseException:
             self.close()
             raise
-        return self
 
     def _wait_up(self, supervisor: Supervisor) -> None:
         control = supervisor.control

@@ -635,7 +635,11 @@ def serve(config: ServiceConfig, demo: EmbeddedConfig | None) -> int:
             service.engine.close()
         return 1
     embedded = None if demo is None else Embedded(demo, decisions=lambda: service.counters.decisions)
-    return asyncio.run(_run(service, config, embedded))
+    try:
+        return asyncio.run(_run(service, config, embedded))
+    except KvRouterError as exc:  # the appliers did not come up; the service closed what it opened
+        typer.echo(f"kvrouter up: the engine did not start: {exc}", err=True)
+        return 1
 
 
 async def _run(service: Service, config: ServiceConfig, embedded: Embedded | None) -> int:
@@ -658,9 +662,13 @@ async def _run(service: Service, config: ServiceConfig, embedded: Embedded | Non
     started: asyncio.Task[None] | None = None
     failed = False
 
+    def on_listening(url: str) -> None:
+        typer.echo(f"kvrouter up: API at {url}", err=False)
+        sys.stdout.flush()
+
     def on_ready(url: str) -> None:
         nonlocal started
-        typer.echo(f"kvrouter up: API at {url}", err=False)
+        typer.echo("kvrouter up: the index is up", err=False)
         sys.stdout.flush()
         if embedded is not None:
             started = loop.create_task(embedded.start(url))
@@ -677,7 +685,7 @@ async def _run(service: Service, config: ServiceConfig, embedded: Embedded | Non
         on_signal(signal.SIGTERM)
 
     try:
-        await service.run(on_ready=on_ready)
+        await service.run(on_ready=on_ready, on_listening=on_listening)
     finally:
         if started is not None and not started.done():
             started.cancel()

@@ -33,6 +33,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing import connection
@@ -48,6 +49,9 @@ __all__ = ["ForkServer", "warm_up"]
 log = logging.getLogger(__name__)
 
 PARENT_CHECK_S: Final = 1.0
+CLOSE_GRACE_S: Final = 2.0
+"""How long :meth:`ForkServer.close` waits for the server to leave by itself before killing it: it leaves
+within ``PARENT_CHECK_S`` when idle, never while it compiles."""
 """How long the server waits for a request or an exit before it checks that its parent is the supervisor."""
 
 
@@ -191,13 +195,21 @@ class ForkServer:
         return reply
 
     def close(self) -> None:
-        """End the server (its children, if any are left, see their parent go) and reap it."""
+        """End the server (its children, if any are left, see their parent go) and reap it. A server still
+        compiling its kernels (``warm_up``: minutes on a cold numba cache) reads no request and cannot see
+        its pipe close, so after ``CLOSE_GRACE_S`` it is killed: closing an engine mid-start stays quick."""
         if self._requests is not None:
             self._requests.close()
             self._requests = None
             self.reports.close()
+            deadline = time.monotonic() + CLOSE_GRACE_S
             with contextlib.suppress(ChildProcessError):
-                os.waitpid(self.pid, 0)
+                while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                    if time.monotonic() > deadline:
+                        os.kill(self.pid, signal.SIGKILL)
+                        os.waitpid(self.pid, 0)
+                        break
+                    time.sleep(0.01)
 
 
 def _serve(requests: Connection, reports: Connection, target: Callable[..., None], supervisor: int) -> None:

@@ -93,7 +93,12 @@ class Supervisor:
         *,
         stop_timeout: float = STOP_TIMEOUT,
         plane: PlaneConfig | None = None,
+        defer: bool = False,
     ) -> None:
+        """``defer``: fork the fork server, create the control segment and the sockets, and stop there:
+        :meth:`complete_start` forks the appliers (through the fork server, which compiles their kernels
+        first: minutes on a cold numba cache) and may run on another thread, since nothing is forked from
+        this process any more."""
         self.shards = shards
         """Number of shards, fixed for the supervisor's life."""
         self.owner_pid = os.getpid() if owner_pid is None else owner_pid
@@ -127,9 +132,28 @@ class Supervisor:
         atexit.register(self.close)
         try:
             self._start()
+            if not defer:
+                self.complete_start()
         except BaseException:
             self.close()
             raise
+
+    def complete_start(self) -> None:
+        """Fork every shard's applier and start the monitor thread (what a deferred start left to do).
+
+        Raises:
+            EngineError: the fork server is gone, or the supervisor was closed meanwhile.
+        """
+        if self._monitor is not None:
+            return
+        if self._closing:
+            raise EngineError("the engine is closed")
+        for shard in range(self.shards):
+            self._spawn(shard, STATUS_UP)
+        self._wake = os.pipe()
+        self._monitor = threading.Thread(target=self._watch, name=f"kvrouter-supervisor-{self.owner_pid}", daemon=True)
+        self._monitor.start()
+        log.info("supervisor up shards=%d control=%s", self.shards, self.control.name)
 
     def _start(self) -> None:
         sweep_leftovers()  # a dead engine's files, maybe with our own pid (docs/shm-engine.md)
@@ -153,12 +177,6 @@ class Supervisor:
             socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
             socket.connect(self.endpoint(shard))
             self._sockets.append(socket)
-        for shard in range(self.shards):
-            self._spawn(shard, STATUS_UP)
-        self._wake = os.pipe()
-        self._monitor = threading.Thread(target=self._watch, name=f"kvrouter-supervisor-{self.owner_pid}", daemon=True)
-        self._monitor.start()
-        log.info("supervisor up shards=%d control=%s", self.shards, name)
 
     # -- what the engine uses -----------------------------------------------------------------
 

@@ -55,7 +55,7 @@ from ..errors import (
 from ..events.codecs.dynamo import Encoder
 from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes_array
-from ..routing.router import Selection
+from ..routing.router import Router, Selection
 from ..routing.slots import DEFAULT_EXPIRY_SECS
 from . import metrics
 from .config import ServiceConfig
@@ -202,7 +202,9 @@ class Service:
         self._reservations: dict[str, _Reservation] = {}
         self._decision_seq = 0
         self._event_seq = 0
+        self._forked = False
         self._started = False
+        """The engine is up and the front's kernels are loaded: the routes that need them may run."""
         self._stopping = False
         self._stop_requested = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -221,16 +223,25 @@ class Service:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine: fork its appliers and wait until every shard is up. Call before any thread
-        or event loop of the process exists (the fork rule). Idempotent.
+        """Fork the engine's fork server: the one fork this process makes, so call it before any thread or
+        event loop exists. Returns at once; :meth:`run` forks the appliers through it and waits for them
+        (and for this process's own kernels to load or compile) off the event loop, so ``/health``
+        answers from the first second while a cold numba cache compiles for minutes. Idempotent.
 
         Raises:
-            EngineError: an applier did not come up.
+            EngineError: another engine runs in this process, or its segments are left behind.
         """
-        if not self._started:
-            self.engine.start()
-            self._started = True
-            self._refresh_index()
+        if not self._forked:
+            self.engine.start(wait=False)
+            self._forked = True
+
+    def _finish_start(self) -> None:
+        """On a worker thread: the appliers up, then one decision and one query on throwaway state, so the
+        front's kernels are compiled (or loaded from the cache) before ``/ready`` says so."""
+        self.engine.finish_start()
+        router = Router(self.config.router, block_size=16, seed=0)
+        router.select(self.engine, ((0, 0),), tokens=list(range(64)))
+        self.engine.find_matches([1, 2, 3])
 
     def stop(self) -> None:
         """Ask :meth:`run` to drain and return; safe from any thread or a signal handler, idempotent."""
@@ -244,11 +255,21 @@ class Service:
     def stopping(self) -> bool:
         return self._stopping
 
-    async def run(self, *, on_ready: Callable[[str], None] | None = None) -> None:
-        """Bind, register ``config.workers``, serve until :meth:`stop`; then turn ``/ready`` to 503, drain
-        the requests in flight (at most ``drain_secs``), close the sockets and the engine (which unlinks
-        every segment). Starts the engine first if :meth:`start` was not called (forking from a process
-        whose loop runs: avoid)."""
+    async def run(
+        self,
+        *,
+        on_ready: Callable[[str], None] | None = None,
+        on_listening: Callable[[str], None] | None = None,
+    ) -> None:
+        """Bind (``on_listening(url)``: ``/health`` answers from here), bring the engine up off the loop,
+        register ``config.workers`` (``on_ready(url)``), serve until :meth:`stop`; then turn ``/ready`` to
+        503, drain the requests in flight (at most ``drain_secs``), close the sockets and the engine (which
+        unlinks every segment). Forks first if :meth:`start` was not called (from a process whose loop
+        runs: avoid).
+
+        Raises:
+            EngineError: the appliers did not come up (after the sockets and segments are closed).
+        """
         config = self.config
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
@@ -257,9 +278,35 @@ class Service:
         runner: web.AppRunner | None = None
         tasks: list[asyncio.Task[None]] = []
         try:
-            if not self._started:
-                log.warning("service run without start: forking the appliers from a running loop")
+            if not self._forked:
+                log.warning("service run without start: forking the fork server from a running loop")
                 self.start()
+            runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=max(0.1, config.drain_secs))
+            await runner.setup()
+            site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+            await site.start()
+            host, port = runner.addresses[0][:2]
+            shown = f"[{host}]" if ":" in str(host) else str(host)
+            self.url = f"http://{shown}:{port}"
+            if not _loopback(config.host) and not config.auth_token:
+                log.warning("service exposed without auth host=%s: write routes are open to the network", config.host)
+            log.info("service listening url=%s shards=%d", self.url, config.shards)
+            if on_listening is not None:
+                on_listening(self.url)
+            starting = asyncio.ensure_future(self._loop.run_in_executor(None, self._finish_start))
+            stopped = asyncio.ensure_future(self._stop_event.wait())
+            await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():  # stopped while starting: closing the engine ends the start
+                stopped.cancel()
+                self.engine.close()
+                with contextlib.suppress(EngineError):
+                    await starting
+                return
+            stopped.cancel()
+            starting.result()  # raises EngineError when the appliers did not come up
+            self._started = True
+            self._refresh_index()
+            self._event("engine started", shards=config.shards)
             for spec in config.workers:
                 for rank in spec.dp_ranks:
                     self.register(
@@ -276,18 +323,8 @@ class Service:
                             query_endpoint=spec.query_endpoint,
                         )
                     )
-            runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=max(0.1, config.drain_secs))
-            await runner.setup()
-            site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
-            await site.start()
-            host, port = runner.addresses[0][:2]
-            shown = f"[{host}]" if ":" in str(host) else str(host)
-            self.url = f"http://{shown}:{port}"
-            if not _loopback(config.host) and not config.auth_token:
-                log.warning("service exposed without auth host=%s: write routes are open to the network", config.host)
             self._session = ClientSession(timeout=ClientTimeout(total=PROBE_TIMEOUT_S))
             tasks.append(asyncio.create_task(self._health_loop(), name="kvrouter-health"))
-            log.info("service listening url=%s shards=%d", self.url, config.shards)
             if on_ready is not None:
                 on_ready(self.url)
             await self._stop_event.wait()
@@ -668,7 +705,7 @@ class Service:
         if self._stopping:
             reasons.append("stopping")
         if not self._started:
-            reasons.append("engine not started")
+            reasons.append("engine starting")
         else:
             try:
                 for shard in self.engine.stats():
@@ -740,6 +777,8 @@ class Service:
                 response = await handler(request)
         except ServiceError as exc:
             response = _error(exc.status, str(exc))
+        except EngineError as exc:  # not up yet (see /ready), or closing
+            response = _error(503, f"engine: {exc}")
         except web.HTTPException as exc:  # no such route (404), method (405), body too large (413)
             response = _error(exc.status, exc.reason if exc.status != 413 else exc.text or "body too large")
         except (KvRouterError, ValueError) as exc:

@@ -58,7 +58,7 @@ def test_approximate_mode_routes_a_prefix_back_to_where_it_went():
     assert dump["complete"] is True
     assert len(dump["events"]) >= 1
     ready = answers[8][1]
-    assert "engine not started" in ready["reasons"]
+    assert "engine starting" in ready["reasons"]
     assert service.reservations() == 0
 
 

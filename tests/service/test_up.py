@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,8 +42,8 @@ STATUS_LINE = re.compile(r"decisions/s .* (\d+) decisions, (\d+) errors")
 class Up:
     """A running ``kvrouter up`` with its stdout read line by line into a queue (stderr to a file)."""
 
-    def __init__(self, *args: str, stderr: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
+    def __init__(self, *args: str, stderr: Path, env_extra: dict[str, str] | None = None) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")} | (env_extra or {})
         self._stderr = stderr.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvrouter", "up", "--port", "0", *args],
@@ -97,8 +98,8 @@ class Up:
 def start_up(tmp_path: Path) -> Iterator[Callable[..., Up]]:
     started: list[Up] = []
 
-    def start(*args: str) -> Up:
-        up = Up(*args, stderr=tmp_path / f"up-{len(started)}.err")
+    def start(*args: str, env: dict[str, str] | None = None) -> Up:
+        up = Up(*args, stderr=tmp_path / f"up-{len(started)}.err", env_extra=env)
         started.append(up)
         return up
 
@@ -189,3 +190,18 @@ def test_up_without_a_demo_serves_and_stops_on_sigint(start_up, shm_entries):
     up.expect(re.compile(r"kvrouter top --url"), START_TIMEOUT_S)
     assert not any("mock engines" in line for line in up.seen)
     stop_and_check(up, signal.SIGINT, shm_entries)
+
+
+def test_health_answers_while_a_cold_cache_compiles_and_a_stop_then_ends_the_start(start_up, shm_entries, tmp_path):
+    """Item 1: ``/health`` answers before the index is up. On an empty numba cache the appliers and the
+    front compile their kernels for minutes on 2 cores; the API listens first, ``/ready`` says why it is
+    not ready, and a SIGTERM in the middle of the start still exits 0 and leaves nothing behind."""
+    up = start_up("--mock-workers", "0", "--shards", "1", env={"NUMBA_CACHE_DIR": str(tmp_path / "cold-cache")})
+    url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
+    assert get(url + "/health")[0] == 200
+    with pytest.raises(urllib.error.HTTPError) as refused:  # not ready: the index is not up yet
+        get(url + "/ready")
+    assert refused.value.code == 503
+    assert "engine starting" in json.loads(refused.value.read())["reasons"]
+    assert not any("the index is up" in line for line in up.seen)
+    stop_and_check(up, signal.SIGTERM, shm_entries)

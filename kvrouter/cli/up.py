@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from ..service.app import Service
     from ..service.config import ServiceConfig
     from ..service.embedded import Embedded, EmbeddedConfig
+    from ..service.fastpath import FastPath
 
 __all__ = ["EPILOG", "ROUTER_FLAGS", "load_toml", "up"]
 
@@ -211,6 +212,18 @@ def up(
             rich_help_panel=_SERVER,
         ),
     ] = 8490,
+    zmq_port: Annotated[
+        int | None,
+        typer.Option(
+            "--zmq-port",
+            envvar="KVROUTER_ZMQ_PORT",
+            min=0,
+            max=65535,
+            help="ZMQ fast path port (msgpack over a ROUTER socket, docs/zmq-fast-path.md); 0 turns it off.",
+            show_default="--port + 1",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
     auth_token: Annotated[
         str | None,
         typer.Option(
@@ -552,6 +565,8 @@ def up(
     service_values: dict[str, Any] = {
         "host": host,
         "port": port,
+        # --zmq-port 0 turns the fast path off; unset, it is port + 1 (a free port with --port 0)
+        "zmq_port": None if zmq_port == 0 else zmq_port if zmq_port is not None else port + 1 if port else 0,
         "shards": shards,
         "block_size": block_size,
         "model_name": model_name,
@@ -623,10 +638,12 @@ def serve(config: ServiceConfig, demo: EmbeddedConfig | None) -> int:
     """Start the engine (forks), then run the loop until a signal; the process's exit status."""
     from ..service.app import Service
     from ..service.embedded import Embedded
+    from ..service.fastpath import install as install_fastpath
 
     if config.auth_token is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         typer.echo(f"kvrouter up: warning: {config.host} is not loopback and no --auth-token is set", err=True)
     service = Service(config)
+    fastpath = install_fastpath(service)  # on config.zmq_port, bound and closed with the HTTP socket
     try:
         service.start()  # forks the engine's fork server: before the loop and before any thread
     except KvRouterError as exc:
@@ -635,10 +652,12 @@ def serve(config: ServiceConfig, demo: EmbeddedConfig | None) -> int:
             service.engine.close()
         return 1
     embedded = None if demo is None else Embedded(demo, decisions=lambda: service.counters.decisions)
-    return asyncio.run(_run(service, config, embedded))
+    return asyncio.run(_run(service, config, embedded, fastpath))
 
 
-async def _run(service: Service, config: ServiceConfig, embedded: Embedded | None) -> int:
+async def _run(
+    service: Service, config: ServiceConfig, embedded: Embedded | None, fastpath: FastPath | None = None
+) -> int:
     """Serve until SIGINT/SIGTERM; the demo starts once the API listens and stops around the service."""
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
@@ -661,6 +680,8 @@ async def _run(service: Service, config: ServiceConfig, embedded: Embedded | Non
     def on_ready(url: str) -> None:
         nonlocal started
         typer.echo(f"kvrouter up: API at {url}", err=False)
+        if fastpath is not None:
+            typer.echo(f"kvrouter up: ZMQ fast path at {fastpath.endpoint}")
         sys.stdout.flush()
         if embedded is not None:
             started = loop.create_task(embedded.start(url))

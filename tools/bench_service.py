@@ -28,6 +28,15 @@ the routing-overhead histogram's per-phase sums over the requests between give t
 (parse, hash, decide, serialise, as the service times them), beside the server CPU per request (the rest
 is aiohttp and the event loop).
 
+The ZMQ fast path (``docs/zmq-fast-path.md``): the same prompts as ``{"op": "select", ...}`` msgpack
+bodies over DEALER sockets to the kvrouter server's ROUTER (``--zmq-port``), at concurrency 1 and 8
+(``--fastpath-concurrency``: that many DEALER sockets, one request in flight each, as wrk's
+connections). The generator is Python (``_zmq_load`` mode, its own process, one thread, bodies packed
+before the clock starts, a reply checked for an error by a byte search, not unpacked); its CPU time over
+the timed loop is reported beside each point as wrk's is, and before the kvrouter points it is run
+against a ROUTER that answers at once (``_zmq_echo`` mode): that ceiling, far above the fast path's
+figures, shows the generator is not what limits them. The reference has no fast path: no ratio.
+
 Ratios (> 1: kvrouter better), at concurrency 8: ``select_throughput`` = kvrouter ÷ reference requests/s,
 ``select_p99`` = reference ÷ kvrouter p99. Goal ≥ 1 on both (issue 11). ``--quick`` is a smoke test for
 the test suite (32 prompts, 1 s points, no timing meaning). The default run takes about 2 minutes.
@@ -80,6 +89,9 @@ MODEL: Final = "bench"
 VERIFY_SAMPLES: Final = 8
 START_TIMEOUT: Final = 120.0
 """kvrouter's first start on a machine compiles numba kernels (tens of seconds on a small VM) [s]."""
+FASTPATH_CONCURRENCY: Final = (1, 8)
+ERROR_KEY: Final = b"\xa5error"
+"""msgpack's ``"error"`` key (fixstr of 5): in a reply only when it is an error answer."""
 GOALS: Final = {"select_throughput": 1.0, "select_p99": 1.0}
 TOPIC: Final = b""
 SIDES: Final = ("reference", "kvrouter")
@@ -245,6 +257,8 @@ class Server:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
+    zmq: str | None = None
+    """The fast path's endpoint (kvrouter only)."""
 
 
 def wait_http(server: Server, path: str, timeout: float) -> None:
@@ -284,13 +298,15 @@ def start_reference(folder: Path) -> Server:
 
 
 def start_kvrouter(folder: Path) -> Server:
-    port = free_port()
+    port, zmq_port = free_port(), free_port()
     log = folder / "kvrouter.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, __file__, "_serve", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT
+            [sys.executable, __file__, "_serve", "--port", str(port), "--zmq-port", str(zmq_port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
-    server = Server("kvrouter", f"http://127.0.0.1:{port}", process, log)
+    server = Server("kvrouter", f"http://127.0.0.1:{port}", process, log, f"tcp://127.0.0.1:{zmq_port}")
     wait_http(server, "/health", START_TIMEOUT)
     return server
 
@@ -414,6 +430,124 @@ def run_wrk(server: Server, script: Path, connections: int, seconds: float) -> d
     }
 
 
+def run_zmq(endpoint: str, bodies: Path, connections: int, seconds: float, server: Server | None) -> dict[str, Any]:
+    """One fast-path point: the ``_zmq_load`` generator in its own process; its CPU time over the timed loop
+    (``process_time``: its start-up, imports and packing excluded)."""
+    command = [sys.executable, __file__, "_zmq_load", "--endpoint", endpoint, "--bodies", str(bodies)]
+    command += ["--connections", str(connections), "--seconds", str(seconds)]
+    before = process_ticks(server.process.pid) if server is not None else 0
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = (text.decode() for text in process.communicate())
+    server_ticks = process_ticks(server.process.pid) - before if server is not None else 0
+    line = next((x for x in out.splitlines() if x.startswith("BENCH ")), None)
+    if process.returncode != 0 or line is None:
+        raise SystemExit(f"bench_service: the fast-path generator failed ({process.returncode}): {out}\n{err}")
+    figures: dict[str, Any] = json.loads(line[len("BENCH ") :])
+    requests = max(1, figures["requests"])
+    return {
+        "connections": connections,
+        "requests": figures["requests"],
+        "rps": figures["requests"] / figures["seconds"],
+        "p50_ms": figures["p50_us"] / 1e3,
+        "p99_ms": figures["p99_us"] / 1e3,
+        "errors": figures["errors"],
+        "server_cpu_us": server_ticks / os.sysconf("SC_CLK_TCK") / requests * 1e6,
+        "gen_cpu_share": figures["cpu_s"] / figures["seconds"],
+        "gen_cpu_us": figures["cpu_s"] / requests * 1e6,
+    }
+
+
+def zmq_load(endpoint: str, bodies: Path, connections: int, seconds: float) -> int:
+    """``_zmq_load``: ``connections`` DEALER sockets, one ``select`` in flight each, for ``seconds``; prints
+    ``BENCH {json}`` (requests, seconds, p50/p99 µs, errors). Replies are not unpacked: an error reply is
+    found by its ``"error"`` key's bytes."""
+    import msgpack
+
+    packed = [msgpack.packb({"op": "select", **json.loads(line)}) for line in bodies.read_text().splitlines()]
+    context = zmq.Context()
+    sockets = []
+    poller = zmq.Poller()
+    for _ in range(connections):
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        poller.register(sock, zmq.POLLIN)
+        sockets.append(sock)
+    sent: dict[zmq.Socket[bytes], int] = {}
+    latencies: list[int] = []
+    errors = 0
+    i = 0
+    clock = time.perf_counter_ns
+    try:
+        for sock in sockets:  # one request each, not timed: connects the sockets
+            sock.send_multipart([b"kvr1", packed[i % len(packed)]])
+            i += 1
+        for sock in sockets:
+            sock.recv_multipart()
+        started = clock()
+        cpu_started = time.process_time()
+        deadline = started + int(seconds * 1e9)
+        for sock in sockets:
+            sent[sock] = clock()
+            sock.send_multipart([b"kvr1", packed[i % len(packed)]], copy=False)
+            i += 1
+        now = started
+        while now < deadline:
+            for sock, _ in poller.poll(1000):
+                _, reply = sock.recv_multipart()
+                now = clock()
+                latencies.append(now - sent[sock])
+                if ERROR_KEY in reply:
+                    errors += 1
+                sent[sock] = now
+                sock.send_multipart([b"kvr1", packed[i % len(packed)]], copy=False)
+                i += 1
+            now = clock()
+        elapsed = (now - started) / 1e9
+        cpu = time.process_time() - cpu_started
+    finally:
+        context.destroy(linger=0)
+    latencies.sort()
+    n = len(latencies)
+    figures = {
+        "requests": n,
+        "seconds": elapsed,
+        "p50_us": latencies[n // 2] / 1e3 if n else 0.0,
+        "p99_us": latencies[min(n - 1, n * 99 // 100)] / 1e3 if n else 0.0,
+        "errors": errors,
+        "cpu_s": cpu,
+    }
+    print("BENCH " + json.dumps(figures), flush=True)
+    return 0
+
+
+def zmq_echo(port: int) -> int:
+    """``_zmq_echo``: a ROUTER answering every message at once with a fixed reply (the generator's ceiling)."""
+    context = zmq.Context()
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    reply = b"\x81\xa6status\xa2ok"
+    try:
+        while True:
+            frames = sock.recv_multipart(copy=True)
+            sock.send_multipart([frames[0], b"kvr1", reply])
+    finally:
+        context.destroy(linger=0)
+
+
+def echo_ceiling(bodies: Path, seconds: float) -> dict[str, Any]:
+    """The generator against ``_zmq_echo`` at concurrency 8: what it can drive when the server costs nothing."""
+    port = free_port()
+    echo = subprocess.Popen([sys.executable, __file__, "_zmq_echo", "--port", str(port)])
+    try:
+        return run_zmq(f"tcp://127.0.0.1:{port}", bodies, RATIO_CONCURRENCY, seconds, None)
+    finally:
+        echo.terminate()
+        echo.wait(10)
+
+
 def scrape(server: Server) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -443,14 +577,14 @@ def phases(before: dict[Any, float], after: dict[Any, float]) -> dict[str, float
 # -- kvrouter's side: the service in its own process ----------------------------------------------
 
 
-def serve(port: int, shards: int) -> int:
-    """``_serve``: kvrouter's Service with ``/metrics``, until SIGTERM/SIGINT."""
+def serve(port: int, shards: int, zmq_port: int | None) -> int:
+    """``_serve``: kvrouter's Service with ``/metrics`` and the fast path, until SIGTERM/SIGINT."""
     import asyncio
 
     from kvrouter.service.app import Service
     from kvrouter.service.config import ServiceConfig
 
-    service = Service(ServiceConfig(port=port, shards=shards))
+    service = Service(ServiceConfig(port=port, shards=shards, zmq_port=zmq_port))
     service.start()  # forks the appliers: before any loop or thread
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: service.stop())
@@ -495,6 +629,8 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     script.write_text(LUA % {"bodies": bodies})
     publishers = Publishers(WORKERS)
     points: dict[str, dict[int, dict[str, Any]]] = {side: {} for side in args.sides}
+    fast: dict[int, dict[str, Any]] = {}
+    ceiling: dict[str, Any] = {}
     breakdown: dict[str, float] = {}
     try:
         with servers(folder, args.sides) as started:
@@ -506,13 +642,22 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                 verify(server, workload, START_TIMEOUT)
             for server in started:
                 run_wrk(server, script, RATIO_CONCURRENCY, args.warmup)
-            for connections in args.concurrency:
+            kvrouter = next((s for s in started if s.zmq is not None), None)
+            if kvrouter is not None and args.fastpath_concurrency:
+                assert kvrouter.zmq is not None
+                ceiling = echo_ceiling(bodies, min(args.seconds, 3.0))
+                run_zmq(kvrouter.zmq, bodies, RATIO_CONCURRENCY, args.warmup, kvrouter)
+            for connections in sorted({*args.concurrency, *args.fastpath_concurrency}):
                 for server in started:
+                    if connections not in args.concurrency:
+                        continue
                     ours = server.name == "kvrouter" and connections == RATIO_CONCURRENCY
                     before = scrape(server) if ours else {}
                     points[server.name][connections] = run_wrk(server, script, connections, args.seconds)
                     if ours:
                         breakdown = phases(before, scrape(server))
+                if kvrouter is not None and kvrouter.zmq is not None and connections in args.fastpath_concurrency:
+                    fast[connections] = run_zmq(kvrouter.zmq, bodies, connections, args.seconds, kvrouter)
     finally:
         publishers.close()
     ours, theirs = (points.get(side, {}).get(RATIO_CONCURRENCY) for side in ("kvrouter", "reference"))
@@ -524,6 +669,13 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         }
     return {
         "points": {name: {str(c): p for c, p in by_c.items()} for name, by_c in points.items()},
+        "fastpath": {
+            "points": {str(c): p for c, p in fast.items()},
+            "generator": "python DEALER sockets (tools/bench_service.py _zmq_load), one process, one thread",
+            "generator_ceiling": ceiling,
+        }
+        if fast
+        else {},
         "phases_us": breakdown,
         "ratios": ratios,
         "goals": GOALS,
@@ -542,6 +694,19 @@ def print_table(result: dict[str, Any]) -> None:
                 f"{name:<10} {c:>5} {p['rps']:>9.0f} {p['p50_ms']:>8.2f} {p['p99_ms']:>8.2f} "
                 f"{p['server_cpu_us']:>15.0f} {p['wrk_cpu_share']:>7.0%} {p['errors']:>6}"
             )
+    fast = result.get("fastpath") or {}
+    for c, p in fast.get("points", {}).items():
+        print(
+            f"{'kvr-zmq':<10} {c:>5} {p['rps']:>9.0f} {p['p50_ms']:>8.2f} {p['p99_ms']:>8.2f} "
+            f"{p['server_cpu_us']:>15.0f} {p['gen_cpu_share']:>7.0%} {p['errors']:>6}"
+        )
+    if fast.get("generator_ceiling"):
+        ceiling = fast["generator_ceiling"]
+        print(
+            f"kvr-zmq: the generator column is the Python generator's CPU; against a ROUTER that answers at once "
+            f"it drives {ceiling['rps']:.0f} req/s at {ceiling['connections']} sockets "
+            f"(p50 {ceiling['p50_ms']:.3f} ms, {ceiling['gen_cpu_us']:.0f} µs CPU/req)"
+        )
     if result["phases_us"]:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in result["phases_us"].items())
         print(f"kvrouter time per /select at concurrency {RATIO_CONCURRENCY} (µs, mean): {parts}")
@@ -560,12 +725,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         serving = argparse.ArgumentParser(prog="bench_service.py _serve")
         serving.add_argument("--port", type=int, required=True)
         serving.add_argument("--shards", type=int, default=1)
+        serving.add_argument("--zmq-port", type=int, default=None)
         options = serving.parse_args(argv[1:])
-        return serve(options.port, options.shards)
+        return serve(options.port, options.shards, options.zmq_port)
+    if argv[:1] == ["_zmq_load"]:
+        loading = argparse.ArgumentParser(prog="bench_service.py _zmq_load")
+        loading.add_argument("--endpoint", required=True)
+        loading.add_argument("--bodies", type=Path, required=True)
+        loading.add_argument("--connections", type=int, required=True)
+        loading.add_argument("--seconds", type=float, required=True)
+        options = loading.parse_args(argv[1:])
+        return zmq_load(options.endpoint, options.bodies, options.connections, options.seconds)
+    if argv[:1] == ["_zmq_echo"]:
+        echoing = argparse.ArgumentParser(prog="bench_service.py _zmq_echo")
+        echoing.add_argument("--port", type=int, required=True)
+        return zmq_echo(echoing.parse_args(argv[1:]).port)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=SECONDS, help="per measured point")
     parser.add_argument("--warmup", type=float, default=WARMUP_SECONDS, help="per server, at concurrency 8")
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    parser.add_argument(
+        "--fastpath-concurrency",
+        type=int,
+        nargs="*",
+        default=list(FASTPATH_CONCURRENCY),
+        help="DEALER sockets per ZMQ fast-path point (none: skip the fast path)",
+    )
     parser.add_argument("--bodies", type=int, default=BODIES, help="distinct prompts cycled")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument(
@@ -602,6 +787,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     errors = sum(p["errors"] for by_c in result["points"].values() for p in by_c.values())
+    errors += sum(p["errors"] for p in (result.get("fastpath") or {}).get("points", {}).values())
     return 1 if errors or SHM_LEFT else 0
 
 

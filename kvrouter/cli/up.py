@@ -211,6 +211,18 @@ def up(
             rich_help_panel=_SERVER,
         ),
     ] = 8490,
+    zmq_port: Annotated[
+        int | None,
+        typer.Option(
+            "--zmq-port",
+            envvar="KVROUTER_ZMQ_PORT",
+            min=0,
+            max=65535,
+            help="ZMQ fast path port (msgpack over a ROUTER socket, docs/zmq-fast-path.md); 0 turns it off.",
+            show_default="--port + 1",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
     auth_token: Annotated[
         str | None,
         typer.Option(
@@ -552,6 +564,8 @@ def up(
     service_values: dict[str, Any] = {
         "host": host,
         "port": port,
+        # --zmq-port 0 turns the fast path off; unset, it is port + 1 (a free port with --port 0)
+        "zmq_port": None if zmq_port == 0 else zmq_port if zmq_port is not None else port + 1 if port else 0,
         "shards": shards,
         "block_size": block_size,
         "model_name": model_name,
@@ -669,6 +683,8 @@ async def _run(service: Service, config: ServiceConfig, embedded: Embedded | Non
     def on_ready(url: str) -> None:
         nonlocal started
         typer.echo("kvrouter up: the index is up", err=False)
+        if service.fastpath is not None:
+            typer.echo(f"kvrouter up: ZMQ fast path at {service.fastpath.endpoint}")
         sys.stdout.flush()
         if embedded is not None:
             started = loop.create_task(embedded.start(url))

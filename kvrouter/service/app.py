@@ -57,8 +57,9 @@ from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes_array
 from ..routing.router import Router, Selection
 from ..routing.slots import DEFAULT_EXPIRY_SECS
-from . import metrics
+from . import fastpath, metrics
 from .config import ServiceConfig
+from .fastpath import FastPath
 from .histogram import HIT_RATE_BUCKETS, Buckets
 from .partition import Instance, Partition
 from .validation import (
@@ -219,6 +220,8 @@ class Service:
         self._session: ClientSession | None = None
         self._add_routes()
         metrics.install(self)
+        self.fastpath: FastPath | None = fastpath.install(self)
+        """The ZMQ fast path on ``config.zmq_port`` (None when off), bound and closed with the HTTP socket."""
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -8,13 +8,17 @@ from a literal and the precedence rules live in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from ..errors import ConfigError
 from ..plane.config import PlaneConfig
 from ..plane.registry import WorkerSpec
 from ..routing.config import KVROUTER_CONFIG, RouterConfig
 
-__all__ = ["ServiceConfig"]
+__all__ = ["ZMQ_PORT_DEFAULT", "ServiceConfig"]
+
+ZMQ_PORT_DEFAULT: Final = -1
+"""``ServiceConfig.zmq_port``'s default: ``port + 1`` (a free port when ``port`` is 0)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +26,7 @@ class ServiceConfig:
     """How the service binds, which workers it starts with, how it routes and protects itself.
 
     Raises:
-        ConfigError: a port outside 0..65535, shards below 1, a block size below 1, an overload status
+        ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, a block size below 1, an overload status
             that is not 429 or 5xx, a body limit below 1 KiB, or a negative drain time.
     """
 
@@ -55,6 +59,9 @@ class ServiceConfig:
     """The event plane's timers (``stale_after``, recovery timeout) for every registered worker."""
     decisions_ring: int = 1024
     events_ring: int = 1024
+    zmq_port: int | None = ZMQ_PORT_DEFAULT
+    """The ZMQ fast path's port (``fastpath.py``): None turns it off, 0 picks a free port; by default
+    ``port + 1``, or a free port when ``port`` is 0. Resolved in ``__post_init__``: never -1 after."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -73,3 +80,11 @@ class ServiceConfig:
             raise ConfigError(f"ServiceConfig.health_interval_secs must be > 0, got {self.health_interval_secs}")
         if self.decisions_ring < 1 or self.events_ring < 1:
             raise ConfigError("ServiceConfig.decisions_ring and events_ring must be >= 1")
+        if self.zmq_port == ZMQ_PORT_DEFAULT:
+            if self.port == 65535:
+                raise ConfigError("ServiceConfig.zmq_port: port + 1 is not a port; give zmq_port (or None)")
+            object.__setattr__(self, "zmq_port", self.port + 1 if self.port else 0)
+        if self.zmq_port is not None and not 0 <= self.zmq_port <= 65535:
+            raise ConfigError(f"ServiceConfig.zmq_port must be in 0..65535 or None, got {self.zmq_port}")
+        if self.zmq_port is not None and self.zmq_port and self.zmq_port == self.port:
+            raise ConfigError(f"ServiceConfig.zmq_port must differ from port ({self.port})")

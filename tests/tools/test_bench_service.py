@@ -42,4 +42,8 @@ def test_quick_run_measures_both_servers_and_reports_both_ratios(tmp_path: Path)
         points = figures["points"][side]
         assert set(points) == {"1", "8", "64"}
         assert all(p["requests"] > 0 and p["errors"] == 0 for p in points.values())
+    fast = figures["fastpath"]["points"]  # the ZMQ fast path, kvrouter only
+    assert set(fast) == {"1", "8"}
+    assert all(p["requests"] > 0 and p["errors"] == 0 for p in fast.values())
+    assert figures["fastpath"]["generator_ceiling"]["requests"] > 0
     assert figures["shm_left"] == []

@@ -1,0 +1,342 @@
+"""The ZMQ fast path: the decision routes as msgpack over one ROUTER socket, beside the HTTP API.
+
+For in-cluster clients that make a decision per request, HTTP's per-request cost (header parsing, the
+aiohttp request and response objects, JSON) is most of a ``/select``'s time in the front. Here a
+client keeps one DEALER (or REQ) socket open and sends ``[b"kvr1", msgpack(body)]`` (REQ and DEALER
+clients that add the empty delimiter frame are answered with it); the body is the JSON route's body plus
+``"op"`` and an optional ``"id"`` echoed in the reply, and the reply is msgpack of exactly what the HTTP
+route answers, or ``{"error": ..., "status": n}``. Frames and ops: ``docs/zmq-fast-path.md``.
+
+Design choices:
+- One ``zmq.asyncio`` ROUTER socket on the service's own event loop, no thread: every op is a few
+  microseconds of synchronous work on state the loop owns (partitions, reservations), so a thread would
+  need a lock around all of it or a hand-off per message, and gain nothing on two cores. The same
+  :class:`~kvrouter.service.app.Service` methods and ``validation.py`` parsers as HTTP answer, so both
+  paths decide, validate and refuse alike.
+- Messages are served one at a time, in arrival order; after ``YIELD_EVERY`` messages in a row the loop
+  is given a turn (an ``await`` on a ready ZMQ future does not yield), so HTTP, the health loop and
+  signals are never starved by a busy fast-path client.
+- Refusals never close the socket or end the loop: a malformed envelope, a body that is not a msgpack
+  map, an unknown op, a wrong token or a refused request each get an error reply and are counted
+  (:class:`FastPathCounters`); an unexpected exception is a 500 reply, logged once per kind.
+- Size: a body frame above ``max_body_bytes`` gets a 413 reply; libzmq's ``MAXMSGSIZE`` (the limit
+  plus ``FRAME_SLACK``) drops the connection of a peer sending a larger frame before it is ever read
+  into memory (libzmq gives no reply in that case; the client sees its connection reset).
+- Auth as HTTP: with ``auth_token`` set, the write ops (``select_and_reserve``, ``prefill_complete``,
+  ``free``) need a ``"token"`` field, compared with ``hmac.compare_digest``; the read ops stay open.
+- Register/unregister stay HTTP-only: the control plane is rare and wants HTTP's tooling.
+
+Rejected: a second process (the reservations and load views live in this loop: it would need the
+replica-sync messages), REP (one request at a time per socket pair, no pipelining), and JSON inside ZMQ
+(msgpack packs token lists about twice as fast as orjson parses them and is what the event plane already
+uses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import msgpack
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from ..errors import KvRouterError, ServiceError
+from .validation import parse_query, parse_select
+
+if TYPE_CHECKING:
+    from .app import Service
+
+__all__ = ["MAGIC", "OPS", "FastPath", "FastPathCounters", "install"]
+
+log = logging.getLogger(__name__)
+
+MAGIC: Final = b"kvr1"
+"""Protocol frame: a client speaking another version is answered with a 400, not misread."""
+OPS: Final = ("select", "select_and_reserve", "query", "query_by_hash", "prefill_complete", "free")
+WRITE_OPS: Final = frozenset({"select_and_reserve", "prefill_complete", "free"})
+"""Ops that need the token when one is set (as the HTTP write routes)."""
+YIELD_EVERY: Final = 64
+FRAME_SLACK: Final = 64 << 10
+"""libzmq's MAXMSGSIZE is ``max_body_bytes`` plus this: frames a little over the limit get a 413 reply;
+far over it, the peer is disconnected before the frame is buffered."""
+MAX_ID_LEN: Final = 256
+MAX_SELECTION_ID: Final = 256
+
+
+@dataclass(slots=True)
+class FastPathCounters:
+    """What the fast path counts; mutated by the service's loop only."""
+
+    requests: dict[str, int] = field(default_factory=dict)
+    """op -> messages answered (an unknown op counts as ``"invalid"``)."""
+    errors: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(op, "4xx" | "5xx") -> error replies."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """op -> total seconds spent answering (decode to encoded reply)."""
+    malformed: int = 0
+    """Messages whose envelope, magic, msgpack or op was wrong."""
+    oversized: int = 0
+    """Body frames above ``max_body_bytes`` (answered 413)."""
+    unauthorized: int = 0
+
+
+def _default(value: Any) -> Any:
+    """msgpack's fallback: numpy scalars (never expected in a reply, but never a 500 either)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot pack {type(value).__name__}")
+
+
+class FastPath:
+    """The ROUTER socket and its serving task; :func:`install` wires it into a service's lifecycle."""
+
+    def __init__(self, service: Service, port: int, *, host: str | None = None) -> None:
+        self.service = service
+        self.port = port
+        self.host = host if host is not None else service.config.host
+        self.endpoint = ""
+        """``tcp://host:port`` once bound."""
+        self.counters = FastPathCounters()
+        self._context: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._logged: set[str] = set()
+        self._packer = msgpack.Packer(default=_default)
+        limit = service.config.max_body_bytes
+        self._limit = limit
+        self._ops: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
+            "select": lambda body: self._select(body, reserve=False),
+            "select_and_reserve": lambda body: self._select(body, reserve=True),
+            "query": lambda body: self._query(body, by_hash=False),
+            "query_by_hash": lambda body: self._query(body, by_hash=True),
+            "prefill_complete": self._prefill_complete,
+            "free": self._free,
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind on the running loop and start serving.
+
+        Raises:
+            zmq.ZMQError: the address is taken or not local.
+        """
+        context = zmq.asyncio.Context()
+        sock = context.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._limit + FRAME_SLACK)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a peer that left is dropped, not an error
+            host = self.host
+            if ":" in host.strip("[]"):
+                sock.setsockopt(zmq.IPV6, 1)
+                host = f"[{host.strip('[]')}]"
+            sock.bind(f"tcp://{host}:{self.port or '*'}")
+            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            sock.close(linger=0)
+            context.term()
+            raise
+        self._context, self._socket = context, sock
+        self._task = asyncio.create_task(self._serve(sock), name="kvrouter-fastpath")
+        log.info("fastpath listening endpoint=%s", self.endpoint)
+
+    async def close(self) -> None:
+        """Stop serving and close the socket (LINGER 0: unsent replies are dropped). Idempotent."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        sock, self._socket = self._socket, None
+        if sock is not None:
+            sock.close(linger=0)
+        context, self._context = self._context, None
+        if context is not None:
+            context.term()
+
+    # -- serving --------------------------------------------------------------------------------
+
+    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        served = 0
+        while True:
+            try:
+                frames = await sock.recv_multipart(copy=True)
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                self._log_once("recv", "fastpath recv failed errno=%s", exc.errno)
+                await asyncio.sleep(0.01)
+                continue
+            try:
+                reply = self.handle(frames)
+                if reply is not None:
+                    await sock.send_multipart(reply, flags=zmq.NOBLOCK)
+            except asyncio.CancelledError:
+                raise
+            except zmq.Again:
+                self._log_once("send", "fastpath reply dropped (peer queue full)")
+            except Exception as exc:  # the loop must survive anything
+                self._log_once(f"serve:{type(exc).__name__}", "fastpath message failed kind=%s", type(exc).__name__)
+            served += 1
+            if served % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+
+    def handle(self, frames: list[bytes]) -> list[bytes] | None:
+        """One message (as the ROUTER reads it, identity first) to its reply frames; None: no peer."""
+        if not frames or not frames[0]:
+            return None  # no identity: nobody to answer
+        envelope = [frames[0]]
+        rest = frames[1:]
+        if rest and rest[0] == b"":
+            envelope.append(b"")  # REQ (or a DEALER writing the delimiter): answer in the same form
+            rest = rest[1:]
+        started = time.perf_counter()
+        op = "invalid"
+        request_id: Any = None
+        counters = self.counters
+        try:
+            if len(rest) != 2 or rest[0] != MAGIC:
+                counters.malformed += 1
+                raise ServiceError(400, f"expected frames [{MAGIC!r}, msgpack body] after the envelope")
+            raw = rest[1]
+            if len(raw) > self._limit:
+                counters.oversized += 1
+                raise ServiceError(413, f"body of {len(raw)} bytes is above the limit of {self._limit}")
+            body = self._decode(raw)
+            request_id = body.get("id")
+            if request_id is not None and not (
+                type(request_id) is int or (isinstance(request_id, str) and len(request_id) <= MAX_ID_LEN)
+            ):
+                request_id = None
+                counters.malformed += 1
+                raise ServiceError(400, f"id: expected an integer or a string of at most {MAX_ID_LEN} characters")
+            name = body.get("op")
+            handler = self._ops.get(name) if isinstance(name, str) else None
+            if handler is None or not isinstance(name, str):
+                counters.malformed += 1
+                raise ServiceError(400, f"op: expected one of {', '.join(OPS)}, got {name!r}")
+            op = name
+            if self.service.stopping:
+                raise ServiceError(503, "the service is stopping")
+            if op in WRITE_OPS and not self._authorized(body):
+                counters.unauthorized += 1
+                raise ServiceError(401, "missing or wrong token")
+            answer = handler(body)
+        except ServiceError as exc:
+            answer = {"error": str(exc), "status": exc.status}
+        except (KvRouterError, ValueError) as exc:
+            answer = {"error": str(exc), "status": 400}
+        except Exception as exc:
+            self._log_once(f"op:{type(exc).__name__}", "fastpath request failed op=%s kind=%s", op, type(exc).__name__)
+            answer = {"error": f"internal error ({type(exc).__name__})", "status": 500}
+        if request_id is not None:
+            answer["id"] = request_id
+        try:
+            packed = self._packer.pack(answer)
+        except Exception as exc:
+            self._log_once(f"pack:{type(exc).__name__}", "fastpath reply not packable op=%s", op)
+            answer = {"error": f"internal error ({type(exc).__name__})", "status": 500}
+            if request_id is not None:
+                answer["id"] = request_id
+            packed = self._packer.pack(answer)
+        counters.requests[op] = counters.requests.get(op, 0) + 1
+        counters.seconds[op] = counters.seconds.get(op, 0.0) + time.perf_counter() - started
+        status = answer.get("status")
+        if "error" in answer and isinstance(status, int):
+            klass = (op, "4xx" if status < 500 else "5xx")
+            counters.errors[klass] = counters.errors.get(klass, 0) + 1
+        return [*envelope, MAGIC, packed]
+
+    def _decode(self, raw: bytes) -> dict[str, Any]:
+        try:
+            value = msgpack.unpackb(raw, raw=False)
+        except Exception as exc:  # msgpack raises ValueError, ExtraData, FormatError, StackError, ...
+            self.counters.malformed += 1
+            raise ServiceError(400, f"body is not valid msgpack: {type(exc).__name__}") from exc
+        if not isinstance(value, dict):
+            self.counters.malformed += 1
+            raise ServiceError(400, f"body must be a msgpack map, got {type(value).__name__}")
+        return value
+
+    def _authorized(self, body: Mapping[str, Any]) -> bool:
+        token = self.service.config.auth_token
+        if token is None:
+            return True
+        given = body.get("token")
+        return isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode())
+
+    def _log_once(self, kind: str, message: str, *args: Any) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning(message + " (logged once per kind, then counted)", *args)
+
+    # -- ops: the HTTP routes' answers ------------------------------------------------------------
+
+    def _select(self, body: Mapping[str, Any], *, reserve: bool) -> dict[str, Any]:
+        service = self.service
+        request = parse_select(body)
+        result = service.select(request, reserve=reserve)
+        answer = service._select_json(result, request)
+        answer["index"] = service._index
+        return answer
+
+    def _query(self, body: Mapping[str, Any], *, by_hash: bool) -> dict[str, Any]:
+        from ..hashing import block_hashes_array
+
+        service = self.service
+        query = parse_query(body, by_hash=by_hash)
+        partition = service.partition(query.model_name, query.routing_group)
+        if query.token_ids is not None:
+            local = block_hashes_array(
+                query.token_ids, partition.block_size, lora_name=query.lora_name, cache_namespace=query.cache_salt
+            )
+        else:
+            local = np.array(query.block_hashes or (), dtype=np.uint64)
+        answer = service._query(partition, local)
+        answer["index"] = service._index
+        return answer
+
+    def _prefill_complete(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        self.service.prefill_complete(_selection_id(body))
+        return {"status": "ok"}
+
+    def _free(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        self.service.free(_selection_id(body))
+        return {"status": "ok"}
+
+
+def _selection_id(body: Mapping[str, Any]) -> str:
+    value = body.get("selection_id")
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_SELECTION_ID:
+        raise ServiceError(400, f"selection_id: expected a string of 1..{MAX_SELECTION_ID} characters")
+    return value
+
+
+def install(service: Service) -> FastPath | None:
+    """Serve the fast path on ``service.config.zmq_port`` for as long as ``service.run`` serves (bound
+    with the HTTP socket, closed with it); None when ``zmq_port`` is None. Call before ``run``."""
+    port = service.config.zmq_port
+    if port is None:
+        return None
+    fastpath = FastPath(service, port)
+
+    async def on_startup(_app: Any) -> None:
+        await fastpath.start()
+
+    async def on_cleanup(_app: Any) -> None:
+        await fastpath.close()
+
+    service.app.on_startup.append(on_startup)
+    service.app.on_cleanup.append(on_cleanup)
+    return fastpath

@@ -263,3 +263,25 @@ def test_write_routes_need_the_bearer_token(running: Running):
     assert running.call("POST", "/select", body, token=None)[0] == 200  # reads stay open
     assert running.call("GET", "/loads", token=None)[0] == 200
     assert running.service.reservations() == 0
+
+
+def test_dropped_batches_are_replayed_and_query_ends_equal_to_the_engine(running: Running, wait_until):
+    """A real vLLM-format publisher registered with its replay endpoint drops batches on the wire; the
+    applier sees the gap, asks the replay socket for them, and ``/query`` ends equal to the engine's own
+    cache, with the gap counted detected and recovered in ``GET /workers``."""
+    worker = running.workers[0]
+    assert worker.call("POST", "/faults", {"drop_batches": 3})[0] == 200
+    for i in range(6):
+        worker.complete(prompt(500 + i, blocks=2 + i % 3), max_tokens=2)
+    wait_until(lambda: query_matches_cache(running, worker), what="/query equal to the engine's cache after a gap")
+
+    def gaps() -> dict[str, Any]:
+        rows = running.call("GET", f"/workers?model_name={MODEL}")[1]
+        (row,) = [w for w in rows if w["instance_id"] == 1]
+        return dict(row["listeners"]["0"])
+
+    wait_until(lambda: gaps().get("gaps_recovered", 0) >= 1, what="the gap counted as recovered")
+    listener = gaps()
+    assert listener["gaps_detected"] >= 1
+    assert listener["gaps_lost"] == 0
+    assert listener["state"] == "exact"

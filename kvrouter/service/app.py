@@ -57,6 +57,8 @@ from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes_array
 from ..routing.router import Selection
 from ..routing.slots import DEFAULT_EXPIRY_SECS
+from . import proxy
+from .affinity import Affinity
 from .config import ServiceConfig
 from .partition import Instance, Partition
 from .validation import (
@@ -218,6 +220,8 @@ class Service:
         self._ticks = 0
         self._session: ClientSession | None = None
         self._add_routes()
+        self.affinity = Affinity(config.session_affinity_ttl_secs)  # session affinity (affinity.py)
+        proxy.install(self)  # POST /v1/completions (proxy.py)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -465,6 +469,7 @@ class Service:
             elif selection_id in self._reservations:
                 raise ServiceError(409, f"selection_id {selection_id!r} is already reserved")
         explain = request.explain or request.fallbacks > 0
+        candidates = self.affinity.candidates(partition.name, request.session_id, candidates)  # affinity.py
         router = partition.router
         index: Any = partition.approx if partition.approx is not None else self.engine
         started = time.perf_counter()
@@ -486,6 +491,7 @@ class Service:
         except EngineError as exc:
             raise ServiceError(503, f"engine: {exc}") from exc
         elapsed = time.perf_counter() - started
+        self.affinity.bind(partition.name, request.session_id, selection.worker)  # affinity.py
         counters = self.counters
         counters.observe_decision(elapsed)
         counters.decisions += 1

@@ -55,6 +55,12 @@ class ServiceConfig:
     """The event plane's timers (``stale_after``, recovery timeout) for every registered worker."""
     decisions_ring: int = 1024
     events_ring: int = 1024
+    session_affinity_ttl_secs: float | None = None
+    """``--router-session-affinity-ttl-secs``: a session (``X-Dynamo-Session-ID``, ``session_id``) sticks
+    to its first worker for this long since its last request; None turns affinity off."""
+    tokenizer: str | None = None
+    """``--tokenizer``: a local ``tokenizer.json`` for text prompts of ``/v1/completions``; None takes
+    token-id prompts only."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -71,5 +77,9 @@ class ServiceConfig:
             raise ConfigError(f"ServiceConfig.drain_secs must be >= 0, got {self.drain_secs}")
         if not self.health_interval_secs > 0:
             raise ConfigError(f"ServiceConfig.health_interval_secs must be > 0, got {self.health_interval_secs}")
+        if self.session_affinity_ttl_secs is not None and not self.session_affinity_ttl_secs > 0:
+            raise ConfigError(
+                f"ServiceConfig.session_affinity_ttl_secs must be > 0, got {self.session_affinity_ttl_secs}"
+            )
         if self.decisions_ring < 1 or self.events_ring < 1:
             raise ConfigError("ServiceConfig.decisions_ring and events_ring must be >= 1")

@@ -7,6 +7,7 @@ from a literal and the precedence rules live in one place.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
@@ -23,7 +24,8 @@ class ServiceConfig:
 
     Raises:
         ConfigError: a port outside 0..65535, shards below 1, a block size below 1, an overload status
-            that is not 429 or 5xx, a body limit below 1 KiB, or a negative drain time.
+            that is not 429 or 5xx, a body limit below 1 KiB, a negative drain time, a session affinity
+            TTL not above 0, or a tokenizer path that names no file.
     """
 
     host: str = "127.0.0.1"
@@ -81,5 +83,7 @@ class ServiceConfig:
             raise ConfigError(
                 f"ServiceConfig.session_affinity_ttl_secs must be > 0, got {self.session_affinity_ttl_secs}"
             )
+        if self.tokenizer is not None and not os.path.isfile(self.tokenizer):
+            raise ConfigError(f"ServiceConfig.tokenizer: no such file {self.tokenizer!r}")
         if self.decisions_ring < 1 or self.events_ring < 1:
             raise ConfigError("ServiceConfig.decisions_ring and events_ring must be >= 1")

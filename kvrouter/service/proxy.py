@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import aiohttp
@@ -42,7 +41,7 @@ import numpy.typing as npt
 import orjson
 from aiohttp import web
 
-from ..errors import ConfigError, ServiceError
+from ..errors import ServiceError
 from .affinity import SESSION_HEADER
 from .validation import SelectRequest, parse_body, token_array
 
@@ -276,14 +275,7 @@ PROXY: Final = web.AppKey("kvrouter_proxy", CompletionsProxy)
 
 
 def install(service: Service) -> CompletionsProxy:
-    """Add ``POST /v1/completions`` to ``service.app``; the proxy's client session closes with the app.
-
-    Raises:
-        ConfigError: ``service.config.tokenizer`` names no file.
-    """
-    path = service.config.tokenizer
-    if path is not None and not os.path.isfile(path):
-        raise ConfigError(f"--tokenizer {path}: no such file")
+    """Add ``POST /v1/completions`` to ``service.app``; the proxy's client session closes with the app."""
     proxy = CompletionsProxy(service)
     service.app[PROXY] = proxy
     service.app.router.add_post(ROUTE, proxy.handle)

@@ -60,6 +60,7 @@ _WORKERS: Final = "Workers"
 _COST: Final = "Routing cost"
 _EVENTS: Final = "KV events"
 _OVERLOAD: Final = "Overload"
+_PROXY: Final = "Proxy and sessions (POST /v1/completions)"
 _DEMO: Final = "Embedded demo (no --workers)"
 _CONFIG: Final = "Configuration"
 
@@ -480,6 +481,29 @@ def up(
             rich_help_panel=_OVERLOAD,
         ),
     ] = 529,
+    # Proxy and sessions
+    router_session_affinity_ttl_secs: Annotated[
+        float | None,
+        typer.Option(
+            "--router-session-affinity-ttl-secs",
+            envvar="KVROUTER_ROUTER_SESSION_AFFINITY_TTL_SECS",
+            min=0.001,
+            help="\\[secs] A session (header X-Dynamo-Session-ID, or session_id in /select) sticks to its first "
+            "worker while that worker is schedulable, this long since its last request.",
+            show_default="off",
+            rich_help_panel=_PROXY,
+        ),
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            "--tokenizer",
+            envvar="KVROUTER_TOKENIZER",
+            help="A local tokenizer.json: /v1/completions then also takes text prompts (else token ids only).",
+            show_default="off",
+            rich_help_panel=_PROXY,
+        ),
+    ] = None,
     # Embedded demo
     mock_workers: Annotated[
         int | None,
@@ -576,6 +600,8 @@ def up(
         "overload_status": overload_status,
         "max_body_bytes": max_body_bytes,
         "drain_secs": drain_secs,
+        "session_affinity_ttl_secs": router_session_affinity_ttl_secs,
+        "tokenizer": tokenizer,
     }
     demo: dict[str, Any] = {
         "mock_workers": mocks,

@@ -57,7 +57,8 @@ from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes_array
 from ..routing.router import Router, Selection
 from ..routing.slots import DEFAULT_EXPIRY_SECS
-from . import fastpath, metrics
+from . import fastpath, metrics, proxy
+from .affinity import Affinity
 from .config import ServiceConfig
 from .fastpath import FastPath
 from .histogram import HIT_RATE_BUCKETS, Buckets
@@ -222,6 +223,8 @@ class Service:
         metrics.install(self)
         self.fastpath: FastPath | None = fastpath.install(self)
         """The ZMQ fast path on ``config.zmq_port`` (None when off), bound and closed with the HTTP socket."""
+        self.affinity = Affinity(config.session_affinity_ttl_secs)  # session affinity (affinity.py)
+        proxy.install(self)  # POST /v1/completions (proxy.py)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -505,6 +508,7 @@ class Service:
             elif selection_id in self._reservations:
                 raise ServiceError(409, f"selection_id {selection_id!r} is already reserved")
         explain = request.explain or request.fallbacks > 0
+        candidates = self.affinity.candidates(partition.name, request.session_id, candidates)  # affinity.py
         router = partition.router
         index: Any = partition.approx if partition.approx is not None else self.engine
         started = time.perf_counter()
@@ -527,6 +531,7 @@ class Service:
         except EngineError as exc:
             raise ServiceError(503, f"engine: {exc}") from exc
         elapsed = time.perf_counter() - started
+        self.affinity.bind(partition.name, request.session_id, selection.worker)  # affinity.py
         counters = self.counters
         counters.decision.observe(elapsed)
         counters.phases["decide"].observe(elapsed)

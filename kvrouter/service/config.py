@@ -7,6 +7,7 @@ from a literal and the precedence rules live in one place.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -27,7 +28,8 @@ class ServiceConfig:
 
     Raises:
         ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, a block size below 1, an overload status
-            that is not 429 or 5xx, a body limit below 1 KiB, or a negative drain time.
+            that is not 429 or 5xx, a body limit below 1 KiB, a negative drain time, a session affinity
+            TTL not above 0, or a tokenizer path that names no file.
     """
 
     host: str = "127.0.0.1"
@@ -62,6 +64,12 @@ class ServiceConfig:
     zmq_port: int | None = ZMQ_PORT_DEFAULT
     """The ZMQ fast path's port (``fastpath.py``): None turns it off, 0 picks a free port; by default
     ``port + 1``, or a free port when ``port`` is 0. Resolved in ``__post_init__``: never -1 after."""
+    session_affinity_ttl_secs: float | None = None
+    """``--router-session-affinity-ttl-secs``: a session (``X-Dynamo-Session-ID``, ``session_id``) sticks
+    to its first worker for this long since its last request; None turns affinity off."""
+    tokenizer: str | None = None
+    """``--tokenizer``: a local ``tokenizer.json`` for text prompts of ``/v1/completions``; None takes
+    token-id prompts only."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -78,6 +86,12 @@ class ServiceConfig:
             raise ConfigError(f"ServiceConfig.drain_secs must be >= 0, got {self.drain_secs}")
         if not self.health_interval_secs > 0:
             raise ConfigError(f"ServiceConfig.health_interval_secs must be > 0, got {self.health_interval_secs}")
+        if self.session_affinity_ttl_secs is not None and not self.session_affinity_ttl_secs > 0:
+            raise ConfigError(
+                f"ServiceConfig.session_affinity_ttl_secs must be > 0, got {self.session_affinity_ttl_secs}"
+            )
+        if self.tokenizer is not None and not os.path.isfile(self.tokenizer):
+            raise ConfigError(f"ServiceConfig.tokenizer: no such file {self.tokenizer!r}")
         if self.decisions_ring < 1 or self.events_ring < 1:
             raise ConfigError("ServiceConfig.decisions_ring and events_ring must be >= 1")
         if self.zmq_port == ZMQ_PORT_DEFAULT:

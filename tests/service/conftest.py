@@ -54,9 +54,9 @@ def http(
             return exc.code, json.loads(text) if text else None, dict(exc.headers)
 
 
-def start_mock(worker_id: int, err: Path) -> Worker:
+def start_mock(worker_id: int, err: Path, *, speedup: str = MOCK_SPEEDUP) -> Worker:
     command = [sys.executable, "-m", "kvrouter", "mock-worker", "--port", "0", "--worker-id", str(worker_id)]
-    command += ["--zmq-kv-events-port", "0", "--zmq-replay-port", "0", "--speedup-ratio", MOCK_SPEEDUP]
+    command += ["--zmq-kv-events-port", "0", "--zmq-replay-port", "0", "--speedup-ratio", speedup]
     command += ["--format", "vllm", "--block-size", str(BLOCK), "--num-gpu-blocks", "512"]
     with err.open("w") as stderr:
         proc = subprocess.Popen(

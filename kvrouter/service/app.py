@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import ipaddress
 import logging
@@ -64,6 +65,7 @@ from .fastpath import FastPath
 from .histogram import HIT_RATE_BUCKETS, Buckets
 from .partition import Instance, Partition
 from .validation import (
+    MAX_ID,
     Registration,
     SelectRequest,
     Unregistration,
@@ -78,6 +80,8 @@ __all__ = ["PHASES", "SelectResult", "Service", "ServiceCounters"]
 
 log = logging.getLogger(__name__)
 
+SESSION_HEADER: Final = "X-Dynamo-Session-ID"
+"""The reference's session header (``--router-session-affinity-ttl-secs``); a body's ``session_id`` wins."""
 PHASES: Final = ("parse", "hash", "decide", "serialise", "total")
 """Where a ``/select``'s time goes (``ServiceCounters.phases``): the body read, decoded and validated; the
 tokens hashed to blocks; the decision (``Router.select``: index walk, costs, choice); the answer built
@@ -1032,6 +1036,8 @@ class Service:
     async def _select_route(self, request: web.Request, *, reserve: bool) -> web.Response:
         started = time.perf_counter()
         select = parse_select(await self._body(request))
+        if select.session_id is None and (session := request.headers.get(SESSION_HEADER)):
+            select = dataclasses.replace(select, session_id=session[:MAX_ID])  # the reference's header
         phases = self.counters.phases
         phases["parse"].observe(time.perf_counter() - started)
         result = self.select(select, reserve=reserve)

@@ -37,11 +37,17 @@ TOKEN = "s3cret"
 
 
 def http(
-    url: str, method: str = "GET", body: object = None, *, token: str | None = TOKEN, raw: bytes | None = None
+    url: str,
+    method: str = "GET",
+    body: object = None,
+    *,
+    token: str | None = TOKEN,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, Any, dict[str, str]]:
     """One request; (status, parsed JSON body, headers), 4xx and 5xx included."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method)
+    request = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     request.add_header("Content-Type", "application/json")
     if token is not None:
         request.add_header("Authorization", f"Bearer {token}")

@@ -283,6 +283,10 @@ def test_a_session_sticks_to_its_first_worker_until_its_ttl_lapses(proxied: Runn
     assert choice(on_2, "chat-a") == "1:0"  # worker 2 holds this prompt, but the session stays
     selected = proxied.ok("POST", "/select", {"model_name": "m", "token_ids": also_2, "session_id": "chat-a"})
     assert selected["worker_id"] == 1  # /select reads the body's session_id
+    status, selected, _ = proxied.call(
+        "POST", "/select", {"model_name": "m", "token_ids": also_2}, headers={SESSION_HEADER: "chat-a"}
+    )
+    assert (status, selected["worker_id"]) == (200, 1)  # ... and the reference's header
     service = proxied.service
     wait_until(lambda: on_loop(service, lambda: service.affinity.worker("m:default", "chat-a")) is None, what="TTL")
     assert choice(also_2, "chat-a") == "2:0"  # lapsed: decided afresh, and bound to worker 2 now

@@ -57,7 +57,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -261,13 +261,15 @@ class Server:
     """The fast path's endpoint (kvrouter only)."""
 
 
-def wait_http(server: Server, path: str, timeout: float) -> None:
+def wait_http(
+    server: Server, path: str, timeout: float, done: Callable[[int, Any], bool] = lambda status, _: status == 200
+) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if server.process.poll() is not None:
             raise SystemExit(f"bench_service: {server.name} exited ({server.process.returncode}): {tail(server.log)}")
         with contextlib.suppress(OSError):
-            if call(server.url + path, timeout=1.0)[0] == 200:
+            if done(*call(server.url + path, timeout=1.0)):
                 return
         if time.monotonic() > deadline:
             raise SystemExit(
@@ -307,7 +309,15 @@ def start_kvrouter(folder: Path) -> Server:
             stderr=subprocess.STDOUT,
         )
     server = Server("kvrouter", f"http://127.0.0.1:{port}", process, log, f"tcp://127.0.0.1:{zmq_port}")
-    wait_http(server, "/health", START_TIMEOUT)
+    wait_http(server, "/health", START_TIMEOUT)  # listening; the index comes up after (kvrouter up's order)
+    wait_http(
+        server,
+        "/ready",
+        START_TIMEOUT,
+        lambda status, body: (
+            isinstance(body, dict) and "engine starting" not in body.get("reasons", ["engine starting"])
+        ),
+    )
     return server
 
 

@@ -190,7 +190,7 @@ class ForkServer:
         try:
             self._requests.send(request)
             reply: tuple[Any, ...] = self._requests.recv()
-        except (EOFError, OSError) as exc:
+        except (EOFError, OSError, TypeError) as exc:  # TypeError: closed by another thread mid-read
             raise EngineError(f"fork server {self.pid}: gone ({exc!r})") from exc
         return reply
 

@@ -481,6 +481,37 @@ def up(
             rich_help_panel=_OVERLOAD,
         ),
     ] = 529,
+    router_queue_threshold: Annotated[
+        int | None,
+        typer.Option(
+            "--router-queue-threshold",
+            envvar="KVROUTER_ROUTER_QUEUE_THRESHOLD",
+            min=1,
+            help="\\[requests] When every worker is busy, requests wait in the partition's queue instead of "
+            "getting --overload-status, at most this many (more still get it).",
+            show_default="off",
+            rich_help_panel=_OVERLOAD,
+        ),
+    ] = None,
+    router_queue_policy: Annotated[
+        str,
+        typer.Option(
+            "--router-queue-policy",
+            envvar="KVROUTER_ROUTER_QUEUE_POLICY",
+            help="Order of the queue: 'fcfs' (arrival) or 'wspt' (shortest prompt first).",
+            rich_help_panel=_OVERLOAD,
+        ),
+    ] = "fcfs",
+    router_queue_timeout_secs: Annotated[
+        float,
+        typer.Option(
+            "--router-queue-timeout-secs",
+            envvar="KVROUTER_ROUTER_QUEUE_TIMEOUT_SECS",
+            min=0.001,
+            help="\\[secs] A queued request still waiting after this gets --overload-status.",
+            rich_help_panel=_OVERLOAD,
+        ),
+    ] = 60.0,
     # Proxy and sessions
     router_session_affinity_ttl_secs: Annotated[
         float | None,
@@ -601,6 +632,9 @@ def up(
         "max_body_bytes": max_body_bytes,
         "drain_secs": drain_secs,
         "session_affinity_ttl_secs": router_session_affinity_ttl_secs,
+        "queue_threshold": router_queue_threshold,
+        "queue_policy": router_queue_policy,
+        "queue_timeout_secs": router_queue_timeout_secs,
         "tokenizer": tokenizer,
     }
     demo: dict[str, Any] = {

@@ -64,6 +64,7 @@ from .config import ServiceConfig
 from .fastpath import FastPath
 from .histogram import HIT_RATE_BUCKETS, Buckets
 from .partition import Instance, Partition
+from .queue import RouterQueue, client_gone
 from .validation import (
     MAX_ID,
     Registration,
@@ -229,6 +230,9 @@ class Service:
         """The ZMQ fast path on ``config.zmq_port`` (None when off), bound and closed with the HTTP socket."""
         self.affinity = Affinity(config.session_affinity_ttl_secs)  # session affinity (affinity.py)
         proxy.install(self)  # POST /v1/completions (proxy.py)
+        self.queue = RouterQueue(  # the router queue (queue.py)
+            self, threshold=config.queue_threshold, policy=config.queue_policy, timeout_secs=config.queue_timeout_secs
+        )
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -339,6 +343,7 @@ class Service:
                 on_ready(self.url)
             await self._stop_event.wait()
             self._stopping = True
+            self.queue.close()  # queue.py: waiters get 503
             self._event("stopping", inflight=self._inflight)
             deadline = time.monotonic() + config.drain_secs
             while self._inflight and time.monotonic() < deadline:
@@ -427,6 +432,7 @@ class Service:
         partition.instances[reg.instance_id] = updated
         self._owner[reg.instance_id] = key
         partition.rebuild()
+        self.queue.changed(partition)  # queue.py
         self._event(
             "registered",
             model_name=reg.model_name,
@@ -468,6 +474,7 @@ class Service:
                 del partition.instances[request.instance_id]
                 self._owner.pop(request.instance_id, None)
             partition.rebuild()
+            self.queue.changed(partition)  # queue.py
             self._event(
                 "unregistered", model_name=model, routing_group=group, worker_id=request.instance_id, dp_ranks=ranks
             )
@@ -576,6 +583,7 @@ class Service:
         if reservation is None:
             raise ServiceError(404, f"reservation {selection_id!r} not found")
         reservation.partition.slots.mark_prefill_completed(selection_id)
+        self.queue.changed(reservation.partition)  # queue.py
 
     def free(self, selection_id: str) -> None:
         """The reservation's request ended: take its load back.
@@ -587,6 +595,18 @@ class Service:
         if reservation is None:
             raise ServiceError(404, f"reservation {selection_id!r} not found")
         reservation.partition.slots.free(selection_id)
+        self.queue.changed(reservation.partition)  # queue.py
+
+    async def select_or_wait(
+        self, request: SelectRequest, *, reserve: bool, gone: Callable[[], bool] | None = None
+    ) -> SelectResult:
+        """:meth:`select`, or wait in the router queue (``queue.py``) when every worker is busy and
+        ``queue_threshold`` is set; ``gone()`` tells whether the client left meanwhile."""
+        return await self.queue.select(request, reserve=reserve, gone=gone)
+
+    def pending(self, model: str, group: str) -> tuple[int, int]:
+        """(pending_count, pending_isl_tokens) of the partition's router queue."""
+        return self.queue.pending(model, group)
 
     def reservations(self) -> int:
         """Reservations currently booked."""
@@ -671,6 +691,7 @@ class Service:
             del self._reservations[selection_id]
             reservation.partition.slots.free(selection_id)
             self.counters.expired_reservations += 1
+        self.queue.tick()  # queue.py: retry the waiters, drop those whose client left
 
     def _refresh_index(self) -> None:
         stats = self.engine.stats()
@@ -1040,7 +1061,7 @@ class Service:
             select = dataclasses.replace(select, session_id=session[:MAX_ID])  # the reference's header
         phases = self.counters.phases
         phases["parse"].observe(time.perf_counter() - started)
-        result = self.select(select, reserve=reserve)
+        result = await self.select_or_wait(select, reserve=reserve, gone=client_gone(request))  # queue.py
         serialising = time.perf_counter()
         response = self._with_index(self._select_json(result, select))
         if result.address is not None:
@@ -1075,7 +1096,7 @@ class Service:
 
     async def _h_loads(self, request: web.Request) -> web.Response:
         out = []
-        for partition in self.partitions.values():
+        for name, partition in self.partitions.items():
             slots = partition.slots
             loads = [
                 {
@@ -1089,13 +1110,14 @@ class Service:
                 }
                 for key in partition.worker_keys()
             ]
+            pending = self.pending(*name)  # queue.py
             out.append(
                 {
                     "model_name": partition.model_name,
                     "routing_group": partition.routing_group,
                     "loads": loads,
-                    "pending_count": 0,
-                    "pending_isl_tokens": 0,
+                    "pending_count": pending[0],
+                    "pending_isl_tokens": pending[1],
                 }
             )
         return _json(out, headers=self._index_headers)
@@ -1154,6 +1176,7 @@ class Service:
         except ConfigError as exc:
             raise ServiceError(400, str(exc)) from exc
         self._event("busy_threshold", **self._thresholds(partition))
+        self.queue.changed(partition)  # queue.py
         return _json(self._thresholds(partition))
 
     def _since(self, request: web.Request) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Literal
 
 from ..errors import ConfigError
 from ..plane.config import PlaneConfig
@@ -29,7 +29,8 @@ class ServiceConfig:
     Raises:
         ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, a block size below 1, an overload status
             that is not 429 or 5xx, a body limit below 1 KiB, a negative drain time, a session affinity
-            TTL not above 0, or a tokenizer path that names no file.
+            TTL not above 0, a tokenizer path that names no file, a queue threshold below 1, a queue policy
+            other than fcfs / wspt, or a queue timeout not above 0.
     """
 
     host: str = "127.0.0.1"
@@ -70,6 +71,13 @@ class ServiceConfig:
     tokenizer: str | None = None
     """``--tokenizer``: a local ``tokenizer.json`` for text prompts of ``/v1/completions``; None takes
     token-id prompts only."""
+    queue_threshold: int | None = None
+    """``--router-queue-threshold``: requests that find every worker of their partition busy wait in the
+    partition's queue (``queue.py``), at most this many; None refuses them at once (``overload_status``)."""
+    queue_policy: Literal["fcfs", "wspt"] = "fcfs"
+    """``--router-queue-policy``: the queue's order, arrival (``fcfs``) or shortest prompt (``wspt``)."""
+    queue_timeout_secs: float = 60.0
+    """How long a request waits in the queue before it is refused with ``overload_status``."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -92,6 +100,14 @@ class ServiceConfig:
             )
         if self.tokenizer is not None and not os.path.isfile(self.tokenizer):
             raise ConfigError(f"ServiceConfig.tokenizer: no such file {self.tokenizer!r}")
+        if self.queue_threshold is not None and (type(self.queue_threshold) is not int or self.queue_threshold < 1):
+            raise ConfigError(
+                f"ServiceConfig.queue_threshold must be an integer >= 1 or None, got {self.queue_threshold!r}"
+            )
+        if self.queue_policy not in ("fcfs", "wspt"):
+            raise ConfigError(f"ServiceConfig.queue_policy must be 'fcfs' or 'wspt', got {self.queue_policy!r}")
+        if not self.queue_timeout_secs > 0:
+            raise ConfigError(f"ServiceConfig.queue_timeout_secs must be > 0, got {self.queue_timeout_secs}")
         if self.decisions_ring < 1 or self.events_ring < 1:
             raise ConfigError("ServiceConfig.decisions_ring and events_ring must be >= 1")
         if self.zmq_port == ZMQ_PORT_DEFAULT:

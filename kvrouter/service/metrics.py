@@ -83,6 +83,8 @@ class PartitionLoad:
     """The partition's router's slot manager: active blocks, prefill tokens, requests per worker."""
     workers: Sequence[WorkerKey] = field(default_factory=tuple)
     """Its registered (worker_id, dp_rank) keys: each gets a load series even when idle."""
+    pending: int = 0
+    """Requests waiting in the partition's router queue (``queue.py``)."""
 
 
 def _key_labels(key: WorkerKey) -> list[str]:
@@ -244,8 +246,14 @@ class ServiceCollector(Collector):
         requests = GaugeMetricFamily(
             "kvrouter_worker_active_requests", "Requests routed to the worker and not freed", labels=labels
         )
+        pending = GaugeMetricFamily(
+            "kvrouter_router_queue_pending_requests",
+            "Requests waiting in the partition's router queue (--router-queue-threshold)",
+            labels=["model", "routing_group"],
+        )
         for partition in partitions:
             count.add_metric([partition.model, partition.routing_group], len(partition.workers))
+            pending.add_metric([partition.model, partition.routing_group], partition.pending)
             slots = partition.slots
             keys = dict.fromkeys(partition.workers)
             keys.update(dict.fromkeys(slots.workers()))
@@ -254,7 +262,7 @@ class ServiceCollector(Collector):
                 blocks.add_metric(values, slots.active_blocks(key))
                 prefill.add_metric(values, slots.active_prefill_tokens(key))
                 requests.add_metric(values, slots.active_requests(key))
-        yield from (count, blocks, prefill, requests)
+        yield from (count, blocks, prefill, requests, pending)
 
 
 def histogram(
@@ -315,6 +323,7 @@ class ServiceView(Protocol):
     def partitions(self) -> Mapping[tuple[str, str], PartitionView]: ...
     @property
     def counters(self) -> Counters: ...
+    def pending(self, model: str, group: str) -> tuple[int, int]: ...
 
 
 def front_families(counters: Counters) -> Iterator[Metric]:
@@ -384,7 +393,13 @@ def install(service: ServiceView) -> CollectorRegistry:
 
     def partitions() -> list[PartitionLoad]:
         return [
-            PartitionLoad(p.model_name, p.routing_group, p.slots, tuple(p.worker_keys()))
+            PartitionLoad(
+                p.model_name,
+                p.routing_group,
+                p.slots,
+                tuple(p.worker_keys()),
+                service.pending(p.model_name, p.routing_group)[0],
+            )
             for p in list(service.partitions.values())
         ]
 

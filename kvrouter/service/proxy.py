@@ -43,6 +43,7 @@ from aiohttp import web
 
 from ..errors import ServiceError
 from .affinity import SESSION_HEADER
+from .queue import client_gone
 from .validation import SelectRequest, parse_body, token_array
 
 if TYPE_CHECKING:
@@ -144,7 +145,7 @@ class CompletionsProxy:
             session_id=request.headers.get(SESSION_HEADER) or None,
         )
         for attempt in range(ATTEMPTS):
-            result = service.select(select, reserve=True)
+            result = await service.select_or_wait(select, reserve=True, gone=client_gone(request))  # queue.py
             selection_id = result.selection_id
             assert selection_id is not None
             try:

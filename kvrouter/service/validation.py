@@ -248,9 +248,13 @@ def parse_query(body: Mapping[str, Any], *, by_hash: bool) -> QueryRequest:
     )
 
 
-def parse_select(body: Mapping[str, Any]) -> SelectRequest:
-    tokens = hashes = None
-    if body.get("token_ids") is not None:
+def parse_select(body: Mapping[str, Any], *, tokens: npt.NDArray[np.uint32] | None = None) -> SelectRequest:
+    """``tokens``: the body's ``token_ids`` already parsed and checked (``fastparse``; the body then holds
+    ``[]`` in their place)."""
+    hashes = None
+    if tokens is not None:
+        pass
+    elif body.get("token_ids") is not None:
         tokens = token_array(body["token_ids"])
     elif body.get("block_hashes") is not None:
         hashes = hash_list(body["block_hashes"])

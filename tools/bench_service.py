@@ -599,6 +599,8 @@ def serve(port: int, shards: int, zmq_port: int | None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: service.stop())
     try:
+        if os.environ.get("BENCH_LOOP") == "asyncio":
+            raise ImportError
         import uvloop
 
         runner: Any = uvloop.run

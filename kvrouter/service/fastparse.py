@@ -110,34 +110,45 @@ def _value_end(buf: npt.NDArray[np.uint8], i: int) -> int:
 
 @_jit
 def _parse_array(buf: npt.NDArray[np.uint8], i: int, out: npt.NDArray[np.uint32]) -> tuple[int, int]:
-    """``buf[i]`` is ``[``: (count, index after ``]``) of an array of JSON integers in u32, or (-1, -1)."""
+    """``buf[i]`` is ``[``: (count, index after ``]``) of an array of JSON integers in u32, or (-1, -1).
+    All arithmetic is on int64 (ten digits fit), so numba emits no unsigned/float conversions."""
     n = buf.size
     count = 0
     i = _skip_ws(buf, i + 1)
     if i < n and buf[i] == 93:
         return 0, i + 1
     while i < n:
-        c = buf[i]
-        if c < 48 or c > 57:
+        d = np.int64(buf[i]) - 48
+        if d < 0 or d > 9:
             return -1, -1  # '-', a literal, a nested value, a string: not a plain u32
-        value = np.uint64(c - 48)
+        value = d
         i += 1
-        if c == 48:
-            if i < n and 48 <= buf[i] <= 57:
+        if d == 0:
+            if i < n and np.uint8(buf[i] - 48) <= 9:
                 return -1, -1  # leading zero: not JSON
         else:
-            digits = 1
-            while i < n and 48 <= buf[i] <= 57:
-                digits += 1
-                if digits > 10:
-                    return -1, -1
-                value = value * np.uint64(10) + np.uint64(buf[i] - 48)
+            end = min(n, i + 10)  # at most ten digits in all: stop reading at the eleventh
+            while i < end:
+                d = np.int64(buf[i]) - 48
+                if d < 0 or d > 9:
+                    break
+                value = value * 10 + d
                 i += 1
-            if value > np.uint64(4294967295):
+            if value > 4294967295 or (i < n and np.uint8(buf[i] - 48) <= 9):
                 return -1, -1
-        if i < n and (buf[i] == 46 or buf[i] == 101 or buf[i] == 69):
+        if i >= n:
+            return -1, -1
+        c = buf[i]
+        if c == 44:  # the common case: a comma right after the digits
+            out[count] = value
+            count += 1
+            i += 1
+            if i < n and (buf[i] == 32 or buf[i] == 10 or buf[i] == 13 or buf[i] == 9):
+                i = _skip_ws(buf, i)
+            continue
+        if c == 46 or c == 101 or c == 69:
             return -1, -1  # fraction or exponent: a float
-        out[count] = np.uint32(value)
+        out[count] = value
         count += 1
         i = _skip_ws(buf, i)
         if i >= n:

@@ -6,7 +6,7 @@ Setup, once per run. This process binds one XPUB socket per worker (16), standin
 KV-event PUB sockets. Two servers start, each in its own process: the reference's selection service
 (``python -m dynamo.select_service``, ai-dynamo-runtime, its default 4 threads) and kvrouter's
 ``Service`` (this file's ``_serve`` mode: ``Service(ServiceConfig(shards=1))`` with ``/metrics``
-installed, on uvloop when it is installed; the same object ``kvrouter up --mock-workers 0`` runs). Both
+installed, on asyncio's loop; the same object ``kvrouter up --mock-workers 0`` runs). Both
 get the same 16 workers (the reference through ``POST /workers`` with ``kv_events_endpoints``, kvrouter
 through ``POST /register``), both subscribe to the same sockets, and once every socket has read both
 subscriptions (XPUB_VERBOSE, so no frame is lost to the slow joiner) the same vLLM 0.33 map-encoded
@@ -29,7 +29,8 @@ the routing-overhead histogram's per-phase sums over the requests between give t
 is aiohttp and the event loop).
 
 The ZMQ fast path (``docs/zmq-fast-path.md``): the same prompts as ``{"op": "select", ...}`` msgpack
-bodies over DEALER sockets to the kvrouter server's ROUTER (``--zmq-port``), at concurrency 1 and 8
+bodies (token ids as msgpack bin of little-endian u32, ``--fastpath-tokens list`` for an array) over
+DEALER sockets to the kvrouter server's ROUTER (``--zmq-port``), at concurrency 1 and 8
 (``--fastpath-concurrency``: that many DEALER sockets, one request in flight each, as wrk's
 connections). The generator is Python (``_zmq_load`` mode, its own process, one thread, bodies packed
 before the clock starts, a reply checked for an error by a byte search, not unpacked); its CPU time over
@@ -440,11 +441,13 @@ def run_wrk(server: Server, script: Path, connections: int, seconds: float) -> d
     }
 
 
-def run_zmq(endpoint: str, bodies: Path, connections: int, seconds: float, server: Server | None) -> dict[str, Any]:
+def run_zmq(
+    endpoint: str, bodies: Path, connections: int, seconds: float, server: Server | None, tokens: str = "bin"
+) -> dict[str, Any]:
     """One fast-path point: the ``_zmq_load`` generator in its own process; its CPU time over the timed loop
     (``process_time``: its start-up, imports and packing excluded)."""
     command = [sys.executable, __file__, "_zmq_load", "--endpoint", endpoint, "--bodies", str(bodies)]
-    command += ["--connections", str(connections), "--seconds", str(seconds)]
+    command += ["--connections", str(connections), "--seconds", str(seconds), "--tokens", tokens]
     before = process_ticks(server.process.pid) if server is not None else 0
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = (text.decode() for text in process.communicate())
@@ -467,13 +470,19 @@ def run_zmq(endpoint: str, bodies: Path, connections: int, seconds: float, serve
     }
 
 
-def zmq_load(endpoint: str, bodies: Path, connections: int, seconds: float) -> int:
+def zmq_load(endpoint: str, bodies: Path, connections: int, seconds: float, tokens: str = "bin") -> int:
     """``_zmq_load``: ``connections`` DEALER sockets, one ``select`` in flight each, for ``seconds``; prints
     ``BENCH {json}`` (requests, seconds, p50/p99 µs, errors). Replies are not unpacked: an error reply is
-    found by its ``"error"`` key's bytes."""
+    found by its ``"error"`` key's bytes. ``tokens``: ``bin`` sends the token ids as msgpack bin of
+    little-endian u32 (the form ``docs/zmq-fast-path.md`` recommends), ``list`` as a msgpack array."""
     import msgpack
 
-    packed = [msgpack.packb({"op": "select", **json.loads(line)}) for line in bodies.read_text().splitlines()]
+    def pack(body: dict[str, Any]) -> bytes:
+        if tokens == "bin":
+            body["token_ids"] = b"".join(t.to_bytes(4, "little") for t in body["token_ids"])
+        return bytes(msgpack.packb({"op": "select", **body}))
+
+    packed = [pack(json.loads(line)) for line in bodies.read_text().splitlines()]
     context = zmq.Context()
     sockets = []
     poller = zmq.Poller()
@@ -598,16 +607,10 @@ def serve(port: int, shards: int, zmq_port: int | None) -> int:
     service.start()  # forks the appliers: before any loop or thread
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: service.stop())
-    try:
-        import uvloop
-
-        runner: Any = uvloop.run
-        loop_name = "uvloop"
-    except ImportError:
-        runner = asyncio.run
-        loop_name = "asyncio"
-    print(f"bench_service: kvrouter serving on port {port} ({loop_name}, {shards} shard)", flush=True)
-    runner(service.run())
+    # asyncio's own loop, as ``kvrouter up`` runs: uvloop measured no faster here (14:27 UTC 2026-11-30,
+    # concurrency 8, two alternated pairs: asyncio 4,765 and 4,430 req/s, uvloop 4,316 and 3,680).
+    print(f"bench_service: kvrouter serving on port {port} (asyncio, {shards} shard)", flush=True)
+    asyncio.run(service.run())
     return 0
 
 
@@ -667,7 +670,9 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                     if ours:
                         breakdown = phases(before, scrape(server))
                 if kvrouter is not None and kvrouter.zmq is not None and connections in args.fastpath_concurrency:
-                    fast[connections] = run_zmq(kvrouter.zmq, bodies, connections, args.seconds, kvrouter)
+                    fast[connections] = run_zmq(
+                        kvrouter.zmq, bodies, connections, args.seconds, kvrouter, args.fastpath_tokens
+                    )
     finally:
         publishers.close()
     ours, theirs = (points.get(side, {}).get(RATIO_CONCURRENCY) for side in ("kvrouter", "reference"))
@@ -682,6 +687,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         "fastpath": {
             "points": {str(c): p for c, p in fast.items()},
             "generator": "python DEALER sockets (tools/bench_service.py _zmq_load), one process, one thread",
+            "tokens": args.fastpath_tokens,
             "generator_ceiling": ceiling,
         }
         if fast
@@ -744,8 +750,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         loading.add_argument("--bodies", type=Path, required=True)
         loading.add_argument("--connections", type=int, required=True)
         loading.add_argument("--seconds", type=float, required=True)
+        loading.add_argument("--tokens", choices=("bin", "list"), default="bin")
         options = loading.parse_args(argv[1:])
-        return zmq_load(options.endpoint, options.bodies, options.connections, options.seconds)
+        return zmq_load(options.endpoint, options.bodies, options.connections, options.seconds, options.tokens)
     if argv[:1] == ["_zmq_echo"]:
         echoing = argparse.ArgumentParser(prog="bench_service.py _zmq_echo")
         echoing.add_argument("--port", type=int, required=True)
@@ -760,6 +767,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="*",
         default=list(FASTPATH_CONCURRENCY),
         help="DEALER sockets per ZMQ fast-path point (none: skip the fast path)",
+    )
+    parser.add_argument(
+        "--fastpath-tokens",
+        choices=("bin", "list"),
+        default="bin",
+        help="fast-path token ids as msgpack bin of little-endian u32, or as a msgpack array",
     )
     parser.add_argument("--bodies", type=int, default=BODIES, help="distinct prompts cycled")
     parser.add_argument("--seed", type=int, default=42)

@@ -163,7 +163,14 @@ def _http_endpoint(body: Mapping[str, Any]) -> str | None:
 
 
 def token_array(value: Any, name: str = "token_ids") -> npt.NDArray[np.uint32]:
-    """A JSON list of token ids as a ``uint32`` array, each checked to be an integer in u32."""
+    """A JSON list of token ids as a ``uint32`` array, each checked to be an integer in u32; or (the ZMQ
+    fast path's msgpack ``bin``) their little-endian u32 bytes, read with no list at all."""
+    if isinstance(value, bytes):
+        if len(value) % 4:
+            raise ServiceError(
+                400, f"{name}: expected little-endian u32 bytes, got {len(value)} bytes (not a multiple of 4)"
+            )
+        return np.frombuffer(value, dtype="<u4").astype(np.uint32)  # a writable native copy, 1 µs for 4 KB
     if not isinstance(value, list):
         raise ServiceError(400, f"{name}: expected a list of integers, got {type(value).__name__}")
     if not value:
@@ -248,9 +255,13 @@ def parse_query(body: Mapping[str, Any], *, by_hash: bool) -> QueryRequest:
     )
 
 
-def parse_select(body: Mapping[str, Any]) -> SelectRequest:
-    tokens = hashes = None
-    if body.get("token_ids") is not None:
+def parse_select(body: Mapping[str, Any], *, tokens: npt.NDArray[np.uint32] | None = None) -> SelectRequest:
+    """``tokens``: the body's ``token_ids`` already parsed and checked (``fastparse``; the body then holds
+    ``[]`` in their place)."""
+    hashes = None
+    if tokens is not None:
+        pass
+    elif body.get("token_ids") is not None:
         tokens = token_array(body["token_ids"])
     elif body.get("block_hashes") is not None:
         hashes = hash_list(body["block_hashes"])

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 
@@ -173,10 +174,19 @@ def test_select_and_query_over_dealer_agree_with_http(fast: FastRunning, client:
     hashes = {"model_name": MODEL, "block_hashes": block_hashes(warm, BLOCK)}
     _, by_http, _ = fast.call("POST", "/select", hashes)
     assert without_index(client.call({"op": "select", **hashes})) == without_index(by_http)
+    # token ids as msgpack bin of little-endian u32: the same answer as the list
+    packed = {**request, "token_ids": np.array(request["token_ids"], dtype="<u4").tobytes()}
+    _, by_http, _ = fast.call("POST", "/select", request)
+    assert without_index(client.call({"op": "select", **packed})) == without_index(by_http)
 
-    for op, body in (("query", {"token_ids": warm}), ("query_by_hash", {"block_hashes": block_hashes(warm, BLOCK)})):
+    bin_warm = np.array(warm, dtype="<u4").tobytes()
+    for op, body, zmq_body in (
+        ("query", {"token_ids": warm}, {"token_ids": warm}),
+        ("query", {"token_ids": warm}, {"token_ids": bin_warm}),  # msgpack bin of little-endian u32
+        ("query_by_hash", {"block_hashes": block_hashes(warm, BLOCK)}, {"block_hashes": block_hashes(warm, BLOCK)}),
+    ):
         _, by_http, _ = fast.call("POST", f"/{op}", {"model_name": MODEL, **body})
-        by_zmq = client.call({"op": op, "model_name": MODEL, **body})
+        by_zmq = client.call({"op": op, "model_name": MODEL, **zmq_body})
         assert without_index(by_zmq) == without_index(by_http)
         assert by_zmq["instances"]["2"]["gpu"] == 4 * BLOCK
 
@@ -259,6 +269,7 @@ def test_malformed_messages_get_errors_and_the_socket_keeps_serving(fast: FastRu
         ({**good, "token_ids": "abc"}, 400),
         ({**good, "token_ids": [1, -1]}, 400),
         ({**good, "token_ids": [1 << 32]}, 400),
+        ({**good, "token_ids": b"\x01\x00\x00"}, 400),  # bin: not a multiple of 4 bytes
         ({**good, "fallbacks": "x"}, 400),
         ({**good, "model_name": "nope"}, 404),
         ({"op": "free", "token": TOKEN, "selection_id": 5}, 400),

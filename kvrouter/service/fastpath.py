@@ -49,6 +49,7 @@ import zmq
 import zmq.asyncio
 
 from ..errors import KvRouterError, ServiceError
+from .answers import select_json
 from .validation import parse_query, parse_select
 
 if TYPE_CHECKING:
@@ -287,7 +288,7 @@ class FastPath:
         service = self.service
         request = parse_select(body)
         result = service.select(request, reserve=reserve)
-        answer = service._select_json(result, request)
+        answer = select_json(result, request)
         answer["index"] = service._index
         return answer
 

@@ -284,7 +284,7 @@ def exposition(registry: CollectorRegistry) -> bytes:
 
 
 class Counters(Protocol):
-    """What the collector reads of ``Service.counters`` (``app.ServiceCounters``)."""
+    """What the collector reads of ``Service.counters`` (``counters.ServiceCounters``)."""
 
     decisions: int
     reservations: int

@@ -1,0 +1,187 @@
+"""``Health``: the service's view of its index and workers, refreshed off the request path.
+
+Every ``health_interval_secs`` the health loop reads shard status and each worker's stream (stale,
+gaps, restarts) from the control segment, and every ``PROBE_EVERY`` ticks it GETs each worker's
+``http_endpoint``. A change rebuilds the partition's candidate tuple, lands in the events ring
+(``GET /events``) and in the cached index summary (``Service._index``, ``_index_headers``) that every
+JSON answer carries, so ``/select`` never reads the control segment itself. The same tick expires
+reservations older than the slot expiry and retries the router queue's waiters: one periodic task
+for all the service's housekeeping, not one per concern.
+
+A worker whose events went stale is skipped only while it has requests booked: engines publish only
+when their cache changes, so an idle worker is quiet, and skipping every quiet worker would starve it
+for ever (it could never receive the request that would make it speak again). Booked requests and
+silence together mean its stream is broken. A worker whose ``http_endpoint`` stops answering is skipped
+until it answers again.
+
+The summary and the streams stay on the service (the HTTP and ZMQ fronts read them there); this
+module holds what only health needs: the last shard status, the tick count and the probe session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+from aiohttp import ClientSession, ClientTimeout
+
+from ..errors import EngineError
+from ..events.model import WorkerKey
+from ..routing.slots import DEFAULT_EXPIRY_SECS
+
+if TYPE_CHECKING:
+    from .app import Service
+    from .partition import Instance
+
+__all__ = ["PROBE_EVERY", "PROBE_TIMEOUT_S", "Health"]
+
+log = logging.getLogger(__name__)
+
+PROBE_EVERY: Final = 4
+"""``http_endpoint`` probes run every this many health ticks."""
+PROBE_TIMEOUT_S: Final = 1.0
+
+
+class Health:
+    """The health loop of one :class:`~kvrouter.service.app.Service`, and ``/ready``'s answer."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.session: ClientSession | None = None
+        """The probes' HTTP session: opened by :meth:`open` when the service listens, closed by :meth:`close`."""
+        self._shard_status: dict[int, str] = {}
+        self._shard_restarts: dict[int, int] = {}
+        self._ticks = 0
+
+    def open(self) -> None:
+        self.session = ClientSession(timeout=ClientTimeout(total=PROBE_TIMEOUT_S))
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.service.config.health_interval_secs)
+            try:
+                self.tick()
+                self._ticks += 1
+                if self._ticks % PROBE_EVERY == 0:
+                    await self.probe()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must survive anything; log with the traceback
+                log.exception("health tick failed")
+
+    def tick(self) -> None:
+        """Shard status, stream health and gaps, candidate tuples, index summary, reservation expiry."""
+        if not self.service._started or self.service._stopping:
+            return
+        self.refresh_index()
+        streams = self.service.engine.workers() if self.service.config.router.use_kv_events else {}
+        for key, stats in streams.items():
+            before = self.service._streams.get(key)
+            if before is not None:
+                for name in ("gaps_detected", "gaps_recovered", "gaps_lost", "restarts"):
+                    grown = getattr(stats, name) - getattr(before, name)
+                    if grown > 0:
+                        self.service._event(name, worker_id=key[0], dp_rank=key[1], count=grown, state=stats.state)
+            self.service._streams[key] = stats
+        for partition in self.service.partitions.values():
+            unhealthy: dict[WorkerKey, str] = {}
+            for instance in partition.instances.values():
+                for rank in instance.ranks:
+                    key = (instance.instance_id, rank)
+                    row = streams.get(key)
+                    if not instance.http_ok:
+                        unhealthy[key] = "http_endpoint down"
+                    elif row is not None and row.stale and partition.slots.active_requests(key) > 0:
+                        unhealthy[key] = "events stale"
+            if unhealthy != partition.unhealthy:
+                for key in unhealthy.keys() - partition.unhealthy.keys():
+                    self.service._event("skipped", worker_id=key[0], dp_rank=key[1], reason=unhealthy[key])
+                for key in partition.unhealthy.keys() - unhealthy.keys():
+                    self.service._event("recovered", worker_id=key[0], dp_rank=key[1])
+                partition.unhealthy = unhealthy
+                partition.rebuild()
+        expiry = time.monotonic() - DEFAULT_EXPIRY_SECS
+        for selection_id, reservation in list(self.service._reservations.items()):
+            if reservation.at > expiry:
+                break
+            del self.service._reservations[selection_id]
+            reservation.partition.slots.free(selection_id)
+            self.service.counters.expired_reservations += 1
+        self.service.queue.tick()  # queue.py: retry the waiters, drop those whose client left
+
+    def refresh_index(self) -> None:
+        stats = self.service.engine.stats()
+        for shard in stats:
+            if self._shard_status.get(shard.shard) != shard.status:
+                if shard.shard in self._shard_status:
+                    self.service._event("shard", shard=shard.shard, status=shard.status, restarts=shard.restarts)
+                self._shard_status[shard.shard] = shard.status
+            self._shard_restarts[shard.shard] = shard.restarts
+        last = max((s.last_event_ns for s in stats), default=0)
+        self.service._index = {
+            "epoch": sum(s.epoch for s in stats),
+            "events_applied": sum(s.events_applied for s in stats),
+            "last_event_age_ms": round((time.time_ns() - last) / 1e6, 1) if last else None,
+            "recovering": sum(s.status == "recovering" for s in stats),
+        }
+        self.service._index_headers = {
+            "X-Kvrouter-Index-Epoch": str(self.service._index["epoch"]),
+            "X-Kvrouter-Index-Events": str(self.service._index["events_applied"]),
+            "X-Kvrouter-Index-Age-Ms": str(self.service._index["last_event_age_ms"]),
+        }
+
+    async def probe(self) -> None:
+        """GET ``{http_endpoint}/health`` of every instance that has one; a failure marks it down."""
+        session = self.session
+        if session is None:
+            return
+        instances = [i for p in self.service.partitions.values() for i in p.instances.values() if i.http_endpoint]
+
+        async def probe(instance: Instance) -> None:
+            ok = False
+            with contextlib.suppress(Exception):
+                async with session.get(f"{instance.http_endpoint}/health") as response:
+                    ok = response.status < 500
+            instance.http_ok = ok
+
+        await asyncio.gather(*(probe(i) for i in instances))
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        """``GET /ready``'s answer: ready only with every shard up, nothing recovering, a schedulable
+        worker, and not stopping."""
+        reasons: list[str] = []
+        shards: dict[str, str] = {}
+        if self.service._stopping:
+            reasons.append("stopping")
+        if not self.service._started:
+            reasons.append("engine starting")
+        else:
+            try:
+                for shard in self.service.engine.stats():
+                    shards[str(shard.shard)] = shard.status
+                    if shard.status != "up":
+                        reasons.append(f"shard {shard.shard} {shard.status}")
+            except EngineError as exc:
+                reasons.append(f"engine: {exc}")
+        workers = [
+            {"model_name": p.model_name, "routing_group": p.routing_group, "worker_id": k[0], "dp_rank": k[1]}
+            for p in self.service.partitions.values()
+            for k in p.candidates
+        ]
+        if not workers:
+            reasons.append("no schedulable worker")
+        ok = not reasons
+        return ok, {
+            "ready": ok,
+            "schedulable_workers": len(workers),
+            "workers": workers,
+            "reasons": reasons,
+            "shards": shards,
+        }

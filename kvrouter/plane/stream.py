@@ -97,6 +97,15 @@ class Unit(NamedTuple):
     skipped_events: int = 0
 
 
+TAIL_CHECK_S: Final = 2.0
+"""A vLLM / SGLang stream quiet this long after a batch asks the replay socket once for anything past its
+cursor. A gap shows only when a later batch arrives: the last batches before a silence (dropped at a full
+high-water mark, or published while a joining SUB was still connecting, after the join's replay had
+answered) would otherwise stay missing for as long as the engine stays silent. One replay round trip
+per quiet period and worker; the local indexers of kvrouter workers answer the same question only with a
+full dump, so they are not asked."""
+
+
 @dataclass(slots=True)
 class _Recovery:
     """One recovery in flight."""
@@ -109,6 +118,8 @@ class _Recovery:
     deadline: float
     missing: str | None = None
     """Why some missing id did not come back (None: all did, so far)."""
+    tail: bool = False
+    """A quiet-tail check (``TAIL_CHECK_S``): anything it brings back was lost on the wire, a gap."""
 
 
 def _decoder(spec: WorkerSpec) -> Callable[[bytes, int], RawBatch]:
@@ -151,6 +162,8 @@ class Stream:
         self._recovery: _Recovery | None = None
         self._buffer: dict[int, Unit] = {}
         self._retry_at: float | None = None
+        self._tail_at: float | None = None
+        """When to ask the replay socket for what came after the cursor (``TAIL_CHECK_S``); None: not due."""
         self._events_seen = 0
         if writer.register(self.key) < 0:
             raise BadEvent(f"{self._where}: no free worker row in shard {writer.shard}")
@@ -269,8 +282,14 @@ class Stream:
             if self.cursor is None and expected == 0:
                 self._exact = True  # the whole history, from the first message on
             self._apply(unit)
+            self._quiet_check(now)
             return
         self._gap(expected, unit, now, can_recover=can_recover)
+
+    def _quiet_check(self, now: float) -> None:
+        """Ask again for what follows the cursor once the stream has been quiet (``TAIL_CHECK_S``)."""
+        if self._recovery_endpoint is not None and self.spec.format != "kvrouter":
+            self._tail_at = now + TAIL_CHECK_S
 
     def _restarted(self, why: str) -> None:
         """The engine restarted: what it held is gone; its next ids start a fresh history."""
@@ -326,10 +345,11 @@ class Stream:
             return
         self._start(None if self.spec.format == "kvrouter" else 0, now, gap=False)
 
-    def _start(self, start: int | None, now: float, *, gap: bool) -> None:
+    def _start(self, start: int | None, now: float, *, gap: bool, tail: bool = False) -> None:
         """Open a client and ask for everything from ``start`` (None: a full dump)."""
         assert self._recovery_endpoint is not None
         self._retry_at = None
+        self._tail_at = None
         client: RecoveryClient
         if self.spec.format == "kvrouter":
             client = QueryClient(self._context, self._recovery_endpoint, self._config.max_message_bytes)
@@ -337,7 +357,7 @@ class Stream:
         else:
             client = ReplayClient(self._context, self._recovery_endpoint, self._config.max_message_bytes)
             client.request(start or 0)
-        self._recovery = _Recovery(client, start, gap, now + self._config.recovery_timeout)
+        self._recovery = _Recovery(client, start, gap, now + self._config.recovery_timeout, tail=tail)
         self._watch(client.socket, self)
         self._set_state(WORKER_RESTORING)
         log.info("recovery started %s from=%s endpoint=%s", self._where, start, self._recovery_endpoint)
@@ -385,6 +405,9 @@ class Stream:
         expected = self._expected()
         if unit.last < expected:
             return  # applied already: a live unit got here first
+        if recovery.tail and not recovery.gap:  # a batch the SUB never saw, and nothing after it told us
+            self._bump(W_GAPS_DETECTED)
+            recovery.gap = True
         if unit.first > expected:
             if not recovery.gap:  # a join after the engine's buffer forgot its beginning
                 self._bump(W_GAPS_DETECTED)
@@ -445,6 +468,8 @@ class Stream:
         self.joining = False
         if why is not None and self.spec.format == "kvrouter":
             self._retry_at = now + self._config.restore_retry
+        if why is None and not recovery.tail:
+            self._quiet_check(now)  # a join's SUB may still have been connecting when its replay answered
         self._drain(now, can_recover=why is None, accounted=recovery.gap and missing is not None)
 
     def _close_client(self, recovery: _Recovery) -> None:
@@ -476,6 +501,8 @@ class Stream:
             self._finish(now, why=f"{recovery.client.endpoint} did not answer within {self._config.recovery_timeout}s")
         elif recovery is None and self._retry_at is not None and now >= self._retry_at:
             self._start(None, now, gap=False)
+        elif recovery is None and self._tail_at is not None and now >= self._tail_at:
+            self._start(self._expected(), now, gap=False, tail=True)
         quiet = (wall_ns - self._words[W_LAST_EVENT_NS]) / 1e9
         if not self._words[W_STALE] and quiet > self._config.stale_after:
             self._words[W_STALE] = 1

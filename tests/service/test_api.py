@@ -285,3 +285,24 @@ def test_dropped_batches_are_replayed_and_query_ends_equal_to_the_engine(running
     assert listener["gaps_detected"] >= 1
     assert listener["gaps_lost"] == 0
     assert listener["state"] == "exact"
+
+
+def test_a_last_batch_lost_on_the_wire_is_fetched_once_the_stream_goes_quiet(running: Running, wait_until):
+    """The one batch of a completion is dropped on the wire and the engine then stays silent: no later
+    batch reveals the gap, so only the quiet-tail check (``plane/stream.py`` ``TAIL_CHECK_S``) can bring it
+    back from the replay socket. ``/query`` ends equal to the engine's cache, the gap counted recovered."""
+    worker = running.workers[1]
+
+    def listener() -> dict[str, Any]:
+        rows = running.call("GET", f"/workers?model_name={MODEL}")[1]
+        (row,) = [w for w in rows if w["instance_id"] == 2]
+        return dict(row["listeners"]["0"])
+
+    before = listener()
+    assert worker.call("POST", "/faults", {"drop_batches": 1})[0] == 200
+    worker.complete(prompt(900, blocks=3, tail=0), max_tokens=1)
+    wait_until(lambda: query_matches_cache(running, worker), what="the dropped last batch fetched after the quiet")
+    wait_until(lambda: listener()["gaps_recovered"] > before["gaps_recovered"], what="the gap counted recovered")
+    after = listener()
+    assert after["gaps_detected"] == before["gaps_detected"] + 1
+    assert after["gaps_lost"] == before["gaps_lost"]

@@ -780,6 +780,6 @@ def _banner_without_demo(url: str, config: ServiceConfig) -> str:
         f"kvrouter up: model {config.model_name!r}, workers {workers}, {config.shards} shards\n"
         f"  curl -s {url}/health\n"
         f"  curl -s {url}/workers\n"
-        f"  kvrouter top --url {url}\n"
+        f"  curl -s {url}/metrics\n"
         "Ctrl-C stops it."
     )

@@ -331,7 +331,7 @@ class Embedded:
             f"  curl -s {url}/workers",
             f"  curl -s {url}/loads",
             f"  curl -s {url}/select -d '{select}'",
-            f"  kvrouter top --url {url}",
+            f"  curl -s '{url}/decisions?since=0'   # the last decisions, each candidate's cost terms",
             "Status every few seconds: decisions/s, hit rate (router-predicted / engine-reported), active blocks per "
             "worker. Ctrl-C stops everything.",
         ])  # fmt: skip

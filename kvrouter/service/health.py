@@ -53,7 +53,6 @@ class Health:
         self.session: ClientSession | None = None
         """The probes' HTTP session: opened by :meth:`open` when the service listens, closed by :meth:`close`."""
         self._shard_status: dict[int, str] = {}
-        self._shard_restarts: dict[int, int] = {}
         self._ticks = 0
 
     def open(self) -> None:
@@ -123,7 +122,6 @@ class Health:
                 if shard.shard in self._shard_status:
                     self.service._event("shard", shard=shard.shard, status=shard.status, restarts=shard.restarts)
                 self._shard_status[shard.shard] = shard.status
-            self._shard_restarts[shard.shard] = shard.restarts
         last = max((s.last_event_ns for s in stats), default=0)
         self.service._index = {
             "epoch": sum(s.epoch for s in stats),

@@ -187,7 +187,7 @@ def test_up_without_a_demo_serves_and_stops_on_sigint(start_up, shm_entries):
     up = start_up("--mock-workers", "0", "--shards", "1")
     url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
     assert get(url + "/health")[0] == 200
-    up.expect(re.compile(r"kvrouter top --url"), START_TIMEOUT_S)
+    up.expect(re.compile(r"curl -s http://\S+/metrics"), START_TIMEOUT_S)  # the banner
     assert not any("mock engines" in line for line in up.seen)
     stop_and_check(up, signal.SIGINT, shm_entries)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +24,7 @@ _SEED: Final = np.uint64(XXH3_SEED)
 """The chain's seed as the kernel takes it, built once (``np.uint64()`` costs 0.17 µs a call)."""
 
 LocalHashes = Sequence[int] | npt.NDArray[np.integer[Any]]
+_U64: Final = np.dtype(np.uint64)
 
 _WORD: Final = "L" if array("L").itemsize == 8 else "Q"
 """The ``array`` type code a list of hashes is converted through: ``L`` (C ``unsigned long``, 64 bits on
@@ -38,6 +39,13 @@ def local_hash_array(local_hashes: LocalHashes) -> npt.NDArray[np.uint64]:
     Raises:
         InvalidHashInput: as ``sequence_hashes``.
     """
+    if (  # hot path: what the router and the readers pass, taken as it is (0.2 against 0.8 µs)
+        type(local_hashes) is np.ndarray
+        and local_hashes.dtype is _U64
+        and local_hashes.ndim == 1
+        and local_hashes.flags.c_contiguous
+    ):
+        return cast("npt.NDArray[np.uint64]", local_hashes)  # a string: the subscript costs µs at run time
     if isinstance(local_hashes, np.ndarray):
         if local_hashes.ndim != 1 or local_hashes.dtype.kind not in "iu":
             raise InvalidHashInput(

@@ -210,15 +210,13 @@ class Router:
             if self._overlaps.shape[1] != len(numbering):
                 self._overlaps = np.zeros((NTIERS, len(numbering)), dtype=np.int64)
             overlaps = self._overlaps
-            (_, head, skip, count), mended = fused(
+            (_, head, skip, count), again = fused(
                 kernels.decide_on_shards, local, numbering, NTIERS, overlaps, isl, age, *state, out, self._ties
-            )
-            if mended:  # a shard answered late: decide again on the whole answer
-                head, skip, count = kernels.decide(
-                    local, isl, age, state[0], candidates, overlaps, *state[2:], out, self._ties
-                )
+            )  # again: a shard answered late, so decide on the whole, mended answer
         else:
             overlaps = self._overlaps_of(index, local, slots.numbering)
+            again = True
+        if again:
             head, skip, count = kernels.decide(
                 local, isl, age, state[0], candidates, overlaps, *state[2:], out, self._ties
             )

@@ -10,6 +10,7 @@ own prompts, selection ids and partitions). Tearing the service down asserts the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -133,20 +134,18 @@ def serve(service: Service) -> tuple[threading.Thread, str]:
     return thread, url
 
 
-@pytest.fixture(scope="module")
-def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    config = ServiceConfig(
-        port=0, shards=1, auth_token=TOKEN, health_interval_secs=0.1, drain_secs=2.0, router=RouterConfig()
-    )
+@contextlib.contextmanager
+def serving(config: ServiceConfig, folder: Path, run_type: type[Running] = Running) -> Iterator[Running]:
+    """A service on ``config`` with two vLLM-format mock engines (replay sockets) registered in ``MODEL``;
+    on leaving, the service stops, the mocks exit 0 and this process leaves nothing in ``/dev/shm``."""
     service = Service(config)
     service.start()  # forks the applier: before the service thread
     workers: list[Worker] = []
     thread: threading.Thread | None = None
     try:
-        tmp = tmp_path_factory.mktemp("service")
-        workers = [start_mock(wid, tmp / f"worker{wid}.err") for wid in (1, 2)]
+        workers = [start_mock(wid, folder / f"worker{wid}.err") for wid in (1, 2)]
         thread, url = serve(service)
-        run = Running(service, url, workers)
+        run = run_type(service, url, workers)
         for wid, worker in zip((1, 2), workers, strict=True):
             run.ok(
                 "POST",
@@ -172,3 +171,12 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         assert codes == [0] * len(workers)
     leftovers = sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{os.getpid()}-"))
     assert leftovers == [], leftovers
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    config = ServiceConfig(
+        port=0, shards=1, auth_token=TOKEN, health_interval_secs=0.1, drain_secs=2.0, router=RouterConfig()
+    )
+    with serving(config, tmp_path_factory.mktemp("service")) as run:
+        yield run

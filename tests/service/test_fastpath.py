@@ -9,9 +9,7 @@ checks the shutdown: the fast path's socket is closed with the service, ``/dev/s
 
 from __future__ import annotations
 
-import os
 import random
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +22,7 @@ from kvrouter.hashing import block_hashes
 from kvrouter.routing.config import RouterConfig
 from kvrouter.service import Service, ServiceConfig
 from kvrouter.service.fastpath import FRAME_SLACK, MAGIC, FastPath
-from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, serve, start_mock, stop_mock
+from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, serving
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,48 +83,21 @@ def fast(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastRunning]:
         max_body_bytes=LIMIT,
     )
     assert config.zmq_port == 0  # port 0: the fast path on a free port too
-    service = Service(config)
-    fastpath = service.fastpath  # installed by the service, bound and closed with its HTTP socket
-    assert fastpath is not None
-    service.start()  # forks the applier: before the service thread
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    workers = []
-    thread: threading.Thread | None = None
+    fastpath: FastPath | None = None
     try:
-        tmp = tmp_path_factory.mktemp("fastpath")
-        workers = [start_mock(wid, tmp / f"worker{wid}.err") for wid in (1, 2)]
-        thread, url = serve(service)
-        run = FastRunning(service, url, workers)
-        run.fastpath, run.context = fastpath, context
-        assert fastpath.endpoint.startswith("tcp://127.0.0.1:")
-        for wid, worker in zip((1, 2), workers, strict=True):
-            run.ok(
-                "POST",
-                "/register",
-                {
-                    "instance_id": wid,
-                    "endpoint": worker.events[0],
-                    "replay_endpoint": worker.replay[0],
-                    "model_name": MODEL,
-                    "block_size": BLOCK,
-                    "http_endpoint": worker.http,
-                },
-            )
-        yield run
+        with serving(config, tmp_path_factory.mktemp("fastpath"), FastRunning) as run:
+            assert isinstance(run, FastRunning)
+            fastpath = run.service.fastpath  # installed by the service, bound and closed with its HTTP socket
+            assert fastpath is not None
+            run.fastpath, run.context = fastpath, context
+            assert fastpath.endpoint.startswith("tcp://127.0.0.1:")
+            yield run
     finally:
-        service.stop()
-        if thread is not None:
-            thread.join(30)
-            assert not thread.is_alive(), "the service did not stop"
-        else:
-            service.engine.close()
         context.destroy(linger=0)
-        codes = [stop_mock(worker) for worker in workers]
-        assert codes == [0] * len(workers)
+    assert fastpath is not None
     assert fastpath._socket is None
     assert fastpath._context is None
-    leftovers = sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{os.getpid()}-"))
-    assert leftovers == [], leftovers
 
 
 @pytest.fixture

@@ -5,42 +5,21 @@ claims are the tool's ratios from one run, not test conditions)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.tools.runner import left_behind, run_tool
+
 pytest.importorskip("dynamo._core", reason="the reference runtime comes with the anchors extra")
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_index.py"
+TOOL = "bench_index.py"
 RATIOS = {"find_matches_64", "find_matches_512", "apply", "two_readers_scaling"}
 
 
-def run_tool(*args: str, out: Path) -> tuple[int, str, int]:
-    """The tool's exit code, its stdout, and its pid (the engines' segment names carry it)."""
-    process = subprocess.Popen(
-        [sys.executable, str(TOOL), *args, "--json", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    stdout, stderr = process.communicate(timeout=240)
-    assert process.returncode == 0, stderr
-    return process.returncode, stdout, process.pid
-
-
-def left_behind(pid: int) -> list[str]:
-    """Names of this pid's engine (``kvrouter-<pid>-``) and in-process writer (``kvrouter-<pid << 20 + 1>-``)."""
-    prefixes = (f"kvrouter-{pid}-", f"kvrouter-{(pid << 20) + 1}-")
-    return [n for folder in ("/dev/shm", tempfile.gettempdir()) for n in os.listdir(folder) if n.startswith(prefixes)]
-
-
 def test_quick_run_reports_every_ratio(tmp_path: Path) -> None:
-    _, stdout, pid = run_tool("--quick", out=tmp_path / "figures.json")
+    stdout, pid = run_tool(TOOL, "--quick", "--json", str(tmp_path / "figures.json"))
     figures: dict[str, Any] = json.loads((tmp_path / "figures.json").read_text())
     assert set(figures["ratios"]) == RATIOS
     assert all(value > 0 for value in figures["ratios"].values())
@@ -59,8 +38,15 @@ def test_quick_run_reports_every_ratio(tmp_path: Path) -> None:
 
 
 def test_capacity_mode_reports_bytes_per_block(tmp_path: Path) -> None:
-    _, stdout, pid = run_tool(
-        "--capacity", "--capacity-blocks", "20000", "--capacity-workers", "64", out=tmp_path / "capacity.json"
+    stdout, pid = run_tool(
+        TOOL,
+        "--capacity",
+        "--capacity-blocks",
+        "20000",
+        "--capacity-workers",
+        "64",
+        "--json",
+        str(tmp_path / "capacity.json"),
     )
     capacity = json.loads((tmp_path / "capacity.json").read_text())["capacity"]
     assert capacity["blocks"] == 20000

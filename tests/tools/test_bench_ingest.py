@@ -6,42 +6,21 @@ does, the freshness reader sees every sequence, and the JSON carries both ratios
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.tools.runner import left_behind, run_tool
+
 pytest.importorskip("dynamo._core", reason="the reference runtime comes with the anchors extra")
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_ingest.py"
 RATIOS = {"ingest", "ingest_vllm"}
-
-
-def left_behind(pid: int) -> list[str]:
-    """Names of this pid's engines (``kvrouter-<pid>-``) and in-process writer (``kvrouter-<pid << 20 + 1>-``)."""
-    prefixes = (f"kvrouter-{pid}-", f"kvrouter-{(pid << 20) + 1}-")
-    return [n for folder in ("/dev/shm", tempfile.gettempdir()) for n in os.listdir(folder) if n.startswith(prefixes)]
 
 
 def test_quick_run_applies_every_frame_and_reports_both_ratios(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
-    process = subprocess.Popen(
-        [sys.executable, str(TOOL), "--quick", "--json", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=240)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    assert process.returncode == 0, stdout + stderr
+    stdout, pid = run_tool("bench_ingest.py", "--quick", "--json", str(out))
     figures: dict[str, Any] = json.loads(out.read_text())
     assert set(figures["ratios"]) == RATIOS
     assert set(figures["goals"]) == RATIOS
@@ -65,4 +44,4 @@ def test_quick_run_applies_every_frame_and_reports_both_ratios(tmp_path: Path) -
     assert figures["machine"]["before"]["loadavg"]
     assert "load average" in stdout
     assert "shm: clean" in stdout
-    assert left_behind(process.pid) == []
+    assert left_behind(pid) == []

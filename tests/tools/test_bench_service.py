@@ -6,35 +6,21 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.tools.runner import run_tool
+
 pytest.importorskip("dynamo._core", reason="the reference runtime comes with the anchors extra")
 if shutil.which("wrk") is None:
     pytest.skip("wrk is not installed (tools/install_wrk.sh)", allow_module_level=True)
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_service.py"
-
 
 def test_quick_run_measures_both_servers_and_reports_both_ratios(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
-    process = subprocess.Popen(
-        [sys.executable, str(TOOL), "--quick", "--json", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=400)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    assert process.returncode == 0, stdout + stderr
+    run_tool("bench_service.py", "--quick", "--json", str(out), timeout=400)
     figures: dict[str, Any] = json.loads(out.read_text())
     assert set(figures["ratios"]) == {"select_throughput", "select_p99"}
     assert all(value > 0 for value in figures["ratios"].values())

@@ -920,6 +920,8 @@ _words_at = cast(Callable[[int], Any], intrinsic(_pointer_typer(types.uint64)))
 reader, which keeps the mapping open while its address is in the context."""
 _counts_at = cast(Callable[[int], Any], intrinsic(_pointer_typer(types.int64)))
 """The ``int64`` words at an address: one of the reader's own arrays."""
+_floats_at = cast(Callable[[int], Any], intrinsic(_pointer_typer(types.float64)))
+"""The ``float64`` words at an address: one of the router's arrays (``routing/_kernels.py``)."""
 
 _OBJECT = ir.IntType(8).as_pointer()
 """``PyObject *`` as LLVM sees it."""

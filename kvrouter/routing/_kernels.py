@@ -22,13 +22,14 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 from numba import njit
+from numba.np.numpy_support import carray
 
 from ..hashing._xxh3 import chain_hashes
 from ..hashing.blocks import XXH3_SEED
-from ..index._kernels import overlap_shards
+from ..index._kernels import _counts_at, _floats_at, _words_at, overlap_shards  # the reader's pointer intrinsics
 from . import _active
 
-__all__ = ["COLUMNS", "NPARAMS", "cost_and_choose", "decide", "decide_on_shards", "sample"]
+__all__ = ["BOUND_WORDS", "COLUMNS", "NPARAMS", "cost_and_choose", "decide", "decide_on_shards", "sample"]
 
 # params: one float64 vector, so the call unboxes one array instead of a dozen scalars
 P_ISL: Final = 0
@@ -76,9 +77,17 @@ NO_WORKER: Final = -1
 SAMPLE: Final = -2
 """``head`` above temperature 0 when some candidate is eligible: draw, then call :func:`sample`."""
 
+# The router's arrays by address (``bound``, an ``int64`` array of three words per array: address, rows,
+# columns or 0 for a vector), as the reader's context names the index's (``index/_kernels.py``). Numba's
+# dispatcher types and unboxes every array argument, 1.4 µs a call for the dozen a decision reads; one
+# context array costs a tenth of that. The router rebinds an entry whenever it, or its slot manager,
+# replaces that array, before the next call (``router.py``), so no address outlives its array.
+B_SEQS, B_CANDIDATES, B_LOADS, B_WORK, B_HOLDERS, B_SCRATCH, B_CAPACITIES, B_PARAMS, B_OUT, B_TIES = range(0, 30, 3)
+BOUND_WORDS: Final = 30
 
-@njit(cache=True, nogil=True)
-def decide(
+
+@njit(cache=True, nogil=True, inline="always")
+def _decide(
     local: npt.NDArray[np.uint64],
     isl: float,
     age: float,
@@ -93,6 +102,7 @@ def decide(
     params: npt.NDArray[np.float64],
     out: npt.NDArray[np.float64],
     ties: npt.NDArray[np.int64],
+    explain: bool,
 ) -> tuple[int, int, int]:
     """A whole decision after the index walk, in one call: the prompt's sequence hashes into ``seqs[:n]``
     (for the booking), every slot's leading blocks held by its active requests (``_active.leading``, when
@@ -111,11 +121,48 @@ def decide(
     if params[P_TRACK_BLOCKS] != 0.0:
         touched = _active.leading(holders, seqs[:n], leading, scratch[1], scratch[2])
     result = cost_and_choose(
-        candidates, overlaps, loads[0], loads[1], loads[2], leading, capacities, work, params, out, ties
+        candidates, overlaps, loads[0], loads[1], loads[2], leading, capacities, work, params, out, ties, explain
     )
     for j in range(touched):
         leading[scratch[1, j]] = 0
     return result
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _vector(bound: npt.NDArray[np.int64], at: int) -> npt.NDArray[np.int64]:
+    return carray(_counts_at(bound[at]), (bound[at + 1],))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _matrix(bound: npt.NDArray[np.int64], at: int) -> npt.NDArray[np.int64]:
+    return carray(_counts_at(bound[at]), (bound[at + 1], bound[at + 2]))
+
+
+@njit(cache=True, nogil=True)
+def decide(
+    local: npt.NDArray[np.uint64],
+    overlaps: npt.NDArray[np.int64],
+    bound: npt.NDArray[np.int64],
+    isl: float,
+    age: float,
+    explain: bool,
+) -> tuple[int, int, int, int]:
+    """:func:`_decide` on the router's arrays named by ``bound`` (``B_*``). Returns ``(head, skip, count,
+    device)``: :func:`cost_and_choose`'s answer and, when ``head`` is a position, the device overlap of its
+    candidate (a numpy scalar read from Python costs more than the rest of the return)."""
+    seqs = carray(_words_at(bound[B_SEQS]), (bound[B_SEQS + 1],))
+    candidates = _vector(bound, B_CANDIDATES)
+    loads = _matrix(bound, B_LOADS)
+    work = carray(_floats_at(bound[B_WORK]), (bound[B_WORK + 1],))
+    holders = carray(_words_at(bound[B_HOLDERS]), (bound[B_HOLDERS + 1], bound[B_HOLDERS + 2]))
+    scratch = _matrix(bound, B_SCRATCH)
+    capacities = carray(_floats_at(bound[B_CAPACITIES]), (bound[B_CAPACITIES + 1],))
+    params = carray(_floats_at(bound[B_PARAMS]), (bound[B_PARAMS + 1],))
+    out = carray(_floats_at(bound[B_OUT]), (bound[B_OUT + 1], bound[B_OUT + 2]))
+    ties = _vector(bound, B_TIES)
+    state = (seqs, candidates, overlaps, loads, work, holders, scratch, capacities, params, out, ties)
+    head, skip, count = _decide(local, isl, age, *state, explain)
+    return head, skip, count, overlaps[0, candidates[head]] if head >= 0 else 0
 
 
 @njit(cache=True, nogil=True)
@@ -124,29 +171,110 @@ def decide_on_shards(
     local: npt.NDArray[np.uint64],
     ntiers: int,
     overlaps: npt.NDArray[np.int64],
+    bound: npt.NDArray[np.int64],
     isl: float,
     age: float,
-    seqs: npt.NDArray[np.uint64],
-    candidates: npt.NDArray[np.int64],
-    loads: npt.NDArray[np.int64],
-    work: npt.NDArray[np.float64],
-    holders: npt.NDArray[np.uint64],
-    scratch: npt.NDArray[np.int64],
-    capacities: npt.NDArray[np.float64],
-    params: npt.NDArray[np.float64],
-    out: npt.NDArray[np.float64],
-    ties: npt.NDArray[np.int64],
-) -> tuple[int, int, int, int]:
+    explain: bool,
+) -> tuple[int, int, int, int, int]:
     """The shared-memory index's walk over every shard into ``overlaps`` (``index/_kernels.overlap_shards``,
     on the reader's context ``ctx``), then :func:`decide`: a whole decision in one call
-    (``IndexReader.overlaps_and``). Returns ``(failed shards, head, skip, count)``; with failed shards
-    the decision saw a partial answer and the caller decides again once the reader mended it."""
+    (``IndexReader.overlaps_and``). Returns ``(failed shards, head, skip, count, device)``; with failed
+    shards the decision saw a partial answer and the caller decides again once the reader mended it."""
     overlaps[:] = 0
     failed = overlap_shards(ctx, local, ntiers, overlaps)
-    head, skip, count = decide(
-        local, isl, age, seqs, candidates, overlaps, loads, work, holders, scratch, capacities, params, out, ties
+    head, skip, count, device = decide(local, overlaps, bound, isl, age, explain)
+    return failed, head, skip, count, device
+
+
+Weights = tuple[float, float, float, float, float, float, float, float, float, float, float, float, float, float]
+"""The per-decision scalars the terms read, out of ``params`` (``_weights``)."""
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _weights(params: npt.NDArray[np.float64]) -> Weights:
+    isl = params[P_ISL]
+    block = params[P_BLOCK]
+    return (
+        isl,
+        block,
+        max(1.0, math.ceil(isl / block)),
+        params[P_TRACK_PREFILL],
+        params[P_DECAY],
+        params[P_CREDIT],
+        params[P_HOST],
+        params[P_DISK],
+        params[P_SHARED],
+        params[P_SCALE],
+        params[P_TRACK_BLOCKS],
+        params[P_NBLOCKS],
+        params[P_REQUEST_WEIGHT],
+        params[P_LMETRIC],
     )
-    return failed, head, skip, count
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _terms(
+    overlap: tuple[int, int, int, int],
+    loads: tuple[int, int, int, int],
+    factor_of: float,
+    least: int,
+    mean_recent: float,
+    work_weight: float,
+    weights: Weights,
+) -> tuple[float, float, float, float, float, float, float, float]:
+    """One candidate's terms, ``cost.worker_cost``'s arithmetic in its order: ``(raw, credit, adjusted,
+    prefill cost, decode blocks, request cost, total, work factor)``. ``overlap`` is the slot's per tier,
+    ``loads`` its queued prefill, requests, active blocks and leading active blocks, ``factor_of`` its
+    decayed recent work; ``least`` the lowest queued prefill and ``mean_recent`` the mean recent work over
+    the eligible candidates. The one place the arithmetic lives: the pass over every candidate and the fill of the
+    chosen ones' columns both call it. Scalars only: an array argument costs an atomic incref and decref
+    per call even inlined, four times this function's arithmetic."""
+    isl, block, request_blocks, track_prefill, decay_w, credit_w, host_w, disk_w, shared_w, scale = weights[:10]
+    track_blocks, nblocks, request_w, lmetric = weights[10:]
+    device, host, disk, shared = overlap
+    active, requests, blocks, leading = loads
+    raw = (active + isl) / block if track_prefill != 0.0 else 0.0
+    decay = 1.0
+    if decay_w != 0.0 and track_prefill != 0.0:
+        queued = max(0, active - least)
+        decay = 1.0 / (1.0 + decay_w * queued / block / request_blocks)
+    credit = (
+        credit_w * decay * device
+        + host_w * max(0, host - device)
+        + disk_w * max(0, disk - host)
+        + shared_w * max(0, shared - disk)
+    )
+    adjusted = raw - credit
+    if not adjusted > 0.0:
+        adjusted = 0.0
+    prefill_cost = scale * adjusted
+    decode = 0.0
+    if track_blocks != 0.0:
+        decode = blocks + nblocks - leading
+    request_cost = request_w * requests
+    total = adjusted * (decode + 1.0) if lmetric != 0.0 else prefill_cost + decode + request_cost
+    factor = 1.0
+    if work_weight != 0.0 and mean_recent > 0.0:
+        factor = max(0.0, 1.0 + work_weight * ((factor_of - mean_recent) / mean_recent))
+        total *= factor
+    return raw, credit, adjusted, prefill_cost, decode, request_cost, total, factor
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fill(
+    out: npt.NDArray[np.float64],
+    i: int,
+    terms: tuple[float, float, float, float, float, float, float, float],
+) -> None:
+    raw, credit, adjusted, prefill_cost, decode, request_cost, total, factor = terms
+    out[C_RAW, i] = raw
+    out[C_CREDIT, i] = credit
+    out[C_ADJUSTED, i] = adjusted
+    out[C_PREFILL_COST, i] = prefill_cost
+    out[C_DECODE_BLOCKS, i] = decode
+    out[C_REQUEST_COST, i] = request_cost
+    out[C_TOTAL, i] = total
+    out[C_WORK_FACTOR, i] = factor
 
 
 @njit(cache=True, nogil=True)
@@ -162,7 +290,8 @@ def cost_and_choose(
     params: npt.NDArray[np.float64],
     out: npt.NDArray[np.float64],
     ties: npt.NDArray[np.int64],
-) -> tuple[int, int, int]:  # hot path: three passes over the candidates
+    explain: bool,
+) -> tuple[int, int, int]:  # hot path: two passes over the candidates, then the few chosen
     """Cost every candidate into ``out`` and choose.
 
     Args:
@@ -175,9 +304,14 @@ def cost_and_choose(
             ``exp(-P_WORK_AGE / P_WORK_WINDOW)``, the recent work of the work factor (``cost.py``).
         params: the ``P_*`` scalars.
         out: ``(COLUMNS, len(candidates))``, written: a row per term, so a decision over thousands of
-            candidates writes contiguous rows, not a cache line per candidate.
+            candidates writes contiguous rows, not a cache line per candidate. Every candidate gets its
+            ``C_BUSY`` and ``C_TOTAL``; the other terms only ``head`` and ``ties[:count]`` at temperature
+            0 unless ``explain`` (what the caller reads): at 1,024 candidates the stores of every term
+            were half the decision.
         ties: ``len(candidates)`` scratch; at temperature 0, ``ties[:count]`` are the candidates (positions)
             tied with ``head`` after it, in order.
+        explain: write every candidate's terms (also done above temperature 0, where ``sample`` reads
+            every total and the caller's choice is not known here).
 
     Returns:
         ``(head, skip, count)``. At temperature 0: ``head`` the position of the first cheapest eligible
@@ -187,17 +321,11 @@ def cost_and_choose(
         :func:`sample`. ``head`` is ``NO_WORKER`` when all are busy (and nothing is to be drawn).
     """
     k = candidates.size
-    isl = params[P_ISL]
-    block = params[P_BLOCK]
-    nblocks = params[P_NBLOCKS]
-    track_prefill = params[P_TRACK_PREFILL] != 0.0
-    track_blocks = params[P_TRACK_BLOCKS] != 0.0
     decode_limit = params[P_DECODE_LIMIT]
     prefill_limit = params[P_PREFILL_LIMIT]
     has_capacity = capacities.size > 0 and not math.isnan(decode_limit)
-    work_weight = params[P_WORK_WEIGHT]
     decay_now = 0.0
-    if work_weight != 0.0:  # one factor for every slot: the work is kept scaled to one epoch
+    if params[P_WORK_WEIGHT] != 0.0:  # one factor for every slot: the work is kept scaled to one epoch
         decay_now = math.exp(-max(0.0, params[P_WORK_AGE]) / params[P_WORK_WINDOW])
     least = np.iinfo(np.int64).max
     eligible = 0
@@ -207,68 +335,42 @@ def cost_and_choose(
         decode_busy = has_capacity and capacities[i] != 0.0 and blocks[slot] > decode_limit * capacities[i]
         busy = decode_busy or (not math.isnan(prefill_limit) and prefill[slot] > prefill_limit)
         out[C_BUSY, i] = 1.0 if busy else 0.0
-        recent = work[slot] * decay_now
-        out[C_WORK_FACTOR, i] = recent  # the factor replaces it below
         if not busy:
             eligible += 1
-            recent_sum += recent
+            recent_sum += work[slot] * decay_now
             if prefill[slot] < least:
                 least = prefill[slot]
     if eligible == 0:
         return NO_WORKER, 0, 0
     mean_recent = recent_sum / eligible
-    credit_w = params[P_CREDIT]
-    decay_w = params[P_DECAY]
-    host_w = params[P_HOST]
-    disk_w = params[P_DISK]
-    shared_w = params[P_SHARED]
-    scale = params[P_SCALE]
-    request_w = params[P_REQUEST_WEIGHT]
-    lmetric = params[P_LMETRIC] != 0.0
-    request_blocks = max(1.0, math.ceil(isl / block))
+    every = explain or params[P_TEMPERATURE] != 0.0
+    weights = _weights(params)
+    work_weight = params[P_WORK_WEIGHT]
     for i in range(k):
         slot = candidates[i]
-        active = prefill[slot]
-        raw = (active + isl) / block if track_prefill else 0.0
-        decay = 1.0
-        if decay_w != 0.0 and track_prefill:
-            queued = max(0, active - least)
-            decay = 1.0 / (1.0 + decay_w * queued / block / request_blocks)
-        device = overlaps[0, slot]
-        host = overlaps[1, slot]
-        disk = overlaps[2, slot]
-        shared = overlaps[3, slot]
-        credit = (
-            credit_w * decay * device
-            + host_w * max(0, host - device)
-            + disk_w * max(0, disk - host)
-            + shared_w * max(0, shared - disk)
+        terms = _terms(
+            (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot]),
+            (prefill[slot], requests[slot], blocks[slot], leading[slot]),
+            work[slot] * decay_now,
+            least,
+            mean_recent,
+            work_weight,
+            weights,
         )
-        adjusted = raw - credit
-        if not adjusted > 0.0:
-            adjusted = 0.0
-        prefill_cost = scale * adjusted
-        decode = 0.0
-        if track_blocks:
-            decode = blocks[slot] + nblocks - leading[slot]
-        request_cost = request_w * requests[slot]
-        total = adjusted * (decode + 1.0) if lmetric else prefill_cost + decode + request_cost
-        factor = 1.0
-        if work_weight != 0.0 and mean_recent > 0.0:
-            share = (out[C_WORK_FACTOR, i] - mean_recent) / mean_recent
-            factor = max(0.0, 1.0 + work_weight * share)
-            total *= factor
-        out[C_WORK_FACTOR, i] = factor
-        out[C_RAW, i] = raw
-        out[C_CREDIT, i] = credit
-        out[C_ADJUSTED, i] = adjusted
-        out[C_PREFILL_COST, i] = prefill_cost
-        out[C_DECODE_BLOCKS, i] = decode
-        out[C_REQUEST_COST, i] = request_cost
-        out[C_TOTAL, i] = total
-    if params[P_TEMPERATURE] == 0.0:
-        return choose_ties(out, ties)
-    return SAMPLE, 0, 0
+        if every:
+            _fill(out, i, terms)
+        else:
+            out[C_TOTAL, i] = terms[6]
+    if every:
+        return choose_ties(out, ties) if params[P_TEMPERATURE] == 0.0 else (SAMPLE, 0, 0)
+    head, skip, count = choose_ties(out, ties)
+    for j in range(-1, count):
+        i = head if j < 0 else ties[j]
+        slot = candidates[i]
+        overlap = (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot])
+        loads = (prefill[slot], requests[slot], blocks[slot], leading[slot])
+        _fill(out, i, _terms(overlap, loads, work[slot] * decay_now, least, mean_recent, work_weight, weights))
+    return head, skip, count
 
 
 @njit(cache=True, nogil=True)

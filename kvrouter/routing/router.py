@@ -132,15 +132,19 @@ class Router:
         """The last candidate tuple seen, kept with its deduplicated keys and slots: a caller passing the
         same tuple each time (the fleet) pays for the keys -> slots conversion once."""
         self._last_keys: list[WorkerKey] = []
-        self._last_slots = np.empty(0, dtype=np.int64)
+        self._candidates = np.empty(0, dtype=np.int64)
         self._no_capacity = np.empty(0, dtype=np.float64)
-        self._seqs = np.empty(0, dtype=np.uint64)
-        self._overlaps = np.zeros((NTIERS, 0), dtype=np.int64)
-        """The engine's answer, written by the decision kernel (kept while the numbering's size stays)."""
+        self._seqs = np.empty(64, dtype=np.uint64)
         """The last prompt's sequence hashes, written by the decision kernel (grown to the longest prompt)."""
+        self._overlaps = np.zeros((NTIERS, 0), dtype=np.int64)
+        """The index's answer, written by the decision kernel (sized to the numbering)."""
         self._out = np.empty((kernels.COLUMNS, 0), dtype=np.float64)
         self._ties = np.empty(0, dtype=np.int64)
-        """The kernel's outputs, kept while the candidate count stays the same."""
+        """The kernel's outputs, sized to the candidates."""
+        self._bound = np.zeros(kernels.BOUND_WORDS, dtype=np.int64)
+        """The decision kernel's view of the arrays above and the slot manager's, by address (``B_*``)."""
+        self._stamp = (-1, -1)
+        """The numbering's version and the slot manager's generation ``_bound`` was made at."""
 
     def select(
         self,
@@ -186,55 +190,55 @@ class Router:
         if now >= self._next_sweep:
             slots.sweep()
             self._next_sweep = now + SWEEP_INTERVAL_SECS
-        keys, candidates = self._candidates(workers)
-        k = len(keys)
-        if not k:
+        if workers is not self._last_workers:
+            self._take(workers)
+        keys = self._last_keys
+        if not keys:
             raise NoWorkerAvailable("no candidate workers")
-        if slots.loads.shape[1] < len(slots.numbering):
-            slots.ready()
         n = len(local)
         if len(self._seqs) < n:
             self._seqs = np.empty(max(n, 2 * len(self._seqs)), dtype=np.uint64)
-        capacity = self._no_capacity
+            self._bind(kernels.B_SEQS, self._seqs)
+        if (slots.numbering.version, slots.generation) != self._stamp:
+            self._rebind()
+        capacity = None
         if capacities and self.config.active_decode_blocks_threshold is not None:
-            capacity = np.fromiter((capacities.get(w) or 0 for w in keys), dtype=np.float64, count=k)
-        if len(self._ties) != k:
-            self._out = np.empty((kernels.COLUMNS, k), dtype=np.float64)
-            self._ties = np.empty(k, dtype=np.int64)
-        out = self._out
+            capacity = np.fromiter((capacities.get(w) or 0 for w in keys), dtype=np.float64, count=len(keys))
+            self._bind(kernels.B_CAPACITIES, capacity)  # for this call only
         age = now - slots.work_epoch
-        state = (self._seqs, candidates, slots.loads, slots.work, slots.holders, slots.scratch, capacity, self._params)
         fused = getattr(index, "overlaps_and", None)  # the engine or its reader: the walk inside the decision
-        if fused is not None and n:
-            numbering = slots.numbering
-            if self._overlaps.shape[1] != len(numbering):
-                self._overlaps = np.zeros((NTIERS, len(numbering)), dtype=np.int64)
-            overlaps = self._overlaps
-            (_, head, skip, count), again = fused(
-                kernels.decide_on_shards, local, numbering, NTIERS, overlaps, isl, age, *state, out, self._ties
-            )  # again: a shard answered late, so decide on the whole, mended answer
-        else:
-            overlaps = self._overlaps_of(index, local, slots.numbering)
-            again = True
-        if again:
-            head, skip, count = kernels.decide(
-                local, isl, age, state[0], candidates, overlaps, *state[2:], out, self._ties
-            )
+        try:
+            if fused is not None and n:
+                overlaps = self._overlaps
+                (_, head, skip, count, device), again = fused(
+                    kernels.decide_on_shards, local, slots.numbering, NTIERS, overlaps, self._bound, isl, age, explain
+                )  # again: a shard answered late, so decide on the whole, mended answer
+            else:
+                overlaps = self._overlaps_of(index, local, slots.numbering)
+                again = True
+            if again:
+                head, skip, count, device = kernels.decide(local, overlaps, self._bound, isl, age, explain)
+        finally:
+            if capacity is not None:
+                self._bind(kernels.B_CAPACITIES, self._no_capacity)
+        out = self._out
         if head < 0:
             if head == kernels.NO_WORKER:
-                raise NoWorkerAvailable(f"all {k} candidate workers are over a busy threshold")
+                raise NoWorkerAvailable(f"all {len(keys)} candidate workers are over a busy threshold")
             u = self.rng.random()
-            head = kernels.sample(out, self.config.router_temperature, u, self._ties, np.empty(k, dtype=np.float64))
+            head = kernels.sample(out, self.config.router_temperature, u, self._ties, np.empty(len(keys)))
+            device = overlaps.item(0, self._candidates.item(head))
         else:  # the oracle's reservoir pass (``selection.choose``) over the kernel's ties, drawing as often
             draw = self.rng.random
             for _ in range(skip):
                 draw()
             if count:
-                for j, position in enumerate(self._ties[:count].tolist()):
+                ties = self._ties
+                for j in range(count):
                     if draw() * (j + 2) < 1.0:
-                        head = position
+                        head = ties.item(j)
+                device = overlaps.item(0, self._candidates.item(head))
         chosen = keys[head]
-        device = int(overlaps[0, candidates[head]])
         if request_id is not None:
             slots.add_request(request_id, chosen, self._seqs[:n], isl, device)
         if not self.config.use_kv_events:
@@ -243,18 +247,51 @@ class Router:
             index.record_routing(chosen, local.tolist())
         explanation = None
         if explain:
-            explanation = self._explain(keys, candidates, overlaps, out, head)
+            explanation = self._explain(keys, self._candidates, overlaps, out, head)
         return Selection(chosen, device, _cost(out[:, head]), isl, explanation)
 
-    def _candidates(self, workers: Iterable[WorkerKey]) -> tuple[list[WorkerKey], npt.NDArray[np.int64]]:
-        """The candidates, deduplicated in order, and their slots (assigned on first sight)."""
-        if workers is self._last_workers:
-            return self._last_keys, self._last_slots
+    def _take(self, workers: Iterable[WorkerKey]) -> None:
+        """Make ``workers`` the candidates: deduplicated in order, slotted (assigned on first sight), bound.
+        A tuple is remembered, so passing the same one again skips all of this."""
         keys = list(dict.fromkeys(workers))
-        slots = self.slots.numbering.slots(keys)
-        if isinstance(workers, tuple):
-            self._last_workers, self._last_keys, self._last_slots = workers, keys, slots
-        return keys, slots
+        self._last_workers = workers if isinstance(workers, tuple) else None
+        self._last_keys = keys
+        self._candidates = self.slots.numbering.slots(keys)
+        self._bind(kernels.B_CANDIDATES, self._candidates)
+        if len(self._ties) != len(keys):
+            self._out = np.empty((kernels.COLUMNS, len(keys)), dtype=np.float64)
+            self._ties = np.empty(len(keys), dtype=np.int64)
+            self._bind(kernels.B_OUT, self._out)
+            self._bind(kernels.B_TIES, self._ties)
+
+    def _rebind(self) -> None:
+        """After the numbering grew or the slot manager replaced an array: size the per-slot arrays for every
+        slot, and bind everything anew."""
+        slots = self.slots
+        slots.ready()
+        if self._overlaps.shape[1] != len(slots.numbering):
+            self._overlaps = np.zeros((NTIERS, len(slots.numbering)), dtype=np.int64)
+        for entry, array in (
+            (kernels.B_SEQS, self._seqs),
+            (kernels.B_CANDIDATES, self._candidates),
+            (kernels.B_LOADS, slots.loads),
+            (kernels.B_WORK, slots.work),
+            (kernels.B_HOLDERS, slots.holders),
+            (kernels.B_SCRATCH, slots.scratch),
+            (kernels.B_CAPACITIES, self._no_capacity),
+            (kernels.B_PARAMS, self._params),
+            (kernels.B_OUT, self._out),
+            (kernels.B_TIES, self._ties),
+        ):
+            self._bind(entry, array)
+        self._stamp = (slots.numbering.version, slots.generation)
+
+    def _bind(self, entry: int, array: npt.NDArray[Any]) -> None:
+        """Point ``_bound``'s entry at ``array`` (C-contiguous, the dtype the kernel reads it as)."""
+        bound = self._bound
+        bound[entry] = array.ctypes.data
+        bound[entry + 1] = array.shape[0]
+        bound[entry + 2] = array.shape[1] if array.ndim == 2 else 0
 
     def _overlaps_of(
         self, index: OverlapSource, local: npt.NDArray[np.uint64], numbering: WorkerSlots

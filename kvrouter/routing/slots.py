@@ -159,6 +159,9 @@ class SlotManager:
         self.work_epoch = 0.0
         self.scratch = np.zeros((3, 0), dtype=np.int64)
         """The active-block walk's per-slot buffers (``LEADING``, ``TOUCHED``, ``ALIVE``)."""
+        self.generation = 0
+        """Moves whenever one of the arrays above is replaced by a larger one: the router's decision kernel
+        holds their addresses, and rebinds them when this moved."""
         self._ensure(len(self.numbering))
 
     @property
@@ -178,6 +181,7 @@ class SlotManager:
             new[..., : old.shape[-1]] = old
             setattr(self, name, new)
         self.holders = active.widen(self.holders, size)
+        self.generation += 1
 
     def ready(self) -> None:
         """Size every per-slot array and table for every slot of ``numbering`` (the router calls this
@@ -242,8 +246,11 @@ class SlotManager:
                 else local_hash_array(sequence_hashes)
             )
             used = self._used
-            self.pairs = active.room(self.pairs, int(used[0]), len(hashes), pairs=True)
-            self.holders = active.room(self.holders, int(used[1]), len(hashes), pairs=False)
+            pairs, holders = self.pairs, self.holders
+            self.pairs = active.room(pairs, int(used[0]), len(hashes), pairs=True)
+            self.holders = active.room(holders, int(used[1]), len(hashes), pairs=False)
+            if self.pairs is not pairs or self.holders is not holders:
+                self.generation += 1
             added = active.add(self.pairs, self.holders, used, hashes, slot)
         elif self._track_active_blocks:
             added = own = len(sequence_hashes)

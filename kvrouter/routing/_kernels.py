@@ -160,8 +160,23 @@ def decide(
     params = carray(_floats_at(bound[B_PARAMS]), (bound[B_PARAMS + 1],))
     out = carray(_floats_at(bound[B_OUT]), (bound[B_OUT + 1], bound[B_OUT + 2]))
     ties = _vector(bound, B_TIES)
-    state = (seqs, candidates, overlaps, loads, work, holders, scratch, capacities, params, out, ties)
-    head, skip, count = _decide(local, isl, age, *state, explain)
+    head, skip, count = _decide(
+        local,
+        isl,
+        age,
+        seqs,
+        candidates,
+        overlaps,
+        loads,
+        work,
+        holders,
+        scratch,
+        capacities,
+        params,
+        out,
+        ties,
+        explain,
+    )
     return head, skip, count, overlaps[0, candidates[head]] if head >= 0 else 0
 
 

@@ -10,7 +10,7 @@ The arithmetic is the oracle's (``cost.worker_cost``, ``selection.choose`` / ``p
 for operation and in the same order, so the totals are bit-identical and ties fall the same way: numba
 neither reassociates nor fuses floating-point operations unless ``fastmath`` asks it to, and the sums
 are sequential as Python 3.11's ``sum`` of floats is. The random source stays in Python: at temperature
-0 the kernel reports which draws of the oracle's reservoir pass would matter (``choose_ties``), above 0
+0 the kernel reports which draws of the oracle's reservoir pass would matter (``cost_and_choose``), above 0
 the caller draws first and passes the uniform in.
 """
 
@@ -306,7 +306,7 @@ def cost_and_choose(
     out: npt.NDArray[np.float64],
     ties: npt.NDArray[np.int64],
     explain: bool,
-) -> tuple[int, int, int]:  # hot path: two passes over the candidates, then the few chosen
+) -> tuple[int, int, int]:  # hot path: two passes over the candidates, then the chosen and its ties
     """Cost every candidate into ``out`` and choose.
 
     Args:
@@ -361,6 +361,12 @@ def cost_and_choose(
     every = explain or params[P_TEMPERATURE] != 0.0
     weights = _weights(params)
     work_weight = params[P_WORK_WEIGHT]
+    # the oracle's reservoir pass (``selection.choose``) over the eligible totals, without its draws:
+    # the first eligible is "equal to itself" (one draw that always picks it), a cheaper one restarts the
+    # ties, an equal one is a tie (a draw each)
+    head = -1
+    best = 0.0
+    draws = skip = count = 0
     for i in range(k):
         slot = candidates[i]
         terms = _terms(
@@ -372,48 +378,30 @@ def cost_and_choose(
             work_weight,
             weights,
         )
+        total = terms[6]
         if every:
             _fill(out, i, terms)
         else:
-            out[C_TOTAL, i] = terms[6]
-    if every:
-        return choose_ties(out, ties) if params[P_TEMPERATURE] == 0.0 else (SAMPLE, 0, 0)
-    head, skip, count = choose_ties(out, ties)
-    for j in range(-1, count):
-        i = head if j < 0 else ties[j]
-        slot = candidates[i]
-        overlap = (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot])
-        loads = (prefill[slot], requests[slot], blocks[slot], leading[slot])
-        _fill(out, i, _terms(overlap, loads, work[slot] * decay_now, least, mean_recent, work_weight, weights))
-    return head, skip, count
-
-
-@njit(cache=True, nogil=True)
-def choose_ties(out: npt.NDArray[np.float64], ties: npt.NDArray[np.int64]) -> tuple[int, int, int]:
-    """The oracle's reservoir pass over the eligible totals, without its draws (see ``cost_and_choose``)."""
-    head = -1
-    draws = 0
-    skip = 0
-    count = 0
-    busy = out[C_BUSY]
-    totals = out[C_TOTAL]
-    for i in range(totals.size):
-        if busy[i] != 0.0:
+            out[C_TOTAL, i] = total
+        if out[C_BUSY, i] != 0.0:
             continue
-        cost = totals[i]
-        if head < 0:  # the oracle's first candidate: "equal to itself", one draw that always picks it
-            head = i
-            draws = 1
-            skip = 1
-            count = 0
-        elif cost < totals[head]:
-            head = i
-            skip = draws
-            count = 0
-        elif cost == totals[head]:
+        if head < 0:
+            head, best, draws, skip, count = i, total, 1, 1, 0
+        elif total < best:
+            head, best, skip, count = i, total, draws, 0
+        elif total == best:
             ties[count] = i
             count += 1
             draws += 1
+    if params[P_TEMPERATURE] != 0.0:
+        return SAMPLE, 0, 0
+    if not every:
+        for j in range(-1, count):
+            i = head if j < 0 else ties[j]
+            slot = candidates[i]
+            overlap = (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot])
+            loads = (prefill[slot], requests[slot], blocks[slot], leading[slot])
+            _fill(out, i, _terms(overlap, loads, work[slot] * decay_now, least, mean_recent, work_weight, weights))
     return head, skip, count
 
 

@@ -130,7 +130,7 @@ class TopApp(App[None]):
     def on_unmount(self) -> None:
         self.feed.close()
 
-    def on_resize(self) -> None:
+    def on_worker_table_resized(self) -> None:
         self.render_snapshot()
 
     def _start_timer(self) -> None:
@@ -261,7 +261,9 @@ class TopApp(App[None]):
     def on_key(self, event: events.Key) -> None:
         if event.key == "escape" and self.filter_bar.has_focus:
             self.filter_bar.value = ""
+            self.view.filter = ""
             self._close_filter()
+            self.render_snapshot()
 
     def _close_filter(self) -> None:
         self.filter_bar.display = bool(self.view.filter)

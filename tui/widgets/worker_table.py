@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 from typing import Final
 
 from rich.text import Text
+from textual import events
+from textual.message import Message
 from textual.widgets import DataTable
 
 from tui import cells
@@ -90,12 +92,13 @@ def choose_columns(width: int, *, with_p: bool, worker_chars: int = 0) -> tuple[
         worker_chars: The longest worker cell; the worker column grows to it (worker ids from a
             registration can be long), which may push the narrow set past 80 columns.
     """
+    width -= SCROLLBAR
     full = tuple(
         replace(column, width=max(column.width, worker_chars)) if column.key == "worker" else column
         for column in COLUMNS
         if with_p or column.key != "p"
     )
-    if sum(column.width + 2 for column in full) + SCROLLBAR <= width:
+    if sum(column.width + 2 for column in full) <= width:
         return full
     return tuple(
         replace(
@@ -208,6 +211,12 @@ def _sort_values(
 
 class WorkerTable(DataTable[Text]):
     """The worker rows; :meth:`show` makes the table match a list of :class:`Line`."""
+
+    class Resized(Message):
+        """The table's width changed: the app picks the column set again."""
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.post_message(self.Resized())
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id, cursor_type="row", zebra_stripes=False)

@@ -99,6 +99,8 @@ class TopApp(App[None]):
         self.probe_error: str | None = None
         self.gone_since: float | None = None
         """When polls started failing; None while the router answers."""
+        self.not_there: NotThereScreen | None = None
+        """The not-there screen while it is pushed (one per outage)."""
         self._poll_lock = asyncio.Lock()
         self._timer: Timer | None = None
 
@@ -177,23 +179,19 @@ class TopApp(App[None]):
         now = self.clock()
         if self.gone_since is None:
             self.gone_since = now
-        screen = self._not_there_screen()
-        if screen is None:
-            screen = NotThereScreen(self.feed.source)
-            self.push_screen(screen)
-            screen.call_after_refresh(screen.report, error, since=self.gone_since, now=now, interval=self.view.interval)
-        else:
-            screen.report(error, since=self.gone_since, now=now, interval=self.view.interval)
-
-    def _not_there_screen(self) -> NotThereScreen | None:
-        return next((s for s in self.screen_stack if isinstance(s, NotThereScreen)), None)
+            self.not_there = NotThereScreen(self.feed.source)
+            self.push_screen(self.not_there)
+        assert self.not_there is not None
+        self.not_there.report(error, since=self.gone_since, now=now, interval=self.view.interval)
 
     def _apply(self, snapshot: Snapshot) -> None:
-        self.gone_since = None
-        if self._not_there_screen() is not None:
-            while not isinstance(self.screen, NotThereScreen):
+        if self.not_there is not None:
+            if self.not_there in self.screen_stack:  # and any screen opened over it
+                while self.screen is not self.not_there:
+                    self.pop_screen()
                 self.pop_screen()
-            self.pop_screen()
+            self.not_there = None
+        self.gone_since = None
         self.snapshot = snapshot
         self.rates.update(snapshot)
         self.render_snapshot()

@@ -51,6 +51,11 @@ class NotThereScreen(Screen[None]):
         """Failed polls since the router went."""
         self.error = ""
         """What the last failed poll raised, as one line."""
+        self.since = self.last_attempt = 0.0
+        self.interval = 0.0
+        self._composed = False
+        """Set once mounted: before that there is no text widget to update (a screen's own
+        ``is_mounted`` stays False in textual 8.2.8)."""
 
     def compose(self) -> ComposeResult:
         with Vertical(id="not-there"):
@@ -58,18 +63,28 @@ class NotThereScreen(Screen[None]):
         yield Footer()
 
     def report(self, error: str, *, since: float, now: float, interval: float) -> None:
-        """One more failed poll."""
+        """One more failed poll: ``error`` is what it raised, ``since`` when polls began to fail."""
         self.attempts += 1
         self.error = error
+        self.since, self.last_attempt, self.interval = since, now, interval
+        if self._composed:
+            self._show()
+
+    def on_mount(self) -> None:
+        self._composed = True
+        self._show()
+
+    def _show(self) -> None:
+        attempts = f"{self.attempts} attempt{'s' if self.attempts != 1 else ''}"
         text = Text.assemble(
             ("router not there", "bold red"),
-            f" — retrying every {interval:g}s\n\n",
+            f" — retrying every {self.interval:g}s\n\n",
             ("source  ", "dim"),
             f"{self.source}\n",
             ("error   ", "dim"),
-            f"{error}\n",
+            f"{self.error}\n",
             ("since   ", "dim"),
-            f"{cells.duration(now - since)} ago, {self.attempts} attempt{'s' if self.attempts != 1 else ''}\n\n",
+            f"{cells.duration(self.last_attempt - self.since)} ago, {attempts}\n\n",
             "The dashboard comes back by itself when the router answers again.  q quits.",
         )
         self.query_one("#not-there-text", Static).update(text)

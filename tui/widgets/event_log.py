@@ -36,7 +36,7 @@ class EventLog(DataTable[Text]):
         self.can_focus = False
         self.add_column(Text("#", justify="right"), width=7, key="seq")
         self.add_column(Text("age", justify="right"), width=6, key="age")
-        self.add_column("kind", width=16, key="kind")
+        self.add_column("kind", width=18, key="kind")
         self.add_column("details", key="text")
 
     def show(self, events: tuple[LogEvent, ...], now: float) -> None:

@@ -102,6 +102,7 @@ class TopApp(App[None]):
         self.not_there: NotThereScreen | None = None
         """The not-there screen while it is pushed (one per outage)."""
         self._poll_lock = asyncio.Lock()
+        self._pane_shows: tuple[Snapshot, Pane | None] | None = None
         self._timer: Timer | None = None
 
     # -- layout and lifecycle --------------------------------------------------------------------
@@ -217,10 +218,12 @@ class TopApp(App[None]):
         self.meters.show(snapshot, self.rates, status)
         self.rate_strip.show(self.rates)
         self.table.show(lines, columns, self.view)
-        if self.view.pane == "decisions":
-            self.decision_log.show(snapshot.decisions, snapshot.taken_at)
-        elif self.view.pane == "events":
-            self.event_log.show(snapshot.events, snapshot.taken_at)
+        if self._pane_shows != (snapshot, self.view.pane):  # the logs change only with the snapshot
+            self._pane_shows = (snapshot, self.view.pane)
+            if self.view.pane == "decisions":
+                self.decision_log.show(snapshot.decisions, snapshot.taken_at)
+            elif self.view.pane == "events":
+                self.event_log.show(snapshot.events, snapshot.taken_at)
         for screen in self.screen_stack:
             if isinstance(screen, DetailScreen) and screen.is_attached:
                 screen.show(snapshot, self.rates)

@@ -209,6 +209,12 @@ def _sort_values(
     }
 
 
+def _same(shown: Text, new: Text) -> bool:
+    """Whether a cell would look the same: every ``update_cell`` invalidates the table's render cache,
+    so unchanged cells are left alone (``Text.__eq__`` ignores the style, which carries state colour)."""
+    return shown.plain == new.plain and shown.style == new.style and shown.spans == new.spans
+
+
 class WorkerTable(DataTable[Text]):
     """The worker rows; :meth:`show` makes the table match a list of :class:`Line`."""
 
@@ -234,7 +240,8 @@ class WorkerTable(DataTable[Text]):
             values = [line.cells[column.key] for column in columns]
             if line.key in self.rows:
                 for column, value in zip(columns, values, strict=True):
-                    self.update_cell(line.key, column.key, value)
+                    if not _same(self.get_cell(line.key, column.key), value):
+                        self.update_cell(line.key, column.key, value)
             else:
                 self.add_row(*values, key=line.key)
         rank = {

@@ -95,14 +95,14 @@ class HelpScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         lines = Text()
-        lines.append("kvrouter top — keys\n\n", style="bold")
+        lines.append("kvrouter top — keys\n", style="bold")
         for key, action in KEYS:
             lines.append(f"{key:>10}  ", style="bold")
             lines.append(f"{action}\n")
         lines.append(
-            "\nColour means state only: red = failed or gap lost, yellow = stale, pending, recovering.\n"
-            "▶ marks the worker the last decision chose; overlap and costs are that decision's terms,\n"
-            "or the pinned probe prompt's."
+            "\nColour is state only: red = failed or gap lost, yellow = stale, pending.\n"
+            "▶ marks the last decision's worker; overlap and costs are its terms\n"
+            "(or the pinned probe prompt's).  escape closes."
         )
         yield Static(lines, id="help")
 

@@ -1,0 +1,77 @@
+"""Rates from successive snapshots: events/s, queries/s, decisions/s, and each worker's Δcached/s.
+
+The router publishes running totals, not rates: a rate is the difference of two snapshots over the
+difference of their ``taken_at``. Deriving it here, from the snapshots the app already holds, keeps the
+feeds stateless and makes the rates follow the dashboard's own refresh (pausing, or ``r`` to reset, needs
+no cooperation from the router). The cost is that the first snapshot after a start or a reset has no
+rate yet; it shows as a dash.
+
+A total that goes down (the router restarted under the same name) is not a negative rate: that interval
+yields no rate, and the next one starts from the new totals.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Final
+
+from tui.model import Snapshot
+
+__all__ = ["HISTORY", "METERS", "Rates"]
+
+METERS: Final = ("events", "queries", "decisions")
+"""The header's rates, each from the snapshot's ``<name>_total``."""
+
+HISTORY: Final = 120
+"""Rates kept per meter for the sparklines: 30 s at the default 4 Hz, wider than any sparkline's room."""
+
+
+class Rates:
+    """The rates between the last two snapshots it was given, and a bounded history of each."""
+
+    def __init__(self, history: int = HISTORY) -> None:
+        self._history = history
+        self._last: Snapshot | None = None
+        self.current: dict[str, float | None] = dict.fromkeys(METERS)
+        """Each meter's rate over the last interval; None before there are two snapshots."""
+        self.history: dict[str, deque[float]] = {name: deque(maxlen=history) for name in METERS}
+        """Each meter's past rates, oldest first."""
+        self.cached: dict[tuple[int, int], float] = {}
+        """Δcached/s per (worker, dp rank) over the last interval; absent for a worker new in it."""
+        self.cached_history: dict[tuple[int, int], deque[float]] = {}
+        """Each worker's past Δcached/s, oldest first (the detail view's sparkline)."""
+
+    def update(self, snapshot: Snapshot) -> None:
+        """Take the next snapshot; rates come from it and the one before."""
+        last, self._last = self._last, snapshot
+        if last is None or snapshot.taken_at <= last.taken_at:
+            return
+        elapsed = snapshot.taken_at - last.taken_at
+        if snapshot.started_at != last.started_at:
+            self.current = dict.fromkeys(METERS)
+            self.cached = {}
+            return
+        for name in METERS:
+            now = getattr(snapshot, f"{name}_total")
+            before = getattr(last, f"{name}_total")
+            per_second = (now - before) / elapsed if now >= before else None
+            self.current[name] = per_second
+            if per_second is not None:
+                self.history[name].append(per_second)
+        before_cached = {row.key: row.cached_blocks for row in last.workers}
+        self.cached = {
+            row.key: (row.cached_blocks - before_cached[row.key]) / elapsed
+            for row in snapshot.workers
+            if row.key in before_cached
+        }
+        for key, per_second in self.cached.items():
+            self.cached_history.setdefault(key, deque(maxlen=self._history)).append(per_second)
+
+    def reset(self) -> None:
+        """Forget everything: the next snapshot starts the rates afresh (the ``r`` key)."""
+        self._last = None
+        self.current = dict.fromkeys(METERS)
+        for past in self.history.values():
+            past.clear()
+        self.cached = {}
+        self.cached_history = {}

@@ -148,8 +148,10 @@ class TopApp(App[None]):
         return self.gone_since is not None
 
     async def tick(self) -> None:
-        """One refresh: poll the feed (and the probe) off the UI thread, then show the result."""
-        if self.view.paused:
+        """One refresh: poll the feed (and the probe) off the UI thread, then show the result. Paused, the
+        dashboard keeps its last snapshot; a router that is not there is still retried, so the way back
+        never waits for a key."""
+        if self.view.paused and not self.router_gone:
             return
         async with self._poll_lock:
             probe = self.view.probe

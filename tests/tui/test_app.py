@@ -278,6 +278,27 @@ async def test_router_gone_shows_the_not_there_screen_until_a_poll_succeeds(fake
         assert app.table.row_count == 8
 
 
+async def test_a_router_gone_while_paused_is_still_retried(fake_feed: FakeFeed) -> None:
+    app = make_app(fake_feed)
+    async with app.run_test(size=SIZE) as pilot:
+        await app.tick()
+        await pilot.press("p")
+        assert app.view.paused
+        fake_feed.gone = gone()
+        app.view.paused = False  # the outage is found by a poll; pause again on its screen
+        await app.tick()
+        await pilot.pause()
+        assert isinstance(app.screen, NotThereScreen)
+        await pilot.press("p")
+        assert app.view.paused
+        fake_feed.gone = None
+        fake_feed.step()
+        await app.tick()
+        await pilot.pause()
+        assert not app.router_gone
+        assert not isinstance(app.screen, NotThereScreen)
+
+
 async def test_an_unexpected_feed_error_is_shown_not_raised(fake_feed: FakeFeed) -> None:
     app = make_app(fake_feed)
     async with app.run_test(size=SIZE) as pilot:

@@ -72,10 +72,15 @@ def warm(running: Running) -> Running:
     until the engine's next batch shows the gap (then it is replayed): so more batches follow until the
     index holds the prompt."""
     for wid, worker in zip((1, 2), running.workers, strict=True):
-        worker.complete(prompt(wid, blocks=4), max_tokens=2)
+        tokens = prompt(wid, blocks=4)
+        worker.complete(tokens, max_tokens=2)
+
+        def indexed(wid: int = wid, tokens: list[int] = tokens) -> bool:
+            return holds(running, wid, tokens)
+
         for attempt in range(30):
             try:
-                _wait_until(lambda wid=wid: holds(running, wid, prompt(wid, blocks=4)), timeout=1.0, what="indexed")
+                _wait_until(indexed, timeout=1.0, what="indexed")
                 break
             except pytest.fail.Exception:
                 worker.complete(prompt(1000 + attempt, blocks=1), max_tokens=2)

@@ -5,8 +5,8 @@
 comes from the engine's control segment, mapped read-only (``kvrouter.engine.read_shards`` /
 ``read_workers``, what ``Engine.stats()`` reads), and the front's side (loads, counters, decisions, log,
 weights) from the stats segment the service republishes at 4 Hz (``kvrouter/service/stats.py``). A
-poll is two ``stat`` calls, a copy of a blob of tens of KB and a walk of the worker rows: well under a
-millisecond. Only :meth:`~ShmFeed.probe` asks the router (``POST /select`` with ``probe``: explained,
+poll is two ``stat`` calls, a copy of one blob (tens of KB) and a walk of the rows in use (not measured
+against a busy router yet). Only :meth:`~ShmFeed.probe` asks the router (``POST /select`` with ``probe``: explained,
 nothing booked, counted or recorded), since the cost of a prompt is the router's to compute.
 
 :class:`HttpFeed` builds the same :class:`~tui.model.Snapshot` from ``GET /loads``, ``/workers``,
@@ -272,10 +272,10 @@ class ShmFeed:
     def _attach(self) -> tuple[StatsReader, Control]:
         reader, control = self._reader, self._control
         stats_inode = self._inode(self.stats_name)
-        same = reader is not None and control is not None and stats_inode != 0
-        if same and control is not None and (stats_inode, self._inode(control.name)) == self._inodes:
-            assert reader is not None
-            return reader, control
+        if reader is not None and control is not None:
+            current = (stats_inode, self._inode(control.name))
+            if stats_inode and current == self._inodes:  # the same segments: no new router meanwhile
+                return reader, control
         self._detach()
         if not stats_inode:
             raise RouterGone(f"{self.stats_name} is not in {SHM_DIR}: no router publishes there (stopped?)")

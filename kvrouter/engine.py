@@ -58,13 +58,23 @@ from .index.layout import (
     W_STATE,
     W_WORKER_ID,
     WORKER_STATES,
+    Control,
 )
 from .index.reader import IndexReader
 from .index.supervisor import STOP_TIMEOUT, Supervisor
 from .plane.config import PlaneConfig
 from .plane.registry import WorkerSpec
 
-__all__ = ["Engine", "ReaderHandle", "ShardStats", "WorkerStats", "attach", "default_shards"]
+__all__ = [
+    "Engine",
+    "ReaderHandle",
+    "ShardStats",
+    "WorkerStats",
+    "attach",
+    "default_shards",
+    "read_shards",
+    "read_workers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -484,34 +494,47 @@ class Engine:
 
     def workers(self) -> dict[WorkerKey, WorkerStats]:
         """Every (worker, dp_rank) of every shard as its row in the control segment shows it now."""
-        control = self._running().control
-        found: dict[WorkerKey, WorkerStats] = {}
-        for shard in range(self.shards):
-            for row in control.worker_rows(shard)[control.worker_rows(shard)[:, W_IN_USE] != 0].tolist():
-                found[row[W_WORKER_ID], row[W_DP_RANK]] = WorkerStats.of_row(shard, row)
-        return found
+        return read_workers(self._running().control)
 
     def stats(self) -> list[ShardStats]:
         """Every shard's status, applier, segment and counters, read from the control segment."""
-        control = self._running().control
-        shards = []
-        for shard in range(self.shards):
-            counters = control.stats(shard)
-            events_applied = counters.pop("events_applied")
-            last_event_ns = counters.pop("last_event_ns")
-            shards.append(
-                ShardStats(
-                    shard=shard,
-                    status=STATUS_NAMES.get(control.status(shard), "unknown"),
-                    pid=control.pid(shard),
-                    epoch=control.epoch(shard),
-                    restarts=control.restarts(shard),
-                    segment=control.segment_name(shard),
-                    flushed=control.flushed(shard),
-                    events_applied=events_applied,
-                    last_event_ns=last_event_ns,
-                    errors=counters,
-                    workers={(wid, rank): cached for wid, rank, cached in control.workers(shard).values()},
-                )
+        return read_shards(self._running().control)
+
+
+def read_workers(control: Control) -> dict[WorkerKey, WorkerStats]:
+    """Every (worker, dp_rank) of every shard of ``control`` as its row shows it now.
+
+    A plain function of the control segment, so another process that attached it read-only
+    (``Control.attach(name)``: ``kvrouter top``) reads what :meth:`Engine.workers` reads, without an engine.
+    """
+    found: dict[WorkerKey, WorkerStats] = {}
+    for shard in range(control.shards):
+        rows = control.worker_rows(shard)
+        for row in rows[rows[:, W_IN_USE] != 0].tolist():
+            found[row[W_WORKER_ID], row[W_DP_RANK]] = WorkerStats.of_row(shard, row)
+    return found
+
+
+def read_shards(control: Control) -> list[ShardStats]:
+    """Every shard's status, applier, segment and counters in ``control`` (:meth:`Engine.stats`, from any process)."""
+    shards = []
+    for shard in range(control.shards):
+        counters = control.stats(shard)
+        events_applied = counters.pop("events_applied")
+        last_event_ns = counters.pop("last_event_ns")
+        shards.append(
+            ShardStats(
+                shard=shard,
+                status=STATUS_NAMES.get(control.status(shard), "unknown"),
+                pid=control.pid(shard),
+                epoch=control.epoch(shard),
+                restarts=control.restarts(shard),
+                segment=control.segment_name(shard),
+                flushed=control.flushed(shard),
+                events_applied=events_applied,
+                last_event_ns=last_event_ns,
+                errors=counters,
+                workers={(wid, rank): cached for wid, rank, cached in control.workers(shard).values()},
             )
-        return shards
+        )
+    return shards

@@ -11,6 +11,7 @@ KvRouterError
 ├── RequestFailed            the mock engine could not serve a completion; ``status`` is its HTTP status
 ├── EngineError              the shared-memory engine is not running, or could not start
 │   └── FlushTimeout         (also a TimeoutError) an applier did not reach a flush in time
+├── StatsError               a stats segment that is not one, or whose blob does not decode (``kvrouter top``)
 └── EventError               an event could not be applied; ``kind`` names why
     ├── BadEvent             bad_event: the input does not decode into an event
     ├── ParentNotFound       parent_not_found
@@ -43,6 +44,7 @@ __all__ = [
     "ParentNotFound",
     "RequestFailed",
     "ServiceError",
+    "StatsError",
 ]
 
 
@@ -111,6 +113,13 @@ class FlushTimeout(EngineError, TimeoutError):
     """``Engine.flush`` gave up: some shard's applier did not apply everything sent before the flush
     within the timeout (it is busy with a large backlog, or restarting). Nothing is lost by the
     timeout itself; flush again with a longer timeout, or look at ``Engine.stats()`` for the shard."""
+
+
+class StatsError(KvRouterError):
+    """A ``kvrouter up`` stats segment (``service/stats.py``) cannot be read: the name is no stats segment
+    of this layout, its blob is truncated or does not decode, or its writer stayed mid-write (it died
+    there). The message names the segment and what is wrong; a reader (``kvrouter top``) reports it and
+    tries again later, or attaches elsewhere."""
 
 
 class EventError(KvRouterError):

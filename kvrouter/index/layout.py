@@ -29,6 +29,7 @@ __all__ = [
     "control_name",
     "lock_path",
     "shard_name",
+    "stats_name",
     "unlink_segment",
 ]
 
@@ -124,6 +125,11 @@ STATUS_STOPPED: Final = 3
 
 def control_name(owner_pid: int) -> str:
     return f"{PREFIX}{owner_pid}-ctl"
+
+
+def stats_name(owner_pid: int) -> str:
+    """The stats segment ``kvrouter up``'s front publishes beside its engine's (``service/stats.py``)."""
+    return f"{PREFIX}{owner_pid}-stats"
 
 
 def shard_name(owner_pid: int, shard: int, epoch: int) -> str:

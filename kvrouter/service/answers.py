@@ -120,6 +120,6 @@ def select_json(result: SelectResult, request: SelectRequest) -> dict[str, Any]:
             }
             for key, cost in result.fallbacks
         ]
-    if request.explain:
+    if request.explain or request.probe:
         body["explain"] = explain(result)
     return body

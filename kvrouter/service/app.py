@@ -37,13 +37,15 @@ from ..errors import (
     DuplicateRequest,
     EngineError,
     InvalidHashInput,
+    KvRouterError,
     NoWorkerAvailable,
     ServiceError,
 )
 from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes_array
+from ..routing.config import RouterConfig
 from ..routing.router import Router, Selection
-from . import fastparse, fastpath, metrics, proxy
+from . import discovery, fastparse, fastpath, metrics, proxy
 from .affinity import Affinity
 from .answers import address, explain
 from .config import ServiceConfig
@@ -53,6 +55,7 @@ from .health import Health
 from .partition import Instance, Partition
 from .queue import RouterQueue
 from .routes import Routes
+from .stats import EXPLAIN_INTERVAL_S, StatsPublisher
 from .validation import Registration, SelectRequest, Unregistration
 
 __all__ = ["PHASES", "SelectResult", "Service", "ServiceCounters"]
@@ -117,6 +120,15 @@ class Service:
         self._reservations: dict[str, _Reservation] = {}
         self._decision_seq = 0
         self._event_seq = 0
+        self.started_at = time.time()
+        """When the service was built (``time.time()``): ``kvrouter top``'s uptime."""
+        self.last_explained: dict[str, Any] | None = None
+        """The most recent decisions-ring entry that carries its candidates (``explain``)."""
+        self._explain_after = 0.0
+        """``perf_counter`` time after which the next decision is explained for the ring (``stats.py``)."""
+        self.stats: StatsPublisher | None = None
+        """The stats segment's publisher while the service serves (``stats.py``); None before and after."""
+        self._discovery: Any = None
         self._forked = False
         self._started = False
         """The engine is up and the front's kernels are loaded: the routes that need them may run."""
@@ -174,6 +186,11 @@ class Service:
     @property
     def stopping(self) -> bool:
         return self._stopping
+
+    @property
+    def router_config(self) -> RouterConfig:
+        """The weights and switches every partition's router applies."""
+        return self.config.router
 
     async def run(
         self,
@@ -245,6 +262,7 @@ class Service:
                     )
             self.health.open()
             tasks.append(asyncio.create_task(self.health.run(), name="kvrouter-health"))
+            self._publish_stats(tasks)
             if on_ready is not None:
                 on_ready(self.url)
             await self._stop_event.wait()
@@ -264,10 +282,44 @@ class Service:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await self.health.close()
+            self._withdraw_stats()
             if runner is not None:
                 await runner.cleanup()
             self.engine.close()
             log.info("service stopped url=%s", self.url)
+
+    def _publish_stats(self, tasks: list[asyncio.Task[None]]) -> None:
+        """The stats segment and its 4 Hz task, then the discovery file (``kvrouter top``'s way in). A failure
+        of either is logged and the service serves on without it: the dashboard is not the router."""
+        publisher = StatsPublisher(self)
+        try:
+            publisher.open()
+        except (OSError, KvRouterError) as exc:
+            log.warning("stats segment not published name=%s error=%s", publisher.name, exc)
+            publisher.close()
+            return
+        self.stats = publisher
+        tasks.append(asyncio.create_task(publisher.run(), name="kvrouter-stats"))
+        try:
+            self._discovery = discovery.publish(
+                url=self.url,
+                control=self.engine.reader_handle().control_name,
+                stats=publisher.name,
+                started_at=self.started_at,
+                model_name=self.config.model_name,
+            )
+        except OSError as exc:
+            log.warning("discovery file not written dir=%s error=%s", discovery.runtime_dir(), exc)
+
+    def _withdraw_stats(self) -> None:
+        """Remove the discovery file, then the stats segment (a reader that found the file finds no segment
+        and reports the router gone)."""
+        path, self._discovery = self._discovery, None
+        if path is not None:
+            discovery.withdraw(path)
+        publisher, self.stats = self.stats, None
+        if publisher is not None:
+            publisher.close()
 
     # -- partitions and workers -----------------------------------------------------------------
 
@@ -423,8 +475,16 @@ class Service:
                 selection_id = uuid.uuid4().hex
             elif selection_id in self._reservations:
                 raise ServiceError(409, f"selection_id {selection_id!r} is already reserved")
-        explain = request.explain or request.fallbacks > 0
-        candidates = self.affinity.candidates(partition.name, request.session_id, candidates)  # affinity.py
+        explain = request.explain or request.fallbacks > 0 or request.probe
+        # explained for the decisions ring only, one every EXPLAIN_INTERVAL_S (stats.py): kvrouter top always
+        # has a recent decision's candidates, and requests that did not ask for them pay nothing
+        sampled = not explain and hashing >= self._explain_after
+        if sampled:
+            self._explain_after = hashing + EXPLAIN_INTERVAL_S
+        if request.probe and reserve:
+            raise ServiceError(400, "probe: a probe books nothing; use /select")
+        if not request.probe:
+            candidates = self.affinity.candidates(partition.name, request.session_id, candidates)  # affinity.py
         router = partition.router
         index: Any = partition.approx if partition.approx is not None else self.engine
         started = time.perf_counter()
@@ -437,7 +497,7 @@ class Service:
                 isl_tokens=isl,
                 capacities=partition.capacities,
                 request_id=selection_id if reserve else None,
-                explain=explain,
+                explain=explain or sampled,
             )
         except NoWorkerAvailable as exc:
             self.counters.overloaded += 1
@@ -447,6 +507,11 @@ class Service:
         except EngineError as exc:
             raise ServiceError(503, f"engine: {exc}") from exc
         elapsed = time.perf_counter() - started
+        if request.probe:  # where it would go: nothing counted, recorded or bound
+            instance = partition.instances[selection.worker[0]]
+            return SelectResult(
+                partition, selection, None, False, [], instance.http_endpoint, address(instance.http_endpoint)
+            )
         self.affinity.bind(partition.name, request.session_id, selection.worker)  # affinity.py
         counters = self.counters
         counters.decision.observe(elapsed)
@@ -476,6 +541,8 @@ class Service:
             address(instance.http_endpoint),
         )
         self._record_decision(result, len(local), elapsed)
+        if sampled:  # the answer is the one an unexplained request gets
+            selection.explanation = None
         return result
 
     def prefill_complete(self, selection_id: str) -> None:
@@ -537,6 +604,7 @@ class Service:
         }
         if selection.explanation is not None:
             entry["explain"] = explain(result)["workers"]
+            self.last_explained = entry
         self.decisions.append(entry)
 
     # -- events, readiness, index queries -------------------------------------------------------

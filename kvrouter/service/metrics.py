@@ -55,6 +55,7 @@ from ..engine import Engine
 from ..errors import EngineError
 from ..events.model import WorkerKey
 from ..index.layout import ERROR_KINDS, WORKER_STATES
+from ..routing.config import RouterConfig
 from ..routing.slots import SlotManager
 from .histogram import Buckets
 
@@ -64,6 +65,7 @@ __all__ = [
     "ServiceCollector",
     "exposition",
     "front_families",
+    "identity_families",
     "install",
 ]
 
@@ -324,6 +326,29 @@ class ServiceView(Protocol):
     @property
     def counters(self) -> Counters: ...
     def pending(self, model: str, group: str) -> tuple[int, int]: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def router_config(self) -> RouterConfig: ...
+
+
+def identity_families(started_at: float, config: RouterConfig) -> Iterator[Metric]:
+    """When the service started and the routing weights it applies: what ``kvrouter top --url`` shows in its
+    header (the local dashboard reads them from the stats segment)."""
+    start = GaugeMetricFamily("kvrouter_start_time_seconds", "When the service started, seconds since the epoch")
+    start.add_metric([], started_at)
+    weights = GaugeMetricFamily(
+        "kvrouter_router_weight", "The routing weights in effect, by kvrouter top's short name", labels=["name"]
+    )
+    for name, value in (
+        ("credit", config.overlap_score_credit),
+        ("scale", config.prefill_load_scale),
+        ("decode", config.decode_active_request_weight),
+        ("work", config.prefill_work_weight),
+        ("T", config.router_temperature),
+    ):
+        weights.add_metric([name], float(value))
+    yield from (start, weights)
 
 
 def front_families(counters: Counters) -> Iterator[Metric]:
@@ -404,9 +429,12 @@ def install(service: ServiceView) -> CollectorRegistry:
         ]
 
     registry = CollectorRegistry()
-    registry.register(
-        ServiceCollector(service.engine, partitions=partitions, front=lambda: front_families(service.counters))
-    )
+
+    def front() -> Iterator[Metric]:
+        yield from identity_families(service.started_at, service.router_config)
+        yield from front_families(service.counters)
+
+    registry.register(ServiceCollector(service.engine, partitions=partitions, front=front))
 
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -217,6 +217,7 @@ class Routes:
                 "gaps_lost": stats.gaps_lost,
                 "restarts": stats.restarts,
                 "events": stats.events,
+                "last_event_at": stats.last_event_ns / 1e9 if stats.last_event_ns else None,
             }
         status = "active"
         if skipped:

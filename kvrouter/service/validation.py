@@ -95,6 +95,9 @@ class SelectRequest:
     cache_salt: str | None = None
     explain: bool = False
     fallbacks: int = 0
+    probe: bool = False
+    """Where the prompt would go, explained, without booking, counting, recording or session binding
+    (``kvrouter top``'s pinned prompt); ``/select`` only."""
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
@@ -283,5 +286,6 @@ def parse_select(body: Mapping[str, Any], *, tokens: npt.NDArray[np.uint32] | No
         lora_name=_opt_str(body, "lora_name", limit=MAX_NAME),
         cache_salt=_opt_str(body, "cache_salt"),
         explain=_bool(body, "explain"),
+        probe=_bool(body, "probe"),
         fallbacks=_int(body, "fallbacks", 0, high=MAX_FALLBACKS),
     )

@@ -1,0 +1,224 @@
+"""The real feeds against a real service: ``ShmFeed`` (control + stats segments, no request to the router)
+and ``HttpFeed`` (``/loads``, ``/workers``, ``/metrics``, ``/decisions``, ``/events``).
+
+One service for the module (``tests/service/conftest.py``'s ``serving``: its applier and two vLLM-format
+mock engines), found through its discovery file in a runtime dir of the module's own
+(``XDG_RUNTIME_DIR``). ``test_feed_gone.py`` stops a service under the feeds.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvrouter.index.layout import SHM_DIR
+from kvrouter.routing.config import RouterConfig
+from kvrouter.service import ServiceConfig
+from kvrouter.service.stats import EXPLAIN_INTERVAL_S
+from tests.conftest import _wait_until, free_port
+from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, serving
+from tui.feed import BadSource, HttpFeed, ShmFeed, discover, shm_names
+from tui.model import RouterGone, Snapshot
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def prompt(seed: int, blocks: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30_000) for _ in range(blocks * BLOCK + 3)]
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """XDG_RUNTIME_DIR of the module: the service publishes its discovery file under ``<it>/kvrouter``."""
+    base = tmp_path_factory.mktemp("runtime")
+    before = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = str(base)
+    try:
+        yield base / "kvrouter"
+    finally:
+        if before is None:
+            del os.environ["XDG_RUNTIME_DIR"]
+        else:
+            os.environ["XDG_RUNTIME_DIR"] = before
+
+
+@pytest.fixture(scope="module")
+def running(runtime: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    config = ServiceConfig(
+        port=0, shards=1, auth_token=TOKEN, health_interval_secs=0.1, drain_secs=2.0, router=RouterConfig()
+    )
+    with serving(config, tmp_path_factory.mktemp("service")) as run:
+        yield run
+    assert os.listdir(runtime) == []  # the discovery file went with the service
+
+
+def holds(run: Running, worker_id: int, tokens: list[int]) -> bool:
+    _, answer, _ = run.call("POST", "/query", {"model_name": MODEL, "token_ids": tokens})
+    return bool(answer["instances"].get(str(worker_id), {}).get("gpu", 0) >= len(tokens) // BLOCK * BLOCK)
+
+
+@pytest.fixture(scope="module")
+def warm(running: Running) -> Running:
+    """Both engines hold blocks (a completion each, indexed), and the router made decisions about them.
+
+    A first batch published while the router's subscription is still joining is lost without a trace
+    until the engine's next batch shows the gap (then it is replayed): so more batches follow until the
+    index holds the prompt."""
+    for wid, worker in zip((1, 2), running.workers, strict=True):
+        tokens = prompt(wid, blocks=4)
+        worker.complete(tokens, max_tokens=2)
+
+        def indexed(wid: int = wid, tokens: list[int] = tokens) -> bool:
+            return holds(running, wid, tokens)
+
+        for attempt in range(30):
+            try:
+                _wait_until(indexed, timeout=1.0, what="indexed")
+                break
+            except pytest.fail.Exception:
+                worker.complete(prompt(1000 + attempt, blocks=1), max_tokens=2)
+        else:
+            pytest.fail(f"worker {wid}'s blocks never reached the index")
+    for seed in (1, 2, 3):
+        running.ok("POST", "/select", {"model_name": MODEL, "token_ids": prompt(seed, blocks=4)})
+    return running
+
+
+@pytest.fixture
+def shm(runtime: Path, running: Running) -> Iterator[ShmFeed]:
+    (entry,) = discover(runtime)
+    feed = ShmFeed.of(entry)
+    try:
+        yield feed
+    finally:
+        feed.close()
+
+
+def settled(snapshot: Snapshot) -> bool:
+    """Both workers indexed with blocks, an explained decision, the registrations in the log."""
+    return (
+        len(snapshot.workers) == 2
+        and all(w.cached_blocks > 0 for w in snapshot.workers)
+        and any(d.candidates for d in snapshot.decisions)
+        and sum(e.kind == "registered" for e in snapshot.events) == 2
+    )
+
+
+def test_discover_finds_the_running_service(runtime: Path, running: Running):
+    (entry,) = discover(runtime)
+    assert (entry.pid, entry.url) == (os.getpid(), running.url)
+    assert (entry.control, entry.stats) == shm_names(str(os.getpid()))
+    assert os.path.exists(f"{SHM_DIR}/{entry.stats}")
+    assert os.path.exists(f"{SHM_DIR}/{entry.control}")
+    assert entry.started_at <= time.time()
+
+
+def test_shm_feed_sees_workers_blocks_decisions_and_events(warm: Running, shm: ShmFeed, wait_until: Any):
+    wait_until(lambda: settled(shm.poll()), what="the shm feed sees both workers' blocks and a decision explained")
+    snap = shm.poll()
+    assert snap.source == f"shm:kvrouter-{os.getpid()}-stats"
+    assert (snap.shards, snap.shards_up, snap.shards_recovering) == (1, 1, 0)
+    assert [(w.worker_id, w.dp_rank, w.model) for w in snap.workers] == [(1, 0, MODEL), (2, 0, MODEL)]
+    assert {w.state for w in snap.workers} <= {"exact", "partial"}
+    assert all(w.last_event_at is not None for w in snap.workers)
+    assert snap.events_total > 0
+    assert snap.decisions_total >= 3
+    assert snap.queries_total >= snap.decisions_total
+    assert snap.route_p50_us is not None
+    assert snap.route_p99_us is not None
+    assert 0 < snap.route_p50_us <= snap.route_p99_us
+    assert snap.started_at <= snap.taken_at
+    assert list(snap.weights) == ["credit", "scale", "decode", "work", "T"]
+    assert snap.extra["url"] == warm.url
+    explained = next(d for d in reversed(snap.decisions) if d.candidates)
+    assert sorted((c.worker_id, c.dp_rank) for c in explained.candidates) == [(1, 0), (2, 0)]
+    (chosen,) = [c for c in explained.candidates if c.selected]
+    assert (chosen.worker_id, chosen.dp_rank) == (explained.worker_id, explained.dp_rank)
+    assert chosen.total == pytest.approx(explained.cost)
+    assert [d.seq for d in snap.decisions] == sorted(d.seq for d in snap.decisions)
+    registered = [e for e in snap.events if e.kind == "registered"]
+    assert "worker_id=1 " in registered[0].text
+    assert "model_name=m " in registered[0].text
+
+
+def test_the_http_feed_agrees_with_the_shm_feed(warm: Running, shm: ShmFeed, wait_until: Any):
+    http = HttpFeed(warm.url)
+    wait_until(lambda: settled(http.poll()), what="the HTTP feed sees both workers' blocks and a decision explained")
+
+    def same() -> bool:
+        a, b = shm.poll(), http.poll()
+        rows = [(w.key, w.state, w.cached_blocks, w.requests, w.gaps_detected) for w in a.workers]
+        return (
+            rows == [(w.key, w.state, w.cached_blocks, w.requests, w.gaps_detected) for w in b.workers]
+            and (a.shards, a.shards_up, a.events_total, a.decisions_total, a.queries_total)
+            == (b.shards, b.shards_up, b.events_total, b.decisions_total, b.queries_total)
+            and [d.seq for d in a.decisions] == [d.seq for d in b.decisions]
+            and [e.seq for e in a.events] == [e.seq for e in b.events]
+            and a.weights == b.weights
+            and a.started_at == pytest.approx(b.started_at)
+        )
+
+    wait_until(same, what="both feeds say the same")
+    snap = http.poll()
+    assert snap.source == warm.url
+    assert snap.route_p50_us is not None
+    assert any(d.candidates for d in snap.decisions)
+
+
+def test_a_probe_shows_every_worker_and_books_nothing(warm: Running, shm: ShmFeed, wait_until: Any):
+    tokens = prompt(1, blocks=4)  # what worker 1 completed
+    wait_until(lambda: settled(shm.poll()), what="settled")
+
+    def marks() -> tuple[Any, ...]:
+        _, decisions, _ = warm.call("GET", "/decisions?since=0")
+        _, loads, _ = warm.call("GET", "/loads")
+        return decisions["last"], loads
+
+    before = marks()
+    for feed in (shm, HttpFeed(warm.url)):
+        rows = {(r.worker_id, r.dp_rank): r for r in feed.probe(tokens)}
+        assert sorted(rows) == [(1, 0), (2, 0)]
+        assert rows[1, 0].overlap_blocks == 4
+        assert rows[2, 0].overlap_blocks == 0
+        assert rows[1, 0].total < rows[2, 0].total
+    assert marks() == before  # no decision recorded, no load booked
+    status, _, _ = warm.call("POST", "/select_and_reserve", {"model_name": MODEL, "token_ids": tokens, "probe": True})
+    assert status == 400
+
+
+def test_decisions_are_explained_for_the_ring_at_a_bounded_rate(warm: Running):
+    _, before, _ = warm.call("GET", "/decisions?since=0")
+    started = time.monotonic()
+    answers = [warm.ok("POST", "/select", {"model_name": MODEL, "token_ids": prompt(50 + i, 2)}) for i in range(30)]
+    elapsed = time.monotonic() - started
+    _, after, _ = warm.call("GET", f"/decisions?since={before['last']}")
+    explained = [d for d in after["decisions"] if "explain" in d]
+    assert len(after["decisions"]) == 30
+    assert 1 <= len(explained) <= elapsed / EXPLAIN_INTERVAL_S + 1  # the invariant: one per interval at most
+    assert not any("explain" in a for a in answers)  # the client's answer is the unexplained one
+
+
+def test_bad_sources_are_clear_errors(running: Running):
+    control, stats = shm_names(str(os.getpid()))
+    assert shm_names(f"kvrouter-{os.getpid()}-ctl") == shm_names(stats) == (control, stats)
+    with pytest.raises(BadSource, match="expected kvrouter-<pid>-stats"):
+        shm_names("not-a-segment")
+    wrong = ShmFeed(control)  # a kvrouter segment, but not a stats one
+    with pytest.raises(BadSource, match="not a kvrouter stats segment"):
+        wrong.poll()
+    wrong.close()
+    missing = ShmFeed("kvrouter-999999999-stats")
+    with pytest.raises(RouterGone, match="not in /dev/shm"):
+        missing.poll()
+    missing.close()
+    with pytest.raises(RouterGone):
+        HttpFeed(f"http://127.0.0.1:{free_port()}").poll()
+    with pytest.raises(BadSource, match="404"):
+        HttpFeed(running.url + "/nothing-here").poll()

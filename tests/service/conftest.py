@@ -114,6 +114,11 @@ class Running:
         return answer
 
 
+SERVE_TIMEOUT = 240.0
+"""Seconds to readiness: on a cold numba cache the service compiles every kernel first, beside two mock
+engines compiling theirs, which took over a minute on a busy 2-core machine."""
+
+
 def serve(service: Service) -> tuple[threading.Thread, str]:
     """Run ``service`` on a new thread's event loop; returns once it listens."""
     ready: queue.Queue[str] = queue.Queue()
@@ -128,7 +133,7 @@ def serve(service: Service) -> tuple[threading.Thread, str]:
 
     thread = threading.Thread(target=main, name="kvrouter-service", daemon=True)
     thread.start()
-    url = ready.get(timeout=60)
+    url = ready.get(timeout=SERVE_TIMEOUT)
     assert not failed, failed
     assert url
     return thread, url

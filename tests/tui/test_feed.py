@@ -26,7 +26,7 @@ from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, serving
 from tui.feed import BadSource, HttpFeed, ShmFeed, discover, shm_names
 from tui.model import RouterGone, Snapshot
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # the first test starts the service: cold caches compile
 
 
 def prompt(seed: int, blocks: int) -> list[int]:

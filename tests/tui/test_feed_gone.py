@@ -16,7 +16,7 @@ from tests.service.conftest import serving
 from tui.feed import HttpFeed, ShmFeed, discover
 from tui.model import RouterGone
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # the first test starts the service: cold caches compile
 
 
 def test_feeds_say_the_router_is_gone_once_it_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait_until: Any):

@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvrouter.engine import WorkerStats, read_shards, read_workers
 from kvrouter.errors import StatsError
 from kvrouter.index.layout import PREFIX, SHM_DIR, Control, control_name, stats_name
-from kvrouter.service.discovery import Discovered, entries, pid_alive
+from kvrouter.service.discovery import Discovered, entries, pid_alive, runtime_dir
 from kvrouter.service.stats import DECISIONS_SHOWN, EVENTS_SHOWN, StatsReader, percentiles
 
 from .model import Candidate, Decision, LogEvent, ProbeRow, RouterGone, Snapshot, WorkerRow
@@ -48,6 +48,7 @@ __all__ = [
     "HTTP_TIMEOUT_S",
     "BadSource",
     "HttpFeed",
+    "LocalFeed",
     "ShmFeed",
     "decision_of",
     "discover",
@@ -386,6 +387,54 @@ class ShmFeed:
 
     def close(self) -> None:
         self._detach()
+
+
+class LocalFeed:
+    """Whichever ``kvrouter up`` runs on this host: found through the discovery files, followed through
+    its segments (:class:`ShmFeed`), and found afresh when it stops, so ``kvrouter top`` started before the
+    router, or left open across a restart, attaches by itself. With several running, the newest.
+
+    Args:
+        directory: the discovery directory (``runtime_dir()`` by default).
+        clock: as :class:`ShmFeed`'s.
+    """
+
+    def __init__(self, *, directory: Path | None = None, clock: Callable[[], float] = time.time) -> None:
+        self._directory = directory
+        self._clock = clock
+        self._feed: ShmFeed | None = None
+
+    @property
+    def source(self) -> str:
+        return "local (no kvrouter up found yet)" if self._feed is None else self._feed.source
+
+    def _current(self) -> ShmFeed:
+        if self._feed is None:
+            found = discover(self._directory)
+            if not found:
+                where = runtime_dir() if self._directory is None else self._directory
+                raise RouterGone(f"no kvrouter up on this host (no live discovery file in {where})")
+            self._feed = ShmFeed(found[-1].stats, clock=self._clock)
+        return self._feed
+
+    def _forget(self) -> None:
+        feed, self._feed = self._feed, None
+        if feed is not None:
+            feed.close()
+
+    def poll(self) -> Snapshot:
+        feed = self._current()
+        try:
+            return feed.poll()
+        except RouterGone:
+            self._forget()  # the next poll looks for a router again
+            raise
+
+    def probe(self, tokens: Sequence[int]) -> tuple[ProbeRow, ...]:
+        return self._current().probe(tokens)
+
+    def close(self) -> None:
+        self._forget()
 
 
 def _opt_float(value: Any) -> float | None:

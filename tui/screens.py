@@ -53,13 +53,13 @@ class NotThereScreen(Screen[None]):
         """What the last failed poll raised, as one line."""
         self.since = self.last_attempt = 0.0
         self.interval = 0.0
-        self._composed = False
-        """Set once mounted: before that there is no text widget to update (a screen's own
-        ``is_mounted`` stays False in textual 8.2.8)."""
+        self._text = Static(id="not-there-text")
+        """Made here, not in ``compose``: a report may come before the screen's children are mounted (a
+        query for them then fails), and a Static takes its content before it is mounted too."""
 
     def compose(self) -> ComposeResult:
         with Vertical(id="not-there"):
-            yield Static(id="not-there-text")
+            yield self._text
         yield Footer()
 
     def report(self, error: str, *, since: float, now: float, interval: float) -> None:
@@ -67,11 +67,6 @@ class NotThereScreen(Screen[None]):
         self.attempts += 1
         self.error = error
         self.since, self.last_attempt, self.interval = since, now, interval
-        if self._composed:
-            self._show()
-
-    def on_mount(self) -> None:
-        self._composed = True
         self._show()
 
     def _show(self) -> None:
@@ -87,7 +82,7 @@ class NotThereScreen(Screen[None]):
             f"{cells.duration(self.last_attempt - self.since)} ago, {attempts}\n\n",
             "The dashboard comes back by itself when the router answers again.  q quits.",
         )
-        self.query_one("#not-there-text", Static).update(text)
+        self._text.update(text)
 
 
 class HelpScreen(ModalScreen[None]):

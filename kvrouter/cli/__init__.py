@@ -9,7 +9,7 @@ import logging
 
 import typer
 
-from . import mock_worker, simulate, up, version
+from . import mock_worker, simulate, top, up, version
 
 __all__ = ["app", "configure_logging", "main"]
 
@@ -23,6 +23,7 @@ app = typer.Typer(
 app.command("version")(version.version)
 app.command("simulate", epilog=simulate.EPILOG)(simulate.simulate)
 app.command("up", epilog=up.EPILOG)(up.up)
+app.command("top", epilog=top.EPILOG)(top.top)
 app.command("mock-worker", epilog=mock_worker.EPILOG)(mock_worker.mock_worker)
 
 

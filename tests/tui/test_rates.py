@@ -23,6 +23,19 @@ def test_rates_need_two_snapshots_and_divide_by_the_interval() -> None:
     assert list(rates.history["decisions"]) == [rates.current["decisions"]]
 
 
+def test_a_rate_spans_the_window_not_one_refresh() -> None:
+    feed = FakeFeed()
+    rates = Rates(window=2.0)
+    seen = []
+    for _ in range(12):
+        seen.append(feed.poll())
+        rates.update(seen[-1])
+        feed.step(0.25)
+    now, then = seen[-1], seen[-9]  # 2 s before the last
+    assert rates.current["decisions"] == (now.decisions_total - then.decisions_total) / 2.0
+    assert rates.cached[(1, 0)] == (now.workers[0].cached_blocks - then.workers[0].cached_blocks) / 2.0
+
+
 def test_a_total_that_goes_down_or_a_restart_gives_no_rate() -> None:
     feed = FakeFeed()
     rates = Rates()

@@ -96,7 +96,7 @@ class HelpScreen(ModalScreen[None]):
             lines.append(f"{action}\n")
         lines.append(
             "\nColour is state only: red = failed or gap lost, yellow = stale, pending.\n"
-            "▶ marks the last decision's worker; overlap and costs are its terms\n"
+            "▶ marks the winner of the decision whose overlap and costs the rows show\n"
             "(or the pinned probe prompt's).  escape closes."
         )
         yield Static(lines, id="help")

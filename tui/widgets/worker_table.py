@@ -142,7 +142,8 @@ def build_lines(snapshot: Snapshot, rates: Rates, view: View, probe_rows: Sequen
     if explained is not None and view.probe is None:
         terms = {(candidate.worker_id, candidate.dp_rank): candidate for candidate in explained.candidates}
     probed = {(row.worker_id, row.dp_rank): row for row in probe_rows} if view.probe is not None else {}
-    chosen = (snapshot.decisions[-1].worker_id, snapshot.decisions[-1].dp_rank) if snapshot.decisions else None
+    shown = explained if terms else (snapshot.decisions[-1] if snapshot.decisions else None)
+    chosen = (shown.worker_id, shown.dp_rank) if shown is not None else None  # the winner of the terms shown
 
     prefill_shift = _shift((c.prefill_cost for c in terms.values()), view.normalised)
     decode_shift = _shift((float(c.decode_blocks) for c in terms.values()), view.normalised)

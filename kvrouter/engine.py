@@ -141,6 +141,8 @@ class ShardStats:
     events_applied: int
     last_event_ns: int
     """When the last event was applied, ``time.time_ns()``; 0 if none was."""
+    lag_us: int = 0
+    """The index lag: engine stamp to applied, smoothed over batches (``layout.S_LAG``); 0 before any."""
     errors: Mapping[str, int] = field(default_factory=dict)
     """Events rejected, by kind (``bad_event``, ``parent_not_found``, ...)."""
     workers: Mapping[WorkerKey, int] = field(default_factory=dict)
@@ -522,6 +524,7 @@ def read_shards(control: Control) -> list[ShardStats]:
         counters = control.stats(shard)
         events_applied = counters.pop("events_applied")
         last_event_ns = counters.pop("last_event_ns")
+        lag_us = counters.pop("lag_us")
         shards.append(
             ShardStats(
                 shard=shard,
@@ -533,6 +536,7 @@ def read_shards(control: Control) -> list[ShardStats]:
                 flushed=control.flushed(shard),
                 events_applied=events_applied,
                 last_event_ns=last_event_ns,
+                lag_us=lag_us,
                 errors=counters,
                 workers={(wid, rank): cached for wid, rank, cached in control.workers(shard).values()},
             )

@@ -374,6 +374,7 @@ class ShmFeed:
                 blob.get("explained") if isinstance(blob.get("explained"), Mapping) else None,
             ),
             events=tuple(log_event_of(e) for e in blob.get("events") or () if isinstance(e, Mapping)),
+            index_lag_ms=_lag_ms((s.lag_us for s in shards), 1e-3),
             extra=_extra(blob),
         )
 
@@ -435,6 +436,12 @@ class LocalFeed:
 
     def close(self) -> None:
         self._forget()
+
+
+def _lag_ms(lags: Iterable[float], to_ms: float) -> float | None:
+    """The index lag to show: the worst shard's, in ms; None when no shard has one yet (0)."""
+    worst = max((lag for lag in lags if lag > 0), default=0.0)
+    return worst * to_ms if worst else None
 
 
 def _opt_float(value: Any) -> float | None:
@@ -540,6 +547,7 @@ class HttpFeed:
             workers=_http_workers(loads, workers_answer),
             decisions=_recent(self._decisions, self._explained),
             events=tuple(log_event_of(e) for e in self._events),
+            index_lag_ms=_lag_ms(metrics.get("kvrouter_index_lag_seconds", {}).values(), 1e3),
             extra={"url": self.url},
         )
 

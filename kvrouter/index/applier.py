@@ -316,7 +316,7 @@ def _payload_applier(writer: ShardWriter, shard: int) -> Callable[[bytes], None]
                 log.warning("batch for a worker this shard does not own shard=%d worker=%s: bad_event", shard, worker)
             writer.count_bad_batch()
             return
-        writer.apply_batch(worker, batch.events)
+        writer.apply_batch(worker, batch.events, batch.timestamp or 0.0)
 
     return apply_payload
 

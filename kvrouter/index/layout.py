@@ -71,6 +71,11 @@ S_RESTARTS: Final = S_FLUSHED + 1
 S_ROWS_GEN: Final = S_RESTARTS + 1
 """Bumped (to odd, then even) around every change of which worker a row names; a reader that sees it
 move during a query re-reads, so a walk's bits are never attributed to a row's next owner."""
+S_LAG: Final = S_ROWS_GEN + 1
+"""The index lag in µs: how long after its engine stamped a batch the applier had it in the table,
+smoothed over batches (each moves it an eighth of the way; 0 until a stamped batch came). Engine
+stamps are the engine host's clock: across hosts the figure includes their clock offset (never below 1)."""
+LAG_SMOOTHING: Final = 8
 S_NAME: Final = 16
 NAME_BYTES: Final = 64
 WORKER_ROWS: Final = 4096
@@ -285,9 +290,15 @@ class Control:
         self._blocks[shard, S_NWORDS] = nwords
         self._blocks[shard, S_EPOCH] = epoch
 
-    def count_events(self, shard: int, events: int, now_ns: int) -> None:
-        self._blocks[shard, S_EVENTS] += events
-        self._blocks[shard, S_LAST_EVENT] = now_ns
+    def count_events(self, shard: int, events: int, now_ns: int, sent_at: float = 0.0) -> None:
+        """``events`` applied at ``now_ns``; ``sent_at`` is their batch's engine stamp [s] (0: none)."""
+        block = self._blocks[shard]
+        block[S_EVENTS] += events
+        block[S_LAST_EVENT] = now_ns
+        if sent_at > 0.0:
+            lag = max(1, int(now_ns / 1e3 - sent_at * 1e6))
+            before = int(block[S_LAG])
+            block[S_LAG] = lag if before == 0 else max(1, before + (lag - before) // LAG_SMOOTHING)
 
     def count_error(self, shard: int, kind: str) -> None:
         self._blocks[shard, S_ERRORS + ERROR_KINDS.index(kind)] += 1
@@ -295,7 +306,12 @@ class Control:
     def stats(self, shard: int) -> dict[str, int]:
         block = self._blocks[shard]
         counters = {kind: int(block[S_ERRORS + i]) for i, kind in enumerate(ERROR_KINDS)}
-        return {"events_applied": int(block[S_EVENTS]), **counters, "last_event_ns": int(block[S_LAST_EVENT])}
+        return {
+            "events_applied": int(block[S_EVENTS]),
+            **counters,
+            "last_event_ns": int(block[S_LAST_EVENT]),
+            "lag_us": int(block[S_LAG]),
+        }
 
     def workers(self, shard: int) -> dict[int, tuple[int, int, int]]:
         """Rows in use: mask bit → (worker_id, dp_rank, cached device blocks)."""

@@ -213,9 +213,10 @@ class ShardWriter:
         self._count(1, [kind] if kind else [])
         return kind
 
-    def apply_batch(self, worker: WorkerKey, events: Sequence[RawEvent]) -> list[str]:
+    def apply_batch(self, worker: WorkerKey, events: Sequence[RawEvent], sent_at: float = 0.0) -> list[str]:
         """Apply one worker's events, already decoded into packed arrays (no object per block), in order;
-        count them once. Returns the error kinds met, one per failed event, in order.
+        count them once, with their batch's engine stamp ``sent_at`` (0: none) for the index lag. Returns
+        the error kinds met, one per failed event, in order.
 
         A lone event goes to its kernel as is; consecutive Stored and Removed events of one tier go to
         ``apply_run`` in one call (their arrays concatenated), a Cleared event on its own."""
@@ -240,16 +241,16 @@ class ShardWriter:
                     errors.extend(self._apply_run(bit, events[first:end]))
                 first = end
             self._sync_cached(bit)
-        self._count(len(events), errors)
+        self._count(len(events), errors, sent_at)
         return errors
 
     def count_bad_batch(self) -> None:
         """A message for this shard did not decode: one ``bad_event``, no event applied."""
         self._count(0, [BadEvent.kind])
 
-    def _count(self, events: int, errors: list[str]) -> None:
+    def _count(self, events: int, errors: list[str], sent_at: float = 0.0) -> None:
         """Bump the shard's counters once per call, not per event: they are shared-memory words."""
-        self.control.count_events(self.shard, events, time.time_ns())
+        self.control.count_events(self.shard, events, time.time_ns(), sent_at)
         for kind in errors:
             self.control.count_error(self.shard, kind)
 

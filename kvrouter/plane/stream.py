@@ -95,6 +95,8 @@ class Unit(NamedTuple):
     events: tuple[RawEvent, ...]
     dropped_blocks: int = 0
     skipped_events: int = 0
+    sent_at: float = 0.0
+    """The batch's engine stamp [s] (0: none), for the index lag."""
 
 
 TAIL_CHECK_S: Final = 2.0
@@ -250,7 +252,7 @@ class Stream:
             return None
         self._events_seen += len(batch.events)
         if self.spec.format != "kvrouter":
-            return Unit(seq, seq, batch.events, batch.dropped_blocks, batch.skipped_events)
+            return Unit(seq, seq, batch.events, batch.dropped_blocks, batch.skipped_events, batch.timestamp or 0.0)
         events = batch.events
         if not events:
             return None
@@ -258,7 +260,7 @@ class Stream:
         if len(events) > 1 and [event.event_id for event in events] != list(range(first, first + len(events))):
             self._bad(f"event ids {first}..{last} are not consecutive", "ids")
             return None
-        return Unit(first, last, events)
+        return Unit(first, last, events, sent_at=batch.timestamp or 0.0)
 
     def _bad(self, what: str, kind: str) -> None:
         self._bump(W_BAD_FRAMES)
@@ -305,7 +307,7 @@ class Stream:
         if self.cursor is not None and unit.first <= self.cursor:  # overlaps what is applied: keep the rest
             events = tuple(e for e in events if e.event_id > self.cursor)
         if events:
-            self._writer.apply_batch(self.key, events)
+            self._writer.apply_batch(self.key, events, unit.sent_at)
         self._bump(W_EVENTS, len(events))
         if unit.dropped_blocks:
             self._bump(W_DROPPED_BLOCKS, unit.dropped_blocks)

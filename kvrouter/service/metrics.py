@@ -26,8 +26,9 @@ labels carry ``worker_id`` / ``dp_rank`` / ``shard`` and the code's own kinds (`
 ``EventError.kind``, ``WORKER_STATES``, the gap outcomes), never a request id or a hash. Where the
 control segment holds no figure the spec proposes, the family is left out rather than faked:
 events by type (``stored``/``removed``/``cleared``: the shard block counts events applied and
-errors by kind, not types), an event-lag histogram (only the time of the last event is kept; its age
-is exported as a gauge) and a shard queue depth (the appliers' ZMQ queues are not visible from here).
+errors by kind, not types), an event-lag histogram (the shard block keeps one smoothed lag, exported
+as a gauge, and the time of the last event, whose age is another) and a shard queue depth (the
+appliers' ZMQ queues are not visible from here).
 """
 
 from __future__ import annotations
@@ -152,6 +153,11 @@ class ServiceCollector(Collector):
             "Seconds since the shard last applied an event (absent before the first)",
             labels=["shard"],
         )
+        lag = GaugeMetricFamily(
+            "kvrouter_index_lag_seconds",
+            "Engine stamp to applied in the index, smoothed over the shard's batches (absent before the first)",
+            labels=["shard"],
+        )
         errors = dict.fromkeys(ERROR_KINDS, 0)
         for shard in shards:
             label = str(shard.shard)
@@ -163,11 +169,13 @@ class ServiceCollector(Collector):
             applied.add_metric([label], shard.events_applied)
             if shard.last_event_ns:
                 age.add_metric([label], max(0.0, (now_ns - shard.last_event_ns) / 1e9))
+            if shard.lag_us:
+                lag.add_metric([label], shard.lag_us / 1e6)
             for kind, count in shard.errors.items():
                 errors[kind] = errors.get(kind, 0) + count
         for kind, count in errors.items():
             rejected.add_metric([kind], count)
-        yield from (up, status, restarts, epoch, applied, rejected, age)
+        yield from (up, status, restarts, epoch, applied, rejected, age, lag)
 
         labels = ["worker_id", "dp_rank"]
         cached = GaugeMetricFamily("kvrouter_worker_cached_blocks", "Device blocks the index holds", labels=labels)

@@ -4,6 +4,7 @@ hypothesis streams, with 1, 2 and 4 shards; growth; worker rows."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from kvrouter.events.model import (
 )
 from kvrouter.index import RadixIndex
 from kvrouter.index.layout import H_CAPACITY, H_LIVE, H_NWORDS
+from kvrouter.index.writer import raw_event
 from tests.index.contract import error_kind, replay
 from tests.index.shm import InProcessShards
 
@@ -230,6 +232,23 @@ def test_worker_rows_count_cached_device_blocks():
         assert index.control.workers(0) == {0: (3, 1, 2)}
         index.clear_all_blocks(3)
         assert index.control.workers(0) == {0: (3, 1, 0)}
+    finally:
+        index.close()
+
+
+def test_the_shard_block_keeps_a_smoothed_index_lag_of_stamped_batches():
+    index = InProcessShards(1)
+    try:
+        writer = index.writers[0]
+        worker = (3, 0)
+        writer.apply_batch(worker, [raw_event(_chain_event(3, [1], 100))])  # no stamp: no lag yet
+        assert index.control.stats(0)["lag_us"] == 0
+        writer.apply_batch(worker, [raw_event(_chain_event(3, [2], 101))], time.time() - 0.8)
+        first = index.control.stats(0)["lag_us"]
+        assert 800_000 <= first < 10_000_000  # the first stamped batch sets it
+        for n in range(40):  # prompt batches pull it down an eighth of the way each
+            writer.apply_batch(worker, [raw_event(_chain_event(3, [10 + n], 200 + n))], time.time())
+        assert 0 < index.control.stats(0)["lag_us"] < first / 50
     finally:
         index.close()
 

@@ -135,6 +135,8 @@ def test_shm_feed_sees_workers_blocks_decisions_and_events(warm: Running, shm: S
     assert snap.route_p99_us is not None
     assert 0 < snap.route_p50_us <= snap.route_p99_us
     assert snap.started_at <= snap.taken_at
+    assert snap.index_lag_ms is not None  # the mocks stamp their batches on this host's clock
+    assert 0 < snap.index_lag_ms < 60_000
     assert list(snap.weights) == ["credit", "scale", "decode", "work", "T"]
     assert snap.extra["url"] == warm.url
     explained = next(d for d in reversed(snap.decisions) if d.candidates)
@@ -169,6 +171,8 @@ def test_the_http_feed_agrees_with_the_shm_feed(warm: Running, shm: ShmFeed, wai
     snap = http.poll()
     assert snap.source == warm.url
     assert snap.route_p50_us is not None
+    assert snap.index_lag_ms is not None
+    assert 0 < snap.index_lag_ms < 60_000
     assert any(d.candidates for d in snap.decisions)
 
 

@@ -13,19 +13,17 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from textual.widgets import DataTable, Static
 
 from kvrouter.index.sweep import sweep_leftovers
-from tests.service.test_up import START_TIMEOUT_S, URL_LINE, Up, descendants, start_up, still_there
+from tests.service.test_up import START_TIMEOUT_S, URL_LINE, Up, descendants, still_there
 from tui.app import TopApp
 from tui.feed import LocalFeed
 from tui.screens import NotThereScreen
-
-__all__ = ["start_up"]  # the fixture, imported for this module's tests
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -54,15 +52,31 @@ def newest_decision(app: TopApp) -> int:
     return app.snapshot.decisions[-1].seq if app.snapshot and app.snapshot.decisions else 0
 
 
-async def test_top_follows_a_live_router_then_says_it_is_gone_when_killed(
-    start_up: Callable[..., Up], tmp_path: Path, shm_entries: Callable[[int], list[str]]
-) -> None:
-    runtime = tmp_path / "run"
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Up, Path]]:
+    """One ``kvrouter up`` (two mock engines, the demo client) for the module, with its discovery file in
+    a runtime directory of its own; the last test kills it, and whatever it left is cleaned here."""
+    folder = tmp_path_factory.mktemp("live")
+    runtime = folder / "run"
     runtime.mkdir(mode=0o700)
-    up = start_up("--mock-workers", "2", "--shards", "1", "--client-rate", "8", env={"XDG_RUNTIME_DIR": str(runtime)})
-    up.expect(URL_LINE, START_TIMEOUT_S)
-    up.expect(BANNER, START_TIMEOUT_S)
-    app = TopApp(LocalFeed(directory=runtime / "kvrouter"), manual=True)
+    up = Up(
+        "--mock-workers", "2", "--shards", "1", "--client-rate", "8",
+        stderr=folder / "up.err", env_extra={"XDG_RUNTIME_DIR": str(runtime)},
+    )  # fmt: skip
+    tree: list[tuple[int, str]] = []
+    try:
+        up.expect(URL_LINE, START_TIMEOUT_S)
+        up.expect(BANNER, START_TIMEOUT_S)
+        tree = descendants(up.proc.pid)
+        yield up, runtime / "kvrouter"
+    finally:
+        up.close()
+        kill_and_sweep(tree)
+
+
+async def test_top_over_a_live_router_shows_its_workers_and_its_decisions_moving(live: tuple[Up, Path]) -> None:
+    up, discovery = live
+    app = TopApp(LocalFeed(directory=discovery), manual=True)
     async with app.run_test(size=SIZE) as pilot:
         await until(app, lambda: app.table.row_count == 2 and all(cached(app)) and newest_decision(app) > 0)
         assert app.feed.source == f"shm:kvrouter-{up.proc.pid}-stats"
@@ -77,18 +91,26 @@ async def test_top_follows_a_live_router_then_says_it_is_gone_when_killed(
         assert app.decision_log.row_count == len(app.snapshot.decisions) > 1
         assert str(app.decision_log.get_row_at(0)[0]).strip() == str(newest_decision(app))  # newest on top
 
+
+async def test_top_says_the_router_is_gone_when_it_is_killed_under_it(
+    live: tuple[Up, Path], shm_entries: Callable[[int], list[str]]
+) -> None:
+    up, discovery = live
+    app = TopApp(LocalFeed(directory=discovery), manual=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(app, lambda: app.table.row_count == 2)
         tree = descendants(up.proc.pid)
-        try:
-            up.proc.send_signal(signal.SIGKILL)  # no shutdown: its discovery file and segments stay behind
-            up.proc.wait()
-            await until(app, lambda: isinstance(app.screen, NotThereScreen), timeout=30)
-            await pilot.pause()
-            assert app.router_gone
-            text = str(app.screen.query_one("#not-there-text", Static).content)
-            assert "router not there" in text
-            assert f"pid {up.proc.pid}" in text
-        finally:
-            kill_and_sweep(tree)
+        up.proc.send_signal(signal.SIGKILL)  # no shutdown: its discovery file and segments stay behind
+        up.proc.wait()
+        await until(app, lambda: isinstance(app.screen, NotThereScreen), timeout=30)
+        await pilot.pause()
+        assert app.router_gone
+        text = str(app.screen.query_one("#not-there-text", Static).content)
+        assert "router not there" in text
+        assert f"pid {up.proc.pid}" in text
+        await app.tick()  # and it keeps trying: nothing else runs here, so it stays not there
+        assert isinstance(app.screen, NotThereScreen)
+    kill_and_sweep(tree)
     assert shm_entries(up.proc.pid) == []
 
 

@@ -781,5 +781,6 @@ def _banner_without_demo(url: str, config: ServiceConfig) -> str:
         f"  curl -s {url}/health\n"
         f"  curl -s {url}/workers\n"
         f"  curl -s {url}/metrics\n"
+        "  kvrouter top   # in another terminal: the live dashboard\n"
         "Ctrl-C stops it."
     )

@@ -332,6 +332,7 @@ class Embedded:
             f"  curl -s {url}/loads",
             f"  curl -s {url}/select -d '{select}'",
             f"  curl -s '{url}/decisions?since=0'   # the last decisions, each candidate's cost terms",
+            "  kvrouter top   # in another terminal (from a checkout: .venv/bin/kvrouter top): the live dashboard",
             "Status every few seconds: decisions/s, hit rate (router-predicted / engine-reported), active blocks per "
             "worker. Ctrl-C stops everything.",
         ])  # fmt: skip

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import sys
 import time
 from array import array
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -73,7 +74,19 @@ class MockHttpServer(ThreadingHTTPServer):
         self.engine = engine
         self.request_timeout = request_timeout
         self.errors_logged: set[str] = set()
+        self.connection_errors = 0
+        """Connections that failed outside a route (a client that reset before its request was read)."""
         super().__init__((host, port), _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that failed before a route ran: counted, logged once per kind, never the standard
+        library's traceback on stderr (a client behind a router resets connections as a matter of course)."""
+        self.connection_errors += 1
+        error = sys.exc_info()[1]
+        kind = f"connection:{type(error).__name__}"
+        if kind not in self.errors_logged:
+            self.errors_logged.add(kind)
+            log.warning("mock http connection failed client=%s error=%r (logged once per kind)", client_address, error)
 
     @property
     def url(self) -> str:

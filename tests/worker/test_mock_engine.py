@@ -8,6 +8,8 @@ to it, subscribes to its KV events and decodes them with the vLLM decoder, as a 
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -313,6 +315,19 @@ def test_bad_completion_requests_get_400_naming_the_field(start_worker):
         assert status == 400, body
         assert names in answer["error"]["message"], body
     assert worker.complete([1, 2, 3], 1)["usage"]["completion_tokens"] == 1  # still serving
+
+
+def test_a_client_resetting_its_connection_is_not_a_traceback_and_the_worker_keeps_serving(start_worker, tmp_path):
+    worker = start_worker()
+    host, port = worker.http.removeprefix("http://").rsplit(":", 1)
+    for _ in range(3):  # reset mid request line: the server's read fails with ECONNRESET
+        with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+            sock.sendall(b"GET /hea")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    assert worker.complete([1, 2, 3], 1)["usage"]["completion_tokens"] == 1  # still serving
+    logged = (tmp_path / "worker0.err").read_text()
+    assert "Traceback" not in logged
+    assert logged.count("mock http connection failed") <= 1
 
 
 def test_bad_control_requests_get_400_and_unknown_routes_404(start_worker):

@@ -129,6 +129,7 @@ __all__ = [
     "read_rows",
     "rehash_map",
     "remove",
+    "scratch_words",
     "store",
     "walk",
 ]
@@ -794,15 +795,30 @@ p50 went down about 0.7-1.3 µs, a 512-block one's 0.5-0.7 (its extra chaining p
 still ``PREFETCH_AHEAD``). Prefetching 64 ahead all along instead cost 512-block queries 1.8 µs."""
 
 
+@_inlined
+def scratch_words(ntiers: int, nwords: int, blocks: int) -> int:
+    """Words of ``walk``'s scratch for masks ``nwords`` wide and a query of ``blocks`` blocks."""
+    return 3 * ntiers * nwords + 1 + blocks
+
+
+@_inlined
+def _first(scratch: Table, ntiers: int, nwords: int) -> Table:
+    """``walk``'s record of the bits holding the query's first block, per tier (see ``walk``)."""
+    return scratch[2 * ntiers * nwords : 3 * ntiers * nwords]
+
+
 @_kernel
 def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Counts, scratch: Table) -> int:
     """Per worker bit and tier, the leading query blocks held in that tier or a faster one.
 
     ``local`` holds the query's local hashes; the sequence hashes are chained here, only as far as the
-    walk goes. ``scores`` is ``[ntiers, nwords * 64]``, zeroed by the caller; ``scratch`` holds at least
-    ``2 * ntiers * nwords + len(local)`` words (running masks, sequence hashes). Returns the blocks walked,
-    or -1 when a slot stayed mid-write. The walk ends at the first block the shard does not hold, or as
-    soon as no worker of the shard is left.
+    walk goes. ``scores`` is ``[ntiers, nwords * 64]``; ``scratch`` holds ``scratch_words`` words (running
+    masks, the first block's masks, sequence hashes). Only the bits holding the first block get a score
+    (every one of them, at least 1), and ``_first(scratch, ...)`` says which: the callers read those and
+    nothing else, so no score is zeroed and no bit of a wide, mostly idle fleet scanned (at 4,096
+    workers that was 16,384 words zeroed and scanned per shard and query). Returns the blocks walked, or
+    -1 when a slot stayed mid-write. The walk ends at the first block the shard does not hold, or as soon
+    as no worker of the shard is left.
     """
     nwords = _i64(table[H_NWORDS])
     width = SLOT_MASKS + TIERS * nwords
@@ -811,8 +827,10 @@ def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Count
     n = local.size
     alive = scratch[: ntiers * nwords]
     seen = scratch[ntiers * nwords : 2 * ntiers * nwords]
-    seqs = scratch[2 * ntiers * nwords : 2 * ntiers * nwords + n]
+    first = _first(scratch, ntiers, nwords)
+    seqs = scratch[3 * ntiers * nwords : 3 * ntiers * nwords + n]
     alive[:] = _ZERO
+    first[:] = _ZERO
     chained = 0
     for i in range(n):  # hot path: one seqlocked probe per block
         while chained < n and (chained <= i + PREFETCH_AHEAD or chained < PREFETCH_FIRST):
@@ -834,6 +852,8 @@ def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Count
             now = before_mask & seen[j]
             if i > 0:
                 _drop(scores, j // nwords, (j % nwords) * 64, before_mask & ~now, i)
+            else:
+                first[j] = now
             alive[j] = now
             if now != _ZERO:
                 left = True
@@ -855,11 +875,11 @@ def _walk_shard(
     scratch: Table,
 ) -> int:
     """``walk`` one shard for ``query_shards`` / ``overlap_shards``, into ``scores`` (``[ntiers, bits]`` of the
-    table's bits, zeroed here). ``OK`` when the walk ran inside rows generation ``generation`` (the one the
-    reader's bit map was read at, so the bits name the rows the map holds) or the shard has no live key
-    (scores all 0); else ``STALE_TABLE`` (``table`` is not the shard's current one), ``ROWS_CHANGED`` (the
-    generation is not ``generation``, or moved during the walk), ``ROWS_MOVING`` (odd for ``STUCK_SPINS``
-    reads) or ``SLOT_STUCK``, with ``scores`` meaningless."""
+    table's bits; only the bits ``_first`` names are written). ``OK`` when the walk ran inside rows
+    generation ``generation`` (the one the reader's bit map was read at, so the bits name the rows the map
+    holds) or the shard has no live key (no bit named); else ``STALE_TABLE`` (``table`` is not the
+    shard's current one), ``ROWS_CHANGED`` (the generation is not ``generation``, or moved during the
+    walk), ``ROWS_MOVING`` (odd for ``STUCK_SPINS`` reads) or ``SLOT_STUCK``, with ``scores`` meaningless."""
     block = HEADER_WORDS + shard * SHARD_BLOCK_WORDS
     epoch = _load(table, H_EPOCH)
     odd = 0
@@ -874,8 +894,8 @@ def _walk_shard(
         return STALE_TABLE
     if _i64(current) != generation:
         return ROWS_CHANGED
-    scores[:] = 0
     if _load(table, H_LIVE) == _ZERO:
+        _first(scratch, ntiers, _i64(table[H_NWORDS]))[:] = _ZERO  # no bit holds anything
         return OK
     _fence()
     if walk(table, local, ntiers, scores, scratch) < 0:
@@ -1061,8 +1081,8 @@ def _buffers(ctx: Meta, n: int, ntiers: int) -> tuple[Counts, Table]:
     scratch = carray(_words_at(ctx[CTX_SCRATCH]), (ctx[CTX_SCRATCH + 1],))
     if work.size < ntiers * nwords * 64:
         work = np.empty(ntiers * nwords * 64, dtype=np.int64)
-    if scratch.size < 2 * ntiers * nwords + 1 + n:
-        scratch = np.empty(2 * ntiers * nwords + 1 + n, dtype=np.uint64)
+    if scratch.size < scratch_words(ntiers, nwords, n):
+        scratch = np.empty(scratch_words(ntiers, nwords, n), dtype=np.uint64)
     return work, scratch
 
 
@@ -1089,14 +1109,19 @@ def _query(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int) -> int:
             failed = True
             continue
         first = shard * rows
+        nwords = _i64(table[H_NWORDS])
+        held = _first(scratch, ntiers, nwords)
         for tier in range(ntiers):
-            for bit in range(scores.shape[1]):
-                depth = scores[tier, bit]
-                if depth > 0 and bit_keys[first + bit] >= 0:
-                    found[count] = bit_keys[first + bit]
-                    found[cap + count] = depth
-                    found[2 * cap + count] = tier
-                    count += 1
+            for word in range(nwords):
+                bits = held[tier * nwords + word]
+                while bits != _ZERO:  # only the bits holding the first block have a score
+                    bit = word * 64 + _lowest_bit(bits)
+                    bits &= bits - _ONE
+                    if bit_keys[first + bit] >= 0:
+                        found[count] = bit_keys[first + bit]
+                        found[cap + count] = scores[tier, bit]
+                        found[2 * cap + count] = tier
+                        count += 1
     found[count : 2 * count] = found[cap : cap + count]
     found[2 * count : 3 * count] = found[2 * cap : 2 * cap + count]
     return -1 - count if failed else count
@@ -1191,13 +1216,17 @@ def overlap_shards(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int, out: C
             failed += 1
             continue
         first = shard * rows
+        nwords = _i64(table[H_NWORDS])
+        held = _first(scratch, ntiers, nwords)
         for tier in range(ntiers):
-            for bit in range(scores.shape[1]):
-                depth = scores[tier, bit]
-                if depth > 0:
+            for word in range(nwords):
+                bits = held[tier * nwords + word]
+                while bits != _ZERO:  # only the bits holding the first block have a score
+                    bit = word * 64 + _lowest_bit(bits)
+                    bits &= bits - _ONE
                     slot = bit_slots[first + bit]
                     if slot >= 0:
-                        out[tier, slot] = depth
+                        out[tier, slot] = scores[tier, bit]
     return failed
 
 

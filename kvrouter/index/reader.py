@@ -108,7 +108,7 @@ class IndexReader:
         """Where ``match_words`` / ``match_shards`` put the answer dict they build."""
         nwords = -(-rows // 64)
         self._work = np.empty(TIERS * nwords * 64, dtype=np.int64)
-        self._scratch = np.empty(2 * TIERS * nwords + 1 + SCRATCH_BLOCKS, dtype=np.uint64)
+        self._scratch = np.empty(kernels.scratch_words(TIERS, nwords, SCRATCH_BLOCKS), dtype=np.uint64)
         self._query = np.empty(SCRATCH_BLOCKS, dtype=np.uint64)
         """Where ``match_list`` converts a list query."""
         self._nwords = [0] * shards
@@ -392,9 +392,11 @@ class IndexReader:
         """Name ``words`` as the shard's table in the context, with the work buffers wide enough for it."""
         self._nwords[shard] = int(words[H_NWORDS])
         nwords = max(self._nwords)
-        if self._work.size < TIERS * nwords * 64 or self._scratch.size < 2 * TIERS * nwords + 1 + SCRATCH_BLOCKS:
+        if self._work.size < TIERS * nwords * 64 or self._scratch.size < kernels.scratch_words(
+            TIERS, nwords, SCRATCH_BLOCKS
+        ):
             self._work = np.empty(TIERS * nwords * 64, dtype=np.int64)
-            self._scratch = np.empty(2 * TIERS * nwords + 1 + SCRATCH_BLOCKS, dtype=np.uint64)
+            self._scratch = np.empty(kernels.scratch_words(TIERS, nwords, SCRATCH_BLOCKS), dtype=np.uint64)
             ctx = self._ctx
             ctx[kernels.CTX_WORK], ctx[kernels.CTX_WORK + 1] = self._work.ctypes.data, self._work.size
             ctx[kernels.CTX_SCRATCH], ctx[kernels.CTX_SCRATCH + 1] = self._scratch.ctypes.data, self._scratch.size

@@ -43,6 +43,7 @@ from .index.layout import (
     STATUS_UP,
     W_BAD_FRAMES,
     W_CACHED,
+    W_CACHED_BY_TIER,
     W_DP_RANK,
     W_DROPPED_BLOCKS,
     W_EVENTS,
@@ -160,7 +161,10 @@ class WorkerStats:
     stale: bool
     """Nothing heard for ``PlaneConfig.stale_after`` seconds."""
     cached_blocks: int
-    """Device blocks the index holds for it."""
+    """Device blocks the index holds for it (``cached_by_tier["device"]``)."""
+    cached_by_tier: Mapping[str, int]
+    """Blocks the index holds for it in each tier, by ``StorageTier`` value (``device``, ``host``, ``disk``,
+    ``shared``; all four always present). A block held in two tiers counts in both."""
     last_id: int | None
     """The last sequence number (vLLM, SGLang) or event id (kvrouter format) applied."""
     last_event_ns: int
@@ -185,6 +189,7 @@ class WorkerStats:
             state=WORKER_STATES.get(row[W_STATE], "unknown"),
             stale=bool(row[W_STALE]),
             cached_blocks=row[W_CACHED],
+            cached_by_tier={tier.value: row[word] for tier, word in zip(StorageTier, W_CACHED_BY_TIER, strict=True)},
             last_id=None if row[W_LAST_ID] == NO_ID else row[W_LAST_ID],
             last_event_ns=row[W_LAST_EVENT_NS],
             gaps_detected=row[W_GAPS_DETECTED],

@@ -38,7 +38,7 @@ from tui.screens import DetailScreen, HelpScreen, NotThereScreen, ProbeScreen
 from tui.view import INTERVALS, SORT_KEYS, Pane, View
 from tui.widgets import DecisionLog, EventLog, Meters, RateStrip, WorkerTable
 from tui.widgets.meters import Status
-from tui.widgets.worker_table import build_lines, choose_columns
+from tui.widgets.worker_table import build_lines, choose_columns, held_tiers
 
 __all__ = ["TopApp"]
 
@@ -209,7 +209,12 @@ class TopApp(App[None]):
         with_p = snapshot.weights.get("T", 0.0) > 0
         lines = build_lines(snapshot, self.rates, self.view, self.probe_rows)
         worker_chars = max((line.cells["worker"].cell_len for line in lines), default=0)
-        columns = choose_columns(self.table.size.width or self.size.width, with_p=with_p, worker_chars=worker_chars)
+        columns = choose_columns(
+            self.table.size.width or self.size.width,
+            with_p=with_p,
+            worker_chars=worker_chars,
+            tiers=held_tiers(snapshot.workers),
+        )
         status = Status(
             now=self.clock(),
             stale_after=max(1.0, STALE_INTERVALS * self.view.interval),

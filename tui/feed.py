@@ -42,7 +42,7 @@ from kvrouter.index.layout import PREFIX, SHM_DIR, Control, control_name, stats_
 from kvrouter.service.discovery import Discovered, entries, pid_alive, runtime_dir
 from kvrouter.service.stats import DECISIONS_SHOWN, EVENTS_SHOWN, StatsReader, percentiles
 
-from .model import Candidate, Decision, LogEvent, ProbeRow, RouterGone, Snapshot, WorkerRow
+from .model import TIERS, Candidate, Decision, LogEvent, ProbeRow, RouterGone, Snapshot, WorkerRow
 
 __all__ = [
     "HTTP_TIMEOUT_S",
@@ -159,13 +159,19 @@ def _state(plane: str | None, stale: bool, unhealthy: Any, approximate: bool) ->
     return "stale" if stale else plane
 
 
-def _row(load: Mapping[str, Any], state: str, cached: int, gaps: tuple[int, int], last: float | None) -> WorkerRow:
+def _row(
+    load: Mapping[str, Any], state: str, cached: Mapping[str, Any], gaps: tuple[int, int], last: float | None
+) -> WorkerRow:
+    """One worker's row; ``cached`` is its blocks by tier name (``WorkerStats.cached_by_tier``, the
+    ``/workers`` listener's ``cached_by_tier``), a tier missing from it counting 0."""
+    device, host, disk, shared = (_int(cached.get(tier)) for tier in TIERS)
     return WorkerRow(
         worker_id=_int(load.get("worker_id")),
         dp_rank=_int(load.get("dp_rank")),
         model=str(load.get("model_name", "")),
         state=state,
-        cached_blocks=cached,
+        cached_blocks=device,
+        cached_offloaded=(host, disk, shared),
         active_blocks=_int(load.get("potential_decode_blocks")),
         prefill_tokens=_int(load.get("potential_prefill_tokens")),
         requests=_int(load.get("active_requests")),
@@ -345,10 +351,10 @@ class ShmFeed:
             row = rows.get((_int(load.get("worker_id")), _int(load.get("dp_rank"))))
             state = _state(row.state if row else None, bool(row and row.stale), load.get("unhealthy"), approximate)
             if row is None:
-                workers.append(_row(load, state, 0, (0, 0), None))
+                workers.append(_row(load, state, {}, (0, 0), None))
             else:
                 last = row.last_event_ns / 1e9 if row.last_event_ns else None
-                workers.append(_row(load, state, row.cached_blocks, (row.gaps_detected, row.gaps_lost), last))
+                workers.append(_row(load, state, row.cached_by_tier, (row.gaps_detected, row.gaps_lost), last))
         workers.sort(key=lambda w: w.key)
         weights = blob.get("weights")
         return Snapshot(
@@ -612,5 +618,8 @@ def _http_workers(loads: Iterable[Mapping[str, Any]], instances: Iterable[Any]) 
         state = _state(plane, bool(listener.get("stale")), unhealthy, approximate)
         gaps = (_int(listener.get("gaps_detected")), _int(listener.get("gaps_lost")))
         last = _opt_float(listener.get("last_event_at"))
-        workers.append(_row(load, state, _int(listener.get("cached_blocks")), gaps, last))
+        tiers = listener.get("cached_by_tier")
+        if not isinstance(tiers, dict):  # a router from before layout 3: its device count only
+            tiers = {TIERS[0]: listener.get("cached_blocks")}
+        workers.append(_row(load, state, tiers, gaps, last))
     return tuple(sorted(workers, key=lambda w: w.key))

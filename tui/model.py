@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 __all__ = [
+    "TIERS",
     "Candidate",
     "Decision",
     "Feed",
@@ -25,6 +26,10 @@ __all__ = [
     "Snapshot",
     "WorkerRow",
 ]
+
+TIERS: Final = ("device", "host", "disk", "shared")
+"""The storage tiers, fastest first: ``kvrouter``'s ``StorageTier`` values in its order (kept apart so the
+app imports nothing of the router; ``tests/tui/test_feed.py`` pins the two equal)."""
 
 
 class RouterGone(Exception):
@@ -49,10 +54,19 @@ class WorkerRow:
     gaps_lost: int
     last_event_at: float | None
     """When its last KV event arrived; None if none did."""
+    cached_offloaded: tuple[int, int, int] = (0, 0, 0)
+    """Blocks the index holds in the host, disk and shared tiers (``TIERS[1:]``); ``cached_blocks`` is the
+    device tier's. Kept apart from it rather than as a four-tuple beside it, so the device count cannot be
+    given twice and disagree."""
 
     @property
     def key(self) -> tuple[int, int]:
         return self.worker_id, self.dp_rank
+
+    @property
+    def cached_by_tier(self) -> tuple[int, int, int, int]:
+        """Cached blocks per tier, in ``TIERS`` order."""
+        return (self.cached_blocks, *self.cached_offloaded)
 
 
 @dataclass(frozen=True, slots=True)

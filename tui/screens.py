@@ -17,7 +17,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Input, Sparkline, Static
 
 from tui import cells
-from tui.model import Snapshot
+from tui.model import TIERS, Snapshot
 from tui.probe import Probe, read_probe
 from tui.rates import Rates
 from tui.widgets.worker_table import row_key
@@ -128,7 +128,10 @@ class DetailScreen(ModalScreen[None]):
             fields = (
                 ("model", row.model),
                 ("state", row.state),
-                ("cached blocks", str(row.cached_blocks)),
+                *(  # one line per tier, device (the cached column) first
+                    ("cached blocks" if tier == TIERS[0] else "", f"{count} {tier}")
+                    for tier, count in zip(TIERS, row.cached_by_tier, strict=True)
+                ),
                 ("Δcached/s", cells.signed_rate(rates.cached.get(self.key))),
                 ("active blocks", str(row.active_blocks)),
                 ("prefill tokens", str(row.prefill_tokens)),

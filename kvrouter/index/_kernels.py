@@ -140,6 +140,10 @@ Table = npt.NDArray[np.uint64]
 Map = npt.NDArray[np.uint64]
 Meta = npt.NDArray[np.int64]
 Counts = npt.NDArray[np.int64]
+TierCounts = npt.NDArray[np.int64]
+"""The writer's cached blocks, ``[TIERS, rows]``: ``cached[tier, bit]`` distinct blocks (sequence hashes)
+the holder ``bit * TIERS + tier`` holds, i.e. its set mask bits in that tier's masks. Kept for every tier
+(layout 3): a count bumped only where a mask bit flips costs nothing on the common path either way."""
 
 
 def _kernel(fn: _F) -> _F:
@@ -454,15 +458,14 @@ def _holds(table: Table, slot: int, tier: int, bit: int) -> bool:
 
 
 @_inlined
-def _hold(table: Table, refs: Map, rmeta: Meta, cached: Counts, seq: np.uint64, bit: int, tier: int) -> None:
+def _hold(table: Table, refs: Map, rmeta: Meta, cached: TierCounts, seq: np.uint64, bit: int, tier: int) -> None:
     """One more of the holder's engine hashes names ``seq``. The first sets the mask bit; only a second
     (the same content under two engine hashes, rare) needs a count, kept in ``refs``: stores touch
     nothing but the table in the common case."""
     slot = _claim(table, _table_key(seq))
     if not _holds(table, slot, tier, bit):
         _set_bit(table, slot, tier, bit)
-        if tier == 0:
-            cached[bit] += 1
+        cached[tier, bit] += 1
         return
     holder = bit * TIERS + tier
     row = _map_find(refs, rmeta, seq, holder)
@@ -473,7 +476,7 @@ def _hold(table: Table, refs: Map, rmeta: Meta, cached: Counts, seq: np.uint64, 
 
 
 @_inlined
-def _release(table: Table, refs: Map, rmeta: Meta, cached: Counts, seq: np.uint64, bit: int, tier: int) -> None:
+def _release(table: Table, refs: Map, rmeta: Meta, cached: TierCounts, seq: np.uint64, bit: int, tier: int) -> None:
     """One fewer of the holder's engine hashes names ``seq``; the last one clears the mask bit."""
     if rmeta[M_USED] > rmeta[M_TOMBS]:  # some content is held twice somewhere: look for a count
         holder = bit * TIERS + tier
@@ -487,8 +490,7 @@ def _release(table: Table, refs: Map, rmeta: Meta, cached: Counts, seq: np.uint6
     slot = _find(table, _table_key(seq))
     if slot >= 0 and _holds(table, slot, tier, bit):
         _clear_bit(table, slot, tier, bit)
-        if tier == 0:
-            cached[bit] -= 1
+        cached[tier, bit] -= 1
 
 
 # -- events -----------------------------------------------------------------------------------
@@ -501,7 +503,7 @@ def store(
     emeta: Meta,
     refs: Map,
     rmeta: Meta,
-    cached: Counts,
+    cached: TierCounts,
     bit: int,
     tier: int,
     has_parent: bool,
@@ -524,7 +526,7 @@ def _store_event(
     emeta: Meta,
     refs: Map,
     rmeta: Meta,
-    cached: Counts,
+    cached: TierCounts,
     bit: int,
     tier: int,
     has_parent: bool,
@@ -596,7 +598,7 @@ def remove(
     emeta: Meta,
     refs: Map,
     rmeta: Meta,
-    cached: Counts,
+    cached: TierCounts,
     bit: int,
     tier: int,
     engine: npt.NDArray[np.uint64],
@@ -612,7 +614,7 @@ def _remove_event(
     emeta: Meta,
     refs: Map,
     rmeta: Meta,
-    cached: Counts,
+    cached: TierCounts,
     bit: int,
     tier: int,
     engine: npt.NDArray[np.uint64],
@@ -644,7 +646,7 @@ def apply_run(
     emeta: Meta,
     refs: Map,
     rmeta: Meta,
-    cached: Counts,
+    cached: TierCounts,
     bit: int,
     tier: int,
     kinds: npt.NDArray[np.uint8],
@@ -701,7 +703,7 @@ def apply_run(
 
 @_kernel
 def clear_holder(
-    table: Table, emap: Map, emeta: Meta, refs: Map, rmeta: Meta, cached: Counts, bit: int, tier: int
+    table: Table, emap: Map, emeta: Meta, refs: Map, rmeta: Meta, cached: TierCounts, bit: int, tier: int
 ) -> None:
     """Release everything one holder has (Cleared, clear_all_blocks, remove_worker): two scans of the maps."""
     tag = np.uint64(bit * TIERS + tier + 1)

@@ -67,7 +67,7 @@ def warm_up() -> None:
     from ..events.model import EngineHash, EventBatch, LocalHash, Removed, Stored, StoredBlock
     from ..hashing import block_hashes_array, sequence_hashes_array
     from . import _kernels as kernels
-    from .layout import H_CAPACITY, H_NWORDS, MIN_CAPACITY, shard_words
+    from .layout import H_CAPACITY, H_NWORDS, MIN_CAPACITY, TIERS, shard_words
     from .writer import pack_run
 
     def table() -> Any:
@@ -93,7 +93,7 @@ def warm_up() -> None:
     shard = table()
     emap, emeta = private_map()
     refs, rmeta = private_map()
-    cached = np.zeros(8, dtype=np.int64)
+    cached = np.zeros((TIERS, 8), dtype=np.int64)  # ShardWriter's [tiers, rows] counts
     for event in Decoder().decode_raw(payload).events:  # read-only arrays, as the applier decodes them
         args = (shard, emap, emeta, refs, rmeta, cached, 0, event.tier.rank)
         if event.tag == "S":

@@ -57,8 +57,9 @@ MAX_LOAD: Final = 0.5
 
 # -- control segment ----------------------------------------------------------------------------
 CONTROL_MAGIC: Final = 0x6B76_7263_7472_6C00  # "kvrctrl"
-LAYOUT_VERSION: Final = 2
-"""2: worker rows grew to 16 words (event-plane cursor, gap counters, trust state); shards got a rows generation."""
+LAYOUT_VERSION: Final = 3
+"""2: worker rows grew to 16 words (event-plane cursor, gap counters, trust state); shards got a rows generation.
+3: worker rows grew to 20 words: cached blocks in the host, disk and shared tiers beside the device count."""
 C_MAGIC, C_VERSION, C_SHARDS, C_ROWS = range(4)
 """Control header words: magic, layout version, shard count, worker rows per shard."""
 SHARD_BLOCK_WORDS: Final = 24
@@ -97,13 +98,20 @@ WORKER_ROWS: Final = 4096
     W_BAD_FRAMES,
     W_RESTARTS,
     W_EVENTS,
-) = range(16)
+    W_CACHED_HOST,
+    W_CACHED_DISK,
+    W_CACHED_SHARED,
+) = range(19)
 """Worker row words: identity and cached device blocks (the writer), then the event plane's view of the
 worker: the last sequence number or event id applied (``NO_ID`` before the first), when its last message
 arrived, gaps detected / recovered / lost, the trust state (``WORKER_*``), the stale flag, blocks dropped
 for a wrong block size, events skipped (another attention group), undecodable frames, engine restarts
-seen, and events applied."""
-WORKER_ROW_WORDS: Final = 16
+seen, and events applied; then cached blocks in the host, disk and shared tiers (the writer). The other
+tiers' counts come after the rest, not beside ``W_CACHED``, so every word of layout 2 kept its place;
+word 19 is spare (zero)."""
+W_CACHED_BY_TIER: Final = (W_CACHED, W_CACHED_HOST, W_CACHED_DISK, W_CACHED_SHARED)
+"""Each tier's cached-blocks word, in ``StorageTier`` order (device, host, disk, shared)."""
+WORKER_ROW_WORDS: Final = 20
 NO_ID: Final = (1 << 64) - 1
 """``W_LAST_ID`` before any message was applied."""
 
@@ -318,6 +326,15 @@ class Control:
         rows = self._workers[shard]
         used = np.flatnonzero(rows[:, W_IN_USE])
         return {int(b): (int(rows[b, W_WORKER_ID]), int(rows[b, W_DP_RANK]), int(rows[b, W_CACHED])) for b in used}
+
+    def cached_by_tier(self, shard: int) -> dict[int, tuple[int, int, int, int]]:
+        """Rows in use: mask bit → cached blocks per tier (device, host, disk, shared)."""
+        rows = self._workers[shard]
+        used = np.flatnonzero(rows[:, W_IN_USE])
+        device, host, disk, shared = W_CACHED_BY_TIER
+        return {
+            int(b): (int(rows[b, device]), int(rows[b, host]), int(rows[b, disk]), int(rows[b, shared])) for b in used
+        }
 
     def close(self) -> None:
         del self._blocks, self._workers

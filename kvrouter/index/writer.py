@@ -45,7 +45,7 @@ from .layout import (
     SHARD_MAGIC,
     TIERS,
     W_BAD_FRAMES,
-    W_CACHED,
+    W_CACHED_BY_TIER,
     W_DP_RANK,
     W_DROPPED_BLOCKS,
     W_EVENTS,
@@ -175,7 +175,8 @@ class ShardWriter:
         self.shard = shard
         self.owner_pid = owner_pid
         self._bits: dict[WorkerKey, int] = {}
-        self._cached = np.zeros(control.rows, dtype=np.int64)
+        self._cached = np.zeros((TIERS, control.rows), dtype=np.int64)
+        """Cached blocks per tier and row (``kernels.TierCounts``), copied into the rows by ``_sync_cached``."""
         self._emap, self._emeta = _map(capacity)
         self._refs, self._rmeta = _map(MIN_MAP_ROWS)
         self._rows = control.worker_rows(shard)
@@ -348,7 +349,11 @@ class ShardWriter:
         self._sync_cached(bit)
 
     def _sync_cached(self, bit: int) -> None:
-        self._rows[bit, W_CACHED] = self._cached[bit]
+        """Copy the worker's per-tier counts into its row: four scalar stores (a fancy-indexed store of the
+        column costs a few times more, once per batch)."""
+        row, cached = self._rows[bit], self._cached
+        for tier, word in enumerate(W_CACHED_BY_TIER):
+            row[word] = cached[tier, bit]
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -366,7 +371,7 @@ class ShardWriter:
         nwords = int(self.table[H_NWORDS])
         if bit >= nwords * WORD_BITS:
             self._rebuild(int(self.table[H_LIVE]), nwords=nwords * 2, keep_capacity=True)
-        self._cached[bit] = 0
+        self._cached[:, bit] = 0
         block = self.control.block(self.shard)
         kernels.begin_rows_change(block)  # the row may be a forgotten worker's: readers mid-walk walk again
         rows[bit, :] = 0

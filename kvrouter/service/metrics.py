@@ -29,6 +29,14 @@ events by type (``stored``/``removed``/``cleared``: the shard block counts event
 errors by kind, not types), an event-lag histogram (the shard block keeps one smoothed lag, exported
 as a gauge, and the time of the last event, whose age is another) and a shard queue depth (the
 appliers' ZMQ queues are not visible from here).
+
+Cached blocks per storage tier are a family of their own, ``kvrouter_worker_tier_cached_blocks{worker_id,
+dp_rank, tier}`` (``tier`` one of ``device``, ``host``, ``disk``, ``shared``; every tier always present),
+beside ``kvrouter_worker_cached_blocks``, which stays the device count with the labels spec §3.2 fixes.
+Giving the old family a ``tier`` label instead was rejected: each existing series would become four, so a
+query, alert or recording rule selecting ``kvrouter_worker_cached_blocks{worker_id="1"}`` would silently
+start summing host and disk blocks into what meant device blocks. The cost is one duplicated series per
+worker (the device count is in both families).
 """
 
 from __future__ import annotations
@@ -179,6 +187,11 @@ class ServiceCollector(Collector):
 
         labels = ["worker_id", "dp_rank"]
         cached = GaugeMetricFamily("kvrouter_worker_cached_blocks", "Device blocks the index holds", labels=labels)
+        by_tier = GaugeMetricFamily(
+            "kvrouter_worker_tier_cached_blocks",
+            "Blocks the index holds per storage tier (device, host, disk, shared)",
+            labels=[*labels, "tier"],
+        )
         gaps = CounterMetricFamily(
             "kvrouter_kv_event_gaps",
             "Sequence gaps in a worker's event stream, by outcome (detected = recovered + lost + in flight)",
@@ -217,6 +230,8 @@ class ServiceCollector(Collector):
         for key, row in sorted(workers.items()):
             values = _key_labels(key)
             cached.add_metric(values, row.cached_blocks)
+            for tier, count in row.cached_by_tier.items():
+                by_tier.add_metric([*values, tier], count)
             for outcome, count in zip(
                 GAP_OUTCOMES, (row.gaps_detected, row.gaps_recovered, row.gaps_lost), strict=True
             ):
@@ -234,7 +249,8 @@ class ServiceCollector(Collector):
             by_state[row.state] = by_state.get(row.state, 0) + 1
         for name, count in by_state.items():
             listeners.add_metric([name], count)
-        yield from (cached, gaps, events, bad_frames, dropped, skipped, engine_restarts, state, stale, last, listeners)
+        yield from (cached, by_tier, gaps, events, bad_frames, dropped, skipped, engine_restarts, state, stale, last)
+        yield listeners
 
     # -- the load the front booked (slot managers) --------------------------------------------
 

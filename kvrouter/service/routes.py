@@ -211,6 +211,7 @@ class Routes:
                 "state": stats.state,
                 "stale": stats.stale,
                 "cached_blocks": stats.cached_blocks,
+                "cached_by_tier": dict(stats.cached_by_tier),
                 "last_id": stats.last_id,
                 "gaps_detected": stats.gaps_detected,
                 "gaps_recovered": stats.gaps_recovered,

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvrouter.engine import read_workers
 from kvrouter.events.model import (
     Cleared,
     EngineHash,
@@ -22,8 +23,8 @@ from kvrouter.events.model import (
     Stored,
     StoredBlock,
 )
-from kvrouter.index import RadixIndex
-from kvrouter.index.layout import H_CAPACITY, H_LIVE, H_NWORDS
+from kvrouter.index import RadixIndex, layout
+from kvrouter.index.layout import H_CAPACITY, H_LIVE, H_NWORDS, Control
 from kvrouter.index.writer import raw_event
 from tests.index.contract import error_kind, replay
 from tests.index.shm import InProcessShards
@@ -134,6 +135,16 @@ class AgreesWithOracle(RuleBasedStateMachine):
         self.queries.add(tuple(query))
 
     @invariant()
+    def same_cached_blocks_per_tier(self) -> None:
+        """Every worker row counts, per tier, the distinct blocks the oracle holds for it there."""
+        expected = {tier: self.oracle.block_counts(tier) for tier in StorageTier}
+        for index in self.shards:
+            for key, stats in read_workers(index.control).items():
+                got = {tier: stats.cached_by_tier[tier.value] for tier in StorageTier}
+                assert got == {tier: counts.get(key, 0) for tier, counts in expected.items()}, (len(index.writers), key)
+                assert stats.cached_blocks == got[StorageTier.DEVICE]
+
+    @invariant()
     def same_answers(self) -> None:
         paths = {p for held in self.oracle.holdings().values() for p in held.values()}
         for query in paths | self.queries:
@@ -234,6 +245,97 @@ def test_worker_rows_count_cached_device_blocks():
         assert index.control.workers(0) == {0: (3, 1, 0)}
     finally:
         index.close()
+
+
+def _tiers(index: InProcessShards, key: tuple[int, int]) -> tuple[int, ...]:
+    """The worker's cached blocks per tier (device, host, disk, shared) as its control row holds them."""
+    return tuple(read_workers(index.control)[key].cached_by_tier[tier.value] for tier in StorageTier)
+
+
+def test_worker_rows_count_cached_blocks_in_every_tier():
+    """Stores and removes in the host and disk tiers, a block moving from device to host, an engine hash
+    re-used for other content, one content under two engine hashes, a Cleared tier, then everything
+    cleared: after each, the row's four counts are the oracle's per-tier block counts."""
+    index, oracle = InProcessShards(2), RadixIndex()
+    key = (3, 1)
+    host, disk = StorageTier.HOST, StorageTier.DISK
+
+    def blocks(*pairs: tuple[int, int]) -> tuple[StoredBlock, ...]:
+        return tuple(StoredBlock(EngineHash(e), LocalHash(h)) for e, h in pairs)
+
+    steps: list[tuple[KvEvent, tuple[int, int, int, int]]] = [
+        (_chain_event(3, [1, 2, 3], 100, dp_rank=1), (3, 0, 0, 0)),
+        (Stored(3, None, blocks((200, 1), (201, 2)), dp_rank=1, tier=host), (3, 2, 0, 0)),
+        (Stored(3, None, blocks((300, 7), (301, 8), (302, 9), (303, 10)), dp_rank=1, tier=disk), (3, 2, 4, 0)),
+        (Removed(3, (EngineHash(302), EngineHash(303)), dp_rank=1, tier=disk), (3, 2, 2, 0)),
+        # the device's third block is offloaded: gone from the device, stored in the host tier
+        (Removed(3, (EngineHash(102),), dp_rank=1), (2, 2, 2, 0)),
+        (Stored(3, EngineHash(201), blocks((202, 3)), dp_rank=1, tier=host), (2, 3, 2, 0)),
+        # host hash 202 re-used for other content: the block moved, the count stays
+        (Stored(3, EngineHash(201), blocks((202, 4)), dp_rank=1, tier=host), (2, 3, 2, 0)),
+        # the same content under a second engine hash counts once, until both are removed
+        (Stored(3, None, blocks((210, 1)), dp_rank=1, tier=host), (2, 3, 2, 0)),
+        (Removed(3, (EngineHash(200),), dp_rank=1, tier=host), (2, 3, 2, 0)),
+        (Removed(3, (EngineHash(210),), dp_rank=1, tier=host), (2, 2, 2, 0)),
+        (Stored(3, None, blocks((400, 1)), dp_rank=1, tier=StorageTier.SHARED), (2, 2, 2, 1)),
+        (Cleared(3, dp_rank=1, tier=host), (2, 0, 2, 1)),
+    ]
+    try:
+        for event, expected in steps:
+            index.apply_event(3, event)
+            oracle.apply_event(3, event)
+            counts = tuple(oracle.block_counts(tier).get(key, 0) for tier in StorageTier)
+            assert (_tiers(index, key), counts) == (expected, expected), event
+        index.clear_all_blocks(3)
+        assert _tiers(index, key) == (0, 0, 0, 0)
+    finally:
+        index.close()
+
+
+def test_a_freed_row_starts_its_next_worker_at_zero_in_every_tier():
+    index = InProcessShards(1)
+    try:
+        index.apply_event(3, Stored(3, None, (StoredBlock(EngineHash(1), LocalHash(1)),), tier=StorageTier.DISK))
+        index.remove_worker(3)
+        index.writers[0].register((4, 0))
+        assert index.control.workers(0) == {0: (4, 0, 0)}  # worker 3's row
+        assert _tiers(index, (4, 0)) == (0, 0, 0, 0)
+    finally:
+        index.close()
+
+
+def test_the_per_tier_counts_round_trip_through_a_read_only_attachment():
+    """What the writer keeps in a row is what another process reads: ``Control.cached_by_tier`` and
+    ``read_workers`` over a read-only mapping of the control segment, beside the row's other words."""
+    index = InProcessShards(1)
+    attached = Control.attach(index.control.name)
+    try:
+        index.apply_event(5, _chain_event(5, [1, 2], 10))
+        index.apply_event(5, Stored(5, None, (StoredBlock(EngineHash(20), LocalHash(3)),), tier=StorageTier.HOST))
+        shared = tuple(StoredBlock(EngineHash(30 + i), LocalHash(40 + i)) for i in range(3))
+        index.apply_event(5, Stored(5, None, shared, tier=StorageTier.SHARED))
+        assert attached.cached_by_tier(0) == {0: (2, 1, 0, 3)}
+        assert attached.workers(0) == {0: (5, 0, 2)}
+        stats = read_workers(attached)[5, 0]
+        assert stats.cached_by_tier == {"device": 2, "host": 1, "disk": 0, "shared": 3}
+        assert (stats.cached_blocks, stats.events, stats.last_id) == (2, 0, None)  # the plane's words untouched
+    finally:
+        attached.close()
+        index.close()
+
+
+def test_the_row_words_are_distinct_and_fit_the_row():
+    words = {name: getattr(layout, name) for name in dir(layout) if name.startswith("W_") and name.isupper()}
+    words.pop("W_CACHED_BY_TIER")
+    assert sorted(words.values()) == list(range(len(words)))
+    assert len(words) < layout.WORKER_ROW_WORDS == 20
+    assert layout.W_CACHED_BY_TIER == (
+        layout.W_CACHED,
+        layout.W_CACHED_HOST,
+        layout.W_CACHED_DISK,
+        layout.W_CACHED_SHARED,
+    )
+    assert layout.LAYOUT_VERSION == 3
 
 
 def test_the_shard_block_keeps_a_smoothed_index_lag_of_stamped_batches():

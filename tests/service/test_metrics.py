@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrouter import Engine
+from kvrouter.events.model import EngineHash, LocalHash, StorageTier, Stored, StoredBlock
 from kvrouter.plane import WorkerSpec
 from kvrouter.routing.slots import SlotManager
 from kvrouter.service import PHASES
@@ -127,6 +128,29 @@ def test_scrape_follows_cached_blocks_and_gaps_of_real_engines(start_worker, wai
             "block_not_found",
             "invalid_block_sequence",
         }
+
+
+def test_cached_blocks_per_tier_are_a_family_beside_the_device_count() -> None:
+    """Blocks stored in the device and host tiers: ``kvrouter_worker_cached_blocks`` stays the device count,
+    ``kvrouter_worker_tier_cached_blocks`` has one series per tier, the empty ones at 0."""
+    registry = CollectorRegistry()
+    with Engine(shards=1) as engine:
+        registry.register(ServiceCollector(engine))
+        device = tuple(StoredBlock(EngineHash(10 + i), LocalHash(100 + i)) for i in range(2))
+        host = tuple(StoredBlock(EngineHash(20 + i), LocalHash(200 + i)) for i in range(3))
+        engine.apply_event(7, Stored(7, None, device))
+        engine.apply_event(7, Stored(7, None, host, tier=StorageTier.HOST))
+        engine.flush()
+        assert engine.workers()[7, 0].cached_by_tier == {"device": 2, "host": 3, "disk": 0, "shared": 0}
+        assert families(registry)["kvrouter_worker_tier_cached_blocks"] == "gauge"
+        samples = scrape(registry)
+        assert value(samples, "kvrouter_worker_cached_blocks", worker_id=7, dp_rank=0) == 2
+        by_tier = {
+            dict(labels)["tier"]: count
+            for (name, labels), count in samples.items()
+            if name == "kvrouter_worker_tier_cached_blocks"
+        }
+        assert by_tier == {"device": 2, "host": 3, "disk": 0, "shared": 0}
 
 
 def test_scrape_reads_slot_manager_load_and_front_histograms(wait_until: Callable[..., None]) -> None:

@@ -104,6 +104,11 @@ class FakeFeed:
         if state is not None:
             self._log("worker_state", f"worker={worker} dp={dp} state={state}")
 
+    def offload(self, worker: int, dp: int, *, host: int = 0, disk: int = 0, shared: int = 0) -> None:
+        """Give a worker blocks in the slower tiers (none has any until told: the seeded screens stay as
+        they were); the steps leave them as set."""
+        self.rows[(worker, dp)] = replace(self.rows[(worker, dp)], cached_offloaded=(host, disk, shared))
+
     def _log(self, kind: str, text: str) -> None:
         self.events.append(LogEvent(seq=len(self.events) + 1, at=self.now, kind=kind, text=text))
 

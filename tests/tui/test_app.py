@@ -229,6 +229,54 @@ async def test_the_narrow_column_set_fits_80_columns(fake_feed: FakeFeed) -> Non
         assert app.table.row_count == 8
 
 
+async def test_a_column_per_slower_tier_appears_once_a_worker_holds_blocks_there(fake_feed: FakeFeed) -> None:
+    """No tier column while every block is on the device; host and disk columns (not shared, which no one
+    holds) with each worker's count once two workers offload; ``cached`` stays the device count."""
+    app = make_app(fake_feed)
+    async with app.run_test(size=SIZE):
+        await app.tick()
+        assert not {"host", "disk", "shared", "other"} & set(app.table.columns)
+        fake_feed.offload(1, 0, host=1_500)
+        fake_feed.offload(3, 1, host=20, disk=7)
+        fake_feed.step()
+        await app.tick()
+        shown = [key.value for key in app.table.columns]
+        assert shown[shown.index("delta") + 1 : shown.index("delta") + 3] == ["host", "disk"]
+        assert not {"shared", "other"} & set(shown)
+        assert (cell(app, "1:0", "host"), cell(app, "1:0", "disk")) == ("1.5k", "0")
+        assert (cell(app, "3:1", "host"), cell(app, "3:1", "disk")) == ("20", "7")
+        assert (cell(app, "2:0", "host"), cell(app, "2:0", "disk")) == ("0", "0")
+        assert cell(app, "3:1", "cached") == cells.count(fake_feed.rows[(3, 1)].cached_blocks)
+        assert app.table.get_cell("3:1", "host").justify == "right"
+
+
+async def test_the_slower_tiers_fold_into_one_other_column_or_none_when_narrow(fake_feed: FakeFeed) -> None:
+    """At 88 columns the narrow set has room for one ``other`` column (host + disk), not one per tier; at 80,
+    for none: the detail screen still lists every tier."""
+    fake_feed.offload(3, 1, host=20, disk=7)
+    fake_feed.step()
+    app = make_app(fake_feed)
+    async with app.run_test(size=(88, 24)):
+        await app.tick()
+        assert {"other"} == {"host", "disk", "shared", "other"} & set(app.table.columns)
+        assert (cell(app, "3:1", "other"), cell(app, "1:0", "other")) == ("27", "0")
+        assert app.table.virtual_size.width <= 88
+    app = make_app(fake_feed)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await app.tick()
+        assert not {"host", "disk", "shared", "other"} & set(app.table.columns)
+        assert app.table.virtual_size.width <= 80
+        app.table.move_cursor(row=app.table.get_row_index("3:1"))
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, DetailScreen)
+        text = str(app.screen.query_one("#detail-text", Static).content)
+        row = fake_feed.rows[(3, 1)]
+        assert f"cached blocks  {row.cached_blocks} device\n" in text
+        for tier, count in (("host", 20), ("disk", 7), ("shared", 0)):
+            assert f"  {count} {tier}\n" in text
+
+
 async def test_plus_and_minus_step_the_refresh_interval(fake_feed: FakeFeed) -> None:
     app = make_app(fake_feed)
     async with app.run_test(size=SIZE) as pilot:

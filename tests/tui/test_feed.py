@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from kvrouter import KvPublisher
+from kvrouter.events.model import StorageTier
 from kvrouter.index.layout import SHM_DIR
 from kvrouter.routing.config import RouterConfig
 from kvrouter.service import ServiceConfig
@@ -24,7 +26,7 @@ from kvrouter.service.stats import EXPLAIN_INTERVAL_S
 from tests.conftest import _wait_until, free_port
 from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, serving
 from tui.feed import BadSource, HttpFeed, ShmFeed, discover, shm_names
-from tui.model import RouterGone, Snapshot
+from tui.model import TIERS, RouterGone, Snapshot
 
 pytestmark = pytest.mark.timeout(300)  # the first test starts the service: cold caches compile
 
@@ -109,6 +111,10 @@ def settled(snapshot: Snapshot) -> bool:
         and any(d.candidates for d in snapshot.decisions)
         and sum(e.kind == "registered" for e in snapshot.events) == 2
     )
+
+
+def test_the_dashboards_tier_names_are_the_routers():
+    assert tuple(tier.value for tier in StorageTier) == TIERS
 
 
 def test_discover_finds_the_running_service(runtime: Path, running: Running):
@@ -226,3 +232,37 @@ def test_bad_sources_are_clear_errors(running: Running):
         HttpFeed(f"http://127.0.0.1:{free_port()}").poll()
     with pytest.raises(BadSource, match="404"):
         HttpFeed(running.url + "/nothing-here").poll()
+
+
+def test_a_workers_host_tier_blocks_reach_workers_and_both_feeds(running: Running, shm: ShmFeed, wait_until: Any):
+    """A kvrouter-format worker (a ``KvPublisher`` here, its own model) holding 2 device blocks and 3 in the
+    host tier: ``/workers`` lists both tiers under its listener, ``cached_blocks`` stays the device count,
+    and both feeds' rows carry the host blocks. Registered last in the module and unregistered after."""
+    http = HttpFeed(running.url)
+    tiers = {"device": 2, "host": 3, "disk": 0, "shared": 0}
+    with KvPublisher(9, block_size=BLOCK, endpoint="tcp://127.0.0.1:*", query_endpoint="tcp://127.0.0.1:*") as pub:
+        pub.store([1, 2], prompt(90, blocks=2)[: 2 * BLOCK])
+        pub.store([3, 4, 5], prompt(91, blocks=3)[: 3 * BLOCK], tier=StorageTier.HOST)
+        pub.publish()  # before anyone subscribed: the router's join restore (a dump query) brings them
+        registration = {"instance_id": 9, "endpoint": pub.endpoint, "query_endpoint": pub.query_endpoint}
+        running.ok(
+            "POST", "/register", {**registration, "format": "kvrouter", "model_name": "tiers", "block_size": BLOCK}
+        )
+        try:
+
+            def listener() -> dict[str, Any]:
+                pub.serve(5)  # answer the router's queries: this thread is the worker's loop
+                _, answer, _ = running.call("GET", "/workers?model_name=tiers")
+                return dict(answer[0]["listeners"]["0"]) if answer else {}
+
+            wait_until(lambda: listener().get("cached_by_tier") == tiers, timeout=60, what="/workers lists the tiers")
+            assert (listener()["cached_blocks"], listener()["state"]) == (2, "exact")
+
+            def row(feed: ShmFeed | HttpFeed) -> tuple[int, tuple[int, int, int]] | None:
+                found = [(w.cached_blocks, w.cached_offloaded) for w in feed.poll().workers if w.key == (9, 0)]
+                return found[0] if found else None
+
+            wait_until(lambda: row(shm) == (2, (3, 0, 0)), what="the shm feed's row has the host blocks")
+            wait_until(lambda: row(http) == (2, (3, 0, 0)), what="the HTTP feed's row has the host blocks")
+        finally:
+            running.call("POST", "/unregister", {"instance_id": 9, "model_name": "tiers"})

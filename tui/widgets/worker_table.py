@@ -10,6 +10,14 @@ fall back to the worker id.
 Two column sets: the full one of spec §4.1 when the terminal is wide enough for it, and a narrow one
 that fits 80 columns (no cost breakdown, no prefill, worker and dp in one column). The terms shown
 (overlap and costs, p(select)) are each worker's in the last explained decision, or the pinned probe's.
+
+``cached`` is the device tier's blocks, the ones routing credits most. When some worker holds blocks in
+the host, disk or shared tier, the set gains a column per such tier after ``Δcached/s``, or, if those do
+not fit, one ``other`` column summing them; if not even that fits, none (the detail screen lists every
+tier). The narrow set takes 78 of 80 columns, so at 80 columns no tier column is shown: ``other`` needs 8
+(86 columns), and shrinking the narrow set's other columns to make room was rejected (state names and
+counts are already at their shortest). A tier no worker holds gets no column, so a fleet without
+offloading sees the same table as before.
 """
 
 from __future__ import annotations
@@ -24,11 +32,21 @@ from textual.message import Message
 from textual.widgets import DataTable
 
 from tui import cells
-from tui.model import Candidate, Decision, ProbeRow, Snapshot, WorkerRow
+from tui.model import TIERS, Candidate, Decision, ProbeRow, Snapshot, WorkerRow
 from tui.rates import Rates
 from tui.view import View
 
-__all__ = ["COLUMNS", "Column", "Line", "WorkerTable", "build_lines", "choose_columns", "row_key"]
+__all__ = [
+    "COLUMNS",
+    "TIER_COLUMNS",
+    "Column",
+    "Line",
+    "WorkerTable",
+    "build_lines",
+    "choose_columns",
+    "held_tiers",
+    "row_key",
+]
 
 MARK: Final = "▶"
 """Marks the worker the last decision chose."""
@@ -78,19 +96,32 @@ _NARROW: Final = {
 
 _NARROW_LABELS: Final = {"delta": "Δ/s", "overlap": "ovl", "last_event": "last"}
 
+TIER_COLUMNS: Final = {tier: Column(tier, tier, 7, True) for tier in TIERS[1:]} | {
+    "other": Column("other", "other", 7, True)
+}
+"""Cached blocks in one slower tier each, and ``other``, their sum: the columns ``choose_columns`` adds
+after ``delta`` for the tiers some worker holds (``held_tiers``). Narrow, they are 6 wide like ``cached``."""
+
 
 SCROLLBAR: Final = 1
 """The table's vertical scrollbar (``top.tcss``), which the columns must leave room for."""
 
 
-def choose_columns(width: int, *, with_p: bool, worker_chars: int = 0) -> tuple[Column, ...]:
-    """The full set if it fits ``width`` (2 cells of padding a column), else the narrow one (78 cells).
+def held_tiers(workers: Sequence[WorkerRow]) -> tuple[str, ...]:
+    """The tiers slower than device in which some worker holds blocks, in ``TIERS`` order."""
+    return tuple(tier for i, tier in enumerate(TIERS[1:]) if any(row.cached_offloaded[i] for row in workers))
+
+
+def choose_columns(width: int, *, with_p: bool, worker_chars: int = 0, tiers: Sequence[str] = ()) -> tuple[Column, ...]:
+    """The full set if it fits ``width`` (2 cells of padding a column), else the narrow one (78 cells);
+    each with a column per tier of ``tiers`` if they fit, else with one ``other`` column if it fits.
 
     Args:
         width: The table's width in cells.
         with_p: Show p(select) (the softmax temperature is above 0).
         worker_chars: The longest worker cell; the worker column grows to it (worker ids from a
             registration can be long), which may push the narrow set past 80 columns.
+        tiers: The slower tiers some worker holds blocks in (``held_tiers``); none adds no column.
     """
     width -= SCROLLBAR
     full = tuple(
@@ -98,9 +129,7 @@ def choose_columns(width: int, *, with_p: bool, worker_chars: int = 0) -> tuple[
         for column in COLUMNS
         if with_p or column.key != "p"
     )
-    if sum(column.width + 2 for column in full) <= width:
-        return full
-    return tuple(
+    narrow = tuple(
         replace(
             column,
             label=_NARROW_LABELS.get(column.key, column.label),
@@ -109,6 +138,23 @@ def choose_columns(width: int, *, with_p: bool, worker_chars: int = 0) -> tuple[
         for column in full
         if column.narrow
     )
+    extras: list[tuple[Column, ...]] = (
+        [tuple(TIER_COLUMNS[t] for t in tiers), (TIER_COLUMNS["other"],)] if tiers else [()]
+    )
+    for base, cell_width in ((full, None), (narrow, _NARROW["cached"])):
+        for extra in extras:
+            shown = _with_tiers(base, extra, cell_width)
+            if sum(column.width + 2 for column in shown) <= width:
+                return shown
+    return narrow
+
+
+def _with_tiers(base: tuple[Column, ...], extra: tuple[Column, ...], width: int | None) -> tuple[Column, ...]:
+    """``base`` with the tier columns ``extra`` after ``delta`` (``width`` wide, when given)."""
+    if width is not None:
+        extra = tuple(replace(column, width=width) for column in extra)
+    at = next(i for i, column in enumerate(base) if column.key == "delta") + 1
+    return (*base[:at], *extra, *base[at:])
 
 
 def row_key(key: tuple[int, int]) -> str:
@@ -172,6 +218,8 @@ def build_lines(snapshot: Snapshot, rates: Rates, view: View, probe_rows: Sequen
             "state": cells.state(row.state),
             "cached": cells.number(row.cached_blocks),
             "delta": cells.number(cells.signed_rate(delta)),
+            **{tier: cells.number(count) for tier, count in zip(TIERS[1:], row.cached_offloaded, strict=True)},
+            "other": cells.number(sum(row.cached_offloaded)),
             "active": cells.number(row.active_blocks),
             "prefill": cells.number(row.prefill_tokens),
             "reqs": cells.number(row.requests),

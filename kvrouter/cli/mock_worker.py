@@ -14,6 +14,7 @@ SIGTERM stop the HTTP server and every engine thread and close their sockets; th
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from types import FrameType
@@ -104,6 +105,14 @@ def mock_worker(
     dp_size: Annotated[
         int, typer.Option("--dp-size", min=1, help="Data-parallel ranks, one model each.", rich_help_panel=_ENGINE)
     ] = 1,
+    exit_with_parent: Annotated[
+        bool,
+        typer.Option(
+            "--exit-with-parent",
+            help="Stop when the process that started this one is gone (kvrouter up's demo engines: a killed "
+            "router leaves no engine behind).",
+        ),
+    ] = False,
 ) -> None:
     """Run a mock engine: the simulator's worker model in real time, with HTTP completions and KV events."""
     if event_format not in FORMATS:
@@ -144,8 +153,11 @@ def mock_worker(
             try:
                 print(ready_line(server.url, engine.endpoints), flush=True)
                 log.info("mock worker ready worker=%d url=%s dp_size=%d", worker_id, server.url, dp_size)
+                parent = os.getppid()
                 while not stop.wait(_POLL_S):
-                    pass
+                    if exit_with_parent and os.getppid() != parent:  # reparented: whoever started us died
+                        log.warning("mock worker's parent is gone worker=%d parent=%d: stopping", worker_id, parent)
+                        break
                 log.info("mock worker stopping worker=%d", worker_id)
             finally:
                 server.shutdown()

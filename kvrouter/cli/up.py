@@ -55,6 +55,10 @@ __all__ = ["EPILOG", "ROUTER_FLAGS", "load_toml", "up"]
 
 log = logging.getLogger(__name__)
 
+STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Each stops the service cleanly; SIGHUP too, so closing the terminal (or its tmux) does not kill it
+mid-flight with its segments and demo engines left behind."""
+
 _SERVER: Final = "Server"
 _WORKERS: Final = "Workers"
 _COST: Final = "Routing cost"
@@ -730,7 +734,7 @@ async def _run(service: Service, config: ServiceConfig, embedded: Embedded | Non
             embedded.stop_client()  # first, so the drain has nothing of ours to wait for
         service.stop()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
 
     started: asyncio.Task[None] | None = None
@@ -769,7 +773,7 @@ async def _run(service: Service, config: ServiceConfig, embedded: Embedded | Non
                 await started
         if embedded is not None:
             await embedded.close()  # the client (if still running), then the mock engines
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
     return 1 if failed else 0
 

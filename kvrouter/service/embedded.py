@@ -115,6 +115,7 @@ async def start_mock(worker_id: int, config: EmbeddedConfig, started: list[MockP
         "--format", "vllm",
         "--block-size", str(config.block_size),
         "--num-gpu-blocks", str(config.num_gpu_blocks),
+        "--exit-with-parent",
     ]  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from kvrouter.index.sweep import sweep_leftovers
 from tests.conftest import ROOT
 
 START_TIMEOUT_S = 120.0
@@ -190,6 +191,38 @@ def test_up_without_a_demo_serves_and_stops_on_sigint(start_up, shm_entries):
     up.expect(re.compile(r"curl -s http://\S+/metrics"), START_TIMEOUT_S)  # the banner
     assert not any("mock engines" in line for line in up.seen)
     stop_and_check(up, signal.SIGINT, shm_entries)
+
+
+def test_up_stops_cleanly_on_sighup_too(start_up, shm_entries):
+    """Closing the terminal (or its tmux) sends SIGHUP: a clean stop, not a death with leftovers."""
+    up = start_up("--mock-workers", "0", "--shards", "1")
+    up.expect(URL_LINE, START_TIMEOUT_S)
+    up.expect(re.compile(r"curl -s http://\S+/metrics"), START_TIMEOUT_S)
+    stop_and_check(up, signal.SIGHUP, shm_entries)
+
+
+def test_the_demos_mock_engines_exit_when_kvrouter_up_is_killed(start_up, shm_entries):
+    up = start_up("--mock-workers", "2", "--shards", "1", "--client-rate", "0")
+    up.expect(URL_LINE, START_TIMEOUT_S)
+    up.expect(re.compile(r"Ctrl-C stops everything"), START_TIMEOUT_S)
+    tree = descendants(up.proc.pid)
+    mocks = [pid for pid, _ in tree if b"mock-worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(mocks) >= 2  # the two engines (and whatever processes they run)
+    up.proc.kill()  # no shutdown at all
+    up.proc.wait()
+    try:
+        deadline = time.monotonic() + EXIT_BOUND_S
+        while any(pid in still_there(tree) for pid in mocks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(pid in still_there(tree) for pid in mocks), "a demo engine outlived kvrouter up"
+    finally:
+        for pid in still_there(
+            tree
+        ):  # its appliers and fork server (and any engine left): swept as the next engine would
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    sweep_leftovers()
+    assert shm_entries(up.proc.pid) == []
 
 
 def test_health_answers_while_a_cold_cache_compiles_and_a_stop_then_ends_the_start(start_up, shm_entries, tmp_path):

@@ -111,8 +111,8 @@ class SyncCounters:
     """Free / MarkPrefillCompleted for a request id not active here."""
     dropped: int = 0
     """Own events dropped because the publish queue was full, or publishing failed."""
-    snapshot_applied: int = 0
-    """Requests learnt from a peer's snapshot at join."""
+    snapshot_received: int = 0
+    """Requests received in a peer's snapshot at join (applied at once, or kept for their worker)."""
     snapshots_served: int = 0
     expired_pending: int = 0
     """Kept requests (unknown worker) dropped at expiry before their worker registered."""
@@ -301,7 +301,7 @@ class ReplicaSync:
         self.counters.applied += 1
         self.host.synced(event.worker, event.request_id, str(data))
 
-    def _add(self, event: ActiveSequenceEvent, add: AddRequest, *, snapshot: bool = False) -> bool:
+    def _add(self, event: ActiveSequenceEvent, add: AddRequest) -> bool:
         """Book a peer's request; kept for later when its worker is not registered here."""
         if event.request_id in self._pending:
             self._duplicate(event)
@@ -323,10 +323,7 @@ class ReplicaSync:
         except DuplicateRequest:
             self._duplicate(event)
             return False
-        if snapshot:
-            self.counters.snapshot_applied += 1
-        else:
-            self.counters.applied += 1
+        self.counters.applied += 1
         self.host.synced(event.worker, event.request_id, "AddRequest")
         return True
 
@@ -427,7 +424,8 @@ class ReplicaSync:
                 for index in sorted(got):
                     for event in got[index]:
                         assert isinstance(event.data, AddRequest)
-                        self._add(event, event.data, snapshot=True)
+                        self.counters.snapshot_received += 1
+                        self._add(event, event.data)
                 self.peer = peer
             finally:
                 await sub.unsubscribe()
@@ -436,10 +434,10 @@ class ReplicaSync:
             self.apply(payload)
         self.joined = True
         log.info(
-            "replica sync joined router_id=%d peer=%s snapshot_requests=%d buffered=%d",
+            "replica sync joined router_id=%d peer=%s snapshot_received=%d buffered=%d",
             self.router_id,
             peer,
-            self.counters.snapshot_applied,
+            self.counters.snapshot_received,
             len(buffered),
         )
 

@@ -45,6 +45,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Final, Protocol
 
+import nats
+import nats.errors
 import numpy as np
 import orjson
 
@@ -166,6 +168,8 @@ class ReplicaSync:
         """The router id whose snapshot this replica joined from, if any."""
         self._closing = False
         self._closed = asyncio.Event()
+        self._snapshot_ids: set[str] = set()
+        """While the events buffered during the join are replayed: the ids the snapshot held."""
 
     # -- status ---------------------------------------------------------------------------------
 
@@ -328,6 +332,8 @@ class ReplicaSync:
         return True
 
     def _duplicate(self, event: ActiveSequenceEvent) -> None:
+        if event.request_id in self._snapshot_ids:
+            return
         self.counters.duplicate += 1
         self._once("duplicate", "replica sync AddRequest for a request already active request_id=%s", event.request_id)
 
@@ -387,8 +393,6 @@ class ReplicaSync:
     async def _join(self) -> None:
         """Ask a peer for its view and apply it, then the events buffered meanwhile; then go live."""
         nc = self._nc
-        import nats.errors
-
         try:
             hello = await nc.request(
                 self.subjects.snapshot, orjson.dumps({"router_id": self.router_id}), timeout=JOIN_TIMEOUT_S
@@ -401,12 +405,12 @@ class ReplicaSync:
         except (nats.errors.TimeoutError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
             log.warning("replica sync join: no usable peer answer error=%r; starting from the live events", exc)
             peer = None
+        got: dict[int, tuple[ActiveSequenceEvent, ...]] = {}
         if peer is not None:
             inbox = nc.new_inbox()
             sub = await nc.subscribe(inbox)
             try:
                 await nc.publish(self.subjects.snapshot_of(peer), b"{}", reply=inbox)
-                got: dict[int, tuple[ActiveSequenceEvent, ...]] = {}
                 parts = 1
                 while len(got) < parts:
                     try:
@@ -430,8 +434,10 @@ class ReplicaSync:
             finally:
                 await sub.unsubscribe()
         buffered, self._buffer = self._buffer or [], None
-        for payload in buffered:
+        self._snapshot_ids = {e.request_id for events in got.values() for e in events}
+        for payload in buffered:  # an AddRequest the snapshot already held is expected here, not a duplicate
             self.apply(payload)
+        self._snapshot_ids = set()
         self.joined = True
         log.info(
             "replica sync joined router_id=%d peer=%s snapshot_received=%d buffered=%d",
@@ -446,8 +452,6 @@ class ReplicaSync:
     async def run(self) -> None:
         """Connect (retrying while the server is unreachable), subscribe, join, then publish until
         cancelled. nats-py reconnects by itself after the first connection."""
-        import nats
-
         while self._nc is None and not self._closing:
             try:
                 self._nc = await nats.connect(

@@ -132,7 +132,7 @@ def test_kept_requests_duplicates_and_unknown_ids(nats_server: NatsServer) -> No
     asyncio.run(main())
 
 
-def test_a_joiner_takes_the_snapshot_then_the_events_it_buffered(nats_server: NatsServer) -> None:
+def test_a_joiner_takes_a_multi_part_snapshot_then_follows_live_events(nats_server: NatsServer) -> None:
     async def main() -> None:
         subjects = Subjects("join", "backend")
         a_host, c_host = Host((1, 0)), Host((1, 0))

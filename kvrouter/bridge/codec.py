@@ -37,6 +37,7 @@ __all__ = [
     "MARK_PREFILL_COMPLETED",
     "ActiveSequenceEvent",
     "AddRequest",
+    "Data",
     "SnapshotPart",
     "decode_event",
     "decode_snapshot_part",

@@ -52,12 +52,13 @@ import orjson
 
 from ..errors import BadMessage, DuplicateRequest
 from ..events.model import WorkerKey
-from ..routing.slots import SlotManager
+from ..routing.slots import Booked, SlotManager
 from .codec import (
     FREE,
     MARK_PREFILL_COMPLETED,
     ActiveSequenceEvent,
     AddRequest,
+    Data,
     decode_event,
     decode_snapshot_part,
     encode_event,
@@ -120,8 +121,23 @@ class SyncCounters:
     """Kept requests (unknown worker) dropped at expiry before their worker registered."""
 
 
-_Queued = tuple[str, WorkerKey, Any, str | None]
-"""(request_id, worker, AddRequest | "Free" | "MarkPrefillCompleted", lora_name): encoded by the publisher task."""
+_Queued = tuple[str, WorkerKey, tuple[Booked, bool] | str, str | None]
+"""(request_id, worker, data, lora_name), encoded by the publisher task; data is "Free",
+"MarkPrefillCompleted", or for an AddRequest what the slot manager holds and whether it tracks blocks
+(the hashes become JSON off the decision path)."""
+
+
+def _add_request(booked: Booked, tracked: bool) -> AddRequest:
+    """The AddRequest of a booked request: its hashes (random stand-ins for blocks of its own under
+    ``assume_kv_reuse=False``, as the reference), its remaining prefill tokens as the hint."""
+    hashes: tuple[int, ...] | None = None
+    if len(booked.hashes):
+        hashes = tuple(booked.hashes.tolist())
+    elif booked.blocks:
+        hashes = tuple(secrets.randbits(64) for _ in range(booked.blocks))
+    elif tracked:
+        hashes = ()
+    return AddRequest(hashes, booked.prefill_tokens)
 
 
 class ReplicaSync:
@@ -208,17 +224,9 @@ class ReplicaSync:
 
     def added(self, request_id: str, slots: SlotManager, lora_name: str | None = None) -> None:
         """The service booked ``request_id`` in ``slots``: publish what it holds (AddRequest)."""
-        booked = slots.booked(request_id)
-        if booked is None:
-            return
-        hashes: tuple[int, ...] | None = None
-        if len(booked.hashes):
-            hashes = tuple(booked.hashes.tolist())
-        elif booked.blocks:  # assume_kv_reuse=False: blocks of its own, random stand-ins as the reference
-            hashes = tuple(secrets.randbits(64) for _ in range(booked.blocks))
-        elif slots.track_active_blocks:
-            hashes = ()
-        self._enqueue((request_id, booked.worker, AddRequest(hashes, booked.prefill_tokens), lora_name))
+        booked = slots.booked(request_id)  # its hashes array is the slot manager's own, never changed
+        if booked is not None:
+            self._enqueue((request_id, booked.worker, (booked, slots.track_active_blocks), lora_name))
 
     def prefill_completed(self, request_id: str, worker: WorkerKey) -> None:
         self._enqueue((request_id, worker, MARK_PREFILL_COMPLETED, None))
@@ -240,7 +248,12 @@ class ReplicaSync:
         while True:
             request_id, worker, data, lora = await queue.get()
             try:
-                payload = encode_event(ActiveSequenceEvent(request_id, worker, data, self.router_id, lora))
+                event_data: Data
+                if isinstance(data, str):
+                    event_data = FREE if data == FREE else MARK_PREFILL_COMPLETED
+                else:
+                    event_data = _add_request(*data)
+                payload = encode_event(ActiveSequenceEvent(request_id, worker, event_data, self.router_id, lora))
                 await nc.publish(self.subjects.active_sequences, payload)
                 self.counters.published += 1
             except asyncio.CancelledError:
@@ -366,10 +379,7 @@ class ReplicaSync:
                 booked = slots.booked(request_id)
                 if booked is None:
                     continue
-                hashes: tuple[int, ...] | None = tuple(booked.hashes.tolist())
-                if not hashes and booked.blocks:
-                    hashes = tuple(secrets.randbits(64) for _ in range(booked.blocks))
-                add = AddRequest(hashes, booked.prefill_tokens)
+                add = _add_request(booked, slots.track_active_blocks)
                 events.append(ActiveSequenceEvent(request_id, booked.worker, add, self.router_id))
         events.extend(event for event, _ in self._pending.values())
         return events

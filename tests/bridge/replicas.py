@@ -132,6 +132,12 @@ class Replica:
             for row in partition["loads"]
         }
 
+    def metrics(self) -> str:
+        """``GET /metrics``' text."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
+            text: str = response.read().decode()
+            return text
+
     def sync(self) -> dict[str, Any]:
         """``/ready``'s replica_sync status (ready or not)."""
         status, body = call(self.url + "/ready")

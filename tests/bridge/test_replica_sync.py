@@ -121,6 +121,11 @@ def test_own_events_are_ignored_not_applied_twice(pair: list[Replica], wait_unti
     view = agree(pair, wait_until, "after its free")
     assert view == before
     assert b.sync()["ignored_own"] == b.sync()["published"]
+    text = a.metrics()
+    assert "kvrouter_replica_sync_connected 1.0" in text
+    assert "kvrouter_replica_sync_joined 1.0" in text
+    published = a.sync()["published"]
+    assert f'kvrouter_replica_sync_events_total{{kind="published"}} {float(published)}' in text
 
 
 def test_a_malformed_message_is_counted_and_changes_nothing(

@@ -12,6 +12,7 @@ KvRouterError
 ├── EngineError              the shared-memory engine is not running, or could not start
 │   └── FlushTimeout         (also a TimeoutError) an applier did not reach a flush in time
 ├── StatsError               a stats segment that is not one, or whose blob does not decode (``kvrouter top``)
+├── BadMessage               (also a ValueError) a replica-sync message (NATS) that does not decode; names the field
 └── EventError               an event could not be applied; ``kind`` names why
     ├── BadEvent             bad_event: the input does not decode into an event
     ├── ParentNotFound       parent_not_found
@@ -30,6 +31,7 @@ from typing import ClassVar, Final
 
 __all__ = [
     "BadEvent",
+    "BadMessage",
     "BlockNotFound",
     "ConfigError",
     "DuplicateRequest",
@@ -120,6 +122,14 @@ class StatsError(KvRouterError):
     of this layout, its blob is truncated or does not decode, or its writer stayed mid-write (it died
     there). The message names the segment and what is wrong; a reader (``kvrouter top``) reports it and
     tries again later, or attaches elsewhere."""
+
+
+class BadMessage(KvRouterError, ValueError):
+    """A replica-sync message from NATS (``kvrouter/bridge/codec.py``) does not decode: not JSON, a
+    missing or mistyped field, an unknown variant, a number out of range. The message names the path and
+    the offending value, e.g. ``active_sequences_events: $.worker.dp_rank: expected an integer in
+    0..4294967295, got 'x'``. The bridge counts it as malformed, logs the first one, and applies nothing of
+    it; the sync carries on."""
 
 
 class EventError(KvRouterError):

@@ -65,6 +65,7 @@ _COST: Final = "Routing cost"
 _EVENTS: Final = "KV events"
 _OVERLOAD: Final = "Overload"
 _PROXY: Final = "Proxy and sessions (POST /v1/completions)"
+_SYNC: Final = "Replica sync (NATS; docs/nats-bridge.md)"
 _DEMO: Final = "Embedded demo (no --workers)"
 _CONFIG: Final = "Configuration"
 
@@ -539,6 +540,50 @@ def up(
             rich_help_panel=_PROXY,
         ),
     ] = None,
+    # Replica sync
+    router_replica_sync: Annotated[
+        bool,
+        typer.Option(
+            "--router-replica-sync",
+            envvar="KVROUTER_ROUTER_REPLICA_SYNC",
+            help="Share reservations with the other replicas over NATS: publish this router's AddRequest / "
+            "MarkPrefillCompleted / Free, apply theirs; a late joiner takes a peer's snapshot.",
+            rich_help_panel=_SYNC,
+        ),
+    ] = False,
+    nats_url: Annotated[
+        str,
+        typer.Option(
+            "--nats-url",
+            envvar=["KVROUTER_NATS_URL", "NATS_SERVER"],
+            help="The NATS server of the replica sync (env KVROUTER_NATS_URL, else NATS_SERVER).",
+            rich_help_panel=_SYNC,
+        ),
+    ] = "nats://127.0.0.1:4222",
+    namespace: Annotated[
+        str,
+        typer.Option(
+            "--namespace",
+            envvar="KVROUTER_NAMESPACE",
+            help="Subjects are namespace.<namespace>.component.<component>.active_sequences_events.",
+            rich_help_panel=_SYNC,
+        ),
+    ] = "dynamo",
+    component: Annotated[
+        str,
+        typer.Option("--component", envvar="KVROUTER_COMPONENT", help="See --namespace.", rich_help_panel=_SYNC),
+    ] = "backend",
+    router_active_request_expiry_secs: Annotated[
+        float,
+        typer.Option(
+            "--router-active-request-expiry-secs",
+            envvar="KVROUTER_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS",
+            min=0.001,
+            help="\\[secs] A reservation neither freed nor completed (a peer's too: a replica that died) is "
+            "dropped at this age.",
+            rich_help_panel=_SYNC,
+        ),
+    ] = 300.0,
     # Embedded demo
     mock_workers: Annotated[
         int | None,
@@ -640,6 +685,11 @@ def up(
         "queue_policy": router_queue_policy,
         "queue_timeout_secs": router_queue_timeout_secs,
         "tokenizer": tokenizer,
+        "active_request_expiry_secs": router_active_request_expiry_secs,
+        "replica_sync": router_replica_sync,
+        "nats_url": nats_url,
+        "namespace": namespace,
+        "component": component,
     }
     demo: dict[str, Any] = {
         "mock_workers": mocks,

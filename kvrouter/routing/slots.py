@@ -44,7 +44,7 @@ from ..hashing import local_hash_array
 from ..index.dense import WorkerSlots
 from . import _active as active
 
-__all__ = ["SlotManager"]
+__all__ = ["Booked", "SlotManager"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,20 @@ class _Request:
     prefill_tokens: int
     """Tokens still to prefill; 0 once the first token is out."""
     started_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Booked:
+    """What one active request holds on its worker, as :meth:`SlotManager.booked` tells it (the replica
+    sync publishes it, and sends it to a late joiner)."""
+
+    worker: WorkerKey
+    hashes: npt.NDArray[np.uint64]
+    """Its sequence hashes in the refcounts (empty unless blocks are tracked and KV reuse is assumed)."""
+    blocks: int
+    """Blocks of its own under ``assume_kv_reuse=False`` (0 otherwise)."""
+    prefill_tokens: int
+    """Tokens it still has to prefill; 0 once its first token is out."""
 
 
 class SlotManager:
@@ -310,6 +324,22 @@ class SlotManager:
         loads[BLOCKS, slot] -= released
         loads[PREFILL, slot] -= request.prefill_tokens
         loads[REQUESTS, slot] -= 1
+
+    def booked(self, request_id: str) -> Booked | None:
+        """What the active request holds, or None when it is not active (never added, freed or swept)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        return Booked(self.numbering.key(request.slot), request.hashes, request.blocks, request.prefill_tokens)
+
+    def request_ids(self) -> list[str]:
+        """The active requests' ids, oldest first."""
+        return list(self._requests)
+
+    @property
+    def expiry_secs(self) -> float:
+        """Age at which :meth:`sweep` drops a request."""
+        return self._expiry_secs
 
     def sweep(self) -> list[str]:
         """Drop the requests that are ``expiry_secs`` old or older, as if freed.

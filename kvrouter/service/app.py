@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
+from ..bridge import ReplicaSync, Subjects
 from ..engine import Engine, WorkerStats
 from ..errors import (
     ConfigError,
@@ -45,6 +46,7 @@ from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes_array
 from ..routing.config import RouterConfig
 from ..routing.router import Router, Selection
+from ..routing.slots import SlotManager
 from . import discovery, fastparse, fastpath, metrics, proxy
 from .affinity import Affinity
 from .answers import address, explain
@@ -150,6 +152,15 @@ class Service:
         self.queue = RouterQueue(  # the router queue (queue.py)
             self, threshold=config.queue_threshold, policy=config.queue_policy, timeout_secs=config.queue_timeout_secs
         )
+        self.sync: ReplicaSync | None = None
+        """The replica sync over NATS (``kvrouter/bridge/``) when ``replica_sync`` is on."""
+        if config.replica_sync:
+            self.sync = ReplicaSync(
+                config.nats_url,
+                Subjects(config.namespace, config.component),
+                self,
+                expiry_secs=config.active_request_expiry_secs,
+            )
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -262,6 +273,8 @@ class Service:
                     )
             self.health.open()
             tasks.append(asyncio.create_task(self.health.run(), name="kvrouter-health"))
+            if self.sync is not None:
+                tasks.append(asyncio.create_task(self.sync.run(), name="kvrouter-sync"))
             self._publish_stats(tasks)
             if on_ready is not None:
                 on_ready(self.url)
@@ -276,6 +289,8 @@ class Service:
                 log.warning("drain incomplete inflight=%d drain_secs=%s", self._inflight, config.drain_secs)
         finally:
             self._stopping = True
+            if self.sync is not None:
+                await self.sync.close()  # before its task is cancelled: queued events go out first
             for task in tasks:
                 task.cancel()
             for task in tasks:
@@ -384,11 +399,19 @@ class Service:
             except EngineError as exc:
                 raise ServiceError(503, f"engine: {exc}") from exc
         if partition is None:
-            partition = Partition(reg.model_name, reg.routing_group, reg.block_size, self.config.router)
+            partition = Partition(
+                reg.model_name,
+                reg.routing_group,
+                reg.block_size,
+                self.config.router,
+                expiry_secs=self.config.active_request_expiry_secs,
+            )
             self.partitions[key] = partition
         partition.instances[reg.instance_id] = updated
         self._owner[reg.instance_id] = key
         partition.rebuild()
+        if self.sync is not None:
+            self.sync.worker_registered((reg.instance_id, reg.dp_rank))  # peers' requests kept for it
         self.queue.changed(partition)  # queue.py
         self._event(
             "registered",
@@ -525,6 +548,8 @@ class Service:
             assert selection_id is not None
             counters.reservations += 1
             self._reservations[selection_id] = _Reservation(partition, selection.worker, time.monotonic())
+            if self.sync is not None:
+                self.sync.added(selection_id, partition.slots, request.lora_name)  # queued: no I/O here
         fallbacks: list[tuple[WorkerKey, float]] = []
         if request.fallbacks and selection.explanation is not None:
             others = [w for w in selection.explanation if not w.selected and not w.busy]
@@ -553,8 +578,13 @@ class Service:
         """
         reservation = self._reservations.get(selection_id)
         if reservation is None:
-            raise ServiceError(404, f"reservation {selection_id!r} not found")
+            peer = self._peer_reservation(selection_id)
+            if peer is None:
+                raise ServiceError(404, f"reservation {selection_id!r} not found")
+            reservation = peer
         reservation.partition.slots.mark_prefill_completed(selection_id)
+        if self.sync is not None:
+            self.sync.prefill_completed(selection_id, reservation.worker)
         self.queue.changed(reservation.partition)  # queue.py
 
     def free(self, selection_id: str) -> None:
@@ -565,9 +595,48 @@ class Service:
         """
         reservation = self._reservations.pop(selection_id, None)
         if reservation is None:
-            raise ServiceError(404, f"reservation {selection_id!r} not found")
+            reservation = self._peer_reservation(selection_id)
+            if reservation is None:
+                raise ServiceError(404, f"reservation {selection_id!r} not found")
         reservation.partition.slots.free(selection_id)
+        if self.sync is not None:
+            self.sync.freed(selection_id, reservation.worker)
         self.queue.changed(reservation.partition)  # queue.py
+
+    def _peer_reservation(self, selection_id: str) -> _Reservation | None:
+        """A reservation another replica booked and the sync applied here: with replica sync on, any
+        replica may complete or free any reservation (a load balancer need not be sticky)."""
+        if self.sync is None:
+            return None
+        for partition in self.partitions.values():
+            booked = partition.slots.booked(selection_id)
+            if booked is not None:
+                return _Reservation(partition, booked.worker, time.monotonic())
+        return None
+
+    # -- the replica sync's host (bridge/sync.py SyncHost) ----------------------------------------
+
+    def slots_of(self, worker: WorkerKey) -> SlotManager | None:
+        """The slot manager of the registered worker's partition; None when not registered."""
+        owner = self._owner.get(worker[0])
+        if owner is None:
+            return None
+        partition = self.partitions[owner]
+        instance = partition.instances.get(worker[0])
+        if instance is None or worker[1] not in instance.ranks:
+            return None
+        return partition.slots
+
+    def all_slots(self) -> Iterator[SlotManager]:
+        return (partition.slots for partition in self.partitions.values())
+
+    def synced(self, worker: WorkerKey, request_id: str, kind: str) -> None:
+        """A peer changed ``worker``'s load: waiters may fit now; a peer's Free of one of ours ends ours."""
+        if kind == "Free":
+            self._reservations.pop(request_id, None)
+        owner = self._owner.get(worker[0])
+        if owner is not None:
+            self.queue.changed(self.partitions[owner])  # queue.py
 
     async def select_or_wait(
         self, request: SelectRequest, *, reserve: bool, gone: Callable[[], bool] | None = None

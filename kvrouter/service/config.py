@@ -11,13 +11,17 @@ import os
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from ..bridge.subjects import Subjects
 from ..errors import ConfigError
 from ..plane.config import PlaneConfig
 from ..plane.registry import WorkerSpec
 from ..routing.config import KVROUTER_CONFIG, RouterConfig
+from ..routing.slots import DEFAULT_EXPIRY_SECS
 
-__all__ = ["ZMQ_PORT_DEFAULT", "ServiceConfig"]
+__all__ = ["DEFAULT_NATS_URL", "ZMQ_PORT_DEFAULT", "ServiceConfig"]
 
+DEFAULT_NATS_URL: Final = "nats://127.0.0.1:4222"
+"""NATS's default client port on this machine."""
 ZMQ_PORT_DEFAULT: Final = -1
 """``ServiceConfig.zmq_port``'s default: ``port + 1`` (a free port when ``port`` is 0)."""
 
@@ -30,7 +34,8 @@ class ServiceConfig:
         ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, a block size below 1, an overload status
             that is not 429 or 5xx, a body limit below 1 KiB, a negative drain time, a session affinity
             TTL not above 0, a tokenizer path that names no file, a queue threshold below 1, a queue policy
-            other than fcfs / wspt, or a queue timeout not above 0.
+            other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace or component
+            that is not one NATS subject token, or (with replica_sync) a nats_url that is not nats:// or tls://.
     """
 
     host: str = "127.0.0.1"
@@ -78,6 +83,18 @@ class ServiceConfig:
     """``--router-queue-policy``: the queue's order, arrival (``fcfs``) or shortest prompt (``wspt``)."""
     queue_timeout_secs: float = 60.0
     """How long a request waits in the queue before it is refused with ``overload_status``."""
+    active_request_expiry_secs: float = DEFAULT_EXPIRY_SECS
+    """``--router-active-request-expiry-secs``: a reservation (own, or a peer's learnt by the replica
+    sync) neither freed nor completed is dropped at this age (the reference's 300 s)."""
+    replica_sync: bool = False
+    """``--router-replica-sync``: publish own reservations' events on NATS and apply the peers'
+    (``kvrouter/bridge/``, ``docs/nats-bridge.md``)."""
+    nats_url: str = DEFAULT_NATS_URL
+    """``--nats-url`` (env ``KVROUTER_NATS_URL``, then ``NATS_SERVER``): the NATS server of the sync."""
+    namespace: str = "dynamo"
+    """``--namespace``: the subjects' ``namespace.<namespace>`` (the reference's default)."""
+    component: str = "backend"
+    """``--component``: the subjects' ``component.<component>`` (the reference's default)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -108,6 +125,15 @@ class ServiceConfig:
             raise ConfigError(f"ServiceConfig.queue_policy must be 'fcfs' or 'wspt', got {self.queue_policy!r}")
         if not self.queue_timeout_secs > 0:
             raise ConfigError(f"ServiceConfig.queue_timeout_secs must be > 0, got {self.queue_timeout_secs}")
+        if not self.active_request_expiry_secs > 0:
+            raise ConfigError(
+                f"ServiceConfig.active_request_expiry_secs must be > 0, got {self.active_request_expiry_secs}"
+            )
+        Subjects(self.namespace, self.component)  # raises ConfigError naming the bad one
+        if self.replica_sync and not self.nats_url.startswith(("nats://", "tls://")):
+            raise ConfigError(
+                f"ServiceConfig.nats_url must be nats://host:port or tls://host:port, got {self.nats_url!r}"
+            )
         if self.decisions_ring < 1 or self.events_ring < 1:
             raise ConfigError("ServiceConfig.decisions_ring and events_ring must be >= 1")
         if self.zmq_port == ZMQ_PORT_DEFAULT:

@@ -5,7 +5,8 @@ gaps, restarts) from the control segment, and every ``PROBE_EVERY`` ticks it GET
 ``http_endpoint``. A change rebuilds the partition's candidate tuple, lands in the events ring
 (``GET /events``) and in the cached index summary (``Service._index``, ``_index_headers``) that every
 JSON answer carries, so ``/select`` never reads the control segment itself. The same tick expires
-reservations older than the slot expiry and retries the router queue's waiters: one periodic task
+reservations older than the slot expiry (own ones, and the peers' the replica sync applied: a replica that
+died never frees its own) and retries the router queue's waiters: one periodic task
 for all the service's housekeeping, not one per concern.
 
 A worker whose events went stale is skipped only while it has requests booked: engines publish only
@@ -30,7 +31,6 @@ from aiohttp import ClientSession, ClientTimeout
 
 from ..errors import EngineError
 from ..events.model import WorkerKey
-from ..routing.slots import DEFAULT_EXPIRY_SECS
 
 if TYPE_CHECKING:
     from .app import Service
@@ -106,13 +106,24 @@ class Health:
                     self.service._event("recovered", worker_id=key[0], dp_rank=key[1])
                 partition.unhealthy = unhealthy
                 partition.rebuild()
-        expiry = time.monotonic() - DEFAULT_EXPIRY_SECS
-        for selection_id, reservation in list(self.service._reservations.items()):
+        service = self.service
+        expiry = time.monotonic() - service.config.active_request_expiry_secs
+        sync = service.sync
+        for selection_id, reservation in list(service._reservations.items()):
             if reservation.at > expiry:
                 break
-            del self.service._reservations[selection_id]
+            del service._reservations[selection_id]
             reservation.partition.slots.free(selection_id)
-            self.service.counters.expired_reservations += 1
+            service.counters.expired_reservations += 1
+            if sync is not None:  # the peers expire it too, about now; the Free makes sure
+                sync.freed(selection_id, reservation.worker)
+        for partition in service.partitions.values():
+            # the router sweeps only when it decides, once a minute; requests learnt from a replica
+            # that died must go at the expiry even when this replica decides nothing (O(expired))
+            if partition.slots.sweep():
+                service.queue.changed(partition)
+        if sync is not None:
+            sync.sweep()
         self.service.queue.tick()  # queue.py: retry the waiters, drop those whose client left
 
     def refresh_index(self) -> None:
@@ -175,6 +186,14 @@ class Health:
         ]
         if not workers:
             reasons.append("no schedulable worker")
+        answer: dict[str, Any] = {}
+        sync = self.service.sync
+        if sync is not None:
+            answer["replica_sync"] = sync.status()
+            if not sync.connected:
+                reasons.append("replica sync not connected to NATS")
+            elif not sync.joined:
+                reasons.append("replica sync joining (snapshot from a peer)")
         ok = not reasons
         return ok, {
             "ready": ok,
@@ -182,4 +201,5 @@ class Health:
             "workers": workers,
             "reasons": reasons,
             "shards": shards,
+            **answer,
         }

@@ -60,6 +60,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from .. import __version__
+from ..bridge import ReplicaSync
 from ..engine import Engine
 from ..errors import EngineError
 from ..events.model import WorkerKey
@@ -354,6 +355,46 @@ class ServiceView(Protocol):
     def started_at(self) -> float: ...
     @property
     def router_config(self) -> RouterConfig: ...
+    @property
+    def sync(self) -> ReplicaSync | None: ...
+
+
+SYNC_EVENT_KINDS: Final = (
+    "published",
+    "applied",
+    "ignored_own",
+    "malformed",
+    "unknown_worker",
+    "duplicate",
+    "unknown_request",
+    "dropped",
+    "snapshot_received",
+    "snapshots_served",
+    "expired_pending",
+)
+"""``kvrouter_replica_sync_events``' kinds: ``SyncCounters``' fields."""
+
+
+def replica_sync_families(sync: ReplicaSync) -> Iterator[Metric]:
+    """The replica sync (``bridge/sync.py``): connected and joined, its events by kind, its queue and the
+    peers' requests kept for workers not registered here."""
+    status = sync.status()
+    connected = GaugeMetricFamily("kvrouter_replica_sync_connected", "1 while the replica sync is connected to NATS")
+    connected.add_metric([], 1.0 if status["connected"] else 0.0)
+    joined = GaugeMetricFamily("kvrouter_replica_sync_joined", "1 once the late-join snapshot is applied (or no peer)")
+    joined.add_metric([], 1.0 if status["joined"] else 0.0)
+    events = CounterMetricFamily(
+        "kvrouter_replica_sync_events", "Replica-sync events by kind (published, applied, refused ...)", labels=["kind"]
+    )
+    for kind in SYNC_EVENT_KINDS:
+        events.add_metric([kind], status[kind])
+    queued = GaugeMetricFamily("kvrouter_replica_sync_queued", "Own events waiting to be published")
+    queued.add_metric([], status["queued"])
+    pending = GaugeMetricFamily(
+        "kvrouter_replica_sync_pending", "Peers' requests kept for workers not registered here yet"
+    )
+    pending.add_metric([], status["pending"])
+    yield from (connected, joined, events, queued, pending)
 
 
 def identity_families(started_at: float, config: RouterConfig) -> Iterator[Metric]:
@@ -457,6 +498,8 @@ def install(service: ServiceView) -> CollectorRegistry:
     def front() -> Iterator[Metric]:
         yield from identity_families(service.started_at, service.router_config)
         yield from front_families(service.counters)
+        if service.sync is not None:
+            yield from replica_sync_families(service.sync)
 
     registry.register(ServiceCollector(service.engine, partitions=partitions, front=front))
 

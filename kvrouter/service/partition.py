@@ -26,7 +26,7 @@ from ..index import ApproxIndex
 from ..plane.registry import Format, WorkerSpec
 from ..routing.config import RouterConfig
 from ..routing.router import Router
-from ..routing.slots import SlotManager
+from ..routing.slots import DEFAULT_EXPIRY_SECS, SlotManager
 
 __all__ = ["Instance", "Partition"]
 
@@ -73,11 +73,26 @@ class Partition:
     Not thread-safe: the service's event loop is its one user.
     """
 
-    def __init__(self, model_name: str, routing_group: str, block_size: int, config: RouterConfig) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        routing_group: str,
+        block_size: int,
+        config: RouterConfig,
+        *,
+        expiry_secs: float = DEFAULT_EXPIRY_SECS,
+    ) -> None:
         self.model_name = model_name
         self.routing_group = routing_group
         self.block_size = block_size
-        self.router = Router(config, block_size=block_size)
+        slots = SlotManager(
+            block_size=block_size,
+            track_active_blocks=config.router_track_active_blocks,
+            track_prefill_tokens=config.router_track_prefill_tokens,
+            assume_kv_reuse=config.router_assume_kv_reuse,
+            expiry_secs=expiry_secs,
+        )
+        self.router = Router(config, block_size=block_size, slots=slots)
         self.approx: ApproxIndex | None = (
             None if config.use_kv_events else ApproxIndex(ttl=config.router_ttl_secs, clock=self.router.slots.clock)
         )

@@ -31,8 +31,9 @@ Layout (little-endian u64 words, then bytes)::
 The writer bumps SEQ to odd, writes the blob, LENGTH, CRC and PUBLISHED, then bumps SEQ to even. A reader
 reads SEQ (retrying while odd), copies LENGTH bytes, re-reads SEQ and retries if it moved; the CRC is
 checked on top, so a copy torn under a weaker memory order than x86's, or a blob a crashed writer left
-half written, is caught rather than decoded. A writer that stays odd past ``READ_TIMEOUT_S`` (it died
-mid-write) makes the reader raise :class:`~kvrouter.errors.StatsError`.
+half written, is caught rather than decoded. A writer that leaves one write open past ``READ_TIMEOUT_S``
+(it died mid-write) makes the reader raise :class:`~kvrouter.errors.StatsError`; one that keeps writing is
+waited for, up to ``MOVING_TIMEOUTS`` times that.
 
 The blob (msgpack map, ``version`` 1; times are ``time.time()`` seconds):
 
@@ -124,7 +125,11 @@ always has a recent decision's candidates without every request paying for an ex
 DECISIONS_SHOWN: Final = 32
 EVENTS_SHOWN: Final = 64
 READ_TIMEOUT_S: Final = 0.5
-"""How long a reader waits for a writer that is mid-write before it calls the segment broken [s]."""
+"""How long a reader waits for one write to finish before it calls the writer dead [s]. Only the same
+write left open counts: a writer that keeps moving is alive (a reader on a busy machine can miss many
+short writes in a row, which is no reason to say the router is gone)."""
+MOVING_TIMEOUTS: Final = 10
+"""A reader gives up after this many ``READ_TIMEOUT_S`` without one whole copy, however the writer moves."""
 SPIN_READS: Final = 64
 """Retries before a reader starts sleeping between them: a rewrite takes tens of microseconds."""
 READ_PAUSE_S: Final = 0.0005
@@ -219,7 +224,7 @@ class StatsReader:
                 wrong while the writer is not writing (a corrupt segment).
         """
         words, mapping = self._words, self._mapping
-        deadline = 0.0
+        stuck_at, stuck_since, give_up = -1, 0.0, 0.0
         attempts = 0
         while True:
             before = int(words[M_SEQ])
@@ -238,10 +243,15 @@ class StatsReader:
             attempts += 1
             if attempts > SPIN_READS:
                 now = time.monotonic()
-                if not deadline:
-                    deadline = now + timeout
-                elif now > deadline:
-                    raise StatsError(f"stats segment {self.name}: writer mid-write for over {timeout}s (died?)")
+                if not give_up:
+                    give_up = now + MOVING_TIMEOUTS * timeout
+                if before % 2 and before == stuck_at:  # the same write still open: a live writer finishes it
+                    if now - stuck_since > timeout:
+                        raise StatsError(f"stats segment {self.name}: writer mid-write for over {timeout}s (died?)")
+                else:
+                    stuck_at, stuck_since = before, now
+                if now > give_up:  # alive, but never still for one copy
+                    raise StatsError(f"stats segment {self.name}: no whole blob copied in {MOVING_TIMEOUTS * timeout}s")
                 time.sleep(READ_PAUSE_S)
 
     def read(self, timeout: float = READ_TIMEOUT_S) -> dict[str, Any]:

@@ -28,6 +28,8 @@ from tests.service.conftest import start_mock, stop_mock
 WORKERS = (1, 2)
 Loads = dict[tuple[int, int], tuple[int, int, int]]
 """A replica's ``/loads``: (worker_id, dp_rank) -> (prefill tokens, active blocks, active requests)."""
+pytestmark = pytest.mark.timeout(900)  # the first test starts the module's replicas: cold caches compile
+
 QUIET_S = 30.0
 """Bound of every wait for the replicas to agree: NATS delivers in milliseconds; this is for a loaded box."""
 

@@ -265,7 +265,9 @@ def decode_snapshot_part(payload: bytes) -> SnapshotPart:
     """A snapshot part.
 
     Raises:
-        BadMessage: not JSON, a field missing or mistyped, ``part`` not below ``parts``, or an event of it bad.
+        BadMessage: not JSON, a field missing or mistyped, ``part`` not below ``parts``, or an event of it bad
+            (a MarkPrefillCompleted: a snapshot holds active requests as AddRequests and recently freed ones
+            as Frees, the tombstones a re-sync reconciles with).
     """
     reader = _Reader("snapshot")
     top = reader.obj(_load(payload, reader.what), "$")
@@ -279,8 +281,8 @@ def decode_snapshot_part(payload: bytes) -> SnapshotPart:
         raise _fail(reader.what, "$.events", "a list of events", events)
     decoded = tuple(reader.event(e, f"$.events[{i}]") for i, e in enumerate(events))
     for i, e in enumerate(decoded):
-        if not isinstance(e.data, AddRequest):
-            raise _fail(reader.what, f"$.events[{i}].data", "an AddRequest", e.data)
+        if not isinstance(e.data, AddRequest) and e.data != FREE:
+            raise _fail(reader.what, f"$.events[{i}].data", "an AddRequest or Free", e.data)
     return SnapshotPart(router_id, part, parts, decoded)
 
 

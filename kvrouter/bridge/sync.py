@@ -32,6 +32,26 @@ worker registers; kept requests expire like the others.
 managers' expiry (``--router-active-request-expiry-secs``), swept by the service's health loop. A
 request learnt from a snapshot starts its age at the join, so it may outlive its original by up to the
 joiner's start time.
+
+**Faults: re-sync.** NATS core keeps nothing: what a replica misses while its connection is down, or
+what nats-py drops when a subscription's pending queue overflows (a slow consumer), is gone, and what it
+published into a dead connection may never have reached anyone. So after a reconnect, a slow consumer,
+or an own event dropped, a replica *re-syncs*: it buffers the live events again, asks a peer for a
+snapshot exactly as at the join, and reconciles. The snapshot carries each request's *origin* (the
+router id that booked it) and the peer's *tombstones* (ids freed there within the expiry, as Free
+events), so the rules are local: a peer's request held here but not in the snapshot is freed here; one
+in the snapshot but not here is booked; a completed prefill is taken over. An own request is the
+owner's to announce: one the peer lacks is published again (AddRequest), one the peer tombstoned is
+freed here (its Free was missed), one the peer still holds but this replica freed or expired gets its
+Free published again, and so does a completed prefill the peer still counts. Then the buffered events
+are applied and the replica goes live. ``/ready`` says ``replica sync re-syncing (<why>)`` meanwhile;
+``disconnects``, ``reconnects``, ``slow_consumer`` (one per message nats-py dropped), ``resyncs`` and
+``resync_added / resync_freed / resync_updated / resync_republished`` (each a lost message's effect,
+corrected) count what happened. Rejected: per-router sequence numbers to detect gaps (a field the
+reference's event has not; a gap says something was lost, not what) and JetStream for the sync (the
+reference keeps the sync on core NATS; the durable mode is for KV events). The limit: a re-sync sees one
+peer's view, so with three or more replicas a request the chosen peer never learnt (and whose owner is
+not re-syncing) is dropped here until its owner's next event; its expiry bounds the harm.
 """
 
 from __future__ import annotations
@@ -39,9 +59,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Final, Protocol
 
@@ -80,6 +101,16 @@ CONNECT_RETRY_S: Final = 1.0
 """Pause between attempts while the first connection to NATS fails."""
 CLOSE_FLUSH_S: Final = 2.0
 """On close, how long queued events are given to reach the server."""
+PING_INTERVAL_S: Final = 2.0
+MAX_OUTSTANDING_PINGS: Final = 3
+"""A server that answers no ping for about ``PING_INTERVAL_S * MAX_OUTSTANDING_PINGS`` (a paused or
+partitioned server) is a lost connection: reconnect, then re-sync. nats-py's default (120 s x 2) would
+hide a pause of minutes."""
+TOMBSTONES: Final = QUEUE_CAPACITY
+"""Recently freed request ids kept for a peer's re-sync (also bounded by the expiry)."""
+PENDING_MSGS_ENV: Final = "KVROUTER_SYNC_PENDING_MSGS_LIMIT"
+"""Test-only: the events subscription's pending-message limit (nats-py's default, 524,288, otherwise);
+a small one provokes a slow consumer."""
 
 
 class SyncHost(Protocol):
@@ -94,6 +125,10 @@ class SyncHost(Protocol):
 
     def synced(self, worker: WorkerKey, request_id: str, kind: str) -> None:
         """A peer's ``kind`` (``AddRequest``, ``MarkPrefillCompleted``, ``Free``) changed ``worker``'s load."""
+        ...
+
+    def own_requests(self) -> Collection[str]:
+        """The ids of the reservations this replica booked itself and still holds."""
         ...
 
 
@@ -119,6 +154,21 @@ class SyncCounters:
     snapshots_served: int = 0
     expired_pending: int = 0
     """Kept requests (unknown worker) dropped at expiry before their worker registered."""
+    disconnects: int = 0
+    """Times the connection to NATS was lost (what peers sent meanwhile is lost: a re-sync follows)."""
+    reconnects: int = 0
+    slow_consumer: int = 0
+    """Peers' messages nats-py dropped because the subscription's pending queue was full."""
+    resyncs: int = 0
+    """Re-syncs started (after a reconnect, a slow consumer, an own event dropped), retries included."""
+    resync_added: int = 0
+    """Peers' requests booked by a re-sync: their AddRequest was lost."""
+    resync_freed: int = 0
+    """Requests freed by a re-sync: a Free was lost (or the peer never had them)."""
+    resync_updated: int = 0
+    """Peers' requests whose prefill a re-sync marked completed: the MarkPrefillCompleted was lost."""
+    resync_republished: int = 0
+    """Own events a re-sync published again because the peer lacked them (AddRequest, Free, completion)."""
 
 
 _Queued = tuple[str, WorkerKey, tuple[Booked, bool] | str, str | None]
@@ -140,6 +190,13 @@ def _add_request(booked: Booked, tracked: bool) -> AddRequest:
     return AddRequest(hashes, booked.prefill_tokens)
 
 
+def _remaining(event: ActiveSequenceEvent) -> int:
+    """A snapshot AddRequest's remaining prefill tokens (0 when not tracked)."""
+    add = event.data
+    assert isinstance(add, AddRequest)
+    return add.prefill_tokens if add.track_prefill_tokens and add.prefill_tokens is not None else 0
+
+
 class ReplicaSync:
     """One replica's end of the sync. Built by the service when ``--router-replica-sync`` is on.
 
@@ -150,6 +207,9 @@ class ReplicaSync:
         expiry_secs: how long a request for an unregistered worker is kept.
         router_id: this replica's id; a random u64 by default.
         clock: seconds, monotonic.
+        pending_msgs_limit: the events subscription's pending-message limit; nats-py's default unless
+            given here or in ``KVROUTER_SYNC_PENDING_MSGS_LIMIT`` (test-only: a small one provokes a slow
+            consumer).
     """
 
     def __init__(
@@ -161,6 +221,7 @@ class ReplicaSync:
         expiry_secs: float,
         router_id: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pending_msgs_limit: int | None = None,
     ) -> None:
         self.url = url
         self.subjects = subjects
@@ -186,6 +247,18 @@ class ReplicaSync:
         self._closed = asyncio.Event()
         self._snapshot_ids: set[str] = set()
         """While the events buffered during the join are replayed: the ids the snapshot held."""
+        self._origin: dict[str, tuple[int, float]] = {}
+        """Peers' requests held here (or kept): who booked them and when they came, oldest first."""
+        self._freed: dict[str, tuple[WorkerKey, float]] = {}
+        """Tombstones: ids freed here (by anyone) within the expiry, oldest first, at most ``TOMBSTONES``."""
+        self.resyncing: str | None = None
+        """Why this replica's view may be incomplete until the running re-sync ends; None when live."""
+        self._resync_task: asyncio.Task[None] | None = None
+        self._resync_again = False
+        limit = os.environ.get(PENDING_MSGS_ENV)
+        if pending_msgs_limit is None and limit:
+            pending_msgs_limit = int(limit)
+        self._pending_msgs_limit = pending_msgs_limit
 
     # -- status ---------------------------------------------------------------------------------
 
@@ -199,6 +272,7 @@ class ReplicaSync:
         return {
             "connected": self.connected,
             "joined": self.joined,
+            "resyncing": self.resyncing,
             "router_id": self.router_id,
             "subject": self.subjects.active_sequences,
             "peer": self.peer,
@@ -221,6 +295,7 @@ class ReplicaSync:
         except asyncio.QueueFull:
             self.counters.dropped += 1
             self._once("dropped", "replica sync queue full capacity=%d: newest event dropped", QUEUE_CAPACITY)
+            self._request_resync("own events dropped")
 
     def added(self, request_id: str, slots: SlotManager, lora_name: str | None = None) -> None:
         """The service booked ``request_id`` in ``slots``: publish what it holds (AddRequest)."""
@@ -232,7 +307,16 @@ class ReplicaSync:
         self._enqueue((request_id, worker, MARK_PREFILL_COMPLETED, None))
 
     def freed(self, request_id: str, worker: WorkerKey) -> None:
+        self._tombstone(request_id, worker)
         self._enqueue((request_id, worker, FREE, None))
+
+    def _tombstone(self, request_id: str, worker: WorkerKey) -> None:
+        self._origin.pop(request_id, None)
+        freed = self._freed
+        freed.pop(request_id, None)
+        if len(freed) >= TOMBSTONES:
+            del freed[next(iter(freed))]
+        freed[request_id] = (worker, self._clock())
 
     def locate(self, request_id: str) -> tuple[SlotManager, WorkerKey] | None:
         """Where a request active here (a peer's, say) lives: so any replica can free any reservation."""
@@ -261,6 +345,7 @@ class ReplicaSync:
             except Exception as exc:  # nats-py: outbound buffer full while disconnected, connection closed
                 self.counters.dropped += 1
                 self._once("publish", "replica sync publish failed error=%r", exc)
+                self._request_resync("own events dropped")
             finally:
                 queue.task_done()
 
@@ -294,6 +379,7 @@ class ReplicaSync:
         if kept is not None:  # a request for a worker not registered yet
             if data == FREE:
                 del self._pending[event.request_id]
+                self._tombstone(event.request_id, event.worker)
             else:
                 add = kept[0].data
                 assert isinstance(add, AddRequest)
@@ -313,6 +399,7 @@ class ReplicaSync:
             return
         if data == FREE:
             slots.free(event.request_id)
+            self._tombstone(event.request_id, event.worker)
         else:
             slots.mark_prefill_completed(event.request_id)
         self.counters.applied += 1
@@ -332,6 +419,7 @@ class ReplicaSync:
                 *event.worker,
             )
             self._pending[event.request_id] = (event, self._clock())
+            self._set_origin(event)
             return False
         hashes = np.array(add.token_sequence or (), dtype=np.uint64)
         tokens = add.prefill_tokens if add.track_prefill_tokens and add.prefill_tokens is not None else 0
@@ -341,8 +429,13 @@ class ReplicaSync:
             self._duplicate(event)
             return False
         self.counters.applied += 1
+        self._set_origin(event)
         self.host.synced(event.worker, event.request_id, "AddRequest")
         return True
+
+    def _set_origin(self, event: ActiveSequenceEvent) -> None:
+        self._origin.pop(event.request_id, None)
+        self._origin[event.request_id] = (event.router_id, self._clock())
 
     def _duplicate(self, event: ActiveSequenceEvent) -> None:
         if event.request_id in self._snapshot_ids:
@@ -367,21 +460,32 @@ class ReplicaSync:
         for request_id in expired:
             del self._pending[request_id]
         self.counters.expired_pending += len(expired)
+        for table in (self._origin, self._freed):  # both oldest first: O(expired)
+            while table:
+                oldest = next(iter(table))
+                if table[oldest][1] > expiry:
+                    break
+                del table[oldest]
         return len(expired)
 
     # -- snapshot ---------------------------------------------------------------------------------
 
     def snapshot_events(self) -> list[ActiveSequenceEvent]:
-        """Every request active here and every kept one, as AddRequests with their remaining prefill."""
+        """Every request active here and every kept one, as AddRequests with their remaining prefill, each
+        with the router id that booked it; then the tombstones, as Frees."""
         events: list[ActiveSequenceEvent] = []
+        origin = self._origin
         for slots in self.host.all_slots():
             for request_id in slots.request_ids():
                 booked = slots.booked(request_id)
                 if booked is None:
                     continue
                 add = _add_request(booked, slots.track_active_blocks)
-                events.append(ActiveSequenceEvent(request_id, booked.worker, add, self.router_id))
+                router_id = origin[request_id][0] if request_id in origin else self.router_id
+                events.append(ActiveSequenceEvent(request_id, booked.worker, add, router_id))
         events.extend(event for event, _ in self._pending.values())
+        freed = self._freed.items()
+        events.extend(ActiveSequenceEvent(rid, worker, FREE, self.router_id) for rid, (worker, _) in freed)
         return events
 
     async def _on_hello(self, msg: Any) -> None:
@@ -400,8 +504,10 @@ class ReplicaSync:
         self.counters.snapshots_served += 1
         log.info("replica sync snapshot served parts=%d to=%s", len(parts), msg.reply)
 
-    async def _join(self) -> None:
-        """Ask a peer for its view and apply it, then the events buffered meanwhile; then go live."""
+    async def _fetch_snapshot(self) -> tuple[int | None, list[ActiveSequenceEvent], bool]:
+        """Ask a peer for its view: (its router id or None when no replica answers, its events, whether the
+        snapshot came whole). A peer that answers the hello but not the snapshot (or not the whole of it)
+        gives an incomplete one."""
         nc = self._nc
         try:
             hello = await nc.request(
@@ -411,51 +517,175 @@ class ReplicaSync:
             if type(peer) is not int:
                 raise TypeError(f"router_id {peer!r}")
         except nats.errors.NoRespondersError:
-            peer = None
+            return None, [], True
         except (nats.errors.TimeoutError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
-            log.warning("replica sync join: no usable peer answer error=%r; starting from the live events", exc)
-            peer = None
+            self._once("no_peer_answer", "replica sync snapshot: no usable peer answer error=%r", exc)
+            return None, [], False
         got: dict[int, tuple[ActiveSequenceEvent, ...]] = {}
-        if peer is not None:
-            inbox = nc.new_inbox()
-            sub = await nc.subscribe(inbox)
-            try:
-                await nc.publish(self.subjects.snapshot_of(peer), b"{}", reply=inbox)
-                parts = 1
-                while len(got) < parts:
-                    try:
-                        msg = await sub.next_msg(timeout=JOIN_TIMEOUT_S)
-                        part = decode_snapshot_part(msg.data)
-                    except nats.errors.TimeoutError:
-                        log.warning("replica sync join: snapshot incomplete peer=%d parts=%d/%d", peer, len(got), parts)
-                        break
-                    except BadMessage as exc:
-                        self.counters.malformed += 1
-                        self._once("malformed_snapshot", "replica sync malformed snapshot part error=%s", exc)
-                        continue
-                    parts = part.parts
-                    got[part.part] = part.events
-                for index in sorted(got):
-                    for event in got[index]:
-                        assert isinstance(event.data, AddRequest)
-                        self.counters.snapshot_received += 1
-                        self._add(event, event.data)
-                self.peer = peer
-            finally:
+        parts = 1
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        try:
+            await nc.publish(self.subjects.snapshot_of(peer), b"{}", reply=inbox)
+            while len(got) < parts:
+                try:
+                    msg = await sub.next_msg(timeout=JOIN_TIMEOUT_S)
+                    part = decode_snapshot_part(msg.data)
+                except nats.errors.TimeoutError:
+                    log.warning("replica sync snapshot incomplete peer=%d parts=%d/%d", peer, len(got), parts)
+                    break
+                except BadMessage as exc:
+                    self.counters.malformed += 1
+                    self._once("malformed_snapshot", "replica sync malformed snapshot part error=%s", exc)
+                    continue
+                parts = part.parts
+                got[part.part] = part.events
+        finally:
+            with contextlib.suppress(Exception):  # the connection may be gone again
                 await sub.unsubscribe()
+        return peer, [event for index in sorted(got) for event in got[index]], len(got) == parts
+
+    def _replay(self, events: list[ActiveSequenceEvent]) -> int:
+        """Go live: apply the events buffered while the snapshot was fetched (an AddRequest the snapshot
+        already held is expected there, not a duplicate). Returns how many."""
         buffered, self._buffer = self._buffer or [], None
-        self._snapshot_ids = {e.request_id for events in got.values() for e in events}
-        for payload in buffered:  # an AddRequest the snapshot already held is expected here, not a duplicate
+        self._snapshot_ids = {e.request_id for e in events if isinstance(e.data, AddRequest)}
+        for payload in buffered:
             self.apply(payload)
         self._snapshot_ids = set()
+        return len(buffered)
+
+    async def _join(self) -> None:
+        """Ask a peer for its view and apply it, then the events buffered meanwhile; then go live."""
+        peer, events, _ = await self._fetch_snapshot()  # an incomplete snapshot is better than none here
+        for event in events:
+            if isinstance(event.data, AddRequest):  # the Frees are the peer's tombstones: nothing here yet
+                self.counters.snapshot_received += 1
+                self._add(event, event.data)
+        self.peer = peer if peer is not None else self.peer
+        buffered = self._replay(events)
         self.joined = True
         log.info(
             "replica sync joined router_id=%d peer=%s snapshot_received=%d buffered=%d",
             self.router_id,
             peer,
             self.counters.snapshot_received,
-            len(buffered),
+            buffered,
         )
+
+    # -- faults: re-sync ------------------------------------------------------------------------------
+
+    def _request_resync(self, reason: str) -> None:
+        """Re-sync soon (one at a time; a request while one runs makes it run once more). Cheap: nats-py
+        calls it from its read loop, once per dropped message."""
+        if self._closing:
+            return
+        if self.resyncing is None:
+            self.resyncing = reason
+        task = self._resync_task
+        if (task is not None and not task.done()) or not self.joined or not self.connected:
+            self._resync_again = True  # the running one, the join or the reconnect starts it
+            return
+        self._resync_task = asyncio.create_task(self._resync_loop(), name="kvrouter-sync-resync")
+
+    async def _resync_loop(self) -> None:
+        while not self._closing:
+            self._resync_again = False
+            try:
+                done = await self._resync()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # nats-py: the connection went again, a timeout
+                done = False
+                self._once("resync_failed", "replica sync re-sync failed error=%r; retrying", exc)
+            if self._resync_again:
+                continue
+            if done:
+                break
+            if not self.connected:
+                return  # the reconnect starts it again; /ready keeps saying why
+            await asyncio.sleep(CONNECT_RETRY_S)
+        self.resyncing = None
+
+    async def _resync(self) -> bool:
+        """Buffer the live events, fetch a peer's snapshot, reconcile, go live. False when the snapshot did
+        not come whole (nothing reconciled: freeing what a partial snapshot lacks would be wrong)."""
+        self.counters.resyncs += 1
+        log.info("replica sync re-sync reason=%s resyncs=%d", self.resyncing, self.counters.resyncs)
+        if self._buffer is None:
+            self._buffer = []
+        events: list[ActiveSequenceEvent] = []
+        try:
+            peer, events, whole = await self._fetch_snapshot()
+            if not whole:
+                return False
+            if peer is not None:
+                self._reconcile(events)
+                self.peer = peer
+            return True
+        finally:
+            self._replay(events)
+
+    def _reconcile(self, events: list[ActiveSequenceEvent]) -> None:
+        """Make this replica's view the peer's for the peers' requests, and tell the peers what they
+        missed of this replica's own (see the module docstring)."""
+        adds = {e.request_id: e for e in events if isinstance(e.data, AddRequest)}
+        frees = {e.request_id for e in events if e.data == FREE}
+        own = set(self.host.own_requests())
+        held: set[str] = set()
+        counters = self.counters
+        for slots in list(self.host.all_slots()):
+            for request_id in slots.request_ids():
+                booked = slots.booked(request_id)
+                if booked is None:
+                    continue
+                held.add(request_id)
+                theirs = adds.get(request_id)
+                if request_id in own:
+                    if theirs is None and request_id in frees:  # freed on a peer; its Free was lost
+                        self._free_here(slots, request_id, booked.worker)
+                    elif theirs is None:  # the peer never learnt it
+                        self._republish((request_id, booked.worker, (booked, slots.track_active_blocks), None))
+                    elif booked.prefill_tokens == 0 and _remaining(theirs) > 0:
+                        self._republish((request_id, booked.worker, MARK_PREFILL_COMPLETED, None))
+                elif theirs is None:  # freed by the peer's view (its Free was lost), or never there
+                    self._free_here(slots, request_id, booked.worker)
+                elif booked.prefill_tokens > 0 and _remaining(theirs) == 0:
+                    slots.mark_prefill_completed(request_id)
+                    counters.resync_updated += 1
+                    self.host.synced(booked.worker, request_id, MARK_PREFILL_COMPLETED)
+        for request_id in list(self._pending):  # peers' requests kept for unregistered workers
+            if request_id not in adds:
+                del self._pending[request_id]
+                self._origin.pop(request_id, None)
+                counters.resync_freed += 1
+        for request_id, event in adds.items():
+            if request_id in held or request_id in self._pending:
+                continue
+            if request_id in self._freed or event.router_id == self.router_id:
+                # freed here (or an own one expired here) and the peer missed the Free
+                self._republish((request_id, event.worker, FREE, None))
+            else:
+                assert isinstance(event.data, AddRequest)
+                self._add(event, event.data)
+                counters.resync_added += 1
+        log.info(
+            "replica sync reconciled added=%d freed=%d updated=%d republished=%d",
+            counters.resync_added,
+            counters.resync_freed,
+            counters.resync_updated,
+            counters.resync_republished,
+        )
+
+    def _free_here(self, slots: SlotManager, request_id: str, worker: WorkerKey) -> None:
+        slots.free(request_id)
+        self._tombstone(request_id, worker)
+        self.counters.resync_freed += 1
+        self.host.synced(worker, request_id, FREE)
+
+    def _republish(self, item: _Queued) -> None:
+        self.counters.resync_republished += 1
+        self._enqueue(item)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -471,6 +701,8 @@ class ReplicaSync:
                     reconnect_time_wait=0.5,
                     max_reconnect_attempts=-1,
                     allow_reconnect=True,
+                    ping_interval=PING_INTERVAL_S,
+                    max_outstanding_pings=MAX_OUTSTANDING_PINGS,
                     error_cb=self._on_error,
                     disconnected_cb=self._on_disconnected,
                     reconnected_cb=self._on_reconnected,
@@ -489,11 +721,14 @@ class ReplicaSync:
             self.router_id,
             self.subjects.active_sequences,
         )
-        self._subs.append(await nc.subscribe(self.subjects.active_sequences, cb=self._on_event))
+        limits = {} if self._pending_msgs_limit is None else {"pending_msgs_limit": self._pending_msgs_limit}
+        self._subs.append(await nc.subscribe(self.subjects.active_sequences, cb=self._on_event, **limits))
         self._publisher = asyncio.create_task(self._publish(nc), name="kvrouter-sync-publish")
         await self._join()
         self._subs.append(await nc.subscribe(self.subjects.snapshot, cb=self._on_hello))
         self._subs.append(await nc.subscribe(self.subjects.snapshot_of(self.router_id), cb=self._on_snapshot))
+        if self._resync_again:  # a fault during the join
+            self._request_resync(self.resyncing or "a fault during the join")
         await self._closed.wait()
 
     async def close(self) -> None:
@@ -503,6 +738,11 @@ class ReplicaSync:
         self._closed.set()
         nc, self._nc = self._nc, None
         publisher, self._publisher = self._publisher, None
+        resync, self._resync_task = self._resync_task, None
+        if resync is not None:
+            resync.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await resync
         if publisher is not None:
             if nc is not None and nc.is_connected and self._queue.qsize():
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -518,10 +758,22 @@ class ReplicaSync:
         self._subs.clear()
 
     async def _on_error(self, exc: Exception) -> None:
+        if isinstance(exc, nats.errors.SlowConsumerError):  # one per message nats-py dropped
+            self.counters.slow_consumer += 1
+            self._once("slow_consumer", "replica sync slow consumer: a peer's message dropped subject=%s", exc.subject)
+            self._request_resync("slow consumer: peers' messages dropped")
+            return
         self._once(f"error:{type(exc).__name__}", "replica sync NATS error error=%r", exc)
 
     async def _on_disconnected(self) -> None:
-        log.warning("replica sync disconnected url=%s", self.url)
+        if self._closing:
+            return
+        self.counters.disconnects += 1
+        if self.resyncing is None:
+            self.resyncing = "NATS connection lost"
+        log.warning("replica sync disconnected url=%s disconnects=%d", self.url, self.counters.disconnects)
 
     async def _on_reconnected(self) -> None:
-        log.info("replica sync reconnected url=%s", self.url)
+        self.counters.reconnects += 1
+        log.info("replica sync reconnected url=%s reconnects=%d", self.url, self.counters.reconnects)
+        self._request_resync("NATS connection lost")

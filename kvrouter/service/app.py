@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -629,6 +629,10 @@ class Service:
 
     def all_slots(self) -> Iterator[SlotManager]:
         return (partition.slots for partition in self.partitions.values())
+
+    def own_requests(self) -> Collection[str]:
+        """The reservations this replica booked and still holds (a re-sync announces them to peers)."""
+        return self._reservations.keys()
 
     def synced(self, worker: WorkerKey, request_id: str, kind: str) -> None:
         """A peer changed ``worker``'s load: waiters may fit now; a peer's Free of one of ours ends ours."""

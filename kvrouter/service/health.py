@@ -194,6 +194,8 @@ class Health:
                 reasons.append("replica sync not connected to NATS")
             elif not sync.joined:
                 reasons.append("replica sync joining (snapshot from a peer)")
+            elif sync.resyncing is not None:
+                reasons.append(f"replica sync re-syncing ({sync.resyncing})")
         ok = not reasons
         return ok, {
             "ready": ok,

@@ -371,6 +371,14 @@ SYNC_EVENT_KINDS: Final = (
     "snapshot_received",
     "snapshots_served",
     "expired_pending",
+    "disconnects",
+    "reconnects",
+    "slow_consumer",
+    "resyncs",
+    "resync_added",
+    "resync_freed",
+    "resync_updated",
+    "resync_republished",
 )
 """``kvrouter_replica_sync_events``' kinds: ``SyncCounters``' fields."""
 
@@ -388,13 +396,17 @@ def replica_sync_families(sync: ReplicaSync) -> Iterator[Metric]:
     )
     for kind in SYNC_EVENT_KINDS:
         events.add_metric([kind], status[kind])
+    resyncing = GaugeMetricFamily(
+        "kvrouter_replica_sync_resyncing", "1 while a re-sync (after a reconnect or a slow consumer) is due or running"
+    )
+    resyncing.add_metric([], 0.0 if status["resyncing"] is None else 1.0)
     queued = GaugeMetricFamily("kvrouter_replica_sync_queued", "Own events waiting to be published")
     queued.add_metric([], status["queued"])
     pending = GaugeMetricFamily(
         "kvrouter_replica_sync_pending", "Peers' requests kept for workers not registered here yet"
     )
     pending.add_metric([], status["pending"])
-    yield from (connected, joined, events, queued, pending)
+    yield from (connected, joined, resyncing, events, queued, pending)
 
 
 def identity_families(started_at: float, config: RouterConfig) -> Iterator[Metric]:

@@ -53,9 +53,12 @@ def call(url: str, method: str = "GET", body: object = None) -> tuple[int, Any]:
 class Replica:
     """One ``kvrouter up --router-replica-sync`` process."""
 
-    def __init__(self, name: str, nats_url: str, namespace: str, folder: Path, *extra: str) -> None:
+    def __init__(
+        self, name: str, nats_url: str, namespace: str, folder: Path, *extra: str, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_") and k != "NATS_SERVER"}
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_") and k != "NATS_SERVER"}
+        env = {**environ, **(env or {})}
         command = [sys.executable, "-m", "kvrouter", "up", "--port", "0", "--zmq-port", "0", "--shards", "1"]
         command += ["--mock-workers", "0", "--router-replica-sync", "--nats-url", nats_url, "--namespace", namespace]
         command += ["--model-name", MODEL, "--block-size", str(BLOCK), *extra]
@@ -167,13 +170,20 @@ def shm_of(pid: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def replicas(nats_url: str, namespace: str, folder: Path, names: list[str], *extra: str) -> Iterator[list[Replica]]:
+def replicas(
+    nats_url: str,
+    namespace: str,
+    folder: Path,
+    names: list[str],
+    *extra: str,
+    env: dict[str, dict[str, str]] | None = None,
+) -> Iterator[list[Replica]]:
     """Start ``names`` (the first alone, then the rest in parallel) and wait for each; on leaving stop them
-    all and check /dev/shm is clean."""
+    all and check /dev/shm is clean. ``env``: extra environment variables by replica name."""
     started: list[Replica] = []
     try:
         for i, name in enumerate(names):
-            started.append(Replica(name, nats_url, namespace, folder, *extra))
+            started.append(Replica(name, nats_url, namespace, folder, *extra, env=(env or {}).get(name)))
             if i == 0:  # on a cold numba cache the first compiles every kernel; the others then load them
                 started[0].wait_started()
         for replica in started[1:]:

@@ -135,9 +135,11 @@ def test_snapshot_parts_round_trip_and_split_below_the_bound() -> None:
 
 
 def test_snapshot_refusals() -> None:
-    free = ActiveSequenceEvent("r", (1, 0), FREE, 5)
-    with pytest.raises(BadMessage, match=r"\$\.events\[0\]\.data: expected an AddRequest"):
-        decode_snapshot_part(encode_snapshot_part(SnapshotPart(1, 0, 1, (free,))))
+    done = ActiveSequenceEvent("r", (1, 0), MARK_PREFILL_COMPLETED, 5)
+    with pytest.raises(BadMessage, match=r"\$\.events\[0\]\.data: expected an AddRequest or Free"):
+        decode_snapshot_part(encode_snapshot_part(SnapshotPart(1, 0, 1, (done,))))
+    free = ActiveSequenceEvent("r", (1, 0), FREE, 5)  # a tombstone: a request freed lately
+    assert decode_snapshot_part(encode_snapshot_part(SnapshotPart(1, 0, 1, (free,)))).events == (free,)
     with pytest.raises(BadMessage, match=r"\$\.part: expected an integer below parts"):
         decode_snapshot_part(b'{"router_id": 1, "part": 2, "parts": 2, "events": []}')
 

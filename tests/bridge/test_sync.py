@@ -32,6 +32,8 @@ class Host:
         self.slots = SlotManager(block_size=BLOCK)
         self.workers = set(workers)
         self.changes: list[tuple[WorkerKey, str, str]] = []
+        self.own: set[str] = set()
+        """Ids booked here (``book``) and not freed by a peer: the service's own reservations."""
 
     def slots_of(self, worker: WorkerKey) -> SlotManager | None:
         return self.slots if worker in self.workers else None
@@ -41,6 +43,11 @@ class Host:
 
     def synced(self, worker: WorkerKey, request_id: str, kind: str) -> None:
         self.changes.append((worker, request_id, kind))
+        if kind == FREE:
+            self.own.discard(request_id)
+
+    def own_requests(self) -> set[str]:
+        return self.own
 
 
 async def until(condition: Callable[[], bool], what: str) -> None:
@@ -66,6 +73,7 @@ async def running(sync: ReplicaSync) -> AsyncIterator[ReplicaSync]:
 
 def book(host: Host, sync: ReplicaSync, request_id: str, worker: WorkerKey, hashes: list[int], isl: int) -> None:
     host.slots.add_request(request_id, worker, np.array(hashes, dtype=np.uint64), isl, 0)
+    host.own.add(request_id)
     sync.added(request_id, host.slots)
 
 

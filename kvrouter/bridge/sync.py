@@ -40,18 +40,19 @@ or an own event dropped, a replica *re-syncs*: it buffers the live events again,
 snapshot exactly as at the join, and reconciles. The snapshot carries each request's *origin* (the
 router id that booked it) and the peer's *tombstones* (ids freed there within the expiry, as Free
 events), so the rules are local: a peer's request held here but not in the snapshot is freed here; one
-in the snapshot but not here is booked; a completed prefill is taken over. An own request is the
-owner's to announce: one the peer lacks is published again (AddRequest), one the peer tombstoned is
-freed here (its Free was missed), one the peer still holds but this replica freed or expired gets its
-Free published again, and so does a completed prefill the peer still counts. Then the buffered events
-are applied and the replica goes live. ``/ready`` says ``replica sync re-syncing (<why>)`` meanwhile;
-``disconnects``, ``reconnects``, ``slow_consumer`` (one per message nats-py dropped), ``resyncs`` and
-``resync_added / resync_freed / resync_updated / resync_republished`` (each a lost message's effect,
-corrected) count what happened. Rejected: per-router sequence numbers to detect gaps (a field the
-reference's event has not; a gap says something was lost, not what) and JetStream for the sync (the
-reference keeps the sync on core NATS; the durable mode is for KV events). The limit: a re-sync sees one
-peer's view, so with three or more replicas a request the chosen peer never learnt (and whose owner is
-not re-syncing) is dropped here until its owner's next event; its expiry bounds the harm.
+in the snapshot but not here is booked; a completed prefill wins either way (taken over here, or its
+MarkPrefillCompleted published again). An own request is the owner's to announce: one the peer lacks
+is published again (AddRequest), one the peer tombstoned is freed here (its Free was missed); a request
+the peer still holds but this replica freed (or, an own one, expired) gets its Free published again.
+Then the buffered events are applied and the replica goes live. ``/ready`` says ``replica sync
+re-syncing (<why>)`` meanwhile; ``disconnects``, ``reconnects``, ``slow_consumer`` (one per message
+nats-py dropped), ``resyncs`` and ``resync_added / resync_freed / resync_updated / resync_republished``
+(each a lost message's effect, corrected) count what happened. Rejected: per-router sequence numbers to
+detect gaps (a field the reference's event has not; a gap says something was lost, not what) and
+JetStream for the sync (the reference keeps the sync on core NATS; the durable mode is for KV events).
+The limit: a re-sync sees one peer's view, so with three or more replicas a request the chosen peer
+never learnt (and whose owner does not re-sync) is freed here, and this replica under-counts it until
+it ends (its Free then counts ``unknown_request``).
 """
 
 from __future__ import annotations
@@ -641,19 +642,19 @@ class ReplicaSync:
                     continue
                 held.add(request_id)
                 theirs = adds.get(request_id)
-                if request_id in own:
-                    if theirs is None and request_id in frees:  # freed on a peer; its Free was lost
+                if theirs is None:
+                    if request_id not in own or request_id in frees:
+                        # a peer's request the peer does not hold (its Free was lost, or it never was
+                        # there), or an own one the peer freed (its Free was lost): freed here too
                         self._free_here(slots, request_id, booked.worker)
-                    elif theirs is None:  # the peer never learnt it
+                    else:  # an own request the peer never learnt
                         self._republish((request_id, booked.worker, (booked, slots.track_active_blocks), None))
-                    elif booked.prefill_tokens == 0 and _remaining(theirs) > 0:
-                        self._republish((request_id, booked.worker, MARK_PREFILL_COMPLETED, None))
-                elif theirs is None:  # freed by the peer's view (its Free was lost), or never there
-                    self._free_here(slots, request_id, booked.worker)
-                elif booked.prefill_tokens > 0 and _remaining(theirs) == 0:
+                elif booked.prefill_tokens > 0 and _remaining(theirs) == 0:  # a completion lost on the way here
                     slots.mark_prefill_completed(request_id)
                     counters.resync_updated += 1
                     self.host.synced(booked.worker, request_id, MARK_PREFILL_COMPLETED)
+                elif booked.prefill_tokens == 0 and _remaining(theirs) > 0:  # one lost on the way there
+                    self._republish((request_id, booked.worker, MARK_PREFILL_COMPLETED, None))
         for request_id in list(self._pending):  # peers' requests kept for unregistered workers
             if request_id not in adds:
                 del self._pending[request_id]

@@ -82,30 +82,39 @@ def test_a_restart_with_traffic_on_both_sides_ends_in_agreement_and_is_counted(n
 
 
 def test_a_slow_consumer_is_counted_and_resynced(nats_server: NatsServer) -> None:
+    """B's pending queue holds 2 messages: each burst of A's overflows it. The re-syncs take over the lost
+    AddRequests, completions and Frees of A's requests, and the lost Frees of B's own."""
+
     async def main() -> None:
         subjects = Subjects("slow", "backend")
         a_host, b_host = Host((1, 0)), Host((1, 0))
         a = ReplicaSync(nats_server.url, subjects, a_host, expiry_secs=60.0)
         b = ReplicaSync(nats_server.url, subjects, b_host, expiry_secs=60.0, pending_msgs_limit=2)
+
+        async def agreed(expected: tuple[int, int, int], what: str) -> None:
+            await until(lambda: b.resyncing is None and view(a_host, (1, 0)) == view(b_host, (1, 0)) == expected, what)
+
         async with running(a), running(b):
-            for i in range(5):
+            for i in range(50):
                 book(b_host, b, f"b{i}", (1, 0), [900 + i], 4)
-            for i in range(300):  # a burst: B's pending queue of 2 overflows
+            await until(lambda: view(a_host, (1, 0)) == (200, 50, 50), "A learning B's requests")
+            for i in range(300):  # a burst of AddRequests
                 book(a_host, a, f"a{i}", (1, 0), [i], 4)
             await until(lambda: b.counters.slow_consumer > 0, "B dropping messages")
-            await until(
-                lambda: b.resyncing is None and view(a_host, (1, 0)) == view(b_host, (1, 0)) == (1220, 305, 305),
-                "B re-synced",
-            )
+            await agreed((1400, 350, 350), "B re-synced after the AddRequests")
             assert b.counters.resyncs >= 1
             assert b.counters.resync_added > 0  # the dropped AddRequests, from A's snapshot
-            for i in range(300):  # a burst of Frees: dropped ones come back as A's tombstones
-                a_host.slots.free(f"a{i}")
-                a.freed(f"a{i}", (1, 0))
-            await until(
-                lambda: b.resyncing is None and view(a_host, (1, 0)) == view(b_host, (1, 0)) == (20, 5, 5),
-                "B re-synced after the Frees",
-            )
+            for i in range(300):  # a burst of completions
+                a_host.slots.mark_prefill_completed(f"a{i}")
+                a.prefill_completed(f"a{i}", (1, 0))
+            await agreed((200, 350, 350), "B re-synced after the completions")
+            assert b.counters.resync_updated > 0
+            for rid in [f"a{i}" for i in range(300)] + [f"b{i}" for i in range(50)]:  # a burst of Frees
+                a_host.slots.free(rid)
+                a.freed(rid, (1, 0))
+            await agreed((0, 0, 0), "B re-synced after the Frees")
+            assert b_host.own == set()  # B's own, freed by A: a lost Free comes back as A's tombstone
+            assert b.counters.resync_freed > 0
             assert a.counters.slow_consumer == 0
 
     asyncio.run(main())

@@ -194,6 +194,11 @@ class Health:
                 reasons.append("replica sync not connected to NATS")
             elif not sync.joined:
                 reasons.append("replica sync joining (snapshot from a peer)")
+        relay = self.service.relay
+        if relay is not None:
+            answer["nats_events"] = relay.status()
+            if not relay.connected:
+                reasons.append("kv-events relay not connected to NATS")
         ok = not reasons
         return ok, {
             "ready": ok,

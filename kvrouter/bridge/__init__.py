@@ -6,8 +6,10 @@ Layout, one job per module:
 - ``codec.py``     the JSON messages (the reference's ``ActiveSequenceEvent``, kvrouter's snapshot parts),
                    strict decoding that names the bad field
 - ``sync.py``      ``ReplicaSync``: publish own reservations' events, apply peers', late join, counters
+- ``events.py``    KV events over NATS: ``NatsEventRelay`` (``kv-events`` → local PUBs the appliers follow),
+                   ``NatsEventSink`` (what ``KvPublisher`` publishes through)
 
-Events over NATS and JetStream durable mode are not here yet.
+JetStream durable mode is not here yet.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ import numpy.typing as npt
 from aiohttp import web
 
 from ..bridge import ReplicaSync, Subjects
+from ..bridge.events import NatsEventRelay, kv_events_subject
 from ..engine import Engine, WorkerStats
 from ..errors import (
     ConfigError,
@@ -162,6 +163,11 @@ class Service:
                 expiry_secs=config.active_request_expiry_secs,
             )
 
+        self.relay: NatsEventRelay | None = None
+        """Workers registered with ``transport: nats``: their ``kv-events`` relayed onto local PUBs
+        (``bridge/events.py``); made at the first such registration, on ``nats_url``."""
+        self._relay_task: asyncio.Task[None] | None = None
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -291,12 +297,16 @@ class Service:
             self._stopping = True
             if self.sync is not None:
                 await self.sync.close()  # before its task is cancelled: queued events go out first
+            if self._relay_task is not None:
+                tasks.append(self._relay_task)
             for task in tasks:
                 task.cancel()
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await self.health.close()
+            if self.relay is not None:
+                await self.relay.close()
             self._withdraw_stats()
             if runner is not None:
                 await runner.cleanup()
@@ -360,6 +370,8 @@ class Service:
         """
         reg = registration
         key = (reg.model_name, reg.routing_group)
+        if reg.transport == "nats" and self.config.router.use_kv_events:
+            reg = replace(reg, endpoint=self._relay().add(reg.instance_id, reg.dp_rank))
         if self.config.router.use_kv_events and reg.endpoint is None:
             raise ServiceError(400, "endpoint: required (KV events are on)")
         owner = self._owner.get(reg.instance_id)
@@ -423,6 +435,15 @@ class Service:
             new_instance=fresh,
         )
 
+    def _relay(self) -> NatsEventRelay:
+        """The ``kv-events`` relay, made and started (on this loop) at its first use."""
+        if self.relay is None:
+            config = self.config
+            subject = kv_events_subject(Subjects(config.namespace, config.component))
+            self.relay = NatsEventRelay(config.nats_url, subject)
+            self._relay_task = asyncio.get_running_loop().create_task(self.relay.run(), name="kvrouter-kv-events")
+        return self.relay
+
     def unregister(self, request: Unregistration) -> int:
         """``POST /unregister``: remove a rank, or the whole instance; returns the ranks removed.
 
@@ -439,6 +460,8 @@ class Service:
             if request.dp_rank is not None and request.dp_rank not in instance.ranks:
                 raise ServiceError(404, f"instance {request.instance_id} has no dp_rank {request.dp_rank}")
             ranks = [request.dp_rank] if request.dp_rank is not None else list(instance.ranks)
+            if self.relay is not None:
+                self.relay.remove(request.instance_id, ranks)
             for rank in ranks:
                 del instance.ranks[rank]
                 partition.unhealthy.pop((request.instance_id, rank), None)

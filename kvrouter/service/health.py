@@ -196,6 +196,11 @@ class Health:
                 reasons.append("replica sync joining (snapshot from a peer)")
             elif sync.resyncing is not None:
                 reasons.append(f"replica sync re-syncing ({sync.resyncing})")
+        relay = self.service.relay
+        if relay is not None:
+            answer["nats_events"] = relay.status()
+            if not relay.connected:
+                reasons.append("kv-events relay not connected to NATS")
         ok = not reasons
         return ok, {
             "ready": ok,

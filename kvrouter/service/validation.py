@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import Any, Final, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +36,9 @@ U32_MAX: Final = (1 << 32) - 1
 U64_MASK: Final = (1 << 64) - 1
 I64_MIN: Final = -(1 << 63)
 MAX_NAME: Final = 256
+Transport = Literal["zmq", "nats"]
+TRANSPORTS: Final[tuple[Transport, ...]] = ("zmq", "nats")
+"""How a registered worker's KV events arrive: its own ZMQ PUB, or NATS core's ``kv-events`` subject."""
 MAX_FALLBACKS: Final = 64
 MAX_ID: Final = 256
 
@@ -57,6 +60,9 @@ class Registration:
     query_endpoint: str | None = None
     http_endpoint: str | None = None
     total_kv_blocks: int | None = None
+    transport: Transport = "zmq"
+    """``nats``: the worker publishes the reference's ``RouterEvent`` JSON on NATS's ``kv-events`` subject
+    (``bridge/events.py``); ``endpoint`` is then not needed and the worker is followed as kvrouter-format."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,12 +215,21 @@ def _topic(body: Mapping[str, Any]) -> str:
 
 
 def parse_registration(body: Mapping[str, Any], *, endpoint_required: bool = True) -> Registration:
-    fmt = body.get("format", "vllm")
+    transport = body.get("transport", "zmq")
+    if transport not in TRANSPORTS:
+        raise ServiceError(400, f"transport: expected one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    nats = transport == "nats"
+    fmt = body.get("format", "kvrouter" if nats else "vllm")
     if fmt not in FORMATS:
         raise ServiceError(400, f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    if nats and fmt != "kvrouter":
+        raise ServiceError(400, f"format: a nats-transport worker is followed as 'kvrouter' format, got {fmt!r}")
+    if nats and body.get("endpoint") is not None:
+        raise ServiceError(400, "endpoint: not accepted with transport 'nats' (events come on the kv-events subject)")
     return Registration(
         instance_id=_int(body, "instance_id"),
-        endpoint=_endpoint(body, "endpoint", required=endpoint_required),
+        endpoint=None if nats else _endpoint(body, "endpoint", required=endpoint_required),
+        transport=cast(Transport, transport),
         model_name=_str(body, "model_name", "default"),
         block_size=_int(body, "block_size", 16, low=1, high=1 << 20),
         dp_rank=_int(body, "dp_rank", 0, high=1023),

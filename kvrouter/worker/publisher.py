@@ -21,6 +21,13 @@ Rejected: vLLM's replay protocol (a ring of raw batches keyed by seq). It cannot
 keep" with anything but silence, so a router that fell behind by more than the ring could never catch
 up without a restart of the engine.
 
+**NATS.** Given a ``nats`` sink (:class:`~kvrouter.bridge.events.NatsEventSink` on the reference's
+``kv-events`` subject), every published event also goes out there as one ``RouterEvent`` JSON object,
+the reference's message (``docs/nats-bridge.md``, "Events over NATS"); range queries are still answered
+on the ZMQ query socket. A JSON block is about 70 bytes against msgpack's 16, so with a sink an event
+holds at most :data:`NATS_EVENT_BLOCKS` blocks, keeping each message under NATS's 1 MiB ``max_payload``;
+the ring and the ZMQ batches carry the same (smaller) events, so ids agree on both transports.
+
 Threads: a ``KvPublisher`` is **not thread-safe**. One thread owns it (ZMQ sockets must not be shared
 between threads either): the engine's step loop calls ``store``/``remove``/``clear``/``publish`` and
 also ``serve`` to answer pending queries, e.g. ``serve(0)`` once per step and ``serve(timeout)`` while
@@ -62,13 +69,14 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Final
+from typing import Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import zmq
 
 from ..errors import ConfigError, EncodeError, EngineError, EventError, InvalidHashInput
+from ..events.codecs.dynamo import Encoder as RouterEventEncoder
 from ..events.codecs.frames import encode_live
 from ..events.codecs.kvrouter import Encoder
 from ..events.codecs.query import QueryReply, QueryRequest, decode_request, encode_reply
@@ -92,6 +100,8 @@ __all__ = [
     "MAX_BATCH_BYTES",
     "MAX_EVENT_BLOCKS",
     "MAX_QUERY_BYTES",
+    "NATS_EVENT_BLOCKS",
+    "EventSink",
     "KvPublisher",
 ]
 
@@ -110,6 +120,11 @@ MAX_EVENT_BLOCKS: Final = 32_768
 """Blocks per event: a store or remove of more is split into consecutive events (a store's later
 parts chained under the previous part's last block), so one event packs to at most ~512 KiB and
 always fits a batch of :data:`MAX_BATCH_BYTES`."""
+
+NATS_EVENT_BLOCKS: Final = 8_192
+"""Blocks per event when publishing on NATS too: a stored block is at most 71 JSON bytes, so an event
+is at most ~580 KiB, under NATS's default 1 MiB ``max_payload``. Pinned by
+tests/bridge/test_events_nats.py::test_big_store_fits_nats."""
 
 MAX_QUERY_BYTES: Final = 64 << 10
 """``ZMQ_MAXMSGSIZE`` of the query ROUTER. A request is under 50 bytes; anything larger is not a
@@ -145,6 +160,12 @@ def _engine_hash(value: int, where: str) -> EngineHash:
     return EngineHash(value & U64_MAX)
 
 
+class EventSink(Protocol):
+    """Where a publisher sends each event's ``RouterEvent`` JSON besides ZMQ (e.g. ``NatsEventSink``)."""
+
+    def send(self, payload: bytes) -> None: ...
+
+
 class KvPublisher:
     """Publishes one (worker, dp_rank)'s KV events and answers the router's recovery queries.
 
@@ -162,6 +183,8 @@ class KvPublisher:
         buffer_events: events the ring keeps for range answers.
         context: a ZMQ context to make the sockets in; by default the publisher makes its own and
             terminates it on :meth:`close`.
+        nats: also publish every event, as one reference ``RouterEvent`` JSON per message, through this
+            sink (the caller owns and closes it).
 
     Raises:
         ConfigError: ``block_size`` or ``buffer_events`` below 1, or an endpoint that cannot be bound.
@@ -184,6 +207,7 @@ class KvPublisher:
         topic: bytes = b"",
         buffer_events: int = BUFFER_EVENTS,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        nats: EventSink | None = None,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"KvPublisher block_size must be >= 1, got {block_size}")
@@ -197,6 +221,9 @@ class KvPublisher:
         self.bad_queries = 0
         self.index_errors = 0
         self._encoder = Encoder()
+        self._nats = nats
+        self._router_events = RouterEventEncoder()
+        self._event_blocks = MAX_EVENT_BLOCKS if nats is None else NATS_EVENT_BLOCKS
         self._logged: set[str] = set()
         self._closed = False
         self._index = RadixIndex()
@@ -267,8 +294,8 @@ class KvPublisher:
                 f"{len(token_ids)} tokens make {len(local)} full blocks of {self.block_size}"
             )
         above = None if parent is None else _engine_hash(parent, "store parent")
-        for start in range(0, len(engine), MAX_EVENT_BLOCKS):
-            stop = start + MAX_EVENT_BLOCKS
+        for start in range(0, len(engine), self._event_blocks):
+            stop = start + self._event_blocks
             blocks = tuple(
                 StoredBlock(e, LocalHash(h)) for e, h in zip(engine[start:stop], local[start:stop], strict=True)
             )
@@ -285,8 +312,8 @@ class KvPublisher:
             InvalidHashInput: an engine hash outside 64 bits.
         """
         engine = [_engine_hash(h, f"remove engine_hashes[{i}]") for i, h in enumerate(engine_hashes)]
-        for start in range(0, len(engine), MAX_EVENT_BLOCKS):
-            chunk = tuple(engine[start : start + MAX_EVENT_BLOCKS])
+        for start in range(0, len(engine), self._event_blocks):
+            chunk = tuple(engine[start : start + self._event_blocks])
             self._queue(Removed(self.worker_id, chunk, dp_rank=self.dp_rank, event_id=self._take_id(), tier=tier))
 
     def clear(self, *, tier: StorageTier = StorageTier.DEVICE) -> None:
@@ -306,8 +333,9 @@ class KvPublisher:
         and send them as ``[topic, seq, payload]``.
 
         A step whose events pack to more than :data:`MAX_BATCH_BYTES` goes out as several batches with
-        consecutive seqs. ``send=False`` is a fault-injection hook: the batch is applied and its seq
-        spent, but nothing is sent, as if lost on the wire; a router recovers it by query.
+        consecutive seqs; with a ``nats`` sink each event also goes there as one message.
+        ``send=False`` is a fault-injection hook: the batch is applied and its seq spent, but nothing
+        is sent (on either transport), as if lost on the wire; a router recovers it by query.
 
         Returns:
             The seq of the (last) batch, or None when nothing was queued.
@@ -341,6 +369,9 @@ class KvPublisher:
             self._next_seq += 1
             if send:
                 self._pub.send_multipart(encode_live(self.topic, seq, payload), copy=False)
+        if send and self._nats is not None:
+            for event in events:  # one RouterEvent per message, as the reference's publisher sends them
+                self._nats.send(self._router_events.encode_router_event(event))
         return seq
 
     def serve(self, timeout_ms: int = 0) -> int:

@@ -151,16 +151,17 @@ def _prompts(count: int, shared: int, own: int) -> list[list[int]]:
 
 
 def test_events_rebuild_the_engine_cache_exactly(start_worker, context):
-    # 8 requests of 19 blocks at once in 48 blocks: evictions and preemptions (each request needs
-    # 120 iterations, each at least a millisecond of wall time, so they overlap).
+    # 8 requests of 27 blocks at once in 48 blocks: evictions and preemptions (each request needs
+    # 240 iterations, each at least a millisecond of wall time, so they overlap even on a loaded machine,
+    # where 120 iterations once let the requests run one after another; any two overlapping overflow).
     worker = start_worker("--num-gpu-blocks", "48")
     stream = Stream(context, worker.events[0], worker.replay[0])
     try:
         _joined(worker, stream)
         joined_at = max(stream.live)
         with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda p: worker.complete(p, 120), _prompts(12, 80, 100)))
-        assert all(a["usage"]["completion_tokens"] == 120 for a in answers)
+            answers = list(pool.map(lambda p: worker.complete(p, 240), _prompts(12, 80, 100)))
+        assert all(a["usage"]["completion_tokens"] == 240 for a in answers)
         cache = worker.cache()
         (rank,) = cache["ranks"]
         assert (cache["worker_id"], cache["block_size"], cache["format"]) == (WORKER, BLOCK, "vllm")

@@ -141,7 +141,8 @@ class Encoder:
     """Encodes events as the reference reads them.
 
     ``encode`` writes an array of ``RouterEvent`` records (the dump's form, which ``Decoder`` reads
-    back); ``encode_event`` writes one bare ``KvCacheEvent``, the argument of ``RadixTree.apply_event``.
+    back); ``encode_event`` writes one bare ``KvCacheEvent``, the argument of ``RadixTree.apply_event``;
+    ``encode_router_event`` one ``RouterEvent`` object, a NATS ``kv-events`` message.
     """
 
     def encode(self, batch: EventBatch) -> bytes:
@@ -153,6 +154,13 @@ class Encoder:
 
     def encode_event(self, event: KvEvent) -> bytes:
         return json.dumps(_event_dict(event), separators=(",", ":")).encode()
+
+    def encode_router_event(self, event: KvEvent) -> bytes:
+        """One ``RouterEvent`` object: what the reference's worker publishes per message on NATS's
+        ``kv-events`` subject (``component.publish(KV_EVENT_SUBJECT, &router_event)``)."""
+        tier = TIER_WIRE_NAMES[event.tier]
+        record = {"worker_id": event.worker_id, "storage_tier": tier, "event": _event_dict(event)}
+        return json.dumps(record, separators=(",", ":")).encode()
 
 
 def _event_dict(event: KvEvent) -> dict[str, Any]:

@@ -1,0 +1,352 @@
+"""KV events over NATS core: the reference's ``kv-events`` subject, relayed into the ZMQ event plane.
+
+A worker may publish its KV events on NATS instead of a ZMQ PUB, as the reference's workers do by
+default (``spec/dynamo-semantics.md`` §6.1): one ``RouterEvent`` JSON object per message
+(``{"worker_id", "storage_tier", "event": {"event_id", "dp_rank", "data"}}``, the codec in
+``events/codecs/dynamo.py``) on ``namespace.{ns}.component.{comp}.kv-events`` (``KV_EVENT_SUBJECT`` in the
+reference's ``lib/kv-router/src/protocols.rs``; older releases spelt it ``kv_events``). An array of
+records (the reference's KVBM batching publisher) is read too.
+
+**Design: a relay, not a second plane.** :class:`NatsEventRelay` runs on the service's event loop,
+subscribes to the subject, and re-sends each registered (worker, dp_rank)'s events, re-encoded as
+kvrouter-format batches (``docs/wire-format.md``), on a local ZMQ PUB of that rank. The worker is then
+registered with the engine as a kvrouter-format worker whose event endpoint is the relay's PUB and whose
+query endpoint is the worker's own local indexer. So an applier follows a NATS worker with exactly the
+code that follows a ZMQ one (``plane/stream.py``): event ids consecutive per rank, a jump is a gap,
+recovered from the worker's query socket (or counted lost without one), a join restored by a dump.
+Cost: one JSON decode and one msgpack encode per message in the service process, and one loopback
+hop. Rejected: a NATS subscription inside each applier (nats-py is asyncio; the applier is a ZMQ poll
+loop, and every applier would receive every worker's traffic) and a plane format for the reference's
+JSON (a second decoder in the applier's hot path for the same events).
+
+Bad input never stops the relay: a message that does not decode (``malformed``), one naming a worker
+no one registered for NATS here (``unknown_worker``), one larger than ``max_message_bytes``
+(``oversized``) is counted, logged once per kind, and dropped. A dropped message is a hole in that
+worker's ids: the applier sees it as a gap at the next message and recovers it by query.
+
+:class:`NatsEventSink` is the publishing side for :class:`~kvrouter.worker.publisher.KvPublisher`: nats-py
+on a private loop on a thread of its own, fed through a queue, so the engine's step loop never awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+import nats
+import zmq
+
+from ..errors import BadEvent, ConfigError
+from ..events.codecs.dynamo import Decoder as DynamoDecoder
+from ..events.codecs.frames import encode_live
+from ..events.codecs.kvrouter import Encoder as KvrouterEncoder
+from ..events.model import EventBatch, KvEvent, WorkerKey
+from .subjects import Subjects
+
+__all__ = [
+    "KV_EVENTS_EVENT",
+    "MAX_MESSAGE_BYTES",
+    "NatsEventRelay",
+    "NatsEventSink",
+    "RelayCounters",
+    "kv_events_subject",
+]
+
+log = logging.getLogger(__name__)
+
+KV_EVENTS_EVENT: Final = "kv-events"
+"""The reference's ``KV_EVENT_SUBJECT`` (``lib/kv-router/src/protocols.rs``), under the component prefix."""
+MAX_MESSAGE_BYTES: Final = 1 << 20
+"""Largest message relayed: NATS's default ``max_payload`` (1 MiB, ``spec/wire-formats.md`` §5.2)."""
+RELAY_SNDHWM: Final = 100_000
+"""Batches queued per applier on a relay PUB before it drops (a drop is a gap, recovered by query);
+the same bound as ``KvPublisher``'s PUB."""
+CONNECT_RETRY_S: Final = 1.0
+"""Pause between attempts while the first connection to NATS fails."""
+SINK_CONNECT_TIMEOUT_S: Final = 10.0
+"""How long :class:`NatsEventSink` waits for its first connection before giving up."""
+
+
+def kv_events_subject(subjects: Subjects) -> str:
+    """``namespace.<ns>.component.<comp>.kv-events``."""
+    return f"{subjects.prefix}.{KV_EVENTS_EVENT}"
+
+
+@dataclass(slots=True)
+class RelayCounters:
+    """What the relay did with each message it received."""
+
+    received: int = 0
+    forwarded: int = 0
+    """Batches sent on a relay PUB (one per worker rank a message named)."""
+    events: int = 0
+    malformed: int = 0
+    unknown_worker: int = 0
+    oversized: int = 0
+
+
+class NatsEventRelay:
+    """Subscribes to ``kv-events`` and re-sends each registered rank's events on its own local PUB.
+
+    Not thread-safe: the service's event loop is its one user (``add``, ``remove``, ``relay``, ``run``).
+
+    Args:
+        url: the NATS server.
+        subject: the subject to follow (:func:`kv_events_subject`).
+        max_message_bytes: larger messages are counted ``oversized`` and dropped.
+    """
+
+    def __init__(self, url: str, subject: str, *, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self.url = url
+        self.subject = subject
+        self.max_message_bytes = max_message_bytes
+        self.counters = RelayCounters()
+        self.connected = False
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._pubs: dict[WorkerKey, tuple[zmq.Socket[bytes], str]] = {}
+        self._seq: dict[WorkerKey, int] = {}
+        self._decoder = DynamoDecoder(0)
+        self._encoder = KvrouterEncoder()
+        self._logged: set[str] = set()
+        self._nc: Any = None
+        self._closed = False
+
+    # -- registration ---------------------------------------------------------------------------
+
+    def add(self, worker_id: int, dp_rank: int) -> str:
+        """Bind (once) the local PUB that carries ``(worker_id, dp_rank)``'s events; returns its endpoint,
+        which the engine subscribes to as the rank's event endpoint."""
+        key = (worker_id, dp_rank)
+        found = self._pubs.get(key)
+        if found is not None:
+            return found[1]
+        sock: zmq.Socket[bytes] = self._context.socket(zmq.PUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, RELAY_SNDHWM)
+        sock.bind("tcp://127.0.0.1:*")
+        raw = sock.getsockopt(zmq.LAST_ENDPOINT)
+        endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
+        self._pubs[key] = (sock, endpoint)
+        self._seq[key] = 0
+        log.info("nats events relay added worker=%s dp=%d endpoint=%s", worker_id, dp_rank, endpoint)
+        return endpoint
+
+    def remove(self, worker_id: int, dp_ranks: Iterable[int]) -> None:
+        for rank in dp_ranks:
+            found = self._pubs.pop((worker_id, rank), None)
+            self._seq.pop((worker_id, rank), None)
+            if found is not None:
+                found[0].close(linger=0)
+
+    def follows(self, worker_id: int, dp_rank: int) -> bool:
+        return (worker_id, dp_rank) in self._pubs
+
+    # -- messages -------------------------------------------------------------------------------
+
+    def _once(self, kind: str, message: str, *args: object) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning(message + " (counted, logged once)", *args)
+
+    def relay(self, payload: bytes) -> None:
+        """Handle one ``kv-events`` message: decode, group by rank, send each group as one batch."""
+        counters = self.counters
+        counters.received += 1
+        if len(payload) > self.max_message_bytes:
+            counters.oversized += 1
+            self._once(
+                "oversized",
+                "kv-events message dropped subject=%s bytes=%d max=%d",
+                self.subject,
+                len(payload),
+                self.max_message_bytes,
+            )
+            return
+        try:
+            batch = self._decoder.decode(payload)
+        except BadEvent as exc:
+            counters.malformed += 1
+            self._once("malformed", "kv-events message malformed subject=%s error=%s", self.subject, exc)
+            return
+        groups: dict[WorkerKey, list[KvEvent]] = {}
+        for event in batch.events:
+            groups.setdefault((event.worker_id, event.dp_rank), []).append(event)
+        for key, events in groups.items():
+            found = self._pubs.get(key)
+            if found is None:
+                counters.unknown_worker += 1
+                self._once(
+                    "unknown_worker",
+                    "kv-events for a worker not registered for nats worker=%s dp=%d subject=%s",
+                    key[0],
+                    key[1],
+                    self.subject,
+                )
+                continue
+            seq = self._seq[key]
+            self._seq[key] = seq + 1
+            encoded = self._encoder.encode(EventBatch(tuple(events), time.time(), key[1]))
+            try:
+                found[0].send_multipart(encode_live(b"", seq, encoded), zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # a PUB drops rather than blocks; kept for a socket option change
+                continue
+            counters.forwarded += 1
+            counters.events += len(events)
+
+    async def _on_message(self, msg: Any) -> None:
+        self.relay(msg.data)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Connect (retrying every second until the first connection), subscribe, relay until cancelled."""
+        while not self._closed:
+            try:
+                self._nc = await nats.connect(
+                    self.url,
+                    name="kvrouter-kv-events-relay",
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    connect_timeout=2,
+                    disconnected_cb=self._on_disconnected,
+                    reconnected_cb=self._on_reconnected,
+                    error_cb=self._on_error,
+                )
+                break
+            except Exception as exc:  # nats-py raises OSError, NoServersError, TimeoutError ...
+                self._once("connect", "kv-events relay cannot reach NATS url=%s error=%r; retrying", self.url, exc)
+                await asyncio.sleep(CONNECT_RETRY_S)
+        if self._nc is None:
+            return
+        await self._nc.subscribe(self.subject, cb=self._on_message)
+        await self._nc.flush()
+        self.connected = True
+        log.info("kv-events relay subscribed subject=%s url=%s", self.subject, self.url)
+        await asyncio.Event().wait()  # until cancelled
+
+    async def _on_disconnected(self) -> None:
+        self.connected = False
+        log.warning("kv-events relay disconnected from NATS url=%s", self.url)
+
+    async def _on_reconnected(self) -> None:
+        self.connected = True
+        log.info("kv-events relay reconnected url=%s", self.url)
+
+    async def _on_error(self, exc: Exception) -> None:
+        self._once(f"nats_{type(exc).__name__}", "kv-events relay NATS error=%r", exc)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "connected": self.connected,
+            "subject": self.subject,
+            "workers": [list(key) for key in sorted(self._pubs)],
+            **asdict(self.counters),
+        }
+
+    async def close(self) -> None:
+        """Drain the subscription, close the sockets and the context. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.connected = False
+        nc, self._nc = self._nc, None
+        if nc is not None:
+            with contextlib.suppress(Exception):
+                await nc.close()
+        for sock, _ in self._pubs.values():
+            sock.close(linger=0)
+        self._pubs.clear()
+        self._context.term()
+
+
+class NatsEventSink:
+    """Publishes payloads on one NATS subject from a synchronous caller, in order, never blocking it.
+
+    nats-py runs on a private event loop on a thread of its own (start it before any fork of the
+    process). :meth:`send` only hands the payload to that loop; one task publishes in order.
+
+    Args:
+        url: the NATS server.
+        subject: where every payload goes (:func:`kv_events_subject` for KV events).
+
+    Raises:
+        ConfigError: the server could not be reached within ``SINK_CONNECT_TIMEOUT_S``.
+    """
+
+    sent: int
+    """Payloads handed to nats-py."""
+    failed: int
+    """Payloads nats-py refused (connection closed, outbound buffer full while disconnected)."""
+
+    def __init__(self, url: str, subject: str, *, connect_timeout: float = SINK_CONNECT_TIMEOUT_S) -> None:
+        self.url = url
+        self.subject = subject
+        self.sent = 0
+        self.failed = 0
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._queue: asyncio.Queue[bytes | None] | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="kvrouter-nats-sink", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(connect_timeout) or self._error is not None:
+            error = self._error
+            self.close()
+            raise ConfigError(f"NATS sink {url} subject {subject}: cannot connect: {error!r}")
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        try:
+            nc = await nats.connect(self.url, name="kvrouter-kv-publisher", max_reconnect_attempts=-1)
+        except Exception as exc:  # nats-py raises OSError, NoServersError, TimeoutError ...
+            self._error = exc
+            self._ready.set()
+            return
+        self._queue = queue
+        self._ready.set()
+        try:
+            while (payload := await queue.get()) is not None:
+                try:
+                    await nc.publish(self.subject, payload)
+                    self.sent += 1
+                except Exception as exc:  # connection closed, outbound buffer full while disconnected
+                    self.failed += 1
+                    if self.failed == 1:
+                        log.warning("nats sink publish failed subject=%s error=%r (counted)", self.subject, exc)
+            with contextlib.suppress(Exception):
+                await nc.flush(timeout=5)
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+    def send(self, payload: bytes) -> None:
+        """Queue one payload for publishing (thread-safe; returns at once)."""
+        queue = self._queue
+        if self._closed or queue is None:
+            return
+        self._loop.call_soon_threadsafe(queue.put_nowait, payload)
+
+    def close(self) -> None:
+        """Publish what is queued, flush, disconnect, end the thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        queue = self._queue
+        if queue is not None and self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                self._loop.call_soon_threadsafe(queue.put_nowait, None)
+        self._thread.join(30)

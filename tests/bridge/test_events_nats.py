@@ -1,0 +1,240 @@
+"""KV events over NATS (``kvrouter/bridge/events.py``): a real NATS server, real ZMQ, a real service.
+
+A ``KvPublisher`` publishes the reference's ``RouterEvent`` JSON on ``<prefix>.kv-events`` through a
+``NatsEventSink``; the service, which registered the worker with ``"transport": "nats"``, relays the
+events onto a local PUB its applier follows, so ``/query`` ends equal to the publisher's own index and a
+message lost on the way is a gap recovered from the publisher's query socket. The relay alone is driven
+with bad input: each kind counted, the relay carrying on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import zmq
+
+from kvrouter.bridge.events import NatsEventRelay, NatsEventSink, kv_events_subject
+from kvrouter.bridge.subjects import Subjects
+from kvrouter.events.codecs.kvrouter import Decoder
+from kvrouter.hashing import block_hashes
+from kvrouter.routing.config import RouterConfig
+from kvrouter.service import Service, ServiceConfig
+from kvrouter.worker.publisher import NATS_EVENT_BLOCKS, KvPublisher
+from tests.bridge.conftest import NatsServer
+from tests.service.conftest import Running, serve
+
+BLOCK = 16
+MODEL = "m"
+TOKEN = "s3cret"
+WORKER = 5
+
+
+def tokens_of(chain: int, blocks: int) -> list[int]:
+    return [chain * 100_000 + i for i in range(blocks * BLOCK)]
+
+
+def store_chain(pub: KvPublisher, chain: int, blocks: int) -> list[int]:
+    """Store ``blocks`` blocks of chain ``chain`` at the root; returns their local hashes."""
+    tokens = tokens_of(chain, blocks)
+    pub.store([chain * 1000 + i for i in range(blocks)], tokens)
+    return [int(h) for h in block_hashes(tokens, BLOCK)]
+
+
+def query_equals_publisher(run: Running, pub: KvPublisher, chains: list[list[int]]) -> bool:
+    """``/query_by_hash`` answers every chain with the depth the publisher's own index holds."""
+    pub.serve(5)  # the applier's restore and recoveries ask this socket: answer between checks
+    for hashes in chains:
+        expected = pub.index.find_matches(hashes).get((WORKER, 0), 0) * BLOCK
+        _, answer, _ = run.call("POST", "/query_by_hash", {"model_name": MODEL, "block_hashes": hashes})
+        got = int(answer["instances"].get(str(WORKER), {}).get("dp", {}).get("0", 0))
+        if got != expected:
+            return False
+    return True
+
+
+@pytest.fixture
+def nats_service(nats_server: NatsServer, tmp_path: Path) -> Iterator[Running]:
+    config = ServiceConfig(
+        port=0,
+        shards=1,
+        auth_token=TOKEN,
+        health_interval_secs=0.1,
+        drain_secs=1.0,
+        router=RouterConfig(),
+        nats_url=nats_server.url,
+        namespace="evtest",
+    )
+    service = Service(config)
+    service.start()  # forks: before the service thread and any NATS sink thread
+    thread: threading.Thread | None = None
+    try:
+        thread, url = serve(service)
+        yield Running(service, url)
+    finally:
+        service.stop()
+        if thread is not None:
+            thread.join(30)
+            assert not thread.is_alive(), "the service did not stop"
+        else:
+            service.engine.close()
+    leftovers = sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{os.getpid()}-"))
+    assert leftovers == [], leftovers
+
+
+def test_publisher_over_nats_query_equal_gap_recovered_bad_input_counted(
+    nats_service: Running, nats_server: NatsServer, wait_until: Callable[..., None]
+) -> None:
+    run = nats_service
+    subject = kv_events_subject(Subjects("evtest", "backend"))
+    assert subject == "namespace.evtest.component.backend.kv-events"
+    sink = NatsEventSink(nats_server.url, subject)
+    try:
+        with KvPublisher(
+            WORKER, block_size=BLOCK, endpoint="tcp://127.0.0.1:*", query_endpoint="tcp://127.0.0.1:*", nats=sink
+        ) as pub:
+            run.ok(
+                "POST",
+                "/register",
+                {
+                    "instance_id": WORKER,
+                    "transport": "nats",
+                    "query_endpoint": pub.query_endpoint,
+                    "model_name": MODEL,
+                    "block_size": BLOCK,
+                },
+            )
+
+            def relay() -> dict[str, Any]:
+                pub.serve(5)
+                return dict(run.call("GET", "/ready")[1].get("nats_events") or {})
+
+            wait_until(lambda: relay().get("connected") is True, what="relay subscribed")
+
+            def ready() -> bool:
+                pub.serve(5)
+                return run.call("GET", "/ready")[0] == 200
+
+            wait_until(ready, what="/ready 200")
+
+            chains = [store_chain(pub, c, 4 + c) for c in range(1, 4)]
+            pub.publish()
+            wait_until(lambda: query_equals_publisher(run, pub, chains), what="/query equal after live events")
+
+            # a step lost on the way (applied and numbered by the publisher, never sent): a gap
+            chains.append(store_chain(pub, 9, 3))
+            pub.remove([2000 + 3])
+            pub.publish(send=False)
+            chains.append(store_chain(pub, 10, 2))
+            pub.publish()
+
+            def recovered() -> bool:
+                pub.serve(5)
+                row = run.service.engine.workers()[(WORKER, 0)]
+                return row.gaps_detected >= 1 and row.gaps_recovered == row.gaps_detected
+
+            wait_until(recovered, what="gap detected and recovered from the query socket")
+            wait_until(lambda: query_equals_publisher(run, pub, chains), what="/query equal after the gap")
+            row = run.service.engine.workers()[(WORKER, 0)]
+            assert row.gaps_lost == 0
+            assert row.state == "exact"
+
+            # bad input on the subject: counted, the relay carries on
+            sink.send(b"not json")
+            other = {"worker_id": 999, "event": {"event_id": 0, "data": "cleared"}}
+            sink.send(json.dumps(other).encode())
+            wait_until(
+                lambda: relay().get("malformed") == 1 and relay().get("unknown_worker") == 1, what="bad input counted"
+            )
+            chains.append(store_chain(pub, 11, 2))
+            pub.publish()
+            wait_until(lambda: query_equals_publisher(run, pub, chains), what="/query equal after bad input")
+            assert run.service.engine.workers()[(WORKER, 0)].gaps_lost == 0
+    finally:
+        sink.close()
+    assert sink.failed == 0
+
+
+def test_big_store_fits_nats(nats_server: NatsServer) -> None:
+    """With a NATS sink a store is split at NATS_EVENT_BLOCKS blocks, each message under 1 MiB."""
+    sent: list[bytes] = []
+
+    class Capture:
+        def send(self, payload: bytes) -> None:
+            sent.append(payload)
+
+    with KvPublisher(1, block_size=1, endpoint="tcp://127.0.0.1:*", nats=Capture()) as pub:
+        blocks = NATS_EVENT_BLOCKS + 5
+        pub.store([(1 << 64) - 1 - i for i in range(blocks)], [(1 << 32) - 1 - i for i in range(blocks)])
+        pub.publish()
+    assert len(sent) == 2
+    assert all(len(p) < 1 << 20 for p in sent)
+    first, second = (json.loads(p) for p in sent)
+    assert (first["worker_id"], first["storage_tier"]) == (1, "device")
+    assert [first["event"]["event_id"], second["event"]["event_id"]] == [0, 1]
+    assert len(first["event"]["data"]["stored"]["blocks"]) == NATS_EVENT_BLOCKS
+    assert (
+        second["event"]["data"]["stored"]["parent_hash"] == first["event"]["data"]["stored"]["blocks"][-1]["block_hash"]
+    )
+
+
+def test_relay_counts_bad_input_and_carries_on(nats_server: NatsServer) -> None:
+    """Malformed, unknown-worker and oversized messages are each counted; valid ones still reach the PUB."""
+
+    async def main() -> None:
+        relay = NatsEventRelay(nats_server.url, "namespace.r.component.c.kv-events", max_message_bytes=4096)
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        task = asyncio.create_task(relay.run())
+        nc = await nats.connect(nats_server.url)
+        try:
+            endpoint = relay.add(7, 1)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(endpoint)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while not relay.connected:
+                assert loop.time() < deadline, "relay did not subscribe"
+                await asyncio.sleep(0.01)
+            await nc.publish(relay.subject, b"{not json")
+            await nc.publish(
+                relay.subject, json.dumps({"worker_id": 8, "event": {"event_id": 0, "data": "cleared"}}).encode()
+            )
+            await nc.publish(relay.subject, b" " * 5000)
+            # valid events until one crosses the SUB (a ZMQ SUB misses what precedes its connection)
+            received: list[bytes] = []
+            event_id = 0
+            while not received:
+                assert loop.time() < deadline, "no valid event relayed"
+                record = {"worker_id": 7, "event": {"event_id": event_id, "dp_rank": 1, "data": "cleared"}}
+                await nc.publish(relay.subject, json.dumps(record).encode())
+                await nc.flush()
+                event_id += 1
+                await asyncio.sleep(0.01)
+                while sub.poll(0):
+                    received.append(sub.recv_multipart()[2])
+            batch = Decoder().decode(received[0])
+            assert batch.dp_rank == 1
+            assert [(e.worker_id, e.dp_rank) for e in batch.events] == [(7, 1)]
+            counters = relay.counters
+            assert (counters.malformed, counters.unknown_worker, counters.oversized) == (1, 1, 1)
+            assert counters.forwarded >= 1
+        finally:
+            await nc.close()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await relay.close()
+            sub.close(linger=0)
+            context.term()
+
+    asyncio.run(main())

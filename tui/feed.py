@@ -381,6 +381,8 @@ class ShmFeed:
             ),
             events=tuple(log_event_of(e) for e in blob.get("events") or () if isinstance(e, Mapping)),
             index_lag_ms=_lag_ms((s.lag_us for s in shards), 1e-3),
+            replicas=None if blob.get("replicas") is None else _int(blob.get("replicas")),
+            sync_lag_ms=_opt_float(blob.get("sync_lag_ms")),
             extra=_extra(blob),
         )
 
@@ -554,6 +556,10 @@ class HttpFeed:
             decisions=_recent(self._decisions, self._explained),
             events=tuple(log_event_of(e) for e in self._events),
             index_lag_ms=_lag_ms(metrics.get("kvrouter_index_lag_seconds", {}).values(), 1e3),
+            replicas=_int(_where(metrics, "kvrouter_replica_sync_peers"))
+            if "kvrouter_replica_sync_peers" in metrics
+            else None,
+            sync_lag_ms=_lag_ms(metrics.get("kvrouter_replica_sync_lag_seconds", {}).values(), 1e3),
             extra={"url": self.url},
         )
 

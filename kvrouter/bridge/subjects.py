@@ -29,6 +29,8 @@ ACTIVE_SEQUENCES_EVENT: Final = "active_sequences_events"
 """The reference's replica-sync event name (``ACTIVE_SEQUENCES_SUBJECT``)."""
 SNAPSHOT_EVENT: Final = "kvrouter_active_sequences_snapshot"
 """kvrouter's late-join snapshot: ``<prefix>.<this>`` finds a peer, ``<prefix>.<this>.<router_id>`` asks it."""
+PRESENCE_EVENT: Final = "kvrouter_router_presence"
+"""kvrouter's own: every replica says every few seconds that it is there, and when it said so."""
 DEFAULT_NAMESPACE: Final = "dynamo"
 DEFAULT_COMPONENT: Final = "backend"
 
@@ -53,6 +55,8 @@ class Subjects:
         """Every replica publishes its AddRequest / MarkPrefillCompleted / Free here and subscribes to it."""
         self.snapshot = f"{self.prefix}.{SNAPSHOT_EVENT}"
         """A joining replica's request here is answered by every peer with its router id (first wins)."""
+        self.presence = f"{self.prefix}.{PRESENCE_EVENT}"
+        """Every replica's ``{"router_id", "sent_at"}`` each ``PRESENCE_INTERVAL_S``: who is there, and the lag."""
 
     def snapshot_of(self, router_id: int) -> str:
         """Where the peer ``router_id`` answers a snapshot request, in parts, to the request's reply subject."""

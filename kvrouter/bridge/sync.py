@@ -102,6 +102,10 @@ CONNECT_RETRY_S: Final = 1.0
 """Pause between attempts while the first connection to NATS fails."""
 CLOSE_FLUSH_S: Final = 2.0
 """On close, how long queued events are given to reach the server."""
+PRESENCE_INTERVAL_S: Final = 2.0
+"""How often a replica announces itself on the presence subject. A peer is counted while it was heard
+within three intervals; the sync lag is the median, over those peers, of their last announcement's
+one-way delay (its ``time.time()`` stamp against ours: across hosts this includes the clocks' offset)."""
 PING_INTERVAL_S: Final = 2.0
 MAX_OUTSTANDING_PINGS: Final = 3
 """A server that answers no ping for about ``PING_INTERVAL_S * MAX_OUTSTANDING_PINGS`` (a paused or
@@ -256,6 +260,9 @@ class ReplicaSync:
         """Why this replica's view may be incomplete until the running re-sync ends; None when live."""
         self._resync_task: asyncio.Task[None] | None = None
         self._resync_again = False
+        self._peers: dict[int, tuple[float, float]] = {}
+        """Router id -> (when its last presence came, on our clock; its one-way delay [s])."""
+        self._announcer: asyncio.Task[None] | None = None
         limit = os.environ.get(PENDING_MSGS_ENV)
         if pending_msgs_limit is None and limit:
             pending_msgs_limit = int(limit)
@@ -279,8 +286,35 @@ class ReplicaSync:
             "peer": self.peer,
             "pending": len(self._pending),
             "queued": self._queue.qsize(),
+            **self.presence(),
             **asdict(self.counters),
         }
+
+    def presence(self) -> dict[str, Any]:
+        """``peers``: the other replicas heard within three presence intervals; ``sync_lag_ms``: the median of
+        their last one-way delays, None without peers."""
+        now = self._clock()
+        lags = sorted(lag for seen, lag in self._peers.values() if now - seen <= 3 * PRESENCE_INTERVAL_S)
+        return {"peers": len(lags), "sync_lag_ms": lags[len(lags) // 2] * 1e3 if lags else None}
+
+    async def _announce(self, nc: Any) -> None:
+        """Say we are here every ``PRESENCE_INTERVAL_S`` (a failed publish is retried at the next tick)."""
+        payload = {"router_id": self.router_id}
+        while True:
+            with contextlib.suppress(Exception):
+                await nc.publish(self.subjects.presence, orjson.dumps({**payload, "sent_at": time.time()}))
+            await asyncio.sleep(PRESENCE_INTERVAL_S)
+
+    async def _on_presence(self, msg: Any) -> None:
+        try:
+            body = orjson.loads(msg.data)
+            router_id, sent_at = int(body["router_id"]), float(body["sent_at"])
+        except (ValueError, TypeError, KeyError) as exc:
+            self.counters.malformed += 1
+            self._once("presence", "replica sync malformed presence message error=%r", exc)
+            return
+        if router_id != self.router_id:
+            self._peers[router_id] = (self._clock(), max(0.0, time.time() - sent_at))
 
     def _once(self, kind: str, message: str, *args: object) -> None:
         """Log the first event of a kind; the counters tell the rest."""
@@ -728,6 +762,8 @@ class ReplicaSync:
         await self._join()
         self._subs.append(await nc.subscribe(self.subjects.snapshot, cb=self._on_hello))
         self._subs.append(await nc.subscribe(self.subjects.snapshot_of(self.router_id), cb=self._on_snapshot))
+        self._subs.append(await nc.subscribe(self.subjects.presence, cb=self._on_presence))
+        self._announcer = asyncio.create_task(self._announce(nc), name="kvrouter-sync-presence")
         if self._resync_again:  # a fault during the join
             self._request_resync(self.resyncing or "a fault during the join")
         await self._closed.wait()
@@ -740,6 +776,11 @@ class ReplicaSync:
         nc, self._nc = self._nc, None
         publisher, self._publisher = self._publisher, None
         resync, self._resync_task = self._resync_task, None
+        announcer, self._announcer = self._announcer, None
+        if announcer is not None:
+            announcer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await announcer
         if resync is not None:
             resync.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -406,7 +406,15 @@ def replica_sync_families(sync: ReplicaSync) -> Iterator[Metric]:
         "kvrouter_replica_sync_pending", "Peers' requests kept for workers not registered here yet"
     )
     pending.add_metric([], status["pending"])
-    yield from (connected, joined, resyncing, events, queued, pending)
+    peers = GaugeMetricFamily("kvrouter_replica_sync_peers", "Other replicas heard on the presence subject lately")
+    peers.add_metric([], status["peers"])
+    yield from (connected, joined, resyncing, events, queued, pending, peers)
+    if status["sync_lag_ms"] is not None:
+        lag = GaugeMetricFamily(
+            "kvrouter_replica_sync_lag_seconds", "Median one-way delay of the peers' last presence messages"
+        )
+        lag.add_metric([], status["sync_lag_ms"] / 1e3)
+        yield lag
 
 
 def identity_families(started_at: float, config: RouterConfig) -> Iterator[Metric]:

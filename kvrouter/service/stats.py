@@ -64,6 +64,8 @@ key                       value
 ``explained``             the most recent explained decision (same shape), or nil: with one decision
                           explained every ``EXPLAIN_INTERVAL_S``, it may be older than ``decisions``
 ``events``                the last ``EVENTS_SHOWN`` entries of the event log, ``GET /events``'s shape
+``replicas``              with replica sync on, the peers heard lately (``bridge/sync.py``), else nil
+``sync_lag_ms``           with replica sync on, the median one-way delay of their presence messages, else nil
 ========================= ======================================================================
 
 When the blob would not fit ``CAPACITY`` (thousands of workers), the rings are halved until it does
@@ -357,7 +359,16 @@ def build_blob(service: Service, *, last_gap_at: float | None, decisions: int, e
         "explained": service.last_explained,
         "events": _last(service.events, events),
         "trimmed": False,
+        **_replicas(service),
     }
+
+
+def _replicas(service: Service) -> dict[str, Any]:
+    """``replicas`` (peers heard) and ``sync_lag_ms`` with replica sync on; nil without it."""
+    if service.sync is None:
+        return {"replicas": None, "sync_lag_ms": None}
+    presence = service.sync.presence()
+    return {"replicas": presence["peers"], "sync_lag_ms": presence["sync_lag_ms"]}
 
 
 class StatsPublisher:

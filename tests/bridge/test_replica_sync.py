@@ -20,10 +20,12 @@ from pathlib import Path
 import nats
 import pytest
 
+from kvrouter.index.layout import stats_name
 from tests.bridge.conftest import NatsServer, nats_server_binary
 from tests.bridge.replicas import MODEL, Replica, call, replicas
 from tests.conftest import Worker
 from tests.service.conftest import start_mock, stop_mock
+from tui.feed import HttpFeed, ShmFeed
 
 WORKERS = (1, 2)
 Loads = dict[tuple[int, int], tuple[int, int, int]]
@@ -128,6 +130,25 @@ def test_own_events_are_ignored_not_applied_twice(pair: list[Replica], wait_unti
     assert "kvrouter_replica_sync_joined 1.0" in text
     published = a.sync()["published"]
     assert f'kvrouter_replica_sync_events_total{{kind="published"}} {float(published)}' in text
+
+
+def test_each_replica_counts_its_peers_and_top_shows_them(pair: list[Replica], wait_until: Callable[..., None]) -> None:
+    a, b = pair
+    for replica in pair:
+        wait_until(lambda r=replica: r.sync()["peers"] == 1, timeout=QUIET_S, what=f"{replica.name} hearing its peer")
+        assert replica.sync()["sync_lag_ms"] is not None
+        assert "kvrouter_replica_sync_peers 1.0" in replica.metrics()
+    feed = ShmFeed(stats_name(a.proc.pid))
+    try:
+        wait_until(lambda: feed.poll().replicas == 1, timeout=QUIET_S, what="A's stats segment naming its peer")
+        snap = feed.poll()
+        assert snap.sync_lag_ms is not None
+        assert 0 <= snap.sync_lag_ms < 10_000
+    finally:
+        feed.close()
+    snap = HttpFeed(b.url).poll()
+    assert snap.replicas == 1
+    assert snap.sync_lag_ms is not None
 
 
 def test_a_malformed_message_is_counted_and_changes_nothing(

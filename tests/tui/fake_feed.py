@@ -27,6 +27,8 @@ class FakeFeed:
         self.clock.now = START
         self.started_at = START - 3725.0
         self.temperature = temperature
+        self.replicas: tuple[int, float] | None = None
+        """(peers, sync lag ms) the snapshots carry, as a replica-synced router's do; None without the bridge."""
         self.gone: Exception | None = None
         """When set, ``poll`` and ``probe`` raise it."""
         self.polls = 0
@@ -182,6 +184,8 @@ class FakeFeed:
             decisions=tuple(self.decisions[-64:]),
             events=tuple(self.events[-64:]),
             index_lag_ms=4.0,
+            replicas=None if self.replicas is None else self.replicas[0],
+            sync_lag_ms=None if self.replicas is None else self.replicas[1],
             extra={"model": "llama-3-8b"},
         )
 

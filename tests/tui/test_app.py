@@ -135,6 +135,17 @@ async def test_the_data_is_flagged_stale_by_the_injected_clock(fake_feed: FakeFe
         assert "stale 2.5s" in app.meters.text
 
 
+async def test_the_header_shows_replicas_and_sync_lag_only_with_the_bridge(fake_feed: FakeFeed) -> None:
+    app = make_app(fake_feed)
+    async with app.run_test(size=SIZE):
+        await app.tick()
+        assert "replicas" not in app.meters.text
+        fake_feed.replicas = (2, 3.4)
+        fake_feed.step()
+        await app.tick()
+        assert "replicas 2, sync lag 3 ms" in app.meters.text
+
+
 async def test_slash_filters_workers_and_escape_clears_the_filter(fake_feed: FakeFeed) -> None:
     app = make_app(fake_feed)
     async with app.run_test(size=SIZE) as pilot:

@@ -14,7 +14,6 @@ would. Every wait is a bounded poll on a condition.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -25,14 +24,12 @@ import pytest
 
 from kvrouter.bridge import ReplicaSync, Subjects
 from kvrouter.bridge.codec import FREE, ActiveSequenceEvent, AddRequest, encode_event
-from kvrouter.index.sweep import sweep_leftovers
-from tests.bridge.conftest import NatsServer
+from tests.bridge.conftest import WORKERS, NatsServer
 from tests.bridge.replicas import MODEL, Replica, call, replicas, shm_of
-from tests.bridge.test_replica_sync import QUIET_S, WORKERS, agree, prompt, total
+from tests.bridge.test_replica_sync import QUIET_S, agree, prompt, total
 from tests.bridge.test_sync import Host, book, running, until, view
 from tests.conftest import Worker
-from tests.service.conftest import start_mock, stop_mock
-from tests.service.test_up import descendants, still_there
+from tests.service.test_up import descendants, kill_and_sweep
 
 pytestmark = pytest.mark.timeout(900)  # the replicas' first start may compile kernels on a cold cache
 
@@ -121,19 +118,6 @@ def test_a_slow_consumer_is_counted_and_resynced(nats_server: NatsServer) -> Non
 
 
 # -- real kvrouter up replicas ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def mocks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Worker]]:
-    folder = tmp_path_factory.mktemp("mocks")
-    started: list[Worker] = []
-    try:
-        for wid in WORKERS:
-            started.append(start_mock(wid, folder / f"worker{wid}.err"))
-        yield started
-    finally:
-        codes = [stop_mock(worker) for worker in started]
-    assert codes == [0] * len(started)
 
 
 @pytest.fixture(scope="module")
@@ -289,10 +273,7 @@ def test_a_replica_killed_with_sigkill_leaves_the_others_serving_and_its_load_ex
             assert survivor.loads() == {(1, 0): (0, 0, 0), (2, 0): (0, 0, 0)}
             assert survivor.sync()["connected"]
     finally:
-        for pid in still_there(tree):  # K's appliers and fork server: gone with it, or killed here
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
         k.stop()
-        sweep_leftovers()
+        kill_and_sweep(tree)  # K's appliers and fork server: gone with it, or killed here
     assert k.proc.returncode == -signal.SIGKILL
     assert shm_of(k.proc.pid) == []

@@ -108,9 +108,7 @@ def start_up(tmp_path: Path) -> Iterator[Callable[..., Up]]:
     for up in started:
         tree = descendants(up.proc.pid)
         up.close()
-        for pid in still_there(tree):  # a failed test still leaves nothing behind
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_survivors(tree)  # a failed test still leaves nothing behind
 
 
 def get(url: str) -> tuple[int, Any]:
@@ -147,6 +145,23 @@ def descendants(root: int) -> list[tuple[int, str]]:
 
 def still_there(tree: list[tuple[int, str]]) -> list[int]:
     return [pid for pid, started in tree if (stat := _stat(pid)) is not None and stat[1] == started]
+
+
+def kill_survivors(tree: list[tuple[int, str]]) -> None:
+    """SIGKILL what is left of ``tree`` (a failed or killed ``kvrouter up``'s children) and wait for it to go."""
+    for pid in still_there(tree):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + EXIT_BOUND_S
+    while still_there(tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def kill_and_sweep(tree: list[tuple[int, str]]) -> None:
+    """What a SIGKILLed ``kvrouter up`` leaves: its children, then its segments (as the next engine's start
+    sweeps them)."""
+    kill_survivors(tree)
+    sweep_leftovers()
 
 
 def stop_and_check(up: Up, signum: int, shm_entries: Callable[[int], list[str]]) -> None:
@@ -216,12 +231,7 @@ def test_the_demos_mock_engines_exit_when_kvrouter_up_is_killed(start_up, shm_en
             time.sleep(0.1)
         assert not any(pid in still_there(tree) for pid in mocks), "a demo engine outlived kvrouter up"
     finally:
-        for pid in still_there(
-            tree
-        ):  # its appliers and fork server (and any engine left): swept as the next engine would
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    sweep_leftovers()
+        kill_and_sweep(tree)  # its appliers and fork server (and any engine left)
     assert shm_entries(up.proc.pid) == []
 
 

@@ -8,8 +8,6 @@ through Pilot; only the router is live. Waits are bounded polls for a condition,
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import re
 import signal
 import time
@@ -19,8 +17,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import DataTable, Static
 
-from kvrouter.index.sweep import sweep_leftovers
-from tests.service.test_up import START_TIMEOUT_S, URL_LINE, Up, descendants, still_there
+from tests.service.test_up import START_TIMEOUT_S, URL_LINE, Up, descendants, kill_and_sweep
 from tui.app import TopApp
 from tui.feed import LocalFeed
 from tui.screens import NotThereScreen
@@ -113,15 +110,3 @@ async def test_top_says_the_router_is_gone_when_it_is_killed_under_it(
         assert isinstance(app.screen, NotThereScreen)
     kill_and_sweep(tree)
     assert shm_entries(up.proc.pid) == []
-
-
-def kill_and_sweep(tree: list[tuple[int, str]]) -> None:
-    """What a SIGKILLed ``kvrouter up`` leaves: its children, then its segments (as the next engine's
-    start sweeps them)."""
-    for pid in still_there(tree):  # its mock engines, fork server and appliers
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while still_there(tree) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    sweep_leftovers()

@@ -23,6 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import Worker
+from tests.service.conftest import start_mock, stop_mock
+
+WORKERS = (1, 2)
+"""The mock engines the replica tests share (``mocks``)."""
 START_TIMEOUT_S = 10.0
 """nats-server accepts TCP about 12 ms after spawn; the bound is for a loaded machine."""
 STOP_TIMEOUT_S = 5.0
@@ -123,3 +128,17 @@ def module_nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nat
     """A NATS server shared by a module's tests (each uses its own namespace)."""
     with nats_server_at(tmp_path_factory.mktemp("nats")) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def mocks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Worker]]:
+    """Two vLLM-format mock engines (``WORKERS``) for a module's replicas; on leaving, each exits 0."""
+    folder = tmp_path_factory.mktemp("mocks")
+    started: list[Worker] = []
+    try:
+        for wid in WORKERS:
+            started.append(start_mock(wid, folder / f"worker{wid}.err"))
+        yield started
+    finally:
+        codes = [stop_mock(worker) for worker in started]
+    assert codes == [0] * len(started)

@@ -22,7 +22,7 @@ import nats
 import pytest
 import zmq
 
-from kvrouter.bridge.events import NatsEventRelay, NatsEventSink, kv_events_subject
+from kvrouter.bridge.events import NatsEventRelay, NatsEventSink
 from kvrouter.bridge.subjects import Subjects
 from kvrouter.events.codecs.kvrouter import Decoder
 from kvrouter.hashing import block_hashes
@@ -94,7 +94,7 @@ def test_publisher_over_nats_query_equal_gap_recovered_bad_input_counted(
     nats_service: Running, nats_server: NatsServer, wait_until: Callable[..., None]
 ) -> None:
     run = nats_service
-    subject = kv_events_subject(Subjects("evtest", "backend"))
+    subject = Subjects("evtest", "backend").kv_events
     assert subject == "namespace.evtest.component.backend.kv-events"
     sink = NatsEventSink(nats_server.url, subject)
     try:

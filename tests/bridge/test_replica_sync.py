@@ -21,32 +21,17 @@ import nats
 import pytest
 
 from kvrouter.index.layout import stats_name
-from tests.bridge.conftest import NatsServer, nats_server_binary
+from tests.bridge.conftest import WORKERS, NatsServer, nats_server_binary
 from tests.bridge.replicas import MODEL, Replica, call, replicas
 from tests.conftest import Worker
-from tests.service.conftest import start_mock, stop_mock
 from tui.feed import HttpFeed, ShmFeed
 
-WORKERS = (1, 2)
 Loads = dict[tuple[int, int], tuple[int, int, int]]
 """A replica's ``/loads``: (worker_id, dp_rank) -> (prefill tokens, active blocks, active requests)."""
 pytestmark = pytest.mark.timeout(900)  # the first test starts the module's replicas: cold caches compile
 
 QUIET_S = 30.0
 """Bound of every wait for the replicas to agree: NATS delivers in milliseconds; this is for a loaded box."""
-
-
-@pytest.fixture(scope="module")
-def mocks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Worker]]:
-    folder = tmp_path_factory.mktemp("mocks")
-    started: list[Worker] = []
-    try:
-        for wid in WORKERS:
-            started.append(start_mock(wid, folder / f"worker{wid}.err"))
-        yield started
-    finally:
-        codes = [stop_mock(worker) for worker in started]
-    assert codes == [0] * len(started)
 
 
 @pytest.fixture(scope="module")

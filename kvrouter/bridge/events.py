@@ -47,21 +47,16 @@ from ..events.codecs.dynamo import Decoder as DynamoDecoder
 from ..events.codecs.frames import encode_live
 from ..events.codecs.kvrouter import Encoder as KvrouterEncoder
 from ..events.model import EventBatch, KvEvent, WorkerKey
-from .subjects import Subjects
 
 __all__ = [
-    "KV_EVENTS_EVENT",
     "MAX_MESSAGE_BYTES",
     "NatsEventRelay",
     "NatsEventSink",
     "RelayCounters",
-    "kv_events_subject",
 ]
 
 log = logging.getLogger(__name__)
 
-KV_EVENTS_EVENT: Final = "kv-events"
-"""The reference's ``KV_EVENT_SUBJECT`` (``lib/kv-router/src/protocols.rs``), under the component prefix."""
 MAX_MESSAGE_BYTES: Final = 1 << 20
 """Largest message relayed: NATS's default ``max_payload`` (1 MiB, ``spec/wire-formats.md`` §5.2)."""
 RELAY_SNDHWM: Final = 100_000
@@ -71,11 +66,6 @@ CONNECT_RETRY_S: Final = 1.0
 """Pause between attempts while the first connection to NATS fails."""
 SINK_CONNECT_TIMEOUT_S: Final = 10.0
 """How long :class:`NatsEventSink` waits for its first connection before giving up."""
-
-
-def kv_events_subject(subjects: Subjects) -> str:
-    """``namespace.<ns>.component.<comp>.kv-events``."""
-    return f"{subjects.prefix}.{KV_EVENTS_EVENT}"
 
 
 @dataclass(slots=True)
@@ -98,7 +88,7 @@ class NatsEventRelay:
 
     Args:
         url: the NATS server.
-        subject: the subject to follow (:func:`kv_events_subject`).
+        subject: the subject to follow (``Subjects.kv_events``).
         max_message_bytes: larger messages are counted ``oversized`` and dropped.
     """
 
@@ -273,7 +263,7 @@ class NatsEventSink:
 
     Args:
         url: the NATS server.
-        subject: where every payload goes (:func:`kv_events_subject` for KV events).
+        subject: where every payload goes (``Subjects.kv_events`` for KV events).
 
     Raises:
         ConfigError: the server could not be reached within ``SINK_CONNECT_TIMEOUT_S``.

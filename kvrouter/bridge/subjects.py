@@ -29,6 +29,8 @@ ACTIVE_SEQUENCES_EVENT: Final = "active_sequences_events"
 """The reference's replica-sync event name (``ACTIVE_SEQUENCES_SUBJECT``)."""
 SNAPSHOT_EVENT: Final = "kvrouter_active_sequences_snapshot"
 """kvrouter's late-join snapshot: ``<prefix>.<this>`` finds a peer, ``<prefix>.<this>.<router_id>`` asks it."""
+KV_EVENTS_EVENT: Final = "kv-events"
+"""The reference's ``KV_EVENT_SUBJECT`` (``lib/kv-router/src/protocols.rs``): workers' ``RouterEvent``s."""
 PRESENCE_EVENT: Final = "kvrouter_router_presence"
 """kvrouter's own: every replica says every few seconds that it is there, and when it said so."""
 DEFAULT_NAMESPACE: Final = "dynamo"
@@ -56,6 +58,9 @@ class Subjects:
         self.snapshot = f"{self.prefix}.{SNAPSHOT_EVENT}"
         """A joining replica's request here is answered by every peer with its router id (first wins)."""
         self.presence = f"{self.prefix}.{PRESENCE_EVENT}"
+        """Every replica's ``{"router_id", "sent_at"}`` each ``PRESENCE_INTERVAL_S``: who is there, and the lag."""
+        self.kv_events = f"{self.prefix}.{KV_EVENTS_EVENT}"
+        """Workers publishing KV events on NATS publish here; the service's relay follows it (``events.py``)."""
         """Every replica's ``{"router_id", "sent_at"}`` each ``PRESENCE_INTERVAL_S``: who is there, and the lag."""
 
     def snapshot_of(self, router_id: int) -> str:

@@ -32,7 +32,7 @@ import numpy.typing as npt
 from aiohttp import web
 
 from ..bridge import ReplicaSync, Subjects
-from ..bridge.events import NatsEventRelay, kv_events_subject
+from ..bridge.events import NatsEventRelay
 from ..engine import Engine, WorkerStats
 from ..errors import (
     ConfigError,
@@ -439,7 +439,7 @@ class Service:
         """The ``kv-events`` relay, made and started (on this loop) at its first use."""
         if self.relay is None:
             config = self.config
-            subject = kv_events_subject(Subjects(config.namespace, config.component))
+            subject = Subjects(config.namespace, config.component).kv_events
             self.relay = NatsEventRelay(config.nats_url, subject)
             self._relay_task = asyncio.get_running_loop().create_task(self.relay.run(), name="kvrouter-kv-events")
         return self.relay

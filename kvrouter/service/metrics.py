@@ -61,7 +61,7 @@ from prometheus_client.registry import Collector
 
 from .. import __version__
 from ..bridge import ReplicaSync
-from ..engine import Engine
+from ..engine import Engine, EngineView
 from ..errors import EngineError
 from ..events.model import WorkerKey
 from ..index.layout import ERROR_KINDS, WORKER_STATES
@@ -114,7 +114,7 @@ class ServiceCollector(Collector):
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | EngineView,
         *,
         partitions: Callable[[], Iterable[PartitionLoad]] = tuple,
         front: Callable[[], Iterable[Metric]] = tuple,
@@ -343,7 +343,7 @@ class ServiceView(Protocol):
     """What :func:`install` needs of a ``Service``."""
 
     @property
-    def engine(self) -> Engine: ...
+    def engine(self) -> Engine | EngineView: ...
     @property
     def app(self) -> web.Application: ...
     @property

@@ -790,6 +790,11 @@ class Service:
         """(pending_count, pending_isl_tokens) of the partition's router queue."""
         return self.queue.pending(model, group)
 
+    def fleet_counters(self) -> ServiceCounters:
+        """The counters ``/metrics`` and ``kvrouter top`` show: this front's, or with ``--fronts N`` every
+        front's summed (``fronts.py``)."""
+        return self.counters if self.fronts is None else self.fronts.counters()
+
     def reservations(self) -> int:
         """Reservations currently booked."""
         return len(self._reservations)

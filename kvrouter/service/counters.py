@@ -9,7 +9,7 @@ reads it (``metrics.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final, TypeVar
 
 from ..events.model import WorkerKey
 from .histogram import HIT_RATE_BUCKETS, Buckets
@@ -52,3 +52,65 @@ class ServiceCounters:
     """(route, "4xx" | "5xx") -> answers."""
     http_seconds: dict[tuple[str, str], float] = field(default_factory=dict)
     """(route, method) -> total seconds spent answering."""
+
+    def to_wire(self) -> dict[str, Any]:
+        """JSON-able, for the other fronts of ``--fronts N`` (``fronts.py``), which sum every front's."""
+        return {
+            "decisions": self.decisions,
+            "reservations": self.reservations,
+            "selections": [[k[0], k[1], n] for k, n in self.selections.items()],
+            "overlap_blocks": self.overlap_blocks,
+            "prompt_blocks": self.prompt_blocks,
+            "overloaded": self.overloaded,
+            "no_worker": self.no_worker,
+            "expired_reservations": self.expired_reservations,
+            "decision": self.decision.to_wire(),
+            "hit_rate": self.hit_rate.to_wire(),
+            "phases": {name: b.to_wire() for name, b in self.phases.items()},
+            "http_requests": [[*k, n] for k, n in self.http_requests.items()],
+            "http_errors": [[*k, n] for k, n in self.http_errors.items()],
+            "http_seconds": [[*k, s] for k, s in self.http_seconds.items()],
+        }
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> ServiceCounters:
+        """Raises: KeyError, TypeError, ValueError: not what :meth:`to_wire` makes."""
+        return cls(
+            decisions=int(wire["decisions"]),
+            reservations=int(wire["reservations"]),
+            selections={(int(w), int(r)): int(n) for w, r, n in wire["selections"]},
+            overlap_blocks=int(wire["overlap_blocks"]),
+            prompt_blocks=int(wire["prompt_blocks"]),
+            overloaded=int(wire["overloaded"]),
+            no_worker=int(wire["no_worker"]),
+            expired_reservations=int(wire["expired_reservations"]),
+            decision=Buckets.from_wire(wire["decision"]),
+            hit_rate=Buckets.from_wire(wire["hit_rate"], HIT_RATE_BUCKETS),
+            phases={str(name): Buckets.from_wire(b) for name, b in wire["phases"].items()},
+            http_requests={(str(a), str(b)): int(n) for a, b, n in wire["http_requests"]},
+            http_errors={(str(a), str(b)): int(n) for a, b, n in wire["http_errors"]},
+            http_seconds={(str(a), str(b)): float(s) for a, b, s in wire["http_seconds"]},
+        )
+
+    def add(self, other: ServiceCounters) -> None:
+        """Add ``other``'s counts to these (every figure here is a sum over decisions or requests)."""
+        for name in ("decisions", "reservations", "overlap_blocks", "prompt_blocks", "overloaded", "no_worker"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.expired_reservations += other.expired_reservations
+        _add(self.selections, other.selections)
+        _add(self.http_requests, other.http_requests)
+        _add(self.http_errors, other.http_errors)
+        _add(self.http_seconds, other.http_seconds)
+        self.decision.add(other.decision)
+        self.hit_rate.add(other.hit_rate)
+        for phase, buckets in other.phases.items():
+            self.phases.setdefault(phase, Buckets()).add(buckets)
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V", int, float)
+
+
+def _add(mine: dict[_K, _V], theirs: dict[_K, _V]) -> None:
+    for key, value in theirs.items():
+        mine[key] = mine[key] + value if key in mine else value

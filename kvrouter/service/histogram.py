@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 __all__ = ["HIT_RATE_BUCKETS", "LATENCY_BUCKETS", "Buckets"]
 
@@ -53,3 +53,26 @@ class Buckets:
             total += count
             out.append(("+Inf" if bound == float("inf") else repr(bound), float(total)))
         return out
+
+    def add(self, other: Buckets) -> None:
+        """Add ``other``'s observations (same bounds): the fronts' histograms summed."""
+        if other.bounds != self.bounds:
+            raise ValueError("cannot add histograms of different bounds")
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.count += other.count
+        self.sum += other.sum
+
+    def to_wire(self) -> list[Any]:
+        return [self.counts, self.count, self.sum]
+
+    @classmethod
+    def from_wire(cls, wire: Sequence[Any], bounds: Sequence[float] = LATENCY_BUCKETS) -> Buckets:
+        """Raises: ValueError: counts that do not fit ``bounds``."""
+        buckets = cls(bounds)
+        counts, count, total = wire
+        if len(counts) != len(buckets.counts):
+            raise ValueError(f"histogram: {len(counts)} counts for {len(buckets.counts)} buckets")
+        buckets.counts = [int(c) for c in counts]
+        buckets.count = int(count)
+        buckets.sum = float(total)
+        return buckets

@@ -310,7 +310,7 @@ def build_blob(service: Service, *, last_gap_at: float | None, decisions: int, e
     """The blob's map for ``service`` now (module docstring), with the last ``decisions`` and ``events``
     ring entries. Reads only the service's Python state: call it on the service's loop."""
     config = service.config.router
-    counters = service.counters
+    counters = service.fleet_counters()
     fast = service.fastpath.counters.requests if service.fastpath is not None else {}
     http = counters.http_requests
     queries = counters.decisions + sum(http.get((route, "POST"), 0) for route in ("/query", "/query_by_hash"))

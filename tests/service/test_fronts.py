@@ -55,7 +55,11 @@ def on_front(url: str, front: int) -> Client:
     """A connection that landed on ``front``."""
     for _ in range(TRIES):
         client = Client(url)
-        client.call("GET", "/health")
+        try:
+            client.call("GET", "/health")
+        except ConnectionError:  # a front killed with connections in its backlog resets them
+            client.close()
+            continue
         if client.front == front:
             return client
         client.close()
@@ -67,6 +71,13 @@ def until(check: Any, what: str) -> None:
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def decisions(client: Client) -> float:
+    client.conn.request("GET", "/metrics")
+    response = client.conn.getresponse()
+    text = response.read().decode()
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("kvrouter_decisions_total ")))
 
 
 def loads(client: Client) -> dict[int, tuple[int, int, int]]:
@@ -102,6 +113,8 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
             assert status == 200, answer
             booked.append((i % 2, answer["selection_id"]))
         until(lambda: loads(fronts[0]) == loads(fronts[1]), "both fronts' loads to agree")
+        # /metrics on either front counts every front's decisions (the others' as published each second)
+        until(lambda: [decisions(c) for c in fronts] == [8.0, 8.0], "both fronts' /metrics to count 8 decisions")
         assert sum(active for _, _, active in loads(fronts[1]).values()) == 8
         for front, selection_id in booked:
             other = fronts[1 - front]
@@ -148,6 +161,12 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
             status, workers = again.call("GET", "/workers")
             assert sorted(row["instance_id"] for row in workers) == [1, 2, 9]
             until(lambda: again.call("GET", "/ready")[0] == 200, "the new front 1 ready")
+            # the killed front's decisions stay counted: front 0 keeps its last publication
+            first = on_front(url, 0)
+            try:
+                assert decisions(first) == 8.0
+            finally:
+                first.close()
         finally:
             again.close()
     finally:

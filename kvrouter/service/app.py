@@ -49,6 +49,7 @@ from ..routing.config import RouterConfig
 from ..routing.router import Router, Selection
 from ..routing.slots import SlotManager
 from . import discovery, fastparse, fastpath, metrics, proxy
+from .accuracy import Accuracy
 from .affinity import Affinity
 from .answers import address, explain
 from .config import ServiceConfig
@@ -88,6 +89,10 @@ class _Reservation:
     worker: WorkerKey
     at: float
     """``time.monotonic()`` when booked."""
+    predicted: int | None = None
+    """The chosen worker's predicted overlap in tokens (own reservations; a peer's is not known here)."""
+    reported: bool = False
+    """The engine's reuse was reported (``accuracy.py``): one report per reservation."""
 
 
 def _loopback(host: str) -> bool:
@@ -123,6 +128,8 @@ class Service:
         self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._routes.middleware])
         self.partitions: dict[tuple[str, str], Partition] = {}
         self.counters = ServiceCounters()
+        self.accuracy = Accuracy(self.counters, lambda kind, fields: self._event(kind, **fields))
+        """Predicted against engine-reported reuse, per worker (``accuracy.py``)."""
         self.decisions: deque[dict[str, Any]] = deque(maxlen=config.decisions_ring)
         self.events: deque[dict[str, Any]] = deque(maxlen=config.events_ring)
         self.url = ""
@@ -494,6 +501,7 @@ class Service:
                 self.relay.remove(request.instance_id, ranks)
             for rank in ranks:
                 self.registrations.pop((request.instance_id, rank), None)
+                self.accuracy.forget((request.instance_id, rank))
                 del instance.ranks[rank]
                 partition.unhealthy.pop((request.instance_id, rank), None)
                 self._streams.pop((request.instance_id, rank), None)
@@ -684,7 +692,8 @@ class Service:
         if reserve:
             assert selection_id is not None
             counters.reservations += 1
-            self._reservations[selection_id] = _Reservation(partition, selection.worker, time.monotonic())
+            predicted = selection.overlap_blocks * partition.block_size
+            self._reservations[selection_id] = _Reservation(partition, selection.worker, time.monotonic(), predicted)
             if self.sync is not None:
                 self.sync.added(selection_id, partition.slots, request.lora_name)  # queued: no I/O here
         fallbacks: list[tuple[WorkerKey, float]] = []
@@ -707,12 +716,15 @@ class Service:
             selection.explanation = None
         return result
 
-    def prefill_complete(self, selection_id: str) -> None:
-        """The reservation's first token is out: its prompt stops counting as queued prefill.
+    def prefill_complete(self, selection_id: str, cached_tokens: int | None = None) -> None:
+        """The reservation's first token is out: its prompt stops counting as queued prefill. ``cached_tokens``:
+        the prompt tokens the engine reused, when the client knows them (:meth:`report_reuse`).
 
         Raises:
             ServiceError: 404, no such reservation.
         """
+        if cached_tokens is not None:
+            self.report_reuse(selection_id, cached_tokens)
         reservation = self._reservations.get(selection_id)
         if reservation is None:
             peer = self._peer_reservation(selection_id)
@@ -739,6 +751,17 @@ class Service:
         if self.sync is not None:
             self.sync.freed(selection_id, reservation.worker)
         self.queue.changed(reservation.partition)  # queue.py
+
+    def report_reuse(self, selection_id: str, cached_tokens: int) -> str | None:
+        """The engine reused ``cached_tokens`` of the reservation's prompt: compare with the prediction
+        (``accuracy.py``). Returns the outcome, or None when there is nothing to compare with (not booked
+        here, already reported, or freed)."""
+        reservation = self._reservations.get(selection_id)
+        if reservation is None or reservation.predicted is None or reservation.reported:
+            return None
+        reservation.reported = True
+        block_size = reservation.partition.block_size
+        return self.accuracy.observe(reservation.worker, reservation.predicted, cached_tokens, block_size)
 
     def _peer_reservation(self, selection_id: str) -> _Reservation | None:
         """A reservation another replica booked and the sync applied here: with replica sync on, any

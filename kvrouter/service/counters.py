@@ -12,14 +12,16 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
 from ..events.model import WorkerKey
-from .histogram import HIT_RATE_BUCKETS, Buckets
+from .histogram import HIT_RATE_BUCKETS, REUSE_ERROR_BUCKETS, Buckets
 
-__all__ = ["PHASES", "ServiceCounters"]
+__all__ = ["PHASES", "REUSE_FIELDS", "ServiceCounters"]
 
 PHASES: Final = ("parse", "hash", "decide", "serialise", "total")
 """Where a ``/select``'s time goes (``ServiceCounters.phases``): the body read, decoded and validated; the
 tokens hashed to blocks; the decision (``Router.select``: index walk, costs, choice); the answer built
 and encoded; and the whole handler."""
+REUSE_FIELDS: Final = ("reports", "exact", "over", "under", "predicted_tokens", "actual_tokens")
+"""``ServiceCounters.reuse``'s per-worker figures, in order (``accuracy.py``)."""
 
 
 @dataclass(slots=True)
@@ -52,6 +54,10 @@ class ServiceCounters:
     """(route, "4xx" | "5xx") -> answers."""
     http_seconds: dict[tuple[str, str], float] = field(default_factory=dict)
     """(route, method) -> total seconds spent answering."""
+    reuse: dict[WorkerKey, list[int]] = field(default_factory=dict)
+    """Per worker, the engine's reuse reports against the router's predictions (``REUSE_FIELDS``)."""
+    reuse_error: dict[WorkerKey, Buckets] = field(default_factory=dict)
+    """Per worker, blocks reused minus blocks predicted (``REUSE_ERROR_BUCKETS``)."""
 
     def to_wire(self) -> dict[str, Any]:
         """JSON-able, for the other fronts of ``--fronts N`` (``fronts.py``), which sum every front's."""
@@ -70,6 +76,8 @@ class ServiceCounters:
             "http_requests": [[*k, n] for k, n in self.http_requests.items()],
             "http_errors": [[*k, n] for k, n in self.http_errors.items()],
             "http_seconds": [[*k, s] for k, s in self.http_seconds.items()],
+            "reuse": [[k[0], k[1], *counts] for k, counts in self.reuse.items()],
+            "reuse_error": [[k[0], k[1], b.to_wire()] for k, b in self.reuse_error.items()],
         }
 
     @classmethod
@@ -90,6 +98,10 @@ class ServiceCounters:
             http_requests={(str(a), str(b)): int(n) for a, b, n in wire["http_requests"]},
             http_errors={(str(a), str(b)): int(n) for a, b, n in wire["http_errors"]},
             http_seconds={(str(a), str(b)): float(s) for a, b, s in wire["http_seconds"]},
+            reuse={(int(r[0]), int(r[1])): [int(c) for c in r[2:]] for r in wire["reuse"] if len(r) == 8},
+            reuse_error={
+                (int(w), int(r)): Buckets.from_wire(b, REUSE_ERROR_BUCKETS) for w, r, b in wire["reuse_error"]
+            },
         )
 
     def add(self, other: ServiceCounters) -> None:
@@ -101,6 +113,12 @@ class ServiceCounters:
         _add(self.http_requests, other.http_requests)
         _add(self.http_errors, other.http_errors)
         _add(self.http_seconds, other.http_seconds)
+        for key, counts in other.reuse.items():
+            mine = self.reuse.setdefault(key, [0] * len(REUSE_FIELDS))
+            for i, count in enumerate(counts):
+                mine[i] += count
+        for key, buckets in other.reuse_error.items():
+            self.reuse_error.setdefault(key, Buckets(REUSE_ERROR_BUCKETS)).add(buckets)
         self.decision.add(other.decision)
         self.hit_rate.add(other.hit_rate)
         for phase, buckets in other.phases.items():

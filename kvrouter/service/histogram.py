@@ -11,11 +11,14 @@ import bisect
 from collections.abc import Sequence
 from typing import Any, Final
 
-__all__ = ["HIT_RATE_BUCKETS", "LATENCY_BUCKETS", "Buckets"]
+__all__ = ["HIT_RATE_BUCKETS", "LATENCY_BUCKETS", "REUSE_ERROR_BUCKETS", "Buckets"]
 
 LATENCY_BUCKETS: Final = tuple(0.000025 * 2**n for n in range(16))
 """Routing overhead and HTTP duration buckets [s]: 25 µs doubling to 0.82 s. A decision costs tens of
 µs, an HTTP round trip hundreds: Dynamo's 0.1 ms first bucket would put every decision in it."""
+REUSE_ERROR_BUCKETS: Final = (-64.0, -16.0, -4.0, -2.0, -1.0, 0.0, 1.0, 2.0, 4.0, 16.0, 64.0)
+"""Blocks the engine reused minus blocks the router predicted (``accuracy.py``): 0 is its own bucket (a
+correct prediction); negative is the index holding blocks the engine had not, positive the reverse."""
 HIT_RATE_BUCKETS: Final = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 """Predicted hit rate (cached prompt tokens / prompt tokens) of the chosen worker; 0.0 gets its own
 bucket, as a cold prompt is the case to tell apart."""

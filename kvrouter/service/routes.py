@@ -38,6 +38,7 @@ from .queue import client_gone
 from .validation import (
     MAX_ID,
     SelectRequest,
+    cached_tokens,
     parse_body,
     parse_query,
     parse_select,
@@ -237,6 +238,11 @@ class Routes:
             "address": address(instance.http_endpoint),
             "listeners": listeners,
             "skipped": skipped,
+            "accuracy": {
+                str(rank): view
+                for rank in sorted(instance.ranks)
+                if (view := self.service.accuracy.view((instance.instance_id, rank))) is not None
+            },
         }
 
     async def _h_query(self, request: web.Request) -> web.Response:
@@ -355,7 +361,9 @@ class Routes:
         return await self._select_route(request, reserve=True)
 
     async def _h_prefill_complete(self, request: web.Request) -> web.Response:
-        self.service.prefill_complete(request.match_info["id"])
+        raw = await request.read()  # optional: {"cached_tokens": n}, what the engine reused (accuracy.py)
+        reused = cached_tokens(parse_body(raw)) if raw.strip() else None
+        self.service.prefill_complete(request.match_info["id"], reused)
         return _json({"status": "ok"})
 
     async def _h_free(self, request: web.Request) -> web.Response:

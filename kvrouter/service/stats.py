@@ -58,7 +58,8 @@ key                       value
 ``loads``                 per (partition, worker, dp rank): ``model_name``, ``routing_group``,
                           ``worker_id``, ``dp_rank``, ``potential_prefill_tokens``,
                           ``potential_decode_blocks``, ``active_requests``, ``unhealthy`` (the reason it is
-                          skipped, or nil)
+                          skipped, or nil), ``accuracy`` (the rolling share of reuse reports as predicted,
+                          or nil: ``accuracy.py``), ``drift``
 ``decisions``             the last ``DECISIONS_SHOWN`` entries of the decisions ring, oldest first, in
                           ``GET /decisions``'s shape (``explain`` holds the candidates when explained)
 ``explained``             the most recent explained decision (same shape), or nil: with one decision
@@ -330,6 +331,8 @@ def build_blob(service: Service, *, last_gap_at: float | None, decisions: int, e
                     "potential_decode_blocks": slots.active_blocks(key),
                     "active_requests": slots.active_requests(key),
                     "unhealthy": partition.unhealthy.get(key),
+                    "accuracy": service.accuracy.rolling(key),
+                    "drift": key in service.accuracy.drifting,
                 }
             )
     return {

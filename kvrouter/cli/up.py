@@ -551,6 +551,16 @@ def up(
             rich_help_panel=_PROXY,
         ),
     ] = None,
+    decision_log: Annotated[
+        str | None,
+        typer.Option(
+            "--decision-log",
+            envvar="KVROUTER_DECISION_LOG",
+            help="Append every decision to FILE as a JSON line (summarise it with kvrouter decision-log FILE).",
+            show_default="off",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
     # Replica sync
     router_replica_sync: Annotated[
         bool,
@@ -697,6 +707,7 @@ def up(
         "queue_policy": router_queue_policy,
         "queue_timeout_secs": router_queue_timeout_secs,
         "tokenizer": tokenizer,
+        "decision_log": decision_log,
         "active_request_expiry_secs": router_active_request_expiry_secs,
         "replica_sync": router_replica_sync,
         "nats_url": nats_url,

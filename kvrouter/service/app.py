@@ -54,6 +54,7 @@ from .affinity import Affinity
 from .answers import address, explain
 from .config import ServiceConfig
 from .counters import PHASES, ServiceCounters
+from .decisions import DecisionLog, DecisionRecords, Recorded, decision_json
 from .fastpath import FastPath
 from .fronts import Fronts, FrontSpec
 from .health import Health
@@ -131,6 +132,12 @@ class Service:
         self.accuracy = Accuracy(self.counters, lambda kind, fields: self._event(kind, **fields))
         """Predicted against engine-reported reuse, per worker (``accuracy.py``)."""
         self.decisions: deque[dict[str, Any]] = deque(maxlen=config.decisions_ring)
+        self.records = DecisionRecords()
+        """Every decision with an id, kept to explain by id (``GET /decisions/{selection_id}``)."""
+        self.decision_log: DecisionLog | None = (
+            None if config.decision_log is None else DecisionLog(config.decision_log)
+        )
+        """``--decision-log FILE``: a line per decision (decisions.py)."""
         self.events: deque[dict[str, Any]] = deque(maxlen=config.events_ring)
         self.url = ""
         self._owner: dict[int, tuple[str, str]] = {}
@@ -259,6 +266,8 @@ class Service:
             if not self._forked:
                 log.warning("service run without start: forking the fork server from a running loop")
                 self.start()
+            if self.decision_log is not None:
+                self.decision_log.open()  # after the fork: the appliers hold no handle on it
             fronts = self.fronts
             if fronts is not None and not fronts.primary:
                 await fronts.open()  # the registry first: a front takes connections only once it can route
@@ -314,6 +323,8 @@ class Service:
                 await fronts.start_fronts(port)
             if isinstance(self.engine, Engine):  # front 0 speaks for the fronts to kvrouter top
                 self._publish_stats(tasks)
+            if self.decision_log is not None:
+                tasks.append(asyncio.create_task(self.decision_log.run(), name="kvrouter-decision-log"))
             if on_ready is not None:
                 on_ready(self.url)
             await self._stop_event.wait()
@@ -342,6 +353,8 @@ class Service:
             if self.fronts is not None:
                 await self.fronts.close()  # front 0: the other fronts drain and stop before the engine goes
             self._withdraw_stats()
+            if self.decision_log is not None:
+                self.decision_log.close()  # what the last second decided, written
             if runner is not None:
                 await runner.cleanup()
             self.engine.close()
@@ -666,6 +679,7 @@ class Service:
                 capacities=partition.capacities,
                 request_id=selection_id if reserve else None,
                 explain=explain or sampled,
+                record=reserve or selection_id is not None or self.decision_log is not None,
             )
         except NoWorkerAvailable as exc:
             self.counters.overloaded += 1
@@ -712,6 +726,23 @@ class Service:
             address(instance.http_endpoint),
         )
         self._record_decision(result, len(local), elapsed)
+        record = selection.record
+        if record is not None:
+            recorded = Recorded(
+                selection_id or f"seq-{self._decision_seq}",
+                self._decision_seq,
+                time.time(),
+                partition.model_name,
+                partition.routing_group,
+                block_size,
+                isl,
+                reserve,
+                record,
+            )
+            if selection_id is not None:
+                self.records.add(recorded)
+            if self.decision_log is not None:
+                self.decision_log.add(recorded)
         if sampled:  # the answer is the one an unexplained request gets
             selection.explanation = None
         return result
@@ -812,6 +843,16 @@ class Service:
     def pending(self, model: str, group: str) -> tuple[int, int]:
         """(pending_count, pending_isl_tokens) of the partition's router queue."""
         return self.queue.pending(model, group)
+
+    async def decision(self, selection_id: str) -> dict[str, Any] | None:
+        """``GET /decisions/{selection_id}``: the decision as it was made, from this front's ring or, with
+        ``--fronts N``, another front's; None when no front keeps it."""
+        recorded = self.records.get(selection_id)
+        if recorded is not None:
+            return decision_json(recorded)
+        if self.fronts is not None:
+            return await self.fronts.find_decision(selection_id)
+        return None
 
     def fleet_counters(self) -> ServiceCounters:
         """The counters ``/metrics`` and ``kvrouter top`` show: this front's, or with ``--fronts N`` every

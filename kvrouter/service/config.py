@@ -35,10 +35,10 @@ class ServiceConfig:
     Raises:
         ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, fronts outside 1..64, a block size
             below 1, an overload status that is not 429 or 5xx, a body limit below 1 KiB, a negative drain time,
-            a session affinity TTL not above 0, a tokenizer path that names no file, a queue threshold below 1,
-            a queue policy other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace
-            or component that is not one NATS subject token, or (with replica_sync) a nats_url that is not
-            nats:// or tls://.
+            a session affinity TTL not above 0, a tokenizer path that names no file, a decision log in no
+            directory, a queue threshold below 1, a queue policy other than fcfs / wspt, a queue timeout or a
+            request expiry not above 0, a namespace or component that is not one NATS subject token, or (with
+            replica_sync) a nats_url that is not nats:// or tls://.
     """
 
     host: str = "127.0.0.1"
@@ -98,6 +98,8 @@ class ServiceConfig:
     """``--namespace``: the subjects' ``namespace.<namespace>`` (the reference's default)."""
     component: str = "backend"
     """``--component``: the subjects' ``component.<component>`` (the reference's default)."""
+    decision_log: str | None = None
+    """``--decision-log FILE``: every decision appended to ``FILE`` as a JSON line (``decisions.py``)."""
     fronts: int = 1
     """``--fronts``: front processes serving ``port`` together (SO_REUSEPORT), each reading the index
     through shared memory, their load views kept in step by the replica sync (``fronts.py``)."""
@@ -123,6 +125,8 @@ class ServiceConfig:
             raise ConfigError(
                 f"ServiceConfig.session_affinity_ttl_secs must be > 0, got {self.session_affinity_ttl_secs}"
             )
+        if self.decision_log is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.decision_log))):
+            raise ConfigError(f"ServiceConfig.decision_log: no such directory for {self.decision_log!r}")
         if self.tokenizer is not None and not os.path.isfile(self.tokenizer):
             raise ConfigError(f"ServiceConfig.tokenizer: no such file {self.tokenizer!r}")
         if self.queue_threshold is not None and (type(self.queue_threshold) is not int or self.queue_threshold < 1):

@@ -81,10 +81,11 @@ class WorkerExplanation:
     """Over a busy threshold, so not a candidate."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DecisionRecord:
     """A decision's every term as arrays, kept to be explained later (``select(record=True)``): the copies
-    cost about a microsecond at 16 candidates, where building the explanation's objects costs tens.
+    cost a few microseconds, where building the explanation's objects costs tens. Not frozen, as ``Cost``
+    (a frozen ``__init__`` costs a microsecond more); treat it as read only.
 
     ``terms`` is the kernel's ``(COLUMNS, candidates)`` output, ``overlaps`` the candidates' ``(tiers,
     candidates)`` overlaps, ``head`` the chosen position."""

@@ -10,8 +10,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..service.decisions import summarise
-
 EPILOG = (
     "The hit rate is the chosen workers' predicted overlap over the prompts' blocks; the best hit rate the same "
     "with every decision going to the candidate with the most overlap; avoidable prefill is the difference "
@@ -25,6 +23,8 @@ def decision_log(
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Summarise a decision log: hit rate, avoidable prefill, per-worker skew."""
+    from ..service.decisions import summarise  # here: the service package imports aiohttp and the engine
+
     try:
         with path.open("rb") as lines:
             found = summarise(lines)

@@ -551,6 +551,17 @@ def up(
             rich_help_panel=_PROXY,
         ),
     ] = None,
+    shadow_policy: Annotated[
+        str | None,
+        typer.Option(
+            "--shadow-policy",
+            envvar="KVROUTER_SHADOW_POLICY",
+            help="Simulator policies (comma-separated) asked on every decision and compared in /metrics, "
+            "never used to route (kvrouter simulate --help lists them).",
+            show_default="none",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
     decision_log: Annotated[
         str | None,
         typer.Option(
@@ -708,6 +719,7 @@ def up(
         "queue_timeout_secs": router_queue_timeout_secs,
         "tokenizer": tokenizer,
         "decision_log": decision_log,
+        "shadow_policies": tuple(p.strip() for p in (shadow_policy or "").split(",") if p.strip()),
         "active_request_expiry_secs": router_active_request_expiry_secs,
         "replica_sync": router_replica_sync,
         "nats_url": nats_url,

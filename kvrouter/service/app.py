@@ -61,6 +61,7 @@ from .health import Health
 from .partition import Instance, Partition
 from .queue import RouterQueue
 from .routes import Routes
+from .shadow import ShadowChoice, Shadows
 from .stats import EXPLAIN_INTERVAL_S, StatsPublisher
 from .validation import Registration, SelectRequest, Unregistration, parse_registration, parse_unregistration
 
@@ -130,6 +131,8 @@ class Service:
         self.partitions: dict[tuple[str, str], Partition] = {}
         self.counters = ServiceCounters()
         self.accuracy = Accuracy(self.counters, lambda kind, fields: self._event(kind, **fields))
+        self.shadows = Shadows(config.shadow_policies, self.counters) if config.shadow_policies else None
+        """``--shadow-policy``: other policies' choices on every decision, compared, never used (shadow.py)."""
         """Predicted against engine-reported reuse, per worker (``accuracy.py``)."""
         self.decisions: deque[dict[str, Any]] = deque(maxlen=config.decisions_ring)
         self.records = DecisionRecords()
@@ -668,6 +671,9 @@ class Service:
             candidates = self.affinity.candidates(partition.name, request.session_id, candidates)  # affinity.py
         router = partition.router
         index: Any = partition.approx if partition.approx is not None else self.engine
+        shadowed = None
+        if self.shadows is not None and not request.probe:  # before the live decision books anything
+            shadowed = self.shadows.choose(partition, index, candidates, selection_id or "", local, isl)
         started = time.perf_counter()
         self.counters.phases["hash"].observe(started - hashing)
         try:
@@ -679,7 +685,7 @@ class Service:
                 capacities=partition.capacities,
                 request_id=selection_id if reserve else None,
                 explain=explain or sampled,
-                record=reserve or selection_id is not None or self.decision_log is not None,
+                record=reserve or selection_id is not None or self.decision_log is not None or shadowed is not None,
             )
         except NoWorkerAvailable as exc:
             self.counters.overloaded += 1
@@ -725,8 +731,10 @@ class Service:
             instance.http_endpoint,
             address(instance.http_endpoint),
         )
-        self._record_decision(result, len(local), elapsed)
         record = selection.record
+        if self.shadows is not None and shadowed is not None and record is not None:
+            self.shadows.account(partition, *shadowed, selection.worker, record)
+        self._record_decision(result, len(local), elapsed, shadowed[2] if shadowed is not None else None)
         if record is not None:
             recorded = Recorded(
                 selection_id or f"seq-{self._decision_seq}",
@@ -863,7 +871,9 @@ class Service:
         """Reservations currently booked."""
         return len(self._reservations)
 
-    def _record_decision(self, result: SelectResult, prompt_blocks: int, elapsed: float) -> None:
+    def _record_decision(
+        self, result: SelectResult, prompt_blocks: int, elapsed: float, shadows: list[ShadowChoice] | None = None
+    ) -> None:
         self._decision_seq += 1
         selection = result.selection
         entry: dict[str, Any] = {
@@ -881,6 +891,16 @@ class Service:
             "selection_id": result.selection_id,
             "decision_us": round(elapsed * 1e6, 1),
         }
+        if shadows is not None:
+            entry["shadows"] = {
+                c.policy: {
+                    "worker_id": c.worker[0],
+                    "dp_rank": c.worker[1],
+                    "overlap_blocks": c.overlap_blocks,
+                    "cost": c.cost,
+                }
+                for c in shadows
+            }
         if selection.explanation is not None:
             entry["explain"] = explain(result)["workers"]
             self.last_explained = entry

@@ -17,6 +17,7 @@ from ..plane.config import PlaneConfig
 from ..plane.registry import WorkerSpec
 from ..routing.config import KVROUTER_CONFIG, RouterConfig
 from ..routing.slots import DEFAULT_EXPIRY_SECS
+from ..sim.policies import POLICIES
 
 __all__ = ["DEFAULT_NATS_URL", "MAX_FRONTS", "ZMQ_PORT_DEFAULT", "ServiceConfig"]
 
@@ -36,9 +37,9 @@ class ServiceConfig:
         ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, fronts outside 1..64, a block size
             below 1, an overload status that is not 429 or 5xx, a body limit below 1 KiB, a negative drain time,
             a session affinity TTL not above 0, a tokenizer path that names no file, a decision log in no
-            directory, a queue threshold below 1, a queue policy other than fcfs / wspt, a queue timeout or a
-            request expiry not above 0, a namespace or component that is not one NATS subject token, or (with
-            replica_sync) a nats_url that is not nats:// or tls://.
+            directory, a shadow policy the simulator does not have, a queue threshold below 1, a queue policy
+            other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace or component
+            that is not one NATS subject token, or (with replica_sync) a nats_url that is not nats:// or tls://.
     """
 
     host: str = "127.0.0.1"
@@ -98,6 +99,8 @@ class ServiceConfig:
     """``--namespace``: the subjects' ``namespace.<namespace>`` (the reference's default)."""
     component: str = "backend"
     """``--component``: the subjects' ``component.<component>`` (the reference's default)."""
+    shadow_policies: tuple[str, ...] = ()
+    """``--shadow-policy``: simulator policies asked on every decision, for comparison only (``shadow.py``)."""
     decision_log: str | None = None
     """``--decision-log FILE``: every decision appended to ``FILE`` as a JSON line (``decisions.py``)."""
     fronts: int = 1
@@ -142,6 +145,9 @@ class ServiceConfig:
                 f"ServiceConfig.active_request_expiry_secs must be > 0, got {self.active_request_expiry_secs}"
             )
         Subjects(self.namespace, self.component)  # raises ConfigError naming the bad one
+        for name in self.shadow_policies:
+            if name not in POLICIES:
+                raise ConfigError(f"ServiceConfig.shadow_policies: {name!r} is not one of {', '.join(POLICIES)}")
         if self.replica_sync and not self.nats_url.startswith(("nats://", "tls://")):
             raise ConfigError(
                 f"ServiceConfig.nats_url must be nats://host:port or tls://host:port, got {self.nats_url!r}"

@@ -14,20 +14,23 @@ on it, logged once when found (warning) and once when cleared (info), kept in ``
 the events ring, shown in ``kvrouter top``:
 
 - ``block_size``: blocks arrive whose block size differs from the registered one (the plane drops them:
-  ``dropped_blocks``), so part or all of the worker's cache is invisible;
+  ``dropped_blocks``, and records the size it saw), so part or all of the worker's cache is invisible;
 - ``no_events``: the worker was chosen :data:`NO_EVENTS_DECISIONS` times over at least
   :data:`NO_EVENTS_AFTER_S` seconds since it was registered, and not one KV event arrived on its endpoint
   and topic (the engine publishes elsewhere, under another topic, or not at all);
 - ``bad_frames``: every frame from the worker fails to decode under its registered format (wrong
-  ``format`` at registration, or another process on that port);
+  ``format`` at registration, named when another format decodes them, or another process on that port);
+- ``wrong_rank``: another dp rank's batches arrive on this rank's port;
 - ``never_reused``: the engine reported the reuse of :data:`NEVER_REUSED_REPORTS` requests for which the
   router predicted cached blocks, and reused none (prefix caching off on the engine, or a different
   block hash: a salt, a LoRA, another tokenizer).
 
 A check clears when its cause stops (no new dropped blocks or bad frames for :data:`CLEAR_AFTER_S`, an
-event arrives, a prediction is reused). Rejected: making misconfigured workers unroutable (a half-seen
-worker still serves requests; the operator decides) and checking in the appliers (the facts are in the
-control segment already, and a message for a person belongs to the process that talks to one).
+event arrives, a prediction is reused). What contradicts the registration (the size, the format, the
+rank) the appliers record in each worker's row (``index/layout.py``'s ``W_SEEN``), where they see it.
+Rejected: making misconfigured workers unroutable (a half-seen worker still serves requests; the operator
+decides) and wording the messages in the appliers (a message for a person belongs to the process that
+talks to one).
 """
 
 from __future__ import annotations
@@ -125,19 +128,30 @@ class Trust:
                 if row.dropped_blocks > seen.dropped:
                     seen.dropped_at = now
                 seen.dropped = row.dropped_blocks
-                if seen.dropped_at is not None and now - seen.dropped_at < CLEAR_AFTER_S:
+                if seen.dropped_at is not None and now - seen.dropped_at < CLEAR_AFTER_S and row.foreign_block_size:
                     found["block_size"] = (
-                        f"worker {_name(worker)} sends KV blocks of a size other than its registered block_size "
-                        f"{block_size} ({row.dropped_blocks} blocks dropped, not indexed): register it with the "
-                        "engine's block size"
+                        f"worker {_name(worker)} sends KV blocks of {row.foreign_block_size} tokens, registered with "
+                        f"block_size {block_size} ({row.dropped_blocks} blocks dropped, not indexed): register it with "
+                        f"block_size {row.foreign_block_size}"
                     )
                 if row.bad_frames > seen.bad_frames:
                     seen.bad_at = now
                 seen.bad_frames = row.bad_frames
-                if seen.bad_at is not None and now - seen.bad_at < CLEAR_AFTER_S and row.events == 0:
+                recent = seen.bad_at is not None and now - seen.bad_at < CLEAR_AFTER_S
+                if recent and row.foreign_rank is not None and row.foreign_rank != worker[1]:
+                    found["wrong_rank"] = (
+                        f"dp rank {row.foreign_rank}'s events arrive on {endpoint}, the port of worker "
+                        f"{_name(worker)}: check the engine's per-rank ports (base port + dp rank)"
+                    )
+                elif recent and row.events == 0:
+                    guess = (
+                        f"they decode as {row.foreign_format}: register it with format {row.foreign_format!r}"
+                        if row.foreign_format
+                        else "check the format it was registered with"
+                    )
                     found["bad_frames"] = (
                         f"worker {_name(worker)}'s frames on {endpoint} do not decode as {fmt} ({row.bad_frames} bad "
-                        "frames, no event applied): check the format it was registered with"
+                        f"frames, no event applied); {guess}"
                     )
                 chosen = self.counters.selections.get(worker, 0)
                 if (

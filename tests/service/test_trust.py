@@ -65,18 +65,27 @@ def test_each_check_is_raised_named_and_cleared(clock: FakeClock) -> None:
     trust.update({W: row(stale=True)}, ENDPOINTS)
     assert trust.state(W) == "stale"
     # blocks of another size: named with the registered size, cleared once no more are dropped
-    trust.update({W: row(dropped_blocks=12)}, ENDPOINTS)
+    trust.update({W: row(dropped_blocks=3)}, ENDPOINTS)  # dropped for short token lists: not a size problem
+    assert trust.state(W) == "exact"
+    trust.update({W: row(dropped_blocks=12, foreign_block_size=32)}, ENDPOINTS)
     assert trust.state(W) == "misconfigured"
-    assert "registered block_size 16" in trust.problems(W)["block_size"]
+    assert "KV blocks of 32 tokens, registered with block_size 16" in trust.problems(W)["block_size"]
     clock.now += CLEAR_AFTER_S + 1
-    trust.update({W: row(dropped_blocks=12)}, ENDPOINTS)
+    trust.update({W: row(dropped_blocks=12, foreign_block_size=32)}, ENDPOINTS)
     assert trust.problems(W) == {}
     assert trust.state(W) == "exact"
     # frames that never decode under the registered format
-    trust.update({W: row(bad_frames=5, events=0, last_id=None)}, ENDPOINTS)
+    trust.update({W: row(bad_frames=5, events=0, last_id=None, foreign_format="sglang")}, ENDPOINTS)
     assert "do not decode as vllm" in trust.problems(W)["bad_frames"]
+    assert "register it with format 'sglang'" in trust.problems(W)["bad_frames"]
     clock.now += CLEAR_AFTER_S + 1
     trust.update({W: row()}, ENDPOINTS)
+    # another rank's batches on this rank's port
+    trust.update({W: row(bad_frames=7, foreign_rank=1)}, ENDPOINTS)
+    assert "dp rank 1's events arrive on tcp://10.0.0.7:5557" in trust.problems(W)["wrong_rank"]
+    clock.now += CLEAR_AFTER_S + 1
+    trust.update({W: row(bad_frames=7, foreign_rank=1)}, ENDPOINTS)
+    assert trust.problems(W) == {}
     # chosen often, long enough, and not one event: the endpoint and topic are named
     counters.selections[W] = NO_EVENTS_DECISIONS
     trust.registered(W)  # registered again now
@@ -96,7 +105,7 @@ def test_each_check_is_raised_named_and_cleared(clock: FakeClock) -> None:
     trust.update({W: row()}, ENDPOINTS)
     assert trust.problems(W) == {}
     kinds = [(kind, fields.get("check")) for kind, fields in events]
-    for check in ("block_size", "bad_frames", "no_events", "never_reused"):
+    for check in ("block_size", "bad_frames", "wrong_rank", "no_events", "never_reused"):
         assert ("misconfigured", check) in kinds
         assert ("misconfiguration_cleared", check) in kinds
     trust.forget(W)
@@ -111,7 +120,7 @@ def trusted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         health_interval_secs=0.1,
         drain_secs=2.0,
         router=RouterConfig(),
-        plane=PlaneConfig(stale_after=1.5, recovery_timeout=1.0),
+        plane=PlaneConfig(stale_after=3.0, recovery_timeout=1.0),
     )
     with serving(config, tmp_path_factory.mktemp("trust")) as run:
         yield run
@@ -137,8 +146,7 @@ def test_trust_states_and_a_wrong_block_size_end_to_end(trusted: Running, wait_u
     assert status == 200, answer
     wait_until(lambda: listener(trusted, 2).get("trust") == "misconfigured", timeout=20)
     problem = listener(trusted, 2)["problems"]["block_size"]
-    assert "worker 2:0" in problem
-    assert "registered block_size 32" in problem
+    assert f"worker 2:0 sends KV blocks of {BLOCK} tokens, registered with block_size {2 * BLOCK}" in problem
     events = trusted.ok("GET", "/events?since=0")["events"]
     assert any(e["kind"] == "misconfigured" and e["check"] == "block_size" for e in events)
     # worker 1: exact once its events flow, stale once silent past stale_after

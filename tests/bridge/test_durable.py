@@ -1,0 +1,188 @@
+"""JetStream durable mode (``kvrouter/bridge/durable.py``): real NATS server, real ``kvrouter up`` replicas.
+
+A ``KvPublisher`` in this process publishes the reference's ``RouterEvent`` JSON on ``kv-events`` (NATS
+core; the stream captures it). Every replica registers it with ``transport: nats``; its appliers then
+follow the replica's own relay, which answers their queries, so the publisher's query socket (served
+here, ``queries_answered``) must receive nothing at all, however the replicas start, die and restart.
+``/query`` is compared chain by chain with the publisher's own index (the truth) on every replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvrouter.bridge.events import NatsEventSink
+from kvrouter.bridge.subjects import Subjects
+from kvrouter.hashing import block_hashes
+from kvrouter.worker.publisher import KvPublisher
+from tests.bridge.conftest import NatsServer
+from tests.bridge.replicas import BLOCK, MODEL, Replica, call, shm_of
+from tests.service.test_up import descendants, kill_and_sweep
+
+WORKER = 5
+QUIET_S = 60.0
+"""Bound of every wait for the replicas to converge (a loaded 2-core machine, numba kernels loading)."""
+
+
+def durable(name: str, server: NatsServer, namespace: str, folder: Path, *extra: str) -> Replica:
+    """A durable replica named ``name`` (its router id, hence its consumer: the same after a restart)."""
+    return Replica(name, server.url, namespace, folder, "--router-durable-kv-events", "--router-id", name, *extra)
+
+
+def status(replica: Replica) -> dict[str, Any]:
+    """``/ready``'s ``durable_events`` and ``nats_events`` (ready or not)."""
+    code, body = call(replica.url + "/ready")
+    assert code in (200, 503), code
+    return {"ready": code == 200, "reasons": body["reasons"], **body["durable_events"], "relay": body["nats_events"]}
+
+
+def register(replica: Replica, pub: KvPublisher, wait_until: Callable[..., None]) -> None:
+    """Register the publisher (transport nats) once the replica's durable start is done (503 before)."""
+
+    def done() -> bool:
+        code, _ = call(
+            replica.url + "/register",
+            "POST",
+            {
+                "instance_id": WORKER,
+                "transport": "nats",
+                "query_endpoint": pub.query_endpoint,
+                "model_name": MODEL,
+                "block_size": BLOCK,
+            },
+        )
+        assert code in (200, 201, 503), code
+        return code != 503
+
+    wait_until(done, timeout=QUIET_S, what=f"{replica.name} accepting the registration")
+
+
+class Chains:
+    """Root chains stored by the publisher (chain c: ``blocks`` blocks, engine hashes c * 1000 + i)."""
+
+    def __init__(self, pub: KvPublisher) -> None:
+        self.pub = pub
+        self.hashes: list[list[int]] = []
+
+    def store(self, chain: int, blocks: int) -> None:
+        tokens = [chain * 100_000 + i for i in range(blocks * BLOCK)]
+        self.pub.store([chain * 1000 + i for i in range(blocks)], tokens)
+        self.hashes.append([int(h) for h in block_hashes(tokens, BLOCK)])
+
+    def agree(self, replica: Replica) -> bool:
+        """``/query_by_hash`` on ``replica`` answers every chain with the publisher's own depth."""
+        self.pub.serve(0)  # a query to the worker would be counted here (none must come)
+        for hashes in self.hashes:
+            expected = self.pub.index.find_matches(hashes).get((WORKER, 0), 0) * BLOCK
+            code, answer = call(replica.url + "/query_by_hash", "POST", {"model_name": MODEL, "block_hashes": hashes})
+            if code != 200:
+                return False
+            if int(answer["instances"].get(str(WORKER), {}).get("dp", {}).get("0", 0)) != expected:
+                return False
+        return True
+
+
+@pytest.fixture
+def publisher(nats_server: NatsServer) -> Iterator[tuple[KvPublisher, NatsEventSink]]:
+    sink = NatsEventSink(nats_server.url, Subjects("durable", "backend").kv_events)
+    try:
+        with KvPublisher(
+            WORKER, block_size=BLOCK, endpoint="tcp://127.0.0.1:*", query_endpoint="tcp://127.0.0.1:*", nats=sink
+        ) as pub:
+            yield pub, sink
+    finally:
+        sink.close()
+    assert sink.failed == 0
+
+
+@contextlib.contextmanager
+def stopping(*started: Replica) -> Iterator[None]:
+    """Stop every replica on leaving; each must have exited 0 and left no segment."""
+    try:
+        yield
+    finally:
+        for replica in started:
+            replica.stop()
+    for replica in started:
+        assert replica.proc.returncode == 0, (replica.name, replica.stderr_path.read_text()[-3000:])
+        assert shm_of(replica.proc.pid) == []
+
+
+def test_a_replica_killed_and_restarted_resumes_from_the_stream_without_asking_the_worker(
+    nats_server: NatsServer,
+    publisher: tuple[KvPublisher, NatsEventSink],
+    tmp_path: Path,
+    wait_until: Callable[..., None],
+) -> None:
+    pub, _ = publisher
+    chains = Chains(pub)
+    a = durable("a", nats_server, "durable", tmp_path)
+    a.wait_started()  # on a cold numba cache the first compiles the kernels; b then loads them
+    b = durable("b", nats_server, "durable", tmp_path)
+    restarted: Replica | None = None
+    tree: list[tuple[int, str]] = []
+    with stopping(a):
+        try:
+            b.wait_started()
+            for replica in (a, b):
+                register(replica, pub, wait_until)
+            for c in range(1, 4):
+                chains.store(c, 3 + c)
+            pub.publish()
+            for replica in (a, b):
+                wait_until(
+                    lambda r=replica: chains.agree(r), timeout=QUIET_S, what=f"{replica.name} equal to the worker"
+                )
+            assert status(b)["consumer"] == "kvrouter-b"
+
+            tree = descendants(b.proc.pid)
+            b.proc.kill()  # mid-stream: no shutdown at all
+            b.proc.wait()
+            kill_and_sweep(tree)
+            # while b is away: more stores, an eviction, a step in several messages
+            for c in range(4, 7):
+                chains.store(c, 2)
+            pub.remove([1000 + 2, 3000 + 4])
+            pub.publish()
+            chains.store(7, 5)
+            pub.publish()
+            wait_until(lambda: chains.agree(a), timeout=QUIET_S, what="a equal while b is away")
+
+            restarted = durable("b", nats_server, "durable", tmp_path)
+            restarted.wait_started()
+            register(restarted, pub, wait_until)
+            wait_until(lambda: status(restarted)["ready"], timeout=QUIET_S, what="the restarted b /ready")
+            wait_until(lambda: chains.agree(restarted), timeout=QUIET_S, what="the restarted b equal to the worker")
+            chains.store(8, 3)
+            pub.remove([7000 + 4])
+            pub.publish()
+            for replica in (a, restarted):
+                wait_until(
+                    lambda r=replica: chains.agree(r), timeout=QUIET_S, what=f"{replica.name} equal after restart"
+                )
+
+            after = status(restarted)
+            assert after["consumer"] == "kvrouter-b"  # its own consumer, found again
+            assert after["snapshot_loaded"] is False  # no snapshot: the whole stream replayed
+            assert after["processed_seq"] == status(a)["processed_seq"]
+            relay = after["relay"]
+            assert (relay["duplicates"], relay["gaps"], relay["malformed"], relay["incomplete"]) == (0, 0, 0, [])
+            assert relay["queries"] >= 1  # the applier's join was answered by the relay itself
+            assert pub.queries_answered == 0
+            assert pub.bad_queries == 0
+        finally:
+            b.stop()
+            if restarted is not None:
+                restarted.stop()
+            kill_and_sweep(tree)
+    assert b.proc.returncode == -signal.SIGKILL
+    assert restarted is not None
+    assert restarted.proc.returncode == 0
+    assert shm_of(b.proc.pid) == []
+    assert shm_of(restarted.proc.pid) == []

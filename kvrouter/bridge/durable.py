@@ -432,7 +432,8 @@ class DurableEvents:
                 self._once("snapshot", "durable snapshot failed bucket=%s error=%r; retrying", self.bucket, exc)
 
     async def snapshot_if_due(self) -> bool:
-        """Snapshot and purge when the stream holds ``snapshot_threshold`` messages and the lock is ours.
+        """Snapshot and purge when the stream holds ``snapshot_threshold`` messages, this replica has
+        processed that many of them, and the lock is ours.
 
         Returns:
             Whether a snapshot was uploaded.
@@ -441,6 +442,8 @@ class DurableEvents:
         info = await js.stream_info(self.stream)
         if info.state.messages < self.snapshot_threshold:
             return False
+        if self.processed_seq - info.state.first_seq + 1 < self.snapshot_threshold:
+            return False  # this replica has not read that many yet: its snapshot would purge less
         try:
             locks = await js.key_value(self.bucket)
         except BucketNotFoundError:

@@ -186,3 +186,63 @@ def test_a_replica_killed_and_restarted_resumes_from_the_stream_without_asking_t
     assert restarted.proc.returncode == 0
     assert shm_of(b.proc.pid) == []
     assert shm_of(restarted.proc.pid) == []
+
+
+def test_a_snapshot_past_the_threshold_purges_the_stream_and_a_restarted_replica_loads_it(
+    nats_server: NatsServer,
+    publisher: tuple[KvPublisher, NatsEventSink],
+    tmp_path: Path,
+    wait_until: Callable[..., None],
+) -> None:
+    pub, _ = publisher
+    chains = Chains(pub)
+    threshold = ("--router-snapshot-threshold", "6")
+    a = durable("a", nats_server, "durable", tmp_path, *threshold)
+    a.wait_started()
+    b = durable("b", nats_server, "durable", tmp_path, *threshold)
+    restarted: Replica | None = None
+    with stopping(a):
+        try:
+            b.wait_started()
+            for replica in (a, b):
+                register(replica, pub, wait_until)
+            for c in range(1, 9):  # 8 messages (one event each), past the threshold of 6
+                chains.store(c, 2 + c % 3)
+            pub.remove([3000 + 1])
+            pub.publish()
+
+            def snapshotted() -> bool:
+                return sum(status(r)["snapshot_uploads"] for r in (a, b)) >= 1
+
+            wait_until(snapshotted, timeout=QUIET_S, what="a snapshot past the threshold")
+            wait_until(lambda: sum(status(r)["purged"] for r in (a, b)) >= 6, timeout=QUIET_S, what="the purge")
+            taken = max((status(r)["last_snapshot"] or {"seq": -1} for r in (a, b)), key=lambda t: t["seq"])
+            assert taken["seq"] >= 9
+            assert taken["purged_below"] == taken["seq"] + 1  # both replicas had read it all
+
+            b.stop()  # a clean stop this time; its consumer stays on the server
+            chains.store(20, 4)  # after the snapshot: replayed from the stream
+            pub.publish()
+            wait_until(lambda: chains.agree(a), timeout=QUIET_S, what="a equal after the snapshot")
+
+            restarted = durable("b", nats_server, "durable", tmp_path, *threshold)
+            restarted.wait_started()
+            register(restarted, pub, wait_until)
+            wait_until(lambda: status(restarted)["ready"], timeout=QUIET_S, what="the restarted b /ready")
+            wait_until(lambda: chains.agree(restarted), timeout=QUIET_S, what="the restarted b equal to the worker")
+            after = status(restarted)
+            assert after["snapshot_loaded"] is True
+            assert after["snapshot_loads"] == 1
+            assert after["snapshot_seq"] >= taken["seq"]
+            assert after["snapshot_bad"] == 0
+            assert after["processed_seq"] == status(a)["processed_seq"]
+            relay = after["relay"]
+            assert (relay["duplicates"], relay["gaps"], relay["incomplete"]) == (0, 0, [])
+            assert pub.queries_answered == 0
+        finally:
+            b.stop()
+            if restarted is not None:
+                restarted.stop()
+    assert b.proc.returncode == 0
+    assert restarted is not None
+    assert restarted.proc.returncode == 0

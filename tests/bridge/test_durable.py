@@ -212,7 +212,7 @@ def test_a_snapshot_past_the_threshold_purges_the_stream_and_a_restarted_replica
             pub.publish()
 
             def snapshotted() -> bool:
-                return sum(status(r)["snapshot_uploads"] for r in (a, b)) >= 1
+                return sum(int(status(r)["snapshot_uploads"]) for r in (a, b)) >= 1
 
             wait_until(snapshotted, timeout=QUIET_S, what="a snapshot past the threshold")
             wait_until(lambda: sum(status(r)["purged"] for r in (a, b)) >= 6, timeout=QUIET_S, what="the purge")

@@ -345,6 +345,15 @@ class DurableEvents:
         self.processed_seq = after
         info = await self._js.stream_info(self.stream)
         self.target_seq = info.state.last_seq if info.state.messages else after
+        if info.state.first_seq > after + 1:  # purged past what this replica holds: ranks ask their worker
+            self.relay.partial = True
+            log.warning(
+                "durable stream lost messages this replica needs stream=%s first_seq=%d resume_after=%d: "
+                "each rank is repaired from its worker at its first query",
+                self.stream,
+                info.state.first_seq,
+                after,
+            )
         psub = await self._make_consumer(after)
         self.caught_up = self.processed_seq >= self.target_seq
         self.loaded = True

@@ -36,6 +36,13 @@ incarnation (its state is reset, ``restarts``); an id past last + 1 is a ``gap``
 reached the stream): counted, the rank's ring restarted so a range query across it gets a tree dump,
 and the rank marked incomplete in :meth:`status`.
 
+An incomplete rank (a gap, a first id above 0, or every rank while :attr:`NatsEventRelay.partial`: the
+stream lost messages the replica needed, e.g. a snapshot that did not decode after a purge) cannot answer
+for its history, so its next query is **forwarded to the worker's own query endpoint** (the one it
+registered; counted ``worker_queries``): the worker's tree dump replaces the rank's state, the relay's
+newer events are re-applied on top, and the relay answers the applier from the repaired state. That is
+the only path on which a worker is asked in durable mode, and it is counted.
+
 :class:`NatsEventSink` is the publishing side for :class:`~kvrouter.worker.publisher.KvPublisher`: nats-py
 on a private loop on a thread of its own, fed through a queue, so the engine's step loop never awaits.
 """
@@ -58,8 +65,8 @@ import zmq.asyncio
 from ..errors import BadEvent, ConfigError, EventError
 from ..events.codecs.dynamo import Decoder as DynamoDecoder
 from ..events.codecs.frames import encode_live
-from ..events.codecs.kvrouter import Encoder as KvrouterEncoder
-from ..events.codecs.query import decode_request, encode_reply
+from ..events.codecs.kvrouter import Decoder as KvrouterDecoder, Encoder as KvrouterEncoder
+from ..events.codecs.query import QueryRequest, decode_reply, decode_request, encode_reply, encode_request
 from ..events.model import EventBatch, KvEvent, WorkerKey
 from ..worker.local_indexer import LocalIndexer
 from ..worker.publisher import MAX_QUERY_BYTES
@@ -82,6 +89,8 @@ the same bound as ``KvPublisher``'s PUB."""
 CONNECT_RETRY_S: Final = 1.0
 """Pause between attempts while the first connection to NATS fails."""
 SINK_CONNECT_TIMEOUT_S: Final = 10.0
+WORKER_QUERY_TIMEOUT_S: Final = 5.0
+"""How long the relay waits for a worker's tree dump when repairing an incomplete rank."""
 """How long :class:`NatsEventSink` waits for its first connection before giving up."""
 
 
@@ -105,6 +114,10 @@ class RelayCounters:
     queries: int = 0
     """Durable mode: queries the relay's ROUTERs answered (appliers' joins and gap recoveries)."""
     bad_queries: int = 0
+    worker_queries: int = 0
+    """Durable mode: tree dumps asked of a worker to repair an incomplete rank (see the module docstring)."""
+    worker_failures: int = 0
+    """Durable mode: such asks that got no usable answer in ``WORKER_QUERY_TIMEOUT_S`` (retried at the next query)."""
 
 
 class NatsEventRelay:
@@ -137,9 +150,16 @@ class NatsEventRelay:
         self._incomplete: set[WorkerKey] = set()
         """Durable mode: ranks whose ids jumped (or did not start at 0): their state misses events."""
         self._routers: dict[WorkerKey, tuple[zmq.asyncio.Socket, str, asyncio.Task[None]]] = {}
+        self._fallbacks: dict[WorkerKey, str] = {}
+        """Durable mode: each registered rank's own query endpoint, asked only to repair an incomplete rank."""
+        self._repaired: set[WorkerKey] = set()
+        self.partial = False
+        """Durable mode: the stream lost messages this replica needed; every rank counts as incomplete until
+        repaired from its worker (set by ``DurableEvents``)."""
         self._seq: dict[WorkerKey, int] = {}
         self._decoder = DynamoDecoder(0)
         self._encoder = KvrouterEncoder()
+        self._kvrouter = KvrouterDecoder()
         self._logged: set[str] = set()
         self._nc: Any = None
         self._closed = False
@@ -164,10 +184,11 @@ class NatsEventRelay:
         log.info("nats events relay added worker=%s dp=%d endpoint=%s", worker_id, dp_rank, endpoint)
         return endpoint
 
-    def add_query(self, worker_id: int, dp_rank: int) -> str:
+    def add_query(self, worker_id: int, dp_rank: int, fallback: str | None = None) -> str:
         """Durable mode: bind (once) the query ROUTER of ``(worker_id, dp_rank)``, answered from the relay's
         local indexer of that rank on the running event loop; returns its endpoint (the engine's query
-        endpoint for the rank).
+        endpoint for the rank). ``fallback``: the rank's own query endpoint, asked only to repair the rank
+        when it is incomplete.
 
         Raises:
             ConfigError: not in durable mode.
@@ -175,6 +196,8 @@ class NatsEventRelay:
         if not self.durable:
             raise ConfigError("NatsEventRelay.add_query: the relay answers queries only in durable mode")
         key = (worker_id, dp_rank)
+        if fallback is not None:
+            self._fallbacks[key] = fallback
         found = self._routers.get(key)
         if found is not None:
             return found[1]
@@ -203,6 +226,8 @@ class NatsEventRelay:
                 counters.bad_queries += 1
                 self._once("bad_query", "relay query ignored worker=%s dp=%d error=%s", key[0], key[1], exc)
                 continue
+            if self.incomplete(key) and key in self._fallbacks:
+                await self._repair(key)
             local = self._local.get(key) or LocalIndexer(*key)
             reply = local.answer(request)
             try:
@@ -212,6 +237,51 @@ class NatsEventRelay:
                 continue
             counters.queries += 1
 
+    def incomplete(self, key: WorkerKey) -> bool:
+        """Whether the rank's state may miss events (see the module docstring)."""
+        return key in self._incomplete or (self.partial and key not in self._repaired)
+
+    async def _repair(self, key: WorkerKey) -> None:
+        """Replace an incomplete rank's state by its worker's tree dump, then re-apply the newer events
+        relayed meanwhile. On no answer the rank stays incomplete (asked again at the next query)."""
+        assert self._async_context is not None
+        counters = self.counters
+        counters.worker_queries += 1
+        dealer = self._async_context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(self._fallbacks[key])
+            await dealer.send_multipart(encode_request(QueryRequest(None, None)))
+            try:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), WORKER_QUERY_TIMEOUT_S)
+            except TimeoutError as exc:
+                raise BadEvent(f"no answer in {WORKER_QUERY_TIMEOUT_S}s") from exc
+            reply = decode_reply(frames)
+            if reply.reply != "tree_dump":
+                raise BadEvent(f"a full restore was answered with {reply.reply!r}")
+            events = [e for payload in reply.batches for e in self._kvrouter.decode(payload).events]
+        except (BadEvent, zmq.ZMQError) as exc:
+            counters.worker_failures += 1
+            self._once("repair", "relay could not repair rank worker=%s dp=%d error=%s", key[0], key[1], exc)
+            return
+        finally:
+            dealer.close(linger=0)
+        local = self._local.get(key)
+        if local is None:
+            local = self._local[key] = LocalIndexer(*key)
+        newer = local.since(reply.last_event_id)
+        local.load(events, reply.last_event_id)
+        local.apply(newer)
+        self._incomplete.discard(key)
+        self._repaired.add(key)
+        log.info(
+            "relay repaired rank from its worker worker=%s dp=%d last=%s newer=%d",
+            key[0],
+            key[1],
+            reply.last_event_id,
+            len(newer),
+        )
+
     def remove(self, worker_id: int, dp_ranks: Iterable[int]) -> None:
         for rank in dp_ranks:
             found = self._pubs.pop((worker_id, rank), None)
@@ -219,6 +289,7 @@ class NatsEventRelay:
             if found is not None:
                 found[0].close(linger=0)
             router = self._routers.pop((worker_id, rank), None)
+            self._fallbacks.pop((worker_id, rank), None)
             if router is not None:
                 router[2].cancel()
                 router[0].close(linger=0)
@@ -385,7 +456,8 @@ class NatsEventRelay:
         }
         if self.durable:
             answer["ranks"] = len(self._local)
-            answer["incomplete"] = [list(key) for key in sorted(self._incomplete)]
+            answer["incomplete"] = [list(key) for key in sorted(self._local) if self.incomplete(key)]
+            answer["partial"] = self.partial
         return answer
 
     async def close(self) -> None:

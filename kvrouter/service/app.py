@@ -46,6 +46,7 @@ from ..errors import (
 )
 from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes_array
+from ..plane.registry import offset_endpoint
 from ..routing.config import RouterConfig
 from ..routing.router import Router, Selection
 from ..routing.slots import SlotManager
@@ -394,7 +395,11 @@ class Service:
             if self.durable is not None:
                 if not self.durable.loaded:
                     raise ServiceError(503, "durable kv-events: still loading the snapshot and the stream; retry")
-                rank_query[reg.dp_rank] = relay.add_query(reg.instance_id, reg.dp_rank)
+                try:
+                    own = None if reg.query_endpoint is None else offset_endpoint(reg.query_endpoint, reg.dp_rank)
+                except ConfigError as exc:
+                    raise ServiceError(400, f"query_endpoint: {exc}") from exc
+                rank_query[reg.dp_rank] = relay.add_query(reg.instance_id, reg.dp_rank, fallback=own)
             reg = replace(reg, endpoint=relay.add(reg.instance_id, reg.dp_rank))
         if self.config.router.use_kv_events and reg.endpoint is None:
             raise ServiceError(400, "endpoint: required (KV events are on)")

@@ -131,6 +131,10 @@ class LocalIndexer:
                 self.index_errors += 1
         self._last_event_id = last_event_id
 
+    def since(self, event_id: int | None) -> list[KvEvent]:
+        """The ring's events after ``event_id`` (all of them for None), in order."""
+        return [e for e in self._ring if event_id is None or e.event_id > event_id]
+
     def reset(self) -> None:
         """A new incarnation of the worker (its ids start at 0 again): everything emptied."""
         self._index = RadixIndex()

@@ -9,13 +9,16 @@ here, ``queries_answered``) must receive nothing at all, however the replicas st
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import nats
 import pytest
+from nats.js.errors import BucketNotFoundError
 
 from kvrouter.bridge.events import NatsEventSink
 from kvrouter.bridge.subjects import Subjects
@@ -246,3 +249,90 @@ def test_a_snapshot_past_the_threshold_purges_the_stream_and_a_restarted_replica
     assert b.proc.returncode == 0
     assert restarted is not None
     assert restarted.proc.returncode == 0
+
+
+async def _put_garbage(url: str, bucket: str) -> None:
+    nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False)
+    try:
+        store = await nc.jetstream().object_store(bucket)
+        await store.put("radix-state", b"\x93garbage, not a snapshot\xff" * 100)
+    finally:
+        await nc.close()
+
+
+async def _stored(url: str, stream: str, bucket: str) -> tuple[int, bool]:
+    """(messages in the stream, whether the snapshot bucket exists)."""
+    nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False)
+    try:
+        js = nc.jetstream()
+        messages = (await js.stream_info(stream)).state.messages
+        try:
+            await js.object_store(bucket)
+        except BucketNotFoundError:
+            return messages, False
+        return messages, True
+    finally:
+        await nc.close()
+
+
+def test_a_bad_snapshot_is_counted_and_reset_states_purges_both_and_the_replica_still_converges(
+    nats_server: NatsServer,
+    publisher: tuple[KvPublisher, NatsEventSink],
+    tmp_path: Path,
+    wait_until: Callable[..., None],
+) -> None:
+    pub, _ = publisher
+    chains = Chains(pub)
+    threshold = ("--router-snapshot-threshold", "4")
+    started: list[Replica] = []
+
+    def start(*extra: str) -> Replica:
+        replica = durable("c", nats_server, "durable", tmp_path, *threshold, *extra)
+        started.append(replica)
+        replica.wait_started()
+        register(replica, pub, wait_until)
+        return replica
+
+    try:
+        c = start()
+        for n in range(1, 7):
+            chains.store(n, 3)
+        pub.publish()
+        wait_until(lambda: status(c)["purged"] >= 4, timeout=QUIET_S, what="a snapshot and a purge")
+        wait_until(lambda: chains.agree(c), timeout=QUIET_S, what="c equal to the worker")
+        stream, bucket = status(c)["stream"], status(c)["bucket"]
+        c.stop()
+
+        # a snapshot object that is not one: counted, said, and the replica repairs from the worker
+        asyncio.run(_put_garbage(nats_server.url, bucket))
+        chains.store(7, 2)
+        pub.publish()
+        c = start()
+        wait_until(lambda: status(c)["loaded"], timeout=QUIET_S, what="c started")
+        wait_until(lambda: chains.agree(c), timeout=QUIET_S, what="c equal after a bad snapshot")
+        after = status(c)
+        assert (after["snapshot_bad"], after["snapshot_loaded"]) == (1, False)
+        assert after["relay"]["partial"] is True
+        assert after["relay"]["worker_queries"] >= 1
+        assert pub.queries_answered >= 1  # the fallback: the worker was asked, and it is counted
+        assert "durable snapshot unreadable" in c.stderr_path.read_text()
+        c.stop()
+
+        # --router-reset-states: the bucket deleted, the stream purged, at start
+        assert asyncio.run(_stored(nats_server.url, stream, bucket))[1] is True
+        asked = pub.queries_answered
+        c = start("--router-reset-states")
+        assert asyncio.run(_stored(nats_server.url, stream, bucket)) == (0, False)
+        wait_until(lambda: chains.agree(c), timeout=QUIET_S, what="c equal after the reset")
+        after = status(c)
+        assert (after["snapshot_bad"], after["snapshot_loaded"], after["processed_seq"]) == (0, False, 0)
+        assert pub.queries_answered > asked
+        chains.store(8, 2)
+        pub.publish()
+        wait_until(lambda: chains.agree(c), timeout=QUIET_S, what="c equal after the reset and new events")
+    finally:
+        for replica in started:
+            replica.stop()
+    for replica in started:
+        assert replica.proc.returncode == 0, replica.stderr_path.read_text()[-3000:]
+        assert shm_of(replica.proc.pid) == []

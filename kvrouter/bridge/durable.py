@@ -20,7 +20,11 @@ dropped by the stream cursor, ``redelivered``). ``/ready`` waits until the repli
 stream up to its last sequence at start (or the consumer has nothing pending). What the durable
 consumer buys while running: the server keeps the cursor across NATS disconnects and server restarts
 (a core subscription would lose what was published meanwhile), and its ack floor tells the snapshot
-taker how far every live replica has read (below).
+taker how far every live replica has read (below). A clean stop deletes it (as the reference's shutdown
+does); a killed replica's is replaced by its next start, or removed by the server after an hour unused.
+Rejected: an ephemeral consumer per start (a killed replica would leave one behind per restart, each
+holding back the purge for its inactivity hour) and persisting the index locally (a second durable store
+to keep consistent with the stream, on a machine that may not come back).
 
 **Snapshots.** Every second (± 100 ms jitter, as the reference) a caught-up replica checks the stream;
 at ``snapshot_threshold`` messages or more, and holding the lock ``router-snapshot-lock`` (a key created
@@ -102,6 +106,8 @@ CONSUMER_INACTIVE_S: Final = 3600.0
 durable consumers an hour. Until then a stopped replica's ack floor holds back the purge."""
 MAX_ACK_PENDING: Final = 100_000
 RETRY_S: Final = 1.0
+CLOSE_TIMEOUT_S: Final = 2.0
+"""Bound on deleting the consumer at shutdown (NATS may be gone)."""
 """Pause before retrying after NATS refused or dropped a request."""
 
 
@@ -285,8 +291,12 @@ class DurableEvents:
         )
         return None
 
-    async def _load_snapshot(self) -> int:
-        """Load the snapshot into the relay; the stream sequence to resume after (0 without one)."""
+    async def _load_snapshot(self, last_seq: int) -> int:
+        """Load the snapshot into the relay; the stream sequence to resume after (0 without one).
+
+        A snapshot past the stream's ``last_seq`` belongs to an earlier stream (deleted and made again: its
+        sequences started over) and is refused as bad: resuming after it would skip the new stream's events.
+        """
         data = await self._download()
         if data is None:
             log.info("durable start without snapshot bucket=%s: replaying the stream", self.bucket)
@@ -302,6 +312,16 @@ class DurableEvents:
                 SNAPSHOT_OBJECT,
                 len(data),
                 exc,
+            )
+            return 0
+        if snapshot.stream_seq > last_seq:
+            self.counters.snapshot_bad += 1
+            log.error(
+                "durable snapshot ahead of the stream bucket=%s snapshot_seq=%d stream_last_seq=%d (the stream was "
+                "made again?): replaying the stream from its first message instead (counted snapshot_bad)",
+                self.bucket,
+                snapshot.stream_seq,
+                last_seq,
             )
             return 0
         self.relay.load(snapshot.ranks)
@@ -341,7 +361,8 @@ class DurableEvents:
         await self._ensure_stream()
         if self.reset_states:
             await self._reset()
-        after = await self._load_snapshot()
+        before = await self._js.stream_info(self.stream)
+        after = await self._load_snapshot(before.state.last_seq)
         self.processed_seq = after
         info = await self._js.stream_info(self.stream)
         self.target_seq = info.state.last_seq if info.state.messages else after
@@ -522,9 +543,16 @@ class DurableEvents:
         }
 
     async def close(self) -> None:
-        """Disconnect (the consumer stays on the server for the next start). Idempotent."""
+        """Delete this replica's consumer (as the reference does on shutdown: its cursor is worthless to the
+        next start, which resumes after the snapshot, and it would hold back the purge), disconnect.
+        Idempotent. A replica that dies without closing leaves its consumer; the next start under the same
+        ``router_id`` replaces it, or the server removes it after ``CONSUMER_INACTIVE_S``."""
         nc, self._nc = self._nc, None
         self.connected = False
-        if nc is not None:
+        if nc is None:
+            return
+        if self.loaded:
             with contextlib.suppress(Exception):
-                await nc.close()
+                await asyncio.wait_for(self._js.delete_consumer(self.stream, self.consumer), CLOSE_TIMEOUT_S)
+        with contextlib.suppress(Exception):
+            await nc.close()

@@ -238,6 +238,7 @@ def test_a_snapshot_past_the_threshold_purges_the_stream_and_a_restarted_replica
             assert after["snapshot_loads"] == 1
             assert after["snapshot_seq"] >= taken["seq"]
             assert after["snapshot_bad"] == 0
+            assert 'kvrouter_durable_events_total{kind="snapshot_loads"} 1.0' in restarted.metrics()
             assert after["processed_seq"] == status(a)["processed_seq"]
             relay = after["relay"]
             assert (relay["duplicates"], relay["gaps"], relay["incomplete"]) == (0, 0, [])

@@ -89,9 +89,9 @@ the same bound as ``KvPublisher``'s PUB."""
 CONNECT_RETRY_S: Final = 1.0
 """Pause between attempts while the first connection to NATS fails."""
 SINK_CONNECT_TIMEOUT_S: Final = 10.0
-WORKER_QUERY_TIMEOUT_S: Final = 5.0
-"""How long the relay waits for a worker's tree dump when repairing an incomplete rank."""
 """How long :class:`NatsEventSink` waits for its first connection before giving up."""
+WORKER_QUERY_TIMEOUT_S: Final = 5.0
+"""How long the durable relay waits for a worker's tree dump when repairing an incomplete rank."""
 
 
 @dataclass(slots=True)

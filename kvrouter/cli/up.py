@@ -260,6 +260,17 @@ def up(
             rich_help_panel=_SERVER,
         ),
     ] = 5.0,
+    fronts: Annotated[
+        int,
+        typer.Option(
+            "--fronts",
+            envvar="KVROUTER_FRONTS",
+            min=1,
+            max=64,
+            help="Front processes answering on --port together (SO_REUSEPORT), their loads kept in step.",
+            rich_help_panel=_SERVER,
+        ),
+    ] = 1,
     # Workers
     shards: Annotated[
         int,
@@ -713,6 +724,7 @@ def up(
         # --zmq-port 0 turns the fast path off; unset, it is port + 1 (a free port with --port 0)
         "zmq_port": None if zmq_port == 0 else zmq_port if zmq_port is not None else port + 1 if port else 0,
         "shards": shards,
+        "fronts": fronts,
         "block_size": block_size,
         "model_name": model_name,
         "routing_group": routing_group,

@@ -19,10 +19,12 @@ from ..plane.registry import WorkerSpec
 from ..routing.config import KVROUTER_CONFIG, RouterConfig
 from ..routing.slots import DEFAULT_EXPIRY_SECS
 
-__all__ = ["DEFAULT_NATS_URL", "DEFAULT_SNAPSHOT_THRESHOLD", "ZMQ_PORT_DEFAULT", "ServiceConfig"]
+__all__ = ["DEFAULT_NATS_URL", "DEFAULT_SNAPSHOT_THRESHOLD", "MAX_FRONTS", "ZMQ_PORT_DEFAULT", "ServiceConfig"]
 
 DEFAULT_NATS_URL: Final = "nats://127.0.0.1:4222"
 """NATS's default client port on this machine."""
+MAX_FRONTS: Final = 64
+"""More front processes than this would be more than any machine's cores."""
 DEFAULT_SNAPSHOT_THRESHOLD: Final = 1_000_000
 """Stream messages past which a durable replica snapshots the index: the reference's
 ``router_snapshot_threshold`` (``spec/dynamo-semantics.md`` §6.4)."""
@@ -36,13 +38,13 @@ class ServiceConfig:
     """How the service binds, which workers it starts with, how it routes and protects itself.
 
     Raises:
-        ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, a block size below 1, an overload status
-            that is not 429 or 5xx, a body limit below 1 KiB, a negative drain time, a session affinity
-            TTL not above 0, a tokenizer path that names no file, a queue threshold below 1, a queue policy
-            other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace or component
-            that is not one NATS subject token, (with replica_sync or durable_kv_events) a nats_url that is not
-            nats:// or tls://, durable_kv_events without KV events, a snapshot threshold below 1, or a
-            router_id that is not 1-64 letters, digits, ``_`` or ``-``.
+        ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, fronts outside 1..64, a block size
+            below 1, an overload status that is not 429 or 5xx, a body limit below 1 KiB, a negative drain time,
+            a session affinity TTL not above 0, a tokenizer path that names no file, a queue threshold below 1,
+            a queue policy other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace
+            or component that is not one NATS subject token, (with replica_sync or durable_kv_events) a
+            nats_url that is not nats:// or tls://, durable_kv_events without KV events, a snapshot threshold
+            below 1, or a router_id that is not 1-64 letters, digits, ``_`` or ``-``.
     """
 
     host: str = "127.0.0.1"
@@ -113,12 +115,17 @@ class ServiceConfig:
     router_id: str | None = None
     """``--router-id``: this replica's stable name, kept across restarts: its durable consumer is
     ``kvrouter-<router_id>``. None: derived from the host name and the port (``bridge/durable.py``)."""
+    fronts: int = 1
+    """``--fronts``: front processes serving ``port`` together (SO_REUSEPORT), each reading the index
+    through shared memory, their load views kept in step by the replica sync (``fronts.py``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"ServiceConfig.port must be in 0..65535, got {self.port}")
         if self.shards < 1:
             raise ConfigError(f"ServiceConfig.shards must be >= 1, got {self.shards}")
+        if not 1 <= self.fronts <= MAX_FRONTS:
+            raise ConfigError(f"ServiceConfig.fronts must be in 1..{MAX_FRONTS}, got {self.fronts}")
         if self.block_size < 1:
             raise ConfigError(f"ServiceConfig.block_size must be >= 1, got {self.block_size}")
         if self.overload_status != 429 and not 500 <= self.overload_status <= 599:

@@ -196,6 +196,8 @@ class Health:
                 reasons.append("replica sync joining (snapshot from a peer)")
             elif sync.resyncing is not None:
                 reasons.append(f"replica sync re-syncing ({sync.resyncing})")
+        if self.service.fronts is not None:
+            answer["fronts"] = self.service.fronts.status()
         relay = self.service.relay
         if relay is not None:
             answer["nats_events"] = relay.status()

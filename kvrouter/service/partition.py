@@ -19,7 +19,7 @@ a restarted service forgets its approximate index, which expires after ``router_
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Final
+from typing import Any, Final
 
 from ..events.model import WorkerKey
 from ..index import ApproxIndex
@@ -138,3 +138,13 @@ class Partition:
             self.router.config, active_decode_blocks_threshold=decode, active_prefill_tokens_threshold=prefill
         )
         self.router = Router(config, block_size=self.block_size, slots=self.router.slots)
+
+    def thresholds(self) -> dict[str, Any]:
+        """The busy thresholds as ``/busy_threshold`` shows them."""
+        config = self.router.config
+        return {
+            "model_name": self.model_name,
+            "routing_group": self.routing_group,
+            "active_decode_blocks_threshold": config.active_decode_blocks_threshold,
+            "active_prefill_tokens_threshold": config.active_prefill_tokens_threshold,
+        }

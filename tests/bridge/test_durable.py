@@ -337,3 +337,56 @@ def test_a_bad_snapshot_is_counted_and_reset_states_purges_both_and_the_replica_
     for replica in started:
         assert replica.proc.returncode == 0, replica.stderr_path.read_text()[-3000:]
         assert shm_of(replica.proc.pid) == []
+
+
+def test_nats_restarted_or_a_step_lost_the_durable_replica_carries_on_and_counts_it(
+    nats_server: NatsServer,
+    publisher: tuple[KvPublisher, NatsEventSink],
+    tmp_path: Path,
+    wait_until: Callable[..., None],
+) -> None:
+    pub, sink = publisher
+    chains = Chains(pub)
+    d = durable("d", nats_server, "durable", tmp_path)
+    with stopping(d):
+        d.wait_started()
+        register(d, pub, wait_until)
+        chains.store(1, 4)
+        pub.publish()
+        wait_until(lambda: chains.agree(d), timeout=QUIET_S, what="d equal before the restart")
+        before = status(d)["processed_seq"]
+
+        nats_server.restart()  # same port and store: the stream and the consumer survive on disk
+        chains.store(2, 3)  # published while the clients reconnect (nats-py buffers, or the sink counts a failure)
+        pub.publish()
+        wait_until(lambda: status(d)["connected"], timeout=QUIET_S, what="d reconnected")
+        chains.store(3, 2)
+        pub.remove([1000 + 3])
+        pub.publish()
+        wait_until(lambda: chains.agree(d), timeout=QUIET_S, what="d equal after the NATS restart")
+        after = status(d)
+        assert after["processed_seq"] > before
+        relay = after["relay"]
+        # nothing lost silently: either every event reached the stream, or the jump was counted and the rank
+        # repaired from the worker (the one path that asks it)
+        if relay["gaps"] == 0:
+            assert pub.queries_answered == 0
+        else:
+            assert relay["worker_queries"] >= 1
+            assert pub.queries_answered >= 1
+        assert relay["duplicates"] == 0
+        assert sink.failed == 0 or relay["gaps"] >= 1
+        asked = pub.queries_answered
+
+        # a step that never reaches the stream: the relay counts the jump, and the applier's gap is answered
+        # by repairing the rank from the worker's own query socket
+        chains.store(4, 3)
+        pub.publish(send=False)
+        chains.store(5, 2)
+        pub.publish()
+        wait_until(lambda: chains.agree(d), timeout=QUIET_S, what="d equal after a lost step")
+        relay = status(d)["relay"]
+        assert relay["gaps"] >= 1
+        assert relay["worker_queries"] >= 1
+        assert pub.queries_answered > asked
+        assert relay["incomplete"] == []  # repaired

@@ -390,3 +390,34 @@ def test_nats_restarted_or_a_step_lost_the_durable_replica_carries_on_and_counts
         assert relay["worker_queries"] >= 1
         assert pub.queries_answered > asked
         assert relay["incomplete"] == []  # repaired
+
+
+async def _consumers(url: str, stream: str) -> list[str]:
+    nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False)
+    try:
+        return sorted(c.name for c in await nc.jetstream().consumers_info(stream))
+    finally:
+        await nc.close()
+
+
+def test_with_two_fronts_only_front_0_reads_the_stream(
+    nats_server: NatsServer,
+    publisher: tuple[KvPublisher, NatsEventSink],
+    tmp_path: Path,
+    wait_until: Callable[..., None],
+) -> None:
+    """``--fronts 2``: front 0 owns the engine, so the relay and the one consumer; front 1 (same router id)
+    must not make a consumer of its own, which would take over front 0's or split the stream with it."""
+    pub, _ = publisher
+    chains = Chains(pub)
+    f = durable("f", nats_server, "durable", tmp_path, "--fronts", "2")
+    with stopping(f):
+        f.wait_started()
+        register(f, pub, wait_until)  # on either front: front 1 forwards it to front 0
+        for c in range(1, 5):
+            chains.store(c, 2)
+        pub.publish()
+        wait_until(lambda: chains.agree(f), timeout=QUIET_S, what="both fronts equal to the worker")
+        stream = "namespace-durable-component-backend-kv-events"
+        assert asyncio.run(_consumers(nats_server.url, stream)) == ["kvrouter-f"]
+        assert pub.queries_answered == 0

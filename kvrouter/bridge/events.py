@@ -390,14 +390,14 @@ class NatsEventRelay:
             local = self._local.get(key)
             if local is None:
                 local = self._local[key] = LocalIndexer(*key)
-            local.load(rank.events, rank.last_event_id)
+            local.load_batches(rank.batches, rank.last_event_id)
             self._incomplete.discard(key)
 
     def snapshot(self) -> list[RankState]:
         """Durable mode: every rank's state, compacted (chains merged), for a snapshot; runs on the loop, so
         it reflects exactly the messages relayed so far."""
         return [
-            RankState(key[0], key[1], local.last_event_id, tuple(compact(local.index.dump())))
+            RankState(key[0], key[1], local.last_event_id, tuple(local.batches(compact(local.index.dump()), None)))
             for key, local in sorted(self._local.items())
         ]
 

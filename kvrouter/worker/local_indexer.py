@@ -199,12 +199,19 @@ class LocalIndexer:
         wanted = list(itertools.islice(self._ring, request.start - first, max(end - first + 1, 0)))
         return QueryReply("events", last, tuple(self.batches(wanted, None)))
 
+    def loaded_batches(self) -> tuple[bytes, ...] | None:
+        """While a :meth:`load_batches` is still lazy: its batches and the events since, which rebuild the
+        rank from empty (what a new snapshot of it may hold without a dump); else None."""
+        if self._base is None:
+            return None
+        return self._base + tuple(self.batches(self._after_base, None))
+
     def tree_dump(self) -> QueryReply:
         """A ``tree_dump`` reply: events rebuilding the block set from empty (the lazy batches and the events
         since, or the block set's dump)."""
-        if self._base is not None:
-            since = tuple(self.batches(self._after_base, None))
-            return QueryReply("tree_dump", self._last_event_id, self._base + since)
+        loaded = self.loaded_batches()
+        if loaded is not None:
+            return QueryReply("tree_dump", self._last_event_id, loaded)
         return QueryReply("tree_dump", self._last_event_id, tuple(self.batches(self._index.dump(), None)))
 
     def batches(self, events: Iterable[KvEvent], timestamp: float | None) -> Iterable[bytes]:

@@ -35,6 +35,9 @@ the reference uses an etcd lock, which kvrouter does not have), it uploads its r
 purges the stream below the smaller of the snapshot's sequence and every consumer's ack floor, so a live
 replica that lags never loses a message it has not read. The reference purges first and dumps after (its
 comment admits the dump may not match the purge point); dumping first makes the recorded sequence exact.
+The dump holds a lock the consumer also takes around each fetched batch, so no message is relayed while
+it runs, and it yields to the event loop between two ranks: HTTP requests wait for one rank's dump at
+most, not for the whole index (a million blocks take seconds to dump in Python).
 
 **Loading.** The object is read until two consecutive reads of its metadata agree around a successful
 read of its data (same ``nuid``, at most ``SNAPSHOT_READ_TRIES`` tries ``SNAPSHOT_READ_PAUSE_S`` apart):
@@ -209,6 +212,8 @@ class DurableEvents:
         self._nc: Any = None
         self._js: Any = None
         self._logged: set[str] = set()
+        self._relaying = asyncio.Lock()
+        """Held while a fetched batch is relayed and while a snapshot dumps the ranks: never both."""
 
     def _once(self, kind: str, message: str, *args: object) -> None:
         if kind not in self._logged:
@@ -428,14 +433,15 @@ class DurableEvents:
                 self._once("fetch", "durable fetch failed consumer=%s error=%r; retrying", self.consumer, exc)
                 await asyncio.sleep(RETRY_S)
                 continue
-            for msg in messages:  # hot path: one relay call per stream message
-                counters.received += 1
-                seq = msg.metadata.sequence.stream
-                if seq <= self.processed_seq:
-                    counters.redelivered += 1
-                    continue
-                relay.relay(msg.data)
-                self.processed_seq = seq
+            async with self._relaying:  # not while a snapshot is being taken, rank by rank
+                for msg in messages:  # hot path: one relay call per stream message
+                    counters.received += 1
+                    seq = msg.metadata.sequence.stream
+                    if seq <= self.processed_seq:
+                        counters.redelivered += 1
+                        continue
+                    relay.relay(msg.data)
+                    self.processed_seq = seq
             if messages:
                 with contextlib.suppress(Exception):  # an ack lost is a redelivery, dropped by the cursor
                     await messages[-1].ack()
@@ -492,8 +498,12 @@ class DurableEvents:
     async def _snapshot_and_purge(self, first_seq: int) -> None:
         js = self._js
         started = time.perf_counter()
-        seq = self.processed_seq
-        ranks = self.relay.snapshot()  # on the loop, between two messages: exactly the state at ``seq``
+        async with self._relaying:  # the stream waits: the ranks are exactly the state at ``seq``
+            seq = self.processed_seq
+            ranks = []
+            for key in self.relay.ranks():
+                ranks.append(self.relay.rank_state(key))
+                await asyncio.sleep(0)  # the routes run between two ranks' dumps
         data = encode_snapshot(seq, ranks)
         try:
             store = await js.object_store(self.bucket)

@@ -393,17 +393,19 @@ class NatsEventRelay:
             local.load_batches(rank.batches, rank.last_event_id)
             self._incomplete.discard(key)
 
-    def snapshot(self) -> list[RankState]:
-        """Durable mode: every rank's state, compacted (chains merged), for a snapshot; runs on the loop, so
-        it reflects exactly the messages relayed so far. A rank still holding the snapshot it was loaded
-        from (and at most a ring of events since) gives those batches as they are: no dump."""
-        ranks = []
-        for key, local in sorted(self._local.items()):
-            batches = local.loaded_batches()
-            if batches is None:  # hot path of a snapshot: a dump and a merge per block, on the loop
-                batches = tuple(local.batches(compact(local.index.dump()), None))
-            ranks.append(RankState(key[0], key[1], local.last_event_id, batches))
-        return ranks
+    def ranks(self) -> list[WorkerKey]:
+        """Durable mode: every rank the relay holds state for, sorted."""
+        return sorted(self._local)
+
+    def rank_state(self, key: WorkerKey) -> RankState:
+        """Durable mode: one rank's state for a snapshot, compacted (chains merged). A rank still holding the
+        snapshot it was loaded from (and at most a ring of events since) gives those batches as they are:
+        no dump. The caller keeps the stream from being relayed meanwhile (``DurableEvents``)."""
+        local = self._local[key]
+        batches = local.loaded_batches()
+        if batches is None:  # hot path of a snapshot: a dump and a merge per block, on the loop
+            batches = tuple(local.batches(compact(local.index.dump()), None))
+        return RankState(key[0], key[1], local.last_event_id, batches)
 
     def local(self, worker_id: int, dp_rank: int) -> LocalIndexer | None:
         """Durable mode: the local indexer of a rank (None before its first event)."""

@@ -383,6 +383,13 @@ class NatsEventRelay:
             fresh.append(event)
         return fresh
 
+    def clear(self) -> None:
+        """Durable mode: forget every rank's state (before a snapshot load at start; sockets are kept)."""
+        self._local.clear()
+        self._incomplete.clear()
+        self._repaired.clear()
+        self.partial = False
+
     def load(self, ranks: Iterable[RankState]) -> None:
         """Durable mode: replace the local indexers of the ranks given by a snapshot's (the others kept)."""
         for rank in ranks:

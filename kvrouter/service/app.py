@@ -533,6 +533,7 @@ class Service:
                 self.registrations.pop((request.instance_id, rank), None)
                 self.accuracy.forget((request.instance_id, rank))
                 del instance.ranks[rank]
+                instance.rank_queries.pop(rank, None)
                 partition.unhealthy.pop((request.instance_id, rank), None)
                 self._streams.pop((request.instance_id, rank), None)
             removed += len(ranks)

@@ -191,7 +191,7 @@ def test_a_replica_killed_and_restarted_resumes_from_the_stream_without_asking_t
     assert shm_of(restarted.proc.pid) == []
 
 
-def test_a_snapshot_past_the_threshold_purges_the_stream_and_a_restarted_replica_loads_it(
+def test_a_snapshot_past_the_threshold_purges_the_stream_and_a_killed_replica_restarts_from_it(
     nats_server: NatsServer,
     publisher: tuple[KvPublisher, NatsEventSink],
     tmp_path: Path,
@@ -204,6 +204,7 @@ def test_a_snapshot_past_the_threshold_purges_the_stream_and_a_restarted_replica
     a.wait_started()
     b = durable("b", nats_server, "durable", tmp_path, *threshold)
     restarted: Replica | None = None
+    tree: list[tuple[int, str]] = []
     with stopping(a):
         try:
             b.wait_started()
@@ -223,7 +224,10 @@ def test_a_snapshot_past_the_threshold_purges_the_stream_and_a_restarted_replica
             assert taken["seq"] >= 9
             assert taken["purged_below"] == taken["seq"] + 1  # both replicas had read it all
 
-            b.stop()  # a clean stop this time; its consumer stays on the server
+            tree = descendants(b.proc.pid)
+            b.proc.kill()  # SIGKILL: its consumer stays on the server, replaced when it comes back
+            b.proc.wait()
+            kill_and_sweep(tree)
             chains.store(20, 4)  # after the snapshot: replayed from the stream
             pub.publish()
             wait_until(lambda: chains.agree(a), timeout=QUIET_S, what="a equal after the snapshot")
@@ -247,7 +251,9 @@ def test_a_snapshot_past_the_threshold_purges_the_stream_and_a_restarted_replica
             b.stop()
             if restarted is not None:
                 restarted.stop()
-    assert b.proc.returncode == 0
+            kill_and_sweep(tree)
+    assert b.proc.returncode == -signal.SIGKILL
+    assert shm_of(b.proc.pid) == []
     assert restarted is not None
     assert restarted.proc.returncode == 0
 

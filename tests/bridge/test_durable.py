@@ -20,6 +20,7 @@ import nats
 import pytest
 from nats.js.errors import BucketNotFoundError
 
+from kvrouter.bridge.durable import bucket_name, consumer_name, slug, stream_name
 from kvrouter.bridge.events import NatsEventSink
 from kvrouter.bridge.subjects import Subjects
 from kvrouter.hashing import block_hashes
@@ -427,3 +428,18 @@ def test_with_two_fronts_only_front_0_reads_the_stream(
         stream = "namespace-durable-component-backend-kv-events"
         assert asyncio.run(_consumers(nats_server.url, stream)) == ["kvrouter-f"]
         assert pub.queries_answered == 0
+
+
+def test_names_are_the_references() -> None:
+    """Stream and bucket slugged as the reference's ``Slug`` (``spec/dynamo-semantics.md`` §6.4); the consumer
+    named after the router id, or the host and port, and only ever NATS-safe characters."""
+    subjects = Subjects("my_ns", "backend")
+    assert stream_name(subjects) == "namespace-my-ns-component-backend-kv-events"
+    assert bucket_name(subjects) == "namespace-my-ns-component-backend-radix-bucket"
+    assert slug("a.b_c/d\\e") == "a-b-c-d-e"
+    assert consumer_name("r-1", "127.0.0.1", 8490) == "kvrouter-r-1"
+    host = consumer_name(None, "127.0.0.1", 8490)
+    assert host.startswith("kvrouter-")
+    assert host.endswith("-8490")
+    assert all(c.isalnum() or c in "-_" for c in host)
+    assert consumer_name(None, "127.0.0.1", 0) != consumer_name(None, "127.0.0.1", 0)  # random: pass --router-id

@@ -62,7 +62,7 @@ import nats
 import zmq
 import zmq.asyncio
 
-from ..errors import BadEvent, ConfigError, EventError
+from ..errors import BadEvent, ConfigError, EventError, KvRouterError
 from ..events.codecs.dynamo import Decoder as DynamoDecoder
 from ..events.codecs.frames import encode_live
 from ..events.codecs.kvrouter import Decoder as KvrouterDecoder, Encoder as KvrouterEncoder
@@ -226,10 +226,14 @@ class NatsEventRelay:
                 counters.bad_queries += 1
                 self._once("bad_query", "relay query ignored worker=%s dp=%d error=%s", key[0], key[1], exc)
                 continue
-            if self.incomplete(key) and key in self._fallbacks:
-                await self._repair(key)
-            local = self._local.get(key) or LocalIndexer(*key)
-            reply = local.answer(request)
+            try:
+                if self.incomplete(key) and key in self._fallbacks:
+                    await self._repair(key)
+                local = self._local.get(key) or LocalIndexer(*key)
+                reply = local.answer(request)
+            except (KvRouterError, ValueError) as exc:  # a rank state that will not dump: the asker times out
+                self._once("answer", "relay query not answered worker=%s dp=%d error=%r", key[0], key[1], exc)
+                continue
             try:
                 await sock.send_multipart([identity, *encode_reply(reply)], zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # the peer is gone or its queue is full: it times out and asks again

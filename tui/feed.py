@@ -31,6 +31,7 @@ import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Final
 
@@ -42,7 +43,7 @@ from kvrouter.index.layout import PREFIX, SHM_DIR, Control, control_name, stats_
 from kvrouter.service.discovery import Discovered, entries, pid_alive, runtime_dir
 from kvrouter.service.stats import DECISIONS_SHOWN, EVENTS_SHOWN, StatsReader, percentiles
 
-from .model import TIERS, Candidate, Decision, LogEvent, ProbeRow, RouterGone, Snapshot, WorkerRow
+from .model import TIERS, Candidate, Decision, LogEvent, ProbeRow, RouterGone, Shadow, Snapshot, WorkerRow
 
 __all__ = [
     "HTTP_TIMEOUT_S",
@@ -386,6 +387,7 @@ class ShmFeed:
             replicas=None if blob.get("replicas") is None else _int(blob.get("replicas")),
             sync_lag_ms=_opt_float(blob.get("sync_lag_ms")),
             extra=_extra(blob),
+            shadows=_blob_shadows(blob.get("shadows")),
         )
 
     def probe(self, tokens: Sequence[int]) -> tuple[ProbeRow, ...]:
@@ -563,6 +565,7 @@ class HttpFeed:
             else None,
             sync_lag_ms=_lag_ms(metrics.get("kvrouter_replica_sync_lag_seconds", {}).values(), 1e3),
             extra={"url": self.url},
+            shadows=_metric_shadows(metrics),
         )
 
     def probe(self, tokens: Sequence[int]) -> tuple[ProbeRow, ...]:
@@ -591,6 +594,33 @@ def _metrics(text: str, url: str) -> dict[str, dict[Labels, float]]:
     except (ValueError, TypeError) as exc:
         raise BadSource(f"{url}/metrics: not Prometheus text: {exc}") from exc
     return out
+
+
+def _blob_shadows(value: Any) -> dict[str, Shadow]:
+    """The stats blob's ``shadows``: per policy, the six sums in ``Shadow``'s order."""
+    if not isinstance(value, Mapping):
+        return {}
+    return {
+        str(name): Shadow(*(_float(v) for v in sums))
+        for name, sums in value.items()
+        if isinstance(sums, list | tuple) and len(sums) == len(fields(Shadow))
+    }
+
+
+_SHADOW_METRICS: Final = (
+    "kvrouter_shadow_decisions_total",
+    "kvrouter_shadow_agreements_total",
+    "kvrouter_shadow_overlap_blocks_total",
+    "kvrouter_shadow_live_overlap_blocks_total",
+    "kvrouter_shadow_cost_total",
+    "kvrouter_shadow_live_cost_total",
+)
+
+
+def _metric_shadows(metrics: Mapping[str, Mapping[Labels, float]]) -> dict[str, Shadow]:
+    """The same from ``/metrics``' ``kvrouter_shadow_*`` families."""
+    policies = {dict(k).get("policy", "?") for k in metrics.get(_SHADOW_METRICS[0], {})}
+    return {p: Shadow(*(_where(metrics, name, "policy", p) for name in _SHADOW_METRICS)) for p in sorted(policies)}
 
 
 def _where(metrics: Mapping[str, Mapping[Labels, float]], name: str, label: str = "", *values: str) -> float:

@@ -23,6 +23,7 @@ __all__ = [
     "LogEvent",
     "ProbeRow",
     "RouterGone",
+    "Shadow",
     "Snapshot",
     "WorkerRow",
 ]
@@ -72,6 +73,18 @@ class WorkerRow:
     def cached_by_tier(self) -> tuple[int, int, int, int]:
         """Cached blocks per tier, in ``TIERS`` order."""
         return (self.cached_blocks, *self.cached_offloaded)
+
+
+@dataclass(frozen=True, slots=True)
+class Shadow:
+    """One shadow policy against the live one over the same decisions (the service's ``shadow.py``)."""
+
+    decisions: float
+    agreements: float
+    overlap_blocks: float
+    live_overlap_blocks: float
+    cost: float
+    live_cost: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +168,8 @@ class Snapshot:
     """Peers and sync lag with the NATS bridge on; None without it."""
     extra: dict[str, str] = field(default_factory=dict)
     """Anything else the source wants in the header (``model``, ``policy``, ...)."""
+    shadows: dict[str, Shadow] = field(default_factory=dict)
+    """``--shadow-policy``: each shadow policy's picks against the live ones, by policy name."""
 
 
 @dataclass(frozen=True, slots=True)

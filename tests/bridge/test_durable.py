@@ -346,7 +346,7 @@ def test_a_bad_snapshot_is_counted_and_reset_states_purges_both_and_the_replica_
         assert shm_of(replica.proc.pid) == []
 
 
-def test_nats_restarted_or_a_step_lost_the_durable_replica_carries_on_and_counts_it(
+def test_nats_absent_at_start_restarted_mid_run_or_a_step_lost_the_replica_says_so_and_carries_on(
     nats_server: NatsServer,
     publisher: tuple[KvPublisher, NatsEventSink],
     tmp_path: Path,
@@ -354,13 +354,26 @@ def test_nats_restarted_or_a_step_lost_the_durable_replica_carries_on_and_counts
 ) -> None:
     pub, sink = publisher
     chains = Chains(pub)
+    nats_server.stop()  # the sink reconnects when it is back
     d = durable("d", nats_server, "durable", tmp_path)
     with stopping(d):
-        d.wait_started()
+        d.wait_started()  # the API and the engine come up without NATS
+        said = status(d)
+        assert said["ready"] is False
+        assert "durable kv-events starting (stream, snapshot)" in said["reasons"]
+        body = {"instance_id": WORKER, "transport": "nats", "model_name": MODEL, "block_size": BLOCK}
+        code, answer = call(d.url + "/register", "POST", body)
+        assert code == 503
+        assert "durable kv-events" in str(answer)
+
+        nats_server.start()  # same port: the replica's connection attempts now succeed
+        wait_until(lambda: status(d)["loaded"], timeout=QUIET_S, what="d's durable start once NATS is up")
         register(d, pub, wait_until)
         chains.store(1, 4)
         pub.publish()
         wait_until(lambda: chains.agree(d), timeout=QUIET_S, what="d equal before the restart")
+        wait_until(lambda: status(d)["ready"], timeout=QUIET_S, what="d /ready")
+        assert pub.queries_answered == 0
         before = status(d)["processed_seq"]
 
         nats_server.restart()  # same port and store: the stream and the consumer survive on disk
@@ -443,36 +456,3 @@ def test_names_are_the_references() -> None:
     assert host.endswith("-8490")
     assert all(c.isalnum() or c in "-_" for c in host)
     assert consumer_name(None, "127.0.0.1", 0) != consumer_name(None, "127.0.0.1", 0)  # random: pass --router-id
-
-
-def test_a_replica_started_before_nats_says_why_it_is_not_ready_and_refuses_nats_workers_until_it_is(
-    nats_server: NatsServer, tmp_path: Path, wait_until: Callable[..., None]
-) -> None:
-    nats_server.stop()
-    e = durable("e", nats_server, "durable", tmp_path)
-    with stopping(e):
-        e.wait_started()  # the API and the engine come up without NATS
-        said = status(e)
-        assert said["ready"] is False
-        assert "durable kv-events starting (stream, snapshot)" in said["reasons"]
-        body = {"instance_id": WORKER, "transport": "nats", "model_name": MODEL, "block_size": BLOCK}
-        code, answer = call(e.url + "/register", "POST", body)
-        assert code == 503
-        assert "durable kv-events" in str(answer)
-
-        nats_server.start()  # same port: the replica's connection attempts now succeed
-        wait_until(lambda: status(e)["loaded"], timeout=QUIET_S, what="e's durable start once NATS is up")
-        sink = NatsEventSink(nats_server.url, Subjects("durable", "backend").kv_events)
-        try:
-            with KvPublisher(
-                WORKER, block_size=BLOCK, endpoint="tcp://127.0.0.1:*", query_endpoint="tcp://127.0.0.1:*", nats=sink
-            ) as pub:
-                chains = Chains(pub)
-                register(e, pub, wait_until)
-                chains.store(1, 3)
-                pub.publish()
-                wait_until(lambda: chains.agree(e), timeout=QUIET_S, what="e equal to the worker")
-                wait_until(lambda: status(e)["ready"], timeout=QUIET_S, what="e /ready")
-                assert pub.queries_answered == 0
-        finally:
-            sink.close()

@@ -150,9 +150,11 @@ def _recent(decisions: Iterable[Mapping[str, Any]], explained: Mapping[str, Any]
     return tuple(out)
 
 
-def _state(plane: str | None, stale: bool, unhealthy: Any, approximate: bool) -> str:
+def _state(plane: str | None, stale: bool, unhealthy: Any, approximate: bool, trust: Any = None) -> str:
     if unhealthy:
         return "unhealthy"
+    if trust == "misconfigured":
+        return "misconfig"  # the service's trust state, shortened to fit the state column
     if approximate:
         return "approximate"
     if plane is None:
@@ -181,6 +183,7 @@ def _row(
         last_event_at=last,
         accuracy=_opt_float(load.get("accuracy")),
         drift=load.get("drift") is True,
+        problems=_problems(load.get("problems")),
     )
 
 
@@ -352,7 +355,8 @@ class ShmFeed:
         workers = []
         for load in loads:
             row = rows.get((_int(load.get("worker_id")), _int(load.get("dp_rank"))))
-            state = _state(row.state if row else None, bool(row and row.stale), load.get("unhealthy"), approximate)
+            plane = row.state if row else None
+            state = _state(plane, bool(row and row.stale), load.get("unhealthy"), approximate, load.get("trust"))
             if row is None:
                 workers.append(_row(load, state, {}, (0, 0), None))
             else:
@@ -596,6 +600,13 @@ def _metrics(text: str, url: str) -> dict[str, dict[Labels, float]]:
     return out
 
 
+def _problems(value: Any) -> tuple[str, ...]:
+    """The service's misconfiguration messages of a worker (``trust.py``), by check name."""
+    if not isinstance(value, Mapping):
+        return ()
+    return tuple(str(message) for _, message in sorted(value.items()))
+
+
 def _blob_shadows(value: Any) -> dict[str, Shadow]:
     """The stats blob's ``shadows``: per policy, the six sums in ``Shadow``'s order."""
     if not isinstance(value, Mapping):
@@ -658,13 +669,18 @@ def _http_workers(loads: Iterable[Mapping[str, Any]], instances: Iterable[Any]) 
         unhealthy = None if load.get("schedulable", True) else "skipped"
         plane = listener.get("state") if isinstance(listener.get("state"), str) else None
         approximate = listener.get("status") == "approximate"
-        state = _state(plane, bool(listener.get("stale")), unhealthy, approximate)
+        state = _state(plane, bool(listener.get("stale")), unhealthy, approximate, listener.get("trust"))
         gaps = (_int(listener.get("gaps_detected")), _int(listener.get("gaps_lost")))
         last = _opt_float(listener.get("last_event_at"))
         tiers = listener.get("cached_by_tier")
         if not isinstance(tiers, dict):  # a router from before layout 3: its device count only
             tiers = {TIERS[0]: listener.get("cached_blocks")}
         view = accuracy.get((_int(load.get("worker_id")), _int(load.get("dp_rank"))), {})
-        load = {**load, "accuracy": view.get("rolling"), "drift": view.get("drift")}
+        load = {
+            **load,
+            "accuracy": view.get("rolling"),
+            "drift": view.get("drift"),
+            "problems": listener.get("problems"),
+        }
         workers.append(_row(load, state, tiers, gaps, last))
     return tuple(sorted(workers, key=lambda w: w.key))

@@ -46,7 +46,8 @@ class WorkerRow:
     model: str
     state: str
     """``exact``, ``partial``, ``restoring``, ``unknown`` (the event plane's), ``stale`` (silent past its
-    timeout), ``approximate`` (no events: approximate mode) or ``unhealthy`` (taken out of routing)."""
+    timeout), ``approximate`` (no events: approximate mode), ``misconfig`` (the service found a
+    misconfiguration: ``problems``) or ``unhealthy`` (taken out of routing)."""
     cached_blocks: int
     active_blocks: int
     prefill_tokens: int
@@ -64,6 +65,8 @@ class WorkerRow:
     ``accuracy.py``); None before enough reports."""
     drift: bool = False
     """The accuracy is below the service's drift threshold."""
+    problems: tuple[str, ...] = ()
+    """The misconfigurations the service found (its ``trust.py``), each a message a person can act on."""
 
     @property
     def key(self) -> tuple[int, int]:

@@ -47,6 +47,7 @@ def explain(result: SelectResult) -> dict[str, Any]:
             "policy": config.router_selection_policy,
         },
         "workers": [worker_terms(w, prompt_blocks) for w in explanation],
+        "trust": {f"{w.worker[0]}:{w.worker[1]}": result.partition.trust.get(w.worker) for w in explanation},
     }
 
 

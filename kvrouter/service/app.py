@@ -65,6 +65,7 @@ from .queue import RouterQueue
 from .routes import Routes
 from .shadow import ShadowChoice, Shadows
 from .stats import EXPLAIN_INTERVAL_S, StatsPublisher
+from .trust import Trust
 from .validation import Registration, SelectRequest, Unregistration, parse_registration, parse_unregistration
 
 __all__ = ["PHASES", "SelectResult", "Service", "ServiceCounters"]
@@ -133,6 +134,8 @@ class Service:
         self.partitions: dict[tuple[str, str], Partition] = {}
         self.counters = ServiceCounters()
         self.accuracy = Accuracy(self.counters, lambda kind, fields: self._event(kind, **fields))
+        self.trust = Trust(self.counters, lambda kind, fields: self._event(kind, **fields))
+        """Each worker's trust state and the misconfigurations found (trust.py), updated by the health loop."""
         self.shadows = Shadows(config.shadow_policies, self.counters) if config.shadow_policies else None
         """``--shadow-policy``: other policies' choices on every decision, compared, never used (shadow.py)."""
         """Predicted against engine-reported reuse, per worker (``accuracy.py``)."""
@@ -499,10 +502,12 @@ class Service:
                 self.config.router,
                 expiry_secs=self.config.active_request_expiry_secs,
             )
+            partition.trust = self.trust.states
             self.partitions[key] = partition
         partition.instances[reg.instance_id] = updated
         self._owner[reg.instance_id] = key
         self.registrations[reg.instance_id, reg.dp_rank] = reg
+        self.trust.registered((reg.instance_id, reg.dp_rank))
         partition.rebuild()
         if self.sync is not None:
             self.sync.worker_registered((reg.instance_id, reg.dp_rank))  # peers' requests kept for it
@@ -548,6 +553,7 @@ class Service:
             for rank in ranks:
                 self.registrations.pop((request.instance_id, rank), None)
                 self.accuracy.forget((request.instance_id, rank))
+                self.trust.forget((request.instance_id, rank))
                 del instance.ranks[rank]
                 instance.rank_queries.pop(rank, None)
                 partition.unhealthy.pop((request.instance_id, rank), None)

@@ -207,9 +207,12 @@ class Routes:
             if stats is None:
                 listeners[str(rank)] = {"endpoint": endpoint, "status": "pending"}
                 continue
+            trust = self.service.trust
             listeners[str(rank)] = {
                 "endpoint": endpoint,
                 "status": "active" if stats.state in ("exact", "partial") else "pending",
+                "trust": trust.state(key),
+                "problems": trust.problems(key),
                 "state": stats.state,
                 "stale": stats.stale,
                 "cached_blocks": stats.cached_blocks,

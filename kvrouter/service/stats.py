@@ -333,6 +333,8 @@ def build_blob(service: Service, *, last_gap_at: float | None, decisions: int, e
                     "active_requests": slots.active_requests(key),
                     "unhealthy": partition.unhealthy.get(key),
                     "accuracy": service.accuracy.rolling(key),
+                    "trust": service.trust.state(key),
+                    "problems": service.trust.problems(key),
                     "drift": key in service.accuracy.drifting,
                 }
             )

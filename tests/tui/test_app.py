@@ -165,7 +165,10 @@ async def test_the_header_compares_each_shadow_policy_with_the_live_one(fake_fee
 async def test_the_detail_screen_shows_the_index_accuracy(fake_feed: FakeFeed) -> None:
     app = make_app(fake_feed)
     key = next(iter(fake_feed.rows))
-    fake_feed.rows[key] = replace(fake_feed.rows[key], accuracy=0.42, drift=True)
+    problem = "worker 0:0 sends KV blocks of a size other than its registered block_size 16"
+    fake_feed.rows[key] = replace(
+        fake_feed.rows[key], accuracy=0.42, drift=True, state="misconfig", problems=(problem,)
+    )
     async with app.run_test(size=SIZE) as pilot:
         await app.tick()
         screen = DetailScreen(key)
@@ -174,6 +177,8 @@ async def test_the_detail_screen_shows_the_index_accuracy(fake_feed: FakeFeed) -
         screen.show(fake_feed.poll(), app.rates)
         text = str(screen.query_one("#detail-text", Static).render())
         assert "42% of recent reuse reports as predicted (DRIFT)" in text
+        assert problem in text
+        assert "misconfig" in text
 
 
 async def test_slash_filters_workers_and_escape_clears_the_filter(fake_feed: FakeFeed) -> None:

@@ -287,3 +287,13 @@ def test_shadow_figures_read_the_same_from_the_blob_and_from_metrics() -> None:
         name: {(("policy", "greedy_overlap"),): value} for name, value in zip(names, sums, strict=True)
     }
     assert _metric_shadows(metrics) == {"greedy_overlap": Shadow(*sums)}
+
+
+def test_a_misconfigured_worker_shows_as_misconfig_whatever_its_stream_says() -> None:
+    from tui.feed import _problems, _state
+
+    assert _state("exact", False, None, False, "misconfigured") == "misconfig"
+    assert _state("exact", False, "http_endpoint down", False, "misconfigured") == "unhealthy"
+    assert _state("exact", True, None, False, "stale") == "stale"
+    assert _problems({"no_events": "b", "block_size": "a"}) == ("a", "b")
+    assert _problems(None) == ()

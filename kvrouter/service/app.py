@@ -32,6 +32,7 @@ import numpy.typing as npt
 from aiohttp import web
 
 from ..bridge import ReplicaSync, Subjects, localbus
+from ..bridge.durable import DurableEvents, consumer_name
 from ..bridge.events import NatsEventRelay
 from ..engine import Engine, EngineView, WorkerStats
 from ..errors import (
@@ -45,6 +46,7 @@ from ..errors import (
 )
 from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes_array
+from ..plane.registry import offset_endpoint
 from ..routing.config import RouterConfig
 from ..routing.router import Router, Selection
 from ..routing.slots import SlotManager
@@ -201,8 +203,21 @@ class Service:
 
         self.relay: NatsEventRelay | None = None
         """Workers registered with ``transport: nats``: their ``kv-events`` relayed onto local PUBs
-        (``bridge/events.py``); made at the first such registration, on ``nats_url``."""
+        (``bridge/events.py``); made at the first such registration, on ``nats_url`` (at once in durable mode)."""
         self._relay_task: asyncio.Task[None] | None = None
+        self.durable: DurableEvents | None = None
+        """``durable_kv_events``: the JetStream consumer and snapshots feeding the relay (``bridge/durable.py``)."""
+        if config.durable_kv_events and front is None:  # front 0 owns the engine, hence the relay
+            subjects = Subjects(config.namespace, config.component)
+            self.relay = NatsEventRelay(config.nats_url, subjects.kv_events, durable=True)
+            self.durable = DurableEvents(
+                self.relay,
+                subjects,
+                url=config.nats_url,
+                consumer=consumer_name(config.router_id, config.host, config.port),
+                snapshot_threshold=config.snapshot_threshold,
+                reset_states=config.reset_states,
+            )
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -325,6 +340,8 @@ class Service:
             tasks.append(asyncio.create_task(self.health.run(), name="kvrouter-health"))
             if self.sync is not None:
                 tasks.append(asyncio.create_task(self.sync.run(), name="kvrouter-sync"))
+            if self.durable is not None:
+                tasks.append(asyncio.create_task(self.durable.run(), name="kvrouter-durable"))
             if fronts is not None and fronts.primary:
                 await fronts.start_fronts(port)
             if isinstance(self.engine, Engine):  # front 0 speaks for the fronts to kvrouter top
@@ -354,6 +371,8 @@ class Service:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await self.health.close()
+            if self.durable is not None:
+                await self.durable.close()
             if self.relay is not None:
                 await self.relay.close()
             if self.fronts is not None:
@@ -424,8 +443,18 @@ class Service:
         """
         reg = registration
         key = (reg.model_name, reg.routing_group)
+        rank_query: dict[int, str] = {}
         if follow and reg.transport == "nats" and self.config.router.use_kv_events:
-            reg = replace(reg, endpoint=self._relay().add(reg.instance_id, reg.dp_rank))
+            relay = self._relay()
+            if self.durable is not None:
+                if not self.durable.loaded:
+                    raise ServiceError(503, "durable kv-events: still loading the snapshot and the stream; retry")
+                try:
+                    own = None if reg.query_endpoint is None else offset_endpoint(reg.query_endpoint, reg.dp_rank)
+                except ConfigError as exc:
+                    raise ServiceError(400, f"query_endpoint: {exc}") from exc
+                rank_query[reg.dp_rank] = relay.add_query(reg.instance_id, reg.dp_rank, fallback=own)
+            reg = replace(reg, endpoint=relay.add(reg.instance_id, reg.dp_rank))
         if self.config.router.use_kv_events and reg.endpoint is None:
             raise ServiceError(400, "endpoint: required (KV events are on)")
         owner = self._owner.get(reg.instance_id)
@@ -451,6 +480,7 @@ class Service:
             {**instance.ranks, reg.dp_rank: reg.endpoint or ""},
             replay_endpoint=instance.replay_endpoint if instance.ranks else reg.replay_endpoint,
             query_endpoint=instance.query_endpoint if instance.ranks else reg.query_endpoint,
+            rank_queries={**instance.rank_queries, **rank_query},
             topic=instance.topic if instance.ranks else reg.topic,
             http_endpoint=reg.http_endpoint or instance.http_endpoint,
             total_kv_blocks=reg.total_kv_blocks or instance.total_kv_blocks,
@@ -525,6 +555,7 @@ class Service:
                 self.accuracy.forget((request.instance_id, rank))
                 self.trust.forget((request.instance_id, rank))
                 del instance.ranks[rank]
+                instance.rank_queries.pop(rank, None)
                 partition.unhealthy.pop((request.instance_id, rank), None)
                 self._streams.pop((request.instance_id, rank), None)
             removed += len(ranks)

@@ -8,6 +8,7 @@ from a literal and the precedence rules live in one place.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
@@ -19,12 +20,16 @@ from ..routing.config import KVROUTER_CONFIG, RouterConfig
 from ..routing.slots import DEFAULT_EXPIRY_SECS
 from ..sim.policies import POLICIES
 
-__all__ = ["DEFAULT_NATS_URL", "MAX_FRONTS", "ZMQ_PORT_DEFAULT", "ServiceConfig"]
+__all__ = ["DEFAULT_NATS_URL", "DEFAULT_SNAPSHOT_THRESHOLD", "MAX_FRONTS", "ZMQ_PORT_DEFAULT", "ServiceConfig"]
 
 DEFAULT_NATS_URL: Final = "nats://127.0.0.1:4222"
 """NATS's default client port on this machine."""
 MAX_FRONTS: Final = 64
 """More front processes than this would be more than any machine's cores."""
+DEFAULT_SNAPSHOT_THRESHOLD: Final = 1_000_000
+"""Stream messages past which a durable replica snapshots the index: the reference's
+``router_snapshot_threshold`` (``spec/dynamo-semantics.md`` §6.4)."""
+_ROUTER_ID: Final = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 ZMQ_PORT_DEFAULT: Final = -1
 """``ServiceConfig.zmq_port``'s default: ``port + 1`` (a free port when ``port`` is 0)."""
 
@@ -39,7 +44,9 @@ class ServiceConfig:
             a session affinity TTL not above 0, a tokenizer path that names no file, a decision log in no
             directory, a shadow policy the simulator does not have, a queue threshold below 1, a queue policy
             other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace or component
-            that is not one NATS subject token, or (with replica_sync) a nats_url that is not nats:// or tls://.
+            that is not one NATS subject token, (with replica_sync or durable_kv_events) a nats_url that is not
+            nats:// or tls://, durable_kv_events without KV events, a snapshot threshold below 1, or a
+            router_id that is not 1-64 letters, digits, ``_`` or ``-``.
     """
 
     host: str = "127.0.0.1"
@@ -99,6 +106,17 @@ class ServiceConfig:
     """``--namespace``: the subjects' ``namespace.<namespace>`` (the reference's default)."""
     component: str = "backend"
     """``--component``: the subjects' ``component.<component>`` (the reference's default)."""
+    durable_kv_events: bool = False
+    """``--router-durable-kv-events``: workers' ``kv-events`` are kept in a JetStream stream this replica
+    reads as a durable consumer, with index snapshots in the object store (``bridge/durable.py``)."""
+    snapshot_threshold: int = DEFAULT_SNAPSHOT_THRESHOLD
+    """``--router-snapshot-threshold``: stream messages past which the index is snapshotted and the
+    stream purged up to the snapshot (durable mode)."""
+    reset_states: bool = False
+    """``--router-reset-states``: at start, delete the snapshot bucket and purge the stream (durable mode)."""
+    router_id: str | None = None
+    """``--router-id``: this replica's stable name, kept across restarts: its durable consumer is
+    ``kvrouter-<router_id>``. None: derived from the host name and the port (``bridge/durable.py``)."""
     shadow_policies: tuple[str, ...] = ()
     """``--shadow-policy``: simulator policies asked on every decision, for comparison only (``shadow.py``)."""
     decision_log: str | None = None
@@ -148,9 +166,19 @@ class ServiceConfig:
         for name in self.shadow_policies:
             if name not in POLICIES:
                 raise ConfigError(f"ServiceConfig.shadow_policies: {name!r} is not one of {', '.join(POLICIES)}")
-        if self.replica_sync and not self.nats_url.startswith(("nats://", "tls://")):
+        if (self.replica_sync or self.durable_kv_events) and not self.nats_url.startswith(("nats://", "tls://")):
             raise ConfigError(
                 f"ServiceConfig.nats_url must be nats://host:port or tls://host:port, got {self.nats_url!r}"
+            )
+        if self.durable_kv_events and not self.router.use_kv_events:
+            raise ConfigError("ServiceConfig.durable_kv_events needs KV events (router.use_kv_events)")
+        if type(self.snapshot_threshold) is not int or self.snapshot_threshold < 1:
+            raise ConfigError(
+                f"ServiceConfig.snapshot_threshold must be an integer >= 1, got {self.snapshot_threshold!r}"
+            )
+        if self.router_id is not None and not _ROUTER_ID.match(self.router_id):
+            raise ConfigError(
+                f"ServiceConfig.router_id must be 1-64 letters, digits, '_' or '-', got {self.router_id!r}"
             )
         if self.decisions_ring < 1 or self.events_ring < 1:
             raise ConfigError("ServiceConfig.decisions_ring and events_ring must be >= 1")

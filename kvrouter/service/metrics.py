@@ -61,6 +61,7 @@ from prometheus_client.registry import Collector
 
 from .. import __version__
 from ..bridge import ReplicaSync
+from ..bridge.durable import DurableEvents
 from ..engine import Engine, EngineView
 from ..errors import EngineError
 from ..events.model import WorkerKey
@@ -368,6 +369,8 @@ class ServiceView(Protocol):
     def router_config(self) -> RouterConfig: ...
     @property
     def sync(self) -> ReplicaSync | None: ...
+    @property
+    def durable(self) -> DurableEvents | None: ...
 
 
 SYNC_EVENT_KINDS: Final = (
@@ -426,6 +429,41 @@ def replica_sync_families(sync: ReplicaSync) -> Iterator[Metric]:
         )
         lag.add_metric([], status["sync_lag_ms"] / 1e3)
         yield lag
+
+
+DURABLE_EVENT_KINDS: Final = (
+    "received",
+    "redelivered",
+    "snapshot_loads",
+    "snapshot_uploads",
+    "snapshot_bad",
+    "snapshot_failures",
+    "purged",
+)
+"""``kvrouter_durable_events``' kinds: ``DurableCounters``' fields."""
+RELAY_EVENT_KINDS: Final = ("duplicates", "gaps", "restarts", "queries", "bad_queries", "malformed", "oversized")
+"""The relay's counters reported beside them in durable mode (``RelayCounters``' fields)."""
+
+
+def durable_families(durable: DurableEvents) -> Iterator[Metric]:
+    """Durable mode (``bridge/durable.py``): caught up, the stream position, what was received, dropped,
+    snapshotted and purged."""
+    status = durable.status()
+    relay = durable.relay.status()
+    caught_up = GaugeMetricFamily(
+        "kvrouter_durable_caught_up", "1 once the stream is processed up to its last sequence at start"
+    )
+    caught_up.add_metric([], 1.0 if status["caught_up"] else 0.0)
+    seq = GaugeMetricFamily("kvrouter_durable_processed_seq", "The last stream sequence relayed")
+    seq.add_metric([], status["processed_seq"])
+    events = CounterMetricFamily(
+        "kvrouter_durable_events", "Durable-mode messages, duplicates, snapshots and purges by kind", labels=["kind"]
+    )
+    for kind in DURABLE_EVENT_KINDS:
+        events.add_metric([kind], status[kind])
+    for kind in RELAY_EVENT_KINDS:
+        events.add_metric([kind], relay[kind])
+    yield from (caught_up, seq, events)
 
 
 def identity_families(started_at: float, config: RouterConfig) -> Iterator[Metric]:
@@ -616,6 +654,8 @@ def install(service: ServiceView) -> CollectorRegistry:
         yield from accuracy_families(service.accuracy, workers)
         if service.sync is not None:
             yield from replica_sync_families(service.sync)
+        if service.durable is not None:
+            yield from durable_families(service.durable)
 
     registry.register(ServiceCollector(service.engine, partitions=partitions, front=front))
 

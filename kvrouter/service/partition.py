@@ -44,6 +44,8 @@ class Instance:
     """dp rank -> its KV-event endpoint."""
     replay_endpoint: str | None = None
     query_endpoint: str | None = None
+    rank_queries: dict[int, str] = field(default_factory=dict)
+    """dp rank -> its own query endpoint, when the rank has one (a durable relay's ROUTER per rank)."""
     topic: str = ""
     http_endpoint: str | None = None
     """Where the worker serves requests: what ``/select`` returns as ``endpoint``."""
@@ -65,6 +67,7 @@ class Instance:
             dp_ranks=ranks,
             block_size=block_size,
             rank_endpoints=dict(self.ranks),
+            rank_query_endpoints=dict(self.rank_queries),
         )
 
 

@@ -183,3 +183,29 @@ def test_trust_states_and_a_wrong_block_size_end_to_end(trusted: Running, wait_u
     # explanations carry the trust state of every candidate
     answer = trusted.ok("POST", "/select", {"model_name": MODEL, "token_ids": prompt(4, 2), "explain": True})
     assert answer["explain"]["trust"] == {"1:0": "partial"}
+
+
+def test_a_wrong_format_and_a_wrong_rank_are_named_end_to_end(trusted: Running, wait_until) -> None:
+    """Worker 2's vLLM frames registered as kvrouter format; then worker 2's rank-0 port registered as rank 1."""
+    _, two = trusted.workers
+    trusted.call("POST", "/unregister", {"instance_id": 2, "model_name": "bs32"})
+    trusted.call("POST", "/unregister", {"instance_id": 2, "model_name": MODEL})
+    common = {"instance_id": 2, "endpoint": two.events[0], "block_size": BLOCK, "http_endpoint": two.http}
+    trusted.ok("POST", "/register", {**common, "model_name": "fmt", "format": "kvrouter"})
+    status, answer, _ = complete(trusted, {"model": "fmt", "prompt": prompt(20, 4), "max_tokens": 2})
+    assert status == 200, answer
+    wait_until(lambda: "bad_frames" in listener(trusted, 2).get("problems", {}), timeout=20)
+    problem = listener(trusted, 2)["problems"]["bad_frames"]
+    assert "do not decode as kvrouter" in problem
+    assert "they decode as vllm: register it with format 'vllm'" in problem
+    trusted.ok("POST", "/unregister", {"instance_id": 2, "model_name": "fmt"})
+    trusted.ok("POST", "/register", {**common, "model_name": "rank", "dp_rank": 1})
+    status, answer, _ = complete(trusted, {"model": "rank", "prompt": prompt(21, 4), "max_tokens": 2})
+    assert status == 200, answer
+
+    def wrong_rank() -> dict[str, str]:
+        (found,) = [r for r in trusted.ok("GET", "/workers") if r["instance_id"] == 2]
+        return dict(found["listeners"]["1"].get("problems") or {})
+
+    wait_until(lambda: "wrong_rank" in wrong_rank(), timeout=20)
+    assert f"dp rank 0's events arrive on {two.events[0]}, the port of worker 2:1" in wrong_rank()["wrong_rank"]

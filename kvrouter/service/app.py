@@ -352,6 +352,8 @@ class Service:
                 on_ready(self.url)
             await self._stop_event.wait()
             self._stopping = True
+            if fronts is not None and fronts.primary:
+                fronts.stop_others()  # every front drains at once, not one after the other
             self.queue.close()  # queue.py: waiters get 503
             self._event("stopping", inflight=self._inflight)
             deadline = time.monotonic() + config.drain_secs

@@ -401,11 +401,17 @@ class Fronts:
                 except ServiceError as exc:
                     log.error("front not started again front=%d error=%s", index, exc)
 
+    def stop_others(self) -> None:
+        """Front 0, as it starts to drain: the other fronts drain at the same time (SIGTERM); :meth:`close`
+        waits for them."""
+        self._stopping = True
+        for proc in self._procs.values():
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+
     async def _stop_fronts(self) -> None:
-        procs = [p for p in self._procs.values() if p.returncode is None]
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+        self.stop_others()
         waits = [asyncio.ensure_future(proc.wait()) for proc in self._procs.values()]
         if not waits:
             return

@@ -87,6 +87,7 @@ ROUTER_FLAGS: Final[Mapping[str, str]] = {
     "router_prefill_load_scale": "prefill_load_scale",
     "router_decode_active_request_weight": "decode_active_request_weight",
     "router_prefill_work_weight": "prefill_work_weight",
+    "router_untrusted_overlap_weight": "untrusted_overlap_weight",
     "router_host_cache_hit_weight": "host_cache_hit_weight",
     "router_disk_cache_hit_weight": "disk_cache_hit_weight",
     "router_temperature": "router_temperature",
@@ -385,6 +386,18 @@ def up(
             rich_help_panel=_COST,
         ),
     ] = KVROUTER_CONFIG.prefill_work_weight,
+    router_untrusted_overlap_weight: Annotated[
+        float,
+        typer.Option(
+            "--router-untrusted-overlap-weight",
+            envvar="KVROUTER_ROUTER_UNTRUSTED_OVERLAP_WEIGHT",
+            min=0.0,
+            max=1.0,
+            help="kvrouter's: multiplies the overlap credit of workers whose trust is not exact "
+            "(partial, stale, misconfigured; docs/insight.md); 1 = off.",
+            rich_help_panel=_COST,
+        ),
+    ] = KVROUTER_CONFIG.untrusted_overlap_weight,
     router_host_cache_hit_weight: Annotated[
         float,
         typer.Option(

@@ -171,6 +171,30 @@ class Router:
         """The decision kernel's view of the arrays above and the slot manager's, by address (``B_*``)."""
         self._stamp = (-1, -1)
         """The numbering's version and the slot manager's generation ``_bound`` was made at."""
+        self._untrusted: frozenset[WorkerKey] = frozenset()
+        self._trust = np.ones(0, dtype=np.float64)
+        """Per slot, the overlap credit's factor: ``untrusted_overlap_weight`` for the untrusted, else 1."""
+
+    @property
+    def untrusted(self) -> frozenset[WorkerKey]:
+        return self._untrusted
+
+    def set_untrusted(self, workers: Iterable[WorkerKey]) -> None:
+        """The workers whose overlap credit ``untrusted_overlap_weight`` multiplies from now on (the service
+        marks those whose trust state is not ``exact``); every other worker's credit is whole."""
+        untrusted = frozenset(workers)
+        if untrusted != self._untrusted:
+            self._untrusted = untrusted
+            self._fill_trust()
+
+    def _fill_trust(self) -> None:
+        numbering = self.slots.numbering
+        slots = numbering.slots(list(self._untrusted)) if self._untrusted else np.empty(0, dtype=np.int64)
+        if len(self._trust) != len(numbering):
+            self._trust = np.ones(len(numbering), dtype=np.float64)
+            self._bind(kernels.B_TRUST, self._trust)
+        self._trust[:] = 1.0
+        self._trust[slots] = self.config.untrusted_overlap_weight
 
     def select(
         self,
@@ -302,6 +326,7 @@ class Router:
         slots.ready()
         if self._overlaps.shape[1] != len(slots.numbering):
             self._overlaps = np.zeros((NTIERS, len(slots.numbering)), dtype=np.int64)
+        self._fill_trust()  # sized to the numbering too
         for entry, array in (
             (kernels.B_SEQS, self._seqs),
             (kernels.B_CANDIDATES, self._candidates),
@@ -313,6 +338,7 @@ class Router:
             (kernels.B_PARAMS, self._params),
             (kernels.B_OUT, self._out),
             (kernels.B_TIES, self._ties),
+            (kernels.B_TRUST, self._trust),
         ):
             self._bind(entry, array)
         self._stamp = (slots.numbering.version, slots.generation)

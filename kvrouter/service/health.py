@@ -90,7 +90,12 @@ class Health:
                         self.service._event(name, worker_id=key[0], dp_rank=key[1], count=grown, state=stats.state)
             self.service._streams[key] = stats
         if self.service.config.router.use_kv_events:
-            self.service.trust.update(streams, self._endpoints())
+            trust = self.service.trust
+            trust.update(streams, self._endpoints())
+            if self.service.config.router.untrusted_overlap_weight != 1.0:  # their overlap credit weighs less
+                for partition in self.service.partitions.values():
+                    keys = partition.worker_keys()
+                    partition.router.set_untrusted(k for k in keys if trust.state(k) not in (None, "exact"))
         for partition in self.service.partitions.values():
             unhealthy: dict[WorkerKey, str] = {}
             for instance in partition.instances.values():

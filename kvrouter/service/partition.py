@@ -140,7 +140,9 @@ class Partition:
         config = replace(
             self.router.config, active_decode_blocks_threshold=decode, active_prefill_tokens_threshold=prefill
         )
-        self.router = Router(config, block_size=self.block_size, slots=self.router.slots)
+        router = Router(config, block_size=self.block_size, slots=self.router.slots)
+        router.set_untrusted(self.router.untrusted)
+        self.router = router
 
     def thresholds(self) -> dict[str, Any]:
         """The busy thresholds as ``/busy_threshold`` shows them."""

@@ -166,3 +166,26 @@ def test_a_recorded_decision_explains_later_as_an_explained_one_did(temperature)
         assert recorded.worker == explained.worker
         assert recorded.record.explain() == explained.explanation
         assert recorded.record.nbytes > 0
+
+
+def test_an_untrusted_workers_overlap_credit_is_weighted_down():
+    tokens = list(range(8 * B))
+    local = block_hashes(tokens, B)
+    index = RadixIndex()
+    _cache(index, 2, local[:6])
+    _cache(index, 3, local[:4])
+    config = RouterConfig(untrusted_overlap_weight=0.5)
+    router = Router(config, block_size=B, seed=1)
+    trusted = router.select(index, [W1, W2, W3], tokens=tokens, explain=True)
+    assert trusted.worker == W2
+    router.set_untrusted([W2, (9, 0)])  # a worker it has never seen is fine
+    halved = router.select(index, [W1, W2, W3], tokens=tokens, explain=True)
+    assert halved.explanation is not None
+    rows = {row.worker: row for row in halved.explanation}
+    assert rows[W2].cost.overlap_credit_blocks == 3.0  # 6 blocks, credit 1 a block, halved
+    assert rows[W3].cost.overlap_credit_blocks == 4.0
+    assert halved.worker == W3  # 4 trusted blocks now beat 6 untrusted ones
+    router.set_untrusted([])
+    assert router.select(index, [W1, W2, W3], tokens=tokens).worker == W2
+    with pytest.raises(ConfigError, match="untrusted_overlap_weight"):
+        RouterConfig(untrusted_overlap_weight=1.5)

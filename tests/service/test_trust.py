@@ -119,7 +119,7 @@ def trusted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         shards=1,
         health_interval_secs=0.1,
         drain_secs=2.0,
-        router=RouterConfig(),
+        router=RouterConfig(untrusted_overlap_weight=0.5),
         plane=PlaneConfig(stale_after=3.0, recovery_timeout=1.0),
     )
     with serving(config, tmp_path_factory.mktemp("trust")) as run:
@@ -180,9 +180,20 @@ def test_trust_states_and_a_wrong_block_size_end_to_end(trusted: Running, wait_u
         assert status == 200, answer
     wait_until(lambda: listener(trusted, 1).get("gaps_lost", 0) >= 1, timeout=20)
     assert listener(trusted, 1)["trust"] == "partial"
-    # explanations carry the trust state of every candidate
-    answer = trusted.ok("POST", "/select", {"model_name": MODEL, "token_ids": prompt(4, 2), "explain": True})
+    # explanations carry the trust state of every candidate, and a partial worker's credit is weighted down
+    cached = prompt(11, 4)
+    wait_until(
+        lambda: trusted.ok("POST", "/query", {"model_name": MODEL, "token_ids": cached})["scores"]
+        .get("1", {})
+        .get("0", 0)
+        > 0,
+        timeout=20,
+    )
+    answer = trusted.ok("POST", "/select", {"model_name": MODEL, "token_ids": cached, "explain": True})
     assert answer["explain"]["trust"] == {"1:0": "partial"}
+    (row,) = answer["explain"]["workers"]
+    assert row["overlap_blocks"] > 0
+    assert row["overlap_credit_blocks"] == pytest.approx(0.5 * row["overlap_blocks"])
 
 
 def test_a_wrong_format_and_a_wrong_rank_are_named_end_to_end(trusted: Running, wait_until) -> None:

@@ -183,10 +183,10 @@ def test_trust_states_and_a_wrong_block_size_end_to_end(trusted: Running, wait_u
     # explanations carry the trust state of every candidate, and a partial worker's credit is weighted down
     cached = prompt(11, 4)
     wait_until(
-        lambda: trusted.ok("POST", "/query", {"model_name": MODEL, "token_ids": cached})["scores"]
-        .get("1", {})
-        .get("0", 0)
-        > 0,
+        lambda: (
+            trusted.ok("POST", "/query", {"model_name": MODEL, "token_ids": cached})["scores"].get("1", {}).get("0", 0)
+            > 0
+        ),
         timeout=20,
     )
     answer = trusted.ok("POST", "/select", {"model_name": MODEL, "token_ids": cached, "explain": True})

@@ -68,6 +68,7 @@ from .plane.registry import WorkerSpec
 
 __all__ = [
     "Engine",
+    "EngineView",
     "ReaderHandle",
     "ShardStats",
     "WorkerStats",
@@ -506,6 +507,62 @@ class Engine:
     def stats(self) -> list[ShardStats]:
         """Every shard's status, applier, segment and counters, read from the control segment."""
         return read_shards(self._running().control)
+
+
+class EngineView:
+    """An engine that another process of this machine runs, seen through its segments: what a second
+    front of ``kvrouter up --fronts N`` routes with. It answers every query :class:`Engine` answers and
+    reads the same control segment for ``stats`` and ``workers``, but follows no worker: registration
+    belongs to the process that owns the engine (``service/fronts.py``).
+
+    Not thread-safe (one reader, no lock): one event loop uses it.
+    """
+
+    def __init__(self, handle: ReaderHandle) -> None:
+        self.handle = handle
+        self._control = Control.attach(handle.control_name)
+        try:
+            self._reader = attach(handle)
+        except BaseException:
+            self._control.close()
+            raise
+        self._open = True
+
+    def find_matches(self, local_hashes: Sequence[int], early_exit: bool = False) -> dict[WorkerKey, int]:
+        return self._reader.find_matches(local_hashes, early_exit)
+
+    def find_matches_by_tier(self, local_hashes: Sequence[int]) -> dict[StorageTier, dict[WorkerKey, int]]:
+        return self._reader.find_matches_by_tier(local_hashes)
+
+    def overlaps(self, local: npt.NDArray[np.uint64], slots: WorkerSlots, ntiers: int) -> npt.NDArray[np.int64]:
+        return self._reader.overlaps(local, slots, ntiers)
+
+    def overlaps_and(
+        self,
+        kernel: Callable[..., tuple[int, ...]],
+        local: npt.NDArray[np.uint64],
+        slots: WorkerSlots,
+        ntiers: int,
+        out: npt.NDArray[np.int64],
+        *args: Any,
+    ) -> tuple[tuple[int, ...], bool]:
+        return self._reader.overlaps_and(kernel, local, slots, ntiers, out, *args)
+
+    def reader_handle(self) -> ReaderHandle:
+        return self.handle
+
+    def workers(self) -> dict[WorkerKey, WorkerStats]:
+        return read_workers(self._control)
+
+    def stats(self) -> list[ShardStats]:
+        return read_shards(self._control)
+
+    def close(self) -> None:
+        """Unmap (the owner unlinks): idempotent."""
+        if self._open:
+            self._open = False
+            self._reader.close()
+            self._control.close()
 
 
 def read_workers(control: Control) -> dict[WorkerKey, WorkerStats]:

@@ -5,8 +5,10 @@
 Setup, once per run. This process binds one XPUB socket per worker (16), standing in for 16 vLLM engines'
 KV-event PUB sockets. Two servers start, each in its own process: the reference's selection service
 (``python -m dynamo.select_service``, ai-dynamo-runtime, its default 4 threads) and kvrouter's
-``Service`` (this file's ``_serve`` mode: ``Service(ServiceConfig(shards=1))`` with ``/metrics``
-installed, on asyncio's loop; the same object ``kvrouter up --mock-workers 0`` runs). Both
+``Service`` (this file's ``_serve`` mode: ``Service(ServiceConfig(shards=1, fronts=F))`` with ``/metrics``
+installed, on asyncio's loop; the same object ``kvrouter up --mock-workers 0 --fronts F`` runs; ``--fronts``
+defaults to one per core, as an operator would run it on this machine, and ``--fronts 1`` measures one
+process). Both
 get the same 16 workers (the reference through ``POST /workers`` with ``kv_events_endpoints``, kvrouter
 through ``POST /register``), both subscribe to the same sockets, and once every socket has read both
 subscriptions (XPUB_VERBOSE, so no frame is lost to the slow joiner) the same vLLM 0.33 map-encoded
@@ -24,7 +26,8 @@ generator near one full core would show. Per point: requests/s, p50 and p99 late
 histogram), server CPU per request (the server's process and children, from ``/proc``), errors.
 
 Where a kvrouter request's time goes: ``/metrics`` is scraped before and after the concurrency-8 point;
-the routing-overhead histogram's per-phase sums over the requests between give the mean time per phase
+the routing-overhead histogram's per-phase sums over the requests between (of the front that answers
+the scrape: each front counts its own) give the mean time per phase
 (parse, hash, decide, serialise, as the service times them), beside the server CPU per request (the rest
 is aiohttp and the event loop).
 
@@ -300,12 +303,22 @@ def start_reference(folder: Path) -> Server:
     return server
 
 
-def start_kvrouter(folder: Path) -> Server:
+def start_kvrouter(folder: Path, fronts: int) -> Server:
     port, zmq_port = free_port(), free_port()
     log = folder / "kvrouter.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, __file__, "_serve", "--port", str(port), "--zmq-port", str(zmq_port)],
+            [
+                sys.executable,
+                __file__,
+                "_serve",
+                "--port",
+                str(port),
+                "--zmq-port",
+                str(zmq_port),
+                "--fronts",
+                str(fronts),
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -596,20 +609,20 @@ def phases(before: dict[Any, float], after: dict[Any, float]) -> dict[str, float
 # -- kvrouter's side: the service in its own process ----------------------------------------------
 
 
-def serve(port: int, shards: int, zmq_port: int | None) -> int:
+def serve(port: int, shards: int, zmq_port: int | None, fronts: int) -> int:
     """``_serve``: kvrouter's Service with ``/metrics`` and the fast path, until SIGTERM/SIGINT."""
     import asyncio
 
     from kvrouter.service.app import Service
     from kvrouter.service.config import ServiceConfig
 
-    service = Service(ServiceConfig(port=port, shards=shards, zmq_port=zmq_port))
+    service = Service(ServiceConfig(port=port, shards=shards, zmq_port=zmq_port, fronts=fronts))
     service.start()  # forks the appliers: before any loop or thread
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: service.stop())
     # asyncio's own loop, as ``kvrouter up`` runs: uvloop measured no faster here (14:27 UTC 2026-11-30,
     # concurrency 8, two alternated pairs: asyncio 4,765 and 4,430 req/s, uvloop 4,316 and 3,680).
-    print(f"bench_service: kvrouter serving on port {port} (asyncio, {shards} shard)", flush=True)
+    print(f"bench_service: kvrouter serving on port {port} (asyncio, {shards} shard, {fronts} fronts)", flush=True)
     asyncio.run(service.run())
     return 0
 
@@ -618,11 +631,11 @@ def serve(port: int, shards: int, zmq_port: int | None) -> int:
 
 
 @contextlib.contextmanager
-def servers(folder: Path, sides: Sequence[str]) -> Iterator[list[Server]]:
+def servers(folder: Path, sides: Sequence[str], fronts: int) -> Iterator[list[Server]]:
     started: list[Server] = []
     try:
         for side in sides:
-            started.append(start_reference(folder) if side == "reference" else start_kvrouter(folder))
+            started.append(start_reference(folder) if side == "reference" else start_kvrouter(folder, fronts))
         yield started
     finally:
         for server in reversed(started):
@@ -646,7 +659,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     ceiling: dict[str, Any] = {}
     breakdown: dict[str, float] = {}
     try:
-        with servers(folder, args.sides) as started:
+        with servers(folder, args.sides, args.fronts) as started:
             for server in started:
                 register(server, publishers.endpoints)
             publishers.wait_subscribed(len(started), START_TIMEOUT)
@@ -696,6 +709,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         "ratios": ratios,
         "goals": GOALS,
         "ratio_basis": f"concurrency {RATIO_CONCURRENCY}, {WORKERS} workers, {PROMPT_TOKENS}-token prompts",
+        "kvrouter_fronts": args.fronts,
         "workload": {"workers": WORKERS, "prompts": len(workload.prompts), "events": workload.events},
         "generator": "wrk " + subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split()[1],
     }
@@ -742,8 +756,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         serving.add_argument("--port", type=int, required=True)
         serving.add_argument("--shards", type=int, default=1)
         serving.add_argument("--zmq-port", type=int, default=None)
+        serving.add_argument("--fronts", type=int, default=1)
         options = serving.parse_args(argv[1:])
-        return serve(options.port, options.shards, options.zmq_port)
+        return serve(options.port, options.shards, options.zmq_port, options.fronts)
     if argv[:1] == ["_zmq_load"]:
         loading = argparse.ArgumentParser(prog="bench_service.py _zmq_load")
         loading.add_argument("--endpoint", required=True)
@@ -773,6 +788,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=("bin", "list"),
         default="bin",
         help="fast-path token ids as msgpack bin of little-endian u32, or as a msgpack array",
+    )
+    parser.add_argument(
+        "--fronts",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="kvrouter's front processes (kvrouter up --fronts; default: one per core, as an operator would run it)",
     )
     parser.add_argument("--bodies", type=int, default=BODIES, help="distinct prompts cycled")
     parser.add_argument("--seed", type=int, default=42)

@@ -178,6 +178,8 @@ def _row(
         gaps_detected=gaps[0],
         gaps_lost=gaps[1],
         last_event_at=last,
+        accuracy=_opt_float(load.get("accuracy")),
+        drift=load.get("drift") is True,
     )
 
 
@@ -610,11 +612,16 @@ def _flat_loads(answer: Iterable[Any]) -> list[dict[str, Any]]:
 def _http_workers(loads: Iterable[Mapping[str, Any]], instances: Iterable[Any]) -> tuple[WorkerRow, ...]:
     """Worker rows from ``/loads`` (the booked load) joined with ``/workers``' listeners (the event plane)."""
     listeners: dict[tuple[int, int], dict[str, Any]] = {}
+    accuracy: dict[tuple[int, int], dict[str, Any]] = {}
     for instance in instances:
         if isinstance(instance, dict) and isinstance(instance.get("listeners"), dict):
             for rank, listener in instance["listeners"].items():
                 if isinstance(listener, dict) and str(rank).isdigit():
                     listeners[_int(instance.get("instance_id")), int(rank)] = listener
+        if isinstance(instance, dict) and isinstance(instance.get("accuracy"), dict):
+            for rank, view in instance["accuracy"].items():
+                if isinstance(view, dict) and str(rank).isdigit():
+                    accuracy[_int(instance.get("instance_id")), int(rank)] = view
     workers = []
     for load in loads:
         listener = listeners.get((_int(load.get("worker_id")), _int(load.get("dp_rank"))), {})
@@ -627,5 +634,7 @@ def _http_workers(loads: Iterable[Mapping[str, Any]], instances: Iterable[Any]) 
         tiers = listener.get("cached_by_tier")
         if not isinstance(tiers, dict):  # a router from before layout 3: its device count only
             tiers = {TIERS[0]: listener.get("cached_blocks")}
+        view = accuracy.get((_int(load.get("worker_id")), _int(load.get("dp_rank"))), {})
+        load = {**load, "accuracy": view.get("rolling"), "drift": view.get("drift")}
         workers.append(_row(load, state, tiers, gaps, last))
     return tuple(sorted(workers, key=lambda w: w.key))

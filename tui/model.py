@@ -58,6 +58,11 @@ class WorkerRow:
     """Blocks the index holds in the host, disk and shared tiers (``TIERS[1:]``); ``cached_blocks`` is the
     device tier's. Kept apart from it rather than as a four-tuple beside it, so the device count cannot be
     given twice and disagree."""
+    accuracy: float | None = None
+    """The share of the engine's recent reuse reports that matched the router's prediction (the service's
+    ``accuracy.py``); None before enough reports."""
+    drift: bool = False
+    """The accuracy is below the service's drift threshold."""
 
     @property
     def key(self) -> tuple[int, int]:

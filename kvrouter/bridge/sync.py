@@ -63,7 +63,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Final, Protocol
 
@@ -215,6 +215,8 @@ class ReplicaSync:
         pending_msgs_limit: the events subscription's pending-message limit; nats-py's default unless
             given here or in ``KVROUTER_SYNC_PENDING_MSGS_LIMIT`` (test-only: a small one provokes a slow
             consumer).
+        connect: ``nats.connect``, or :func:`~kvrouter.bridge.localbus.connect` for the fronts of one
+            ``kvrouter up`` without a NATS server (``url`` is then the local bus's ``ipc://`` endpoint).
     """
 
     def __init__(
@@ -227,8 +229,10 @@ class ReplicaSync:
         router_id: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         pending_msgs_limit: int | None = None,
+        connect: Callable[..., Awaitable[Any]] = nats.connect,
     ) -> None:
         self.url = url
+        self._connect = connect
         self.subjects = subjects
         self.host = host
         self.expiry_secs = expiry_secs
@@ -729,7 +733,7 @@ class ReplicaSync:
         cancelled. nats-py reconnects by itself after the first connection."""
         while self._nc is None and not self._closing:
             try:
-                self._nc = await nats.connect(
+                self._nc = await self._connect(
                     servers=[self.url],
                     name=f"kvrouter-{self.router_id}",
                     connect_timeout=2,

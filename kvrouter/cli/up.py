@@ -260,6 +260,17 @@ def up(
             rich_help_panel=_SERVER,
         ),
     ] = 5.0,
+    fronts: Annotated[
+        int,
+        typer.Option(
+            "--fronts",
+            envvar="KVROUTER_FRONTS",
+            min=1,
+            max=64,
+            help="Front processes answering on --port together (SO_REUSEPORT), their loads kept in step.",
+            rich_help_panel=_SERVER,
+        ),
+    ] = 1,
     # Workers
     shards: Annotated[
         int,
@@ -584,6 +595,48 @@ def up(
             rich_help_panel=_SYNC,
         ),
     ] = 300.0,
+    router_durable_kv_events: Annotated[
+        bool,
+        typer.Option(
+            "--router-durable-kv-events",
+            "--durable-kv-events",
+            envvar="KVROUTER_ROUTER_DURABLE_KV_EVENTS",
+            help="Workers' NATS kv-events are kept in a JetStream stream this replica reads as a durable consumer; "
+            "index snapshots go to the object store; a restarted replica resumes without asking any worker.",
+            rich_help_panel=_SYNC,
+        ),
+    ] = False,
+    router_snapshot_threshold: Annotated[
+        int,
+        typer.Option(
+            "--router-snapshot-threshold",
+            envvar="KVROUTER_ROUTER_SNAPSHOT_THRESHOLD",
+            min=1,
+            help="\\[messages] Durable mode: past this many messages in the stream, snapshot the index and "
+            "purge the stream up to it.",
+            rich_help_panel=_SYNC,
+        ),
+    ] = 1_000_000,
+    router_reset_states: Annotated[
+        bool,
+        typer.Option(
+            "--router-reset-states",
+            envvar="KVROUTER_ROUTER_RESET_STATES",
+            help="Durable mode: at start, delete the snapshot bucket and purge the stream.",
+            rich_help_panel=_SYNC,
+        ),
+    ] = False,
+    router_id: Annotated[
+        str | None,
+        typer.Option(
+            "--router-id",
+            envvar="KVROUTER_ROUTER_ID",
+            help="This replica's stable name (durable mode: its consumer is kvrouter-<id>, found again after a "
+            "restart).",
+            show_default="<hostname>-<port>",
+            rich_help_panel=_SYNC,
+        ),
+    ] = None,
     # Embedded demo
     mock_workers: Annotated[
         int | None,
@@ -671,6 +724,7 @@ def up(
         # --zmq-port 0 turns the fast path off; unset, it is port + 1 (a free port with --port 0)
         "zmq_port": None if zmq_port == 0 else zmq_port if zmq_port is not None else port + 1 if port else 0,
         "shards": shards,
+        "fronts": fronts,
         "block_size": block_size,
         "model_name": model_name,
         "routing_group": routing_group,
@@ -690,6 +744,10 @@ def up(
         "nats_url": nats_url,
         "namespace": namespace,
         "component": component,
+        "durable_kv_events": router_durable_kv_events,
+        "snapshot_threshold": router_snapshot_threshold,
+        "reset_states": router_reset_states,
+        "router_id": router_id,
     }
     demo: dict[str, Any] = {
         "mock_workers": mocks,

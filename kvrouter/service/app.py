@@ -31,9 +31,10 @@ import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
-from ..bridge import ReplicaSync, Subjects
+from ..bridge import ReplicaSync, Subjects, localbus
+from ..bridge.durable import DurableEvents, consumer_name
 from ..bridge.events import NatsEventRelay
-from ..engine import Engine, WorkerStats
+from ..engine import Engine, EngineView, WorkerStats
 from ..errors import (
     ConfigError,
     DuplicateRequest,
@@ -45,21 +46,24 @@ from ..errors import (
 )
 from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes_array
+from ..plane.registry import offset_endpoint
 from ..routing.config import RouterConfig
 from ..routing.router import Router, Selection
 from ..routing.slots import SlotManager
 from . import discovery, fastparse, fastpath, metrics, proxy
+from .accuracy import Accuracy
 from .affinity import Affinity
 from .answers import address, explain
 from .config import ServiceConfig
 from .counters import PHASES, ServiceCounters
 from .fastpath import FastPath
+from .fronts import Fronts, FrontSpec
 from .health import Health
 from .partition import Instance, Partition
 from .queue import RouterQueue
 from .routes import Routes
 from .stats import EXPLAIN_INTERVAL_S, StatsPublisher
-from .validation import Registration, SelectRequest, Unregistration
+from .validation import Registration, SelectRequest, Unregistration, parse_registration, parse_unregistration
 
 __all__ = ["PHASES", "SelectResult", "Service", "ServiceCounters"]
 
@@ -87,6 +91,10 @@ class _Reservation:
     worker: WorkerKey
     at: float
     """``time.monotonic()`` when booked."""
+    predicted: int | None = None
+    """The chosen worker's predicted overlap in tokens (own reservations; a peer's is not known here)."""
+    reported: bool = False
+    """The engine's reuse was reported (``accuracy.py``): one report per reservation."""
 
 
 def _loopback(host: str) -> bool:
@@ -108,13 +116,22 @@ class Service:
     called on the service's event loop (or before ``run``).
     """
 
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, *, front: FrontSpec | None = None) -> None:
         self.config = config
-        self.engine = Engine(shards=config.shards, plane=config.plane)
+        self.engine: Engine | EngineView = (
+            Engine(shards=config.shards, plane=config.plane) if front is None else EngineView(front.handle)
+        )
+        """Front 0 owns the engine; another front of ``--fronts N`` maps it read-only (``fronts.py``)."""
+        self.registrations: dict[WorkerKey, Registration] = {}
+        """Every registered rank as registered (a NATS worker's endpoint is its relay's): the registry that
+        front 0 hands the other fronts."""
+        self.fronts: Fronts | None = Fronts(self, front) if config.fronts > 1 else None
         self._routes = Routes(self)  # the HTTP API (routes.py)
         self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._routes.middleware])
         self.partitions: dict[tuple[str, str], Partition] = {}
         self.counters = ServiceCounters()
+        self.accuracy = Accuracy(self.counters, lambda kind, fields: self._event(kind, **fields))
+        """Predicted against engine-reported reuse, per worker (``accuracy.py``)."""
         self.decisions: deque[dict[str, Any]] = deque(maxlen=config.decisions_ring)
         self.events: deque[dict[str, Any]] = deque(maxlen=config.events_ring)
         self.url = ""
@@ -162,11 +179,32 @@ class Service:
                 self,
                 expiry_secs=config.active_request_expiry_secs,
             )
+        elif self.fronts is not None:  # the fronts of one machine, without NATS: the same sync on the local bus
+            self.sync = ReplicaSync(
+                self.fronts.endpoint,
+                Subjects(config.namespace, config.component),
+                self,
+                expiry_secs=config.active_request_expiry_secs,
+                connect=localbus.connect,
+            )
 
         self.relay: NatsEventRelay | None = None
         """Workers registered with ``transport: nats``: their ``kv-events`` relayed onto local PUBs
-        (``bridge/events.py``); made at the first such registration, on ``nats_url``."""
+        (``bridge/events.py``); made at the first such registration, on ``nats_url`` (at once in durable mode)."""
         self._relay_task: asyncio.Task[None] | None = None
+        self.durable: DurableEvents | None = None
+        """``durable_kv_events``: the JetStream consumer and snapshots feeding the relay (``bridge/durable.py``)."""
+        if config.durable_kv_events and front is None:  # front 0 owns the engine, hence the relay
+            subjects = Subjects(config.namespace, config.component)
+            self.relay = NatsEventRelay(config.nats_url, subjects.kv_events, durable=True)
+            self.durable = DurableEvents(
+                self.relay,
+                subjects,
+                url=config.nats_url,
+                consumer=consumer_name(config.router_id, config.host, config.port),
+                snapshot_threshold=config.snapshot_threshold,
+                reset_states=config.reset_states,
+            )
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -179,14 +217,15 @@ class Service:
         Raises:
             EngineError: another engine runs in this process, or its segments are left behind.
         """
-        if not self._forked:
+        if not self._forked and isinstance(self.engine, Engine):
             self.engine.start(wait=False)
-            self._forked = True
+        self._forked = True
 
     def _finish_start(self) -> None:
         """On a worker thread: the appliers up, then one decision and one query on throwaway state, so the
         front's kernels are compiled (or loaded from the cache) before ``/ready`` says so."""
-        self.engine.finish_start()
+        if isinstance(self.engine, Engine):
+            self.engine.finish_start()
         router = Router(self.config.router, block_size=16, seed=0)
         router.select(self.engine, ((0, 0),), tokens=list(range(64)))
         fastparse.warm()
@@ -235,11 +274,16 @@ class Service:
             if not self._forked:
                 log.warning("service run without start: forking the fork server from a running loop")
                 self.start()
+            fronts = self.fronts
+            if fronts is not None and not fronts.primary:
+                await fronts.open()  # the registry first: a front takes connections only once it can route
             runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=max(0.1, config.drain_secs))
             await runner.setup()
-            site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+            site = web.TCPSite(runner, config.host, config.port, reuse_address=True, reuse_port=fronts is not None)
             await site.start()
             host, port = runner.addresses[0][:2]
+            if fronts is not None and fronts.primary:
+                await fronts.open()  # the local bus's broker, before the sync connects to it
             shown = f"[{host}]" if ":" in str(host) else str(host)
             self.url = f"http://{shown}:{port}"
             if not _loopback(config.host) and not config.auth_token:
@@ -281,7 +325,12 @@ class Service:
             tasks.append(asyncio.create_task(self.health.run(), name="kvrouter-health"))
             if self.sync is not None:
                 tasks.append(asyncio.create_task(self.sync.run(), name="kvrouter-sync"))
-            self._publish_stats(tasks)
+            if self.durable is not None:
+                tasks.append(asyncio.create_task(self.durable.run(), name="kvrouter-durable"))
+            if fronts is not None and fronts.primary:
+                await fronts.start_fronts(port)
+            if isinstance(self.engine, Engine):  # front 0 speaks for the fronts to kvrouter top
+                self._publish_stats(tasks)
             if on_ready is not None:
                 on_ready(self.url)
             await self._stop_event.wait()
@@ -305,8 +354,12 @@ class Service:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await self.health.close()
+            if self.durable is not None:
+                await self.durable.close()
             if self.relay is not None:
                 await self.relay.close()
+            if self.fronts is not None:
+                await self.fronts.close()  # front 0: the other fronts drain and stop before the engine goes
             self._withdraw_stats()
             if runner is not None:
                 await runner.cleanup()
@@ -361,8 +414,9 @@ class Service:
             raise ServiceError(404, f"model {model!r} has no workers")
         return partition
 
-    def register(self, registration: Registration) -> None:
-        """``POST /register``: add one (instance, dp_rank); the engine follows every rank known so far.
+    def register(self, registration: Registration, *, follow: bool = True) -> None:
+        """``POST /register``: add one (instance, dp_rank); the engine follows every rank known so far
+        (``follow``; another front mirrors front 0's registration without it).
 
         Raises:
             ServiceError: 409 for a duplicate, a block-size mismatch in the partition, an id known in
@@ -370,8 +424,18 @@ class Service:
         """
         reg = registration
         key = (reg.model_name, reg.routing_group)
-        if reg.transport == "nats" and self.config.router.use_kv_events:
-            reg = replace(reg, endpoint=self._relay().add(reg.instance_id, reg.dp_rank))
+        rank_query: dict[int, str] = {}
+        if follow and reg.transport == "nats" and self.config.router.use_kv_events:
+            relay = self._relay()
+            if self.durable is not None:
+                if not self.durable.loaded:
+                    raise ServiceError(503, "durable kv-events: still loading the snapshot and the stream; retry")
+                try:
+                    own = None if reg.query_endpoint is None else offset_endpoint(reg.query_endpoint, reg.dp_rank)
+                except ConfigError as exc:
+                    raise ServiceError(400, f"query_endpoint: {exc}") from exc
+                rank_query[reg.dp_rank] = relay.add_query(reg.instance_id, reg.dp_rank, fallback=own)
+            reg = replace(reg, endpoint=relay.add(reg.instance_id, reg.dp_rank))
         if self.config.router.use_kv_events and reg.endpoint is None:
             raise ServiceError(400, "endpoint: required (KV events are on)")
         owner = self._owner.get(reg.instance_id)
@@ -397,17 +461,18 @@ class Service:
             {**instance.ranks, reg.dp_rank: reg.endpoint or ""},
             replay_endpoint=instance.replay_endpoint if instance.ranks else reg.replay_endpoint,
             query_endpoint=instance.query_endpoint if instance.ranks else reg.query_endpoint,
+            rank_queries={**instance.rank_queries, **rank_query},
             topic=instance.topic if instance.ranks else reg.topic,
             http_endpoint=reg.http_endpoint or instance.http_endpoint,
             total_kv_blocks=reg.total_kv_blocks or instance.total_kv_blocks,
         )
-        if self.config.router.use_kv_events:
+        if self.config.router.use_kv_events and follow:
             try:
                 spec = updated.spec(reg.block_size)
             except ConfigError as exc:
                 raise ServiceError(400, str(exc)) from exc
             try:
-                self.engine.add_worker(spec)
+                self._owned_engine().add_worker(spec)
             except EngineError as exc:
                 raise ServiceError(503, f"engine: {exc}") from exc
         if partition is None:
@@ -421,6 +486,7 @@ class Service:
             self.partitions[key] = partition
         partition.instances[reg.instance_id] = updated
         self._owner[reg.instance_id] = key
+        self.registrations[reg.instance_id, reg.dp_rank] = reg
         partition.rebuild()
         if self.sync is not None:
             self.sync.worker_registered((reg.instance_id, reg.dp_rank))  # peers' requests kept for it
@@ -444,8 +510,9 @@ class Service:
             self._relay_task = asyncio.get_running_loop().create_task(self.relay.run(), name="kvrouter-kv-events")
         return self.relay
 
-    def unregister(self, request: Unregistration) -> int:
-        """``POST /unregister``: remove a rank, or the whole instance; returns the ranks removed.
+    def unregister(self, request: Unregistration, *, follow: bool = True) -> int:
+        """``POST /unregister``: remove a rank, or the whole instance; returns the ranks removed (the engine
+        stops following them when ``follow``).
 
         Raises:
             ServiceError: 404, the instance is not registered there.
@@ -463,14 +530,17 @@ class Service:
             if self.relay is not None:
                 self.relay.remove(request.instance_id, ranks)
             for rank in ranks:
+                self.registrations.pop((request.instance_id, rank), None)
+                self.accuracy.forget((request.instance_id, rank))
                 del instance.ranks[rank]
                 partition.unhealthy.pop((request.instance_id, rank), None)
                 self._streams.pop((request.instance_id, rank), None)
             removed += len(ranks)
-            if self.config.router.use_kv_events:
-                self.engine.remove_worker(request.instance_id)
+            if self.config.router.use_kv_events and follow:
+                engine = self._owned_engine()
+                engine.remove_worker(request.instance_id)
                 if instance.ranks:
-                    self.engine.add_worker(instance.spec(partition.block_size))
+                    engine.add_worker(instance.spec(partition.block_size))
             if partition.approx is not None:
                 partition.approx.remove_worker(request.instance_id)  # a removed rank's blocks go with it
             if not instance.ranks:
@@ -484,6 +554,88 @@ class Service:
         if not removed:
             raise ServiceError(404, f"instance {request.instance_id} is not registered under {request.model_name!r}")
         return removed
+
+    def _owned_engine(self) -> Engine:
+        """The engine, on the front that owns it (every registry change is made there: ``fronts.py``)."""
+        assert isinstance(self.engine, Engine), "only front 0 changes what the engine follows"
+        return self.engine
+
+    def mirror_register(self, registration: Registration) -> None:
+        """Another front: front 0 registered this rank (and its engine follows it); route to it here too."""
+        try:
+            self.register(registration, follow=False)
+        except ServiceError as exc:  # front 0 accepted it: a refusal here is a bug, not the client's
+            log.error("front registry out of step: register refused worker=%d error=%s", registration.instance_id, exc)
+
+    def mirror_unregister(self, registration: Registration) -> None:
+        """Another front: front 0 unregistered this rank."""
+        request = Unregistration(
+            registration.instance_id, registration.model_name, registration.routing_group, registration.dp_rank
+        )
+        try:
+            self.unregister(request, follow=False)
+        except ServiceError as exc:
+            log.error("front registry out of step: unregister refused worker=%d error=%s", request.instance_id, exc)
+
+    async def control(self, op: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """The write routes that change the registry (``register``, ``unregister``, ``busy``): done here, or,
+        on a front other than front 0, by front 0 (``fronts.py``). Returns (status, answer).
+
+        Raises:
+            ServiceError: the refusal, with the route's status.
+        """
+        if self.fronts is not None and not self.fronts.primary:
+            return await self.fronts.forward(op, body)
+        return self.apply_control(op, body)
+
+    def apply_control(self, op: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """:meth:`control`'s work on the front that owns the engine; the other fronts hear of the change.
+
+        Raises:
+            ServiceError: the refusal (400 for an unknown ``op``).
+        """
+        answer: tuple[int, dict[str, Any]]
+        if op == "register":
+            self.register(parse_registration(body, endpoint_required=self.config.router.use_kv_events))
+            answer = 201, {"status": "ok"}
+        elif op == "unregister":
+            answer = 200, {"status": "ok", "removed_ranks": self.unregister(parse_unregistration(body))}
+        elif op == "busy":
+            answer = 200, self.set_thresholds(body)
+        else:
+            raise ServiceError(400, f"unknown control operation {op!r}")
+        if self.fronts is not None:
+            self.fronts.changed()
+        return answer
+
+    def set_thresholds(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /busy_threshold``: a partition's busy thresholds; returns them as ``GET`` shows them.
+
+        Raises:
+            ServiceError: 404 unknown partition, 400 a threshold that is not a number >= 0 (or null).
+        """
+        model = body.get("model_name", body.get("model", "default"))
+        group = body.get("routing_group", "default")
+        if not isinstance(model, str) or not isinstance(group, str):
+            raise ServiceError(400, "model_name and routing_group must be strings")
+        partition = self.partition(model, group)
+        config = partition.router.config
+        decode = body.get("active_decode_blocks_threshold", config.active_decode_blocks_threshold)
+        prefill = body.get("active_prefill_tokens_threshold", config.active_prefill_tokens_threshold)
+        if decode is not None and (isinstance(decode, bool) or not isinstance(decode, int | float) or decode < 0):
+            raise ServiceError(400, f"active_decode_blocks_threshold: expected a number >= 0 or null, got {decode!r}")
+        if prefill is not None and (type(prefill) is not int or prefill < 0):
+            raise ServiceError(
+                400, f"active_prefill_tokens_threshold: expected an integer >= 0 or null, got {prefill!r}"
+            )
+        try:
+            partition.set_thresholds(decode=None if decode is None else float(decode), prefill=prefill)
+        except ConfigError as exc:
+            raise ServiceError(400, str(exc)) from exc
+        thresholds = partition.thresholds()
+        self._event("busy_threshold", **thresholds)
+        self.queue.changed(partition)  # queue.py
+        return thresholds
 
     # -- decisions ------------------------------------------------------------------------------
 
@@ -570,7 +722,8 @@ class Service:
         if reserve:
             assert selection_id is not None
             counters.reservations += 1
-            self._reservations[selection_id] = _Reservation(partition, selection.worker, time.monotonic())
+            predicted = selection.overlap_blocks * partition.block_size
+            self._reservations[selection_id] = _Reservation(partition, selection.worker, time.monotonic(), predicted)
             if self.sync is not None:
                 self.sync.added(selection_id, partition.slots, request.lora_name)  # queued: no I/O here
         fallbacks: list[tuple[WorkerKey, float]] = []
@@ -593,12 +746,15 @@ class Service:
             selection.explanation = None
         return result
 
-    def prefill_complete(self, selection_id: str) -> None:
-        """The reservation's first token is out: its prompt stops counting as queued prefill.
+    def prefill_complete(self, selection_id: str, cached_tokens: int | None = None) -> None:
+        """The reservation's first token is out: its prompt stops counting as queued prefill. ``cached_tokens``:
+        the prompt tokens the engine reused, when the client knows them (:meth:`report_reuse`).
 
         Raises:
             ServiceError: 404, no such reservation.
         """
+        if cached_tokens is not None:
+            self.report_reuse(selection_id, cached_tokens)
         reservation = self._reservations.get(selection_id)
         if reservation is None:
             peer = self._peer_reservation(selection_id)
@@ -625,6 +781,17 @@ class Service:
         if self.sync is not None:
             self.sync.freed(selection_id, reservation.worker)
         self.queue.changed(reservation.partition)  # queue.py
+
+    def report_reuse(self, selection_id: str, cached_tokens: int) -> str | None:
+        """The engine reused ``cached_tokens`` of the reservation's prompt: compare with the prediction
+        (``accuracy.py``). Returns the outcome, or None when there is nothing to compare with (not booked
+        here, already reported, or freed)."""
+        reservation = self._reservations.get(selection_id)
+        if reservation is None or reservation.predicted is None or reservation.reported:
+            return None
+        reservation.reported = True
+        block_size = reservation.partition.block_size
+        return self.accuracy.observe(reservation.worker, reservation.predicted, cached_tokens, block_size)
 
     def _peer_reservation(self, selection_id: str) -> _Reservation | None:
         """A reservation another replica booked and the sync applied here: with replica sync on, any
@@ -675,6 +842,11 @@ class Service:
     def pending(self, model: str, group: str) -> tuple[int, int]:
         """(pending_count, pending_isl_tokens) of the partition's router queue."""
         return self.queue.pending(model, group)
+
+    def fleet_counters(self) -> ServiceCounters:
+        """The counters ``/metrics`` and ``kvrouter top`` show: this front's, or with ``--fronts N`` every
+        front's summed (``fronts.py``)."""
+        return self.counters if self.fronts is None else self.fronts.counters()
 
     def reservations(self) -> int:
         """Reservations currently booked."""

@@ -8,6 +8,7 @@ from a literal and the precedence rules live in one place.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
@@ -18,10 +19,16 @@ from ..plane.registry import WorkerSpec
 from ..routing.config import KVROUTER_CONFIG, RouterConfig
 from ..routing.slots import DEFAULT_EXPIRY_SECS
 
-__all__ = ["DEFAULT_NATS_URL", "ZMQ_PORT_DEFAULT", "ServiceConfig"]
+__all__ = ["DEFAULT_NATS_URL", "DEFAULT_SNAPSHOT_THRESHOLD", "MAX_FRONTS", "ZMQ_PORT_DEFAULT", "ServiceConfig"]
 
 DEFAULT_NATS_URL: Final = "nats://127.0.0.1:4222"
 """NATS's default client port on this machine."""
+MAX_FRONTS: Final = 64
+"""More front processes than this would be more than any machine's cores."""
+DEFAULT_SNAPSHOT_THRESHOLD: Final = 1_000_000
+"""Stream messages past which a durable replica snapshots the index: the reference's
+``router_snapshot_threshold`` (``spec/dynamo-semantics.md`` §6.4)."""
+_ROUTER_ID: Final = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 ZMQ_PORT_DEFAULT: Final = -1
 """``ServiceConfig.zmq_port``'s default: ``port + 1`` (a free port when ``port`` is 0)."""
 
@@ -31,11 +38,13 @@ class ServiceConfig:
     """How the service binds, which workers it starts with, how it routes and protects itself.
 
     Raises:
-        ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, a block size below 1, an overload status
-            that is not 429 or 5xx, a body limit below 1 KiB, a negative drain time, a session affinity
-            TTL not above 0, a tokenizer path that names no file, a queue threshold below 1, a queue policy
-            other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace or component
-            that is not one NATS subject token, or (with replica_sync) a nats_url that is not nats:// or tls://.
+        ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, fronts outside 1..64, a block size
+            below 1, an overload status that is not 429 or 5xx, a body limit below 1 KiB, a negative drain time,
+            a session affinity TTL not above 0, a tokenizer path that names no file, a queue threshold below 1,
+            a queue policy other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace
+            or component that is not one NATS subject token, (with replica_sync or durable_kv_events) a
+            nats_url that is not nats:// or tls://, durable_kv_events without KV events, a snapshot threshold
+            below 1, or a router_id that is not 1-64 letters, digits, ``_`` or ``-``.
     """
 
     host: str = "127.0.0.1"
@@ -95,12 +104,28 @@ class ServiceConfig:
     """``--namespace``: the subjects' ``namespace.<namespace>`` (the reference's default)."""
     component: str = "backend"
     """``--component``: the subjects' ``component.<component>`` (the reference's default)."""
+    durable_kv_events: bool = False
+    """``--router-durable-kv-events``: workers' ``kv-events`` are kept in a JetStream stream this replica
+    reads as a durable consumer, with index snapshots in the object store (``bridge/durable.py``)."""
+    snapshot_threshold: int = DEFAULT_SNAPSHOT_THRESHOLD
+    """``--router-snapshot-threshold``: stream messages past which the index is snapshotted and the
+    stream purged up to the snapshot (durable mode)."""
+    reset_states: bool = False
+    """``--router-reset-states``: at start, delete the snapshot bucket and purge the stream (durable mode)."""
+    router_id: str | None = None
+    """``--router-id``: this replica's stable name, kept across restarts: its durable consumer is
+    ``kvrouter-<router_id>``. None: derived from the host name and the port (``bridge/durable.py``)."""
+    fronts: int = 1
+    """``--fronts``: front processes serving ``port`` together (SO_REUSEPORT), each reading the index
+    through shared memory, their load views kept in step by the replica sync (``fronts.py``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"ServiceConfig.port must be in 0..65535, got {self.port}")
         if self.shards < 1:
             raise ConfigError(f"ServiceConfig.shards must be >= 1, got {self.shards}")
+        if not 1 <= self.fronts <= MAX_FRONTS:
+            raise ConfigError(f"ServiceConfig.fronts must be in 1..{MAX_FRONTS}, got {self.fronts}")
         if self.block_size < 1:
             raise ConfigError(f"ServiceConfig.block_size must be >= 1, got {self.block_size}")
         if self.overload_status != 429 and not 500 <= self.overload_status <= 599:
@@ -130,9 +155,19 @@ class ServiceConfig:
                 f"ServiceConfig.active_request_expiry_secs must be > 0, got {self.active_request_expiry_secs}"
             )
         Subjects(self.namespace, self.component)  # raises ConfigError naming the bad one
-        if self.replica_sync and not self.nats_url.startswith(("nats://", "tls://")):
+        if (self.replica_sync or self.durable_kv_events) and not self.nats_url.startswith(("nats://", "tls://")):
             raise ConfigError(
                 f"ServiceConfig.nats_url must be nats://host:port or tls://host:port, got {self.nats_url!r}"
+            )
+        if self.durable_kv_events and not self.router.use_kv_events:
+            raise ConfigError("ServiceConfig.durable_kv_events needs KV events (router.use_kv_events)")
+        if type(self.snapshot_threshold) is not int or self.snapshot_threshold < 1:
+            raise ConfigError(
+                f"ServiceConfig.snapshot_threshold must be an integer >= 1, got {self.snapshot_threshold!r}"
+            )
+        if self.router_id is not None and not _ROUTER_ID.match(self.router_id):
+            raise ConfigError(
+                f"ServiceConfig.router_id must be 1-64 letters, digits, '_' or '-', got {self.router_id!r}"
             )
         if self.decisions_ring < 1 or self.events_ring < 1:
             raise ConfigError("ServiceConfig.decisions_ring and events_ring must be >= 1")

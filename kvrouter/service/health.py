@@ -196,11 +196,20 @@ class Health:
                 reasons.append("replica sync joining (snapshot from a peer)")
             elif sync.resyncing is not None:
                 reasons.append(f"replica sync re-syncing ({sync.resyncing})")
+        if self.service.fronts is not None:
+            answer["fronts"] = self.service.fronts.status()
         relay = self.service.relay
         if relay is not None:
             answer["nats_events"] = relay.status()
             if not relay.connected:
                 reasons.append("kv-events relay not connected to NATS")
+        durable = self.service.durable
+        if durable is not None:
+            answer["durable_events"] = durable.status()
+            if not durable.loaded:
+                reasons.append("durable kv-events starting (stream, snapshot)")
+            elif not durable.caught_up:
+                reasons.append(f"durable kv-events catching up (seq {durable.processed_seq} of {durable.target_seq})")
         ok = not reasons
         return ok, {
             "ready": ok,

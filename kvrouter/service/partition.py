@@ -19,7 +19,7 @@ a restarted service forgets its approximate index, which expires after ``router_
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Final
+from typing import Any, Final
 
 from ..events.model import WorkerKey
 from ..index import ApproxIndex
@@ -43,6 +43,8 @@ class Instance:
     """dp rank -> its KV-event endpoint."""
     replay_endpoint: str | None = None
     query_endpoint: str | None = None
+    rank_queries: dict[int, str] = field(default_factory=dict)
+    """dp rank -> its own query endpoint, when the rank has one (a durable relay's ROUTER per rank)."""
     topic: str = ""
     http_endpoint: str | None = None
     """Where the worker serves requests: what ``/select`` returns as ``endpoint``."""
@@ -64,6 +66,7 @@ class Instance:
             dp_ranks=ranks,
             block_size=block_size,
             rank_endpoints=dict(self.ranks),
+            rank_query_endpoints=dict(self.rank_queries),
         )
 
 
@@ -135,3 +138,13 @@ class Partition:
             self.router.config, active_decode_blocks_threshold=decode, active_prefill_tokens_threshold=prefill
         )
         self.router = Router(config, block_size=self.block_size, slots=self.router.slots)
+
+    def thresholds(self) -> dict[str, Any]:
+        """The busy thresholds as ``/busy_threshold`` shows them."""
+        config = self.router.config
+        return {
+            "model_name": self.model_name,
+            "routing_group": self.routing_group,
+            "active_decode_blocks_threshold": config.active_decode_blocks_threshold,
+            "active_prefill_tokens_threshold": config.active_prefill_tokens_threshold,
+        }

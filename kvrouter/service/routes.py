@@ -26,22 +26,22 @@ import orjson
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
-from ..errors import ConfigError, EngineError, KvRouterError, ServiceError
+from ..errors import EngineError, KvRouterError, ServiceError
 from ..events.codecs.dynamo import Encoder
 from ..events.model import WorkerKey
 from ..hashing import block_hashes_array
 from . import fastparse
 from .affinity import SESSION_HEADER
 from .answers import address, select_json
+from .fronts import FRONT_HEADER
 from .queue import client_gone
 from .validation import (
     MAX_ID,
     SelectRequest,
+    cached_tokens,
     parse_body,
     parse_query,
-    parse_registration,
     parse_select,
-    parse_unregistration,
 )
 
 if TYPE_CHECKING:
@@ -141,6 +141,8 @@ class Routes:
             response = _error(500, f"internal error ({type(exc).__name__})")
         finally:
             self.service._inflight -= 1
+        if self.service.fronts is not None:
+            response.headers[FRONT_HEADER] = str(self.service.fronts.index)
         counters = self.service.counters
         key = (name, request.method)
         counters.http_requests[key] = counters.http_requests.get(key, 0) + 1
@@ -172,13 +174,12 @@ class Routes:
         return _json(body, 200 if ok else 503)
 
     async def _h_register(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        self.service.register(parse_registration(body, endpoint_required=self.service.config.router.use_kv_events))
-        return _json({"status": "ok"}, 201)
+        status, answer = await self.service.control("register", await self._body(request))
+        return _json(answer, status)
 
     async def _h_unregister(self, request: web.Request) -> web.Response:
-        removed = self.service.unregister(parse_unregistration(await self._body(request)))
-        return _json({"status": "ok", "removed_ranks": removed})
+        status, answer = await self.service.control("unregister", await self._body(request))
+        return _json(answer, status)
 
     async def _h_workers(self, request: web.Request) -> web.Response:
         model = request.query.get("model_name")
@@ -237,6 +238,11 @@ class Routes:
             "address": address(instance.http_endpoint),
             "listeners": listeners,
             "skipped": skipped,
+            "accuracy": {
+                str(rank): view
+                for rank in sorted(instance.ranks)
+                if (view := self.service.accuracy.view((instance.instance_id, rank))) is not None
+            },
         }
 
     async def _h_query(self, request: web.Request) -> web.Response:
@@ -355,7 +361,9 @@ class Routes:
         return await self._select_route(request, reserve=True)
 
     async def _h_prefill_complete(self, request: web.Request) -> web.Response:
-        self.service.prefill_complete(request.match_info["id"])
+        raw = await request.read()  # optional: {"cached_tokens": n}, what the engine reused (accuracy.py)
+        reused = cached_tokens(parse_body(raw)) if raw.strip() else None
+        self.service.prefill_complete(request.match_info["id"], reused)
         return _json({"status": "ok"})
 
     async def _h_free(self, request: web.Request) -> web.Response:
@@ -411,41 +419,12 @@ class Routes:
             }
         return _json(out, headers=self.service._index_headers)
 
-    def _thresholds(self, partition: Partition) -> dict[str, Any]:
-        config = partition.router.config
-        return {
-            "model_name": partition.model_name,
-            "routing_group": partition.routing_group,
-            "active_decode_blocks_threshold": config.active_decode_blocks_threshold,
-            "active_prefill_tokens_threshold": config.active_prefill_tokens_threshold,
-        }
-
     async def _h_busy_get(self, request: web.Request) -> web.Response:
-        return _json({"thresholds": [self._thresholds(p) for p in self.service.partitions.values()]})
+        return _json({"thresholds": [p.thresholds() for p in self.service.partitions.values()]})
 
     async def _h_busy_set(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        model = body.get("model_name", body.get("model", "default"))
-        group = body.get("routing_group", "default")
-        if not isinstance(model, str) or not isinstance(group, str):
-            raise ServiceError(400, "model_name and routing_group must be strings")
-        partition = self.service.partition(model, group)
-        config = partition.router.config
-        decode = body.get("active_decode_blocks_threshold", config.active_decode_blocks_threshold)
-        prefill = body.get("active_prefill_tokens_threshold", config.active_prefill_tokens_threshold)
-        if decode is not None and (isinstance(decode, bool) or not isinstance(decode, int | float) or decode < 0):
-            raise ServiceError(400, f"active_decode_blocks_threshold: expected a number >= 0 or null, got {decode!r}")
-        if prefill is not None and (type(prefill) is not int or prefill < 0):
-            raise ServiceError(
-                400, f"active_prefill_tokens_threshold: expected an integer >= 0 or null, got {prefill!r}"
-            )
-        try:
-            partition.set_thresholds(decode=None if decode is None else float(decode), prefill=prefill)
-        except ConfigError as exc:
-            raise ServiceError(400, str(exc)) from exc
-        self.service._event("busy_threshold", **self._thresholds(partition))
-        self.service.queue.changed(partition)  # queue.py
-        return _json(self._thresholds(partition))
+        status, answer = await self.service.control("busy", await self._body(request))
+        return _json(answer, status)
 
     def _since(self, request: web.Request) -> int:
         raw = request.query.get("since", "0")

@@ -58,7 +58,8 @@ key                       value
 ``loads``                 per (partition, worker, dp rank): ``model_name``, ``routing_group``,
                           ``worker_id``, ``dp_rank``, ``potential_prefill_tokens``,
                           ``potential_decode_blocks``, ``active_requests``, ``unhealthy`` (the reason it is
-                          skipped, or nil)
+                          skipped, or nil), ``accuracy`` (the rolling share of reuse reports as predicted,
+                          or nil: ``accuracy.py``), ``drift``
 ``decisions``             the last ``DECISIONS_SHOWN`` entries of the decisions ring, oldest first, in
                           ``GET /decisions``'s shape (``explain`` holds the candidates when explained)
 ``explained``             the most recent explained decision (same shape), or nil: with one decision
@@ -310,7 +311,7 @@ def build_blob(service: Service, *, last_gap_at: float | None, decisions: int, e
     """The blob's map for ``service`` now (module docstring), with the last ``decisions`` and ``events``
     ring entries. Reads only the service's Python state: call it on the service's loop."""
     config = service.config.router
-    counters = service.counters
+    counters = service.fleet_counters()
     fast = service.fastpath.counters.requests if service.fastpath is not None else {}
     http = counters.http_requests
     queries = counters.decisions + sum(http.get((route, "POST"), 0) for route in ("/query", "/query_by_hash"))
@@ -330,6 +331,8 @@ def build_blob(service: Service, *, last_gap_at: float | None, decisions: int, e
                     "potential_decode_blocks": slots.active_blocks(key),
                     "active_requests": slots.active_requests(key),
                     "unhealthy": partition.unhealthy.get(key),
+                    "accuracy": service.accuracy.rolling(key),
+                    "drift": key in service.accuracy.drifting,
                 }
             )
     return {

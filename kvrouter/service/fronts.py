@@ -1,0 +1,405 @@
+"""``kvrouter up --fronts N``: N front processes answering on one port, as one router.
+
+One Python process answers about 4,000 ``/select`` a second on this machine's class of core, most of it
+aiohttp's own work per request (``docs/http-api.md``); more fronts answer more. The layout:
+
+- **Front 0** is ``kvrouter up`` itself: it owns the engine (the appliers and their segments), the worker
+  registry, the ZMQ fast path, the stats segment and the discovery file, and it runs the *local bus*
+  (``bridge/localbus.py``), an ``ipc://`` broker in a private directory
+  (``<runtime dir>/fronts-<pid>/``, mode 0700). Once its engine is up and its command-line workers are
+  registered it starts fronts 1..N-1 and is ready when they are.
+- **Fronts 1..N-1** are ``python -m kvrouter.cli.front`` processes (spawned, not forked: the parent
+  already runs threads and a loop), given a :class:`FrontSpec` on stdin. Each maps the engine's index
+  read-only (:class:`~kvrouter.engine.EngineView`: the design card's lock-free readers) and binds the
+  same host and port with ``SO_REUSEPORT``, so the kernel spreads connections over the fronts.
+- **Load views** agree the way replicas' do: each front runs the one
+  :class:`~kvrouter.bridge.sync.ReplicaSync`, over the local bus (or over NATS with
+  ``--router-replica-sync``, where the fronts are simply more replicas). Any front may complete or free
+  any reservation.
+- **The registry** (registrations, busy thresholds) has one writer, front 0, because only the engine's
+  owner can make an applier follow a worker. A write route on another front (``/register``,
+  ``/unregister``, ``POST /busy_threshold``) is a request on the bus's ``kvrouter.fronts.control``
+  subject; front 0 does it and answers with its status, body and the whole registry, which the asking
+  front applies before it answers its client (so a client reads its own write on any connection). Front
+  0 also publishes the registry after every change on ``kvrouter.fronts.registry``, and a front that
+  starts asks for it on ``kvrouter.fronts.registry.get``. The whole registry each time, versioned: a few
+  KB even for a large fleet, and a front never has to replay a history.
+
+Every answer carries ``X-Kvrouter-Front: <k>``. **Counters** (decisions, HTTP requests, the histograms)
+are published by each front every second on ``kvrouter.fronts.counters``; each front answers ``/metrics``
+(and front 0 fills the stats segment ``kvrouter top`` reads) with the sum, so a scrape through the shared
+port reads the same totals on any front; a restarted front's last figures stay in the sum. Rejected:
+prometheus-client's multiprocess mode (a file per process and metric, written on every observation).
+Per front, not shared: the decisions and events rings, the router queue, session affinity and, in
+approximate mode, the approximate index (each learns only its own decisions). A front that exits is started again after
+:data:`RESTART_DELAY_S`, and counted; fronts exit when front 0 goes.
+
+Rejected: one listening socket inherited by every front (a thundering herd on each connection, and no
+way to start a front alone); a front per core with its own engine (N copies of the index and N
+subscriptions to every worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import pickle
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any, Final
+
+import orjson
+
+from ..bridge import localbus
+from ..engine import ReaderHandle
+from ..errors import ServiceError
+from . import discovery
+from .config import ServiceConfig
+from .counters import ServiceCounters
+from .validation import Registration
+
+if TYPE_CHECKING:
+    from .app import Service
+
+__all__ = ["CONTROL_SUBJECT", "FRONT_HEADER", "FrontSpec", "Fronts"]
+
+log = logging.getLogger(__name__)
+
+FRONT_HEADER: Final = "X-Kvrouter-Front"
+CONTROL_SUBJECT: Final = "kvrouter.fronts.control"
+REGISTRY_SUBJECT: Final = "kvrouter.fronts.registry"
+REGISTRY_GET_SUBJECT: Final = "kvrouter.fronts.registry.get"
+COUNTERS_SUBJECT: Final = "kvrouter.fronts.counters"
+COUNTERS_INTERVAL_S: Final = 1.0
+"""How often each front publishes its counters: the others' part of a scrape is at most this old."""
+CONTROL_TIMEOUT_S: Final = 10.0
+"""How long a front waits for front 0 to do a write route (a registration waits on the engine)."""
+READY_TIMEOUT_S: Final = 300.0
+"""How long front 0 waits for a started front's ready line (a cold numba cache compiles for minutes)."""
+RESTART_DELAY_S: Final = 1.0
+STOP_TIMEOUT_S: Final = 10.0
+"""After SIGTERM, how long a front has to drain before it is killed (on top of ``drain_secs``)."""
+PARENT_POLL_S: Final = 0.5
+READY_LINE: Final = "kvrouter front ready"
+
+
+@dataclass(frozen=True, slots=True)
+class FrontSpec:
+    """What front ``index`` (1..N-1) is given on stdin, pickled: its parent's config (with the bound port),
+    the engine to map and the bus to join."""
+
+    config: ServiceConfig
+    index: int
+    handle: ReaderHandle
+    bus: str
+    parent: int
+    """Front 0's pid: a front whose parent changes stops."""
+    log_level: int = logging.WARNING
+    """Front 0's ``kvrouter`` log level."""
+
+
+class Fronts:
+    """One front's end of the fronts of a ``kvrouter up``: front 0's (``spec`` None) or another's."""
+
+    def __init__(self, service: Service, spec: FrontSpec | None = None) -> None:
+        self.service = service
+        self.spec = spec
+        self.index = 0 if spec is None else spec.index
+        self.count = service.config.fronts
+        self.primary = spec is None
+        self.folder = discovery.runtime_dir() / f"fronts-{os.getpid()}" if spec is None else None
+        self.endpoint = spec.bus if spec is not None else f"ipc://{self.folder}/bus"
+        self.version = 0
+        """The registry's version: front 0 counts its changes; another front holds the last it applied."""
+        self.restarts = 0
+        """Fronts started again after they exited."""
+        self._broker: localbus.LocalBroker | None = None
+        self._bus: localbus.LocalBus | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._ready: set[int] = set()
+        """Fronts (1..N-1) that printed their ready line and have not exited since."""
+        self._stopping = False
+        self._peers: dict[int, tuple[int, ServiceCounters]] = {}
+        """Another front's index -> (its pid, its counters as last published)."""
+        self._retired = ServiceCounters()
+        """The counters of fronts that exited (their last publication): sums stay monotonic across a restart."""
+        self.bad_counters = 0
+        """Counter publications that did not decode (counted, logged once)."""
+
+    # -- both ends ------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """``/ready``'s ``fronts``: this front, how many, the registry version, the others' processes."""
+        answer: dict[str, Any] = {"front": self.index, "fronts": self.count, "registry_version": self.version}
+        if self.primary:
+            answer["ready"] = 1 + len(self._ready)
+            answer["restarts"] = self.restarts
+        return answer
+
+    async def open(self) -> None:
+        """Front 0: the broker (before the replica sync connects to it). Others: join the bus and take the
+        registry from front 0."""
+        if self.primary:
+            assert self.folder is not None
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._broker = localbus.LocalBroker(self.endpoint)
+            self._tasks.append(asyncio.create_task(self._broker.run(), name="kvrouter-fronts-broker"))
+            self._bus = await localbus.connect([self.endpoint], name="front-0")
+            await self._bus.subscribe(CONTROL_SUBJECT, cb=self._on_control)
+            await self._bus.subscribe(REGISTRY_GET_SUBJECT, cb=self._on_registry_get)
+        else:
+            self._bus = await localbus.connect([self.endpoint], name=f"front-{self.index}")
+            await self._bus.subscribe(REGISTRY_SUBJECT, cb=self._on_registry)
+            answer = await self._bus.request(REGISTRY_GET_SUBJECT, b"{}", timeout=CONTROL_TIMEOUT_S)
+            self.apply(orjson.loads(answer.data))
+            self._tasks.append(asyncio.create_task(self._watch_parent(), name="kvrouter-fronts-parent"))
+        await self._bus.subscribe(COUNTERS_SUBJECT, cb=self._on_counters)
+        self._tasks.append(asyncio.create_task(self._publish_counters(), name="kvrouter-fronts-counters"))
+
+    async def close(self) -> None:
+        """Stop the other fronts (front 0), leave the bus, stop the broker, remove the directory."""
+        self._stopping = True
+        if self.primary:
+            await self._stop_fronts()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self._bus is not None:
+            await self._bus.close()
+            self._bus = None
+        if self._broker is not None:
+            self._broker.close()
+            self._broker = None
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    # -- counters: every front's, summed -------------------------------------------------------------
+
+    def counters(self) -> ServiceCounters:
+        """This front's counters now, plus the others' as last published, plus those of fronts that exited:
+        what ``/metrics`` and ``kvrouter top`` show, the same on every front (up to a second behind)."""
+        total = ServiceCounters()
+        total.add(self.service.counters)
+        total.add(self._retired)
+        for _, theirs in self._peers.values():
+            total.add(theirs)
+        return total
+
+    async def _publish_counters(self) -> None:
+        assert self._bus is not None
+        while True:
+            await asyncio.sleep(COUNTERS_INTERVAL_S)
+            wire = {"front": self.index, "pid": os.getpid(), "counters": self.service.counters.to_wire()}
+            await self._bus.publish(COUNTERS_SUBJECT, orjson.dumps(wire))
+
+    async def _on_counters(self, msg: localbus.LocalMessage) -> None:
+        try:
+            body = orjson.loads(msg.data)
+            index, pid = int(body["front"]), int(body["pid"])
+            counters = ServiceCounters.from_wire(body["counters"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            self.bad_counters += 1
+            if self.bad_counters == 1:
+                log.warning("fronts: a counters message did not decode error=%r", exc)
+            return
+        if index == self.index:
+            return
+        known = self._peers.get(index)
+        if known is not None and known[0] != pid:  # that front was started again: keep what it had counted
+            self._retired.add(known[1])
+        self._peers[index] = (pid, counters)
+
+    # -- the registry -------------------------------------------------------------------------------
+
+    def registry(self) -> dict[str, Any]:
+        """Front 0's registry as the others apply it."""
+        service = self.service
+        return {
+            "version": self.version,
+            "registrations": [asdict(reg) for reg in service.registrations.values()],
+            "thresholds": [
+                {
+                    "model_name": p.model_name,
+                    "routing_group": p.routing_group,
+                    "decode": p.router.config.active_decode_blocks_threshold,
+                    "prefill": p.router.config.active_prefill_tokens_threshold,
+                }
+                for p in service.partitions.values()
+            ],
+        }
+
+    def changed(self) -> None:
+        """Front 0, after a change of the registry: publish it (queued on the loop; a write route returns
+        at once)."""
+        if not self.primary or self._bus is None:
+            return
+        self.version += 1
+        payload = orjson.dumps(self.registry())
+        bus = self._bus
+        self._tasks.append(asyncio.create_task(bus.publish(REGISTRY_SUBJECT, payload)))
+        self._tasks = [t for t in self._tasks if not t.done()]
+
+    def apply(self, registry: dict[str, Any]) -> None:
+        """Another front: make its partitions what front 0's registry says (never the engine: front 0's)."""
+        if registry["version"] <= self.version:
+            return
+        service = self.service
+        desired = {}
+        for fields in registry["registrations"]:
+            reg = Registration(**fields)
+            desired[reg.instance_id, reg.dp_rank] = reg
+        for key in service.registrations.keys() - desired.keys():
+            service.mirror_unregister(service.registrations[key])
+        for key, reg in desired.items():
+            if key not in service.registrations:
+                service.mirror_register(reg)
+        for entry in registry["thresholds"]:
+            partition = service.partitions.get((entry["model_name"], entry["routing_group"]))
+            if partition is not None:
+                partition.set_thresholds(decode=entry["decode"], prefill=entry["prefill"])
+        self.version = registry["version"]
+
+    async def _on_registry(self, msg: localbus.LocalMessage) -> None:
+        self.apply(orjson.loads(msg.data))
+
+    async def _on_registry_get(self, msg: localbus.LocalMessage) -> None:
+        await msg.respond(orjson.dumps(self.registry()))
+
+    # -- write routes ---------------------------------------------------------------------------------
+
+    async def forward(self, op: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Another front: front 0 does the write route; its registry is applied here before returning.
+
+        Raises:
+            ServiceError: front 0's refusal, with its status; 503 when front 0 does not answer.
+        """
+        assert self._bus is not None
+        try:
+            answer = await self._bus.request(
+                CONTROL_SUBJECT, orjson.dumps({"op": op, "body": body}), timeout=CONTROL_TIMEOUT_S
+            )
+        except Exception as exc:  # nats.errors.TimeoutError / NoRespondersError: front 0 is gone or stuck
+            raise ServiceError(503, f"front 0 did not answer {op}: {type(exc).__name__}") from exc
+        reply = orjson.loads(answer.data)
+        if reply["status"] >= 400:
+            raise ServiceError(reply["status"], reply["body"]["error"])
+        self.apply(reply["registry"])
+        status: int = reply["status"]
+        return status, reply["body"]
+
+    async def _on_control(self, msg: localbus.LocalMessage) -> None:
+        try:
+            request = orjson.loads(msg.data)
+            status, body = self.service.apply_control(request["op"], request["body"])
+        except ServiceError as exc:
+            status, body = exc.status, {"error": str(exc)}
+        except Exception as exc:  # what the HTTP middleware maps to 400 / 500 on front 0
+            status, body = (400 if isinstance(exc, ValueError | KeyError | TypeError) else 500), {"error": str(exc)}
+        await msg.respond(orjson.dumps({"status": status, "body": body, "registry": self.registry()}))
+
+    # -- front 0: the other fronts' processes ------------------------------------------------------
+
+    async def start_fronts(self, port: int) -> None:
+        """Start fronts 1..N-1 on the port front 0 bound and wait for each one's ready line.
+
+        Raises:
+            ServiceError: a front exited, or printed no ready line within :data:`READY_TIMEOUT_S`.
+        """
+        starts = [self._start(index, port) for index in range(1, self.count)]
+        await asyncio.gather(*starts)
+        self._tasks.append(asyncio.create_task(self._supervise(port), name="kvrouter-fronts-supervise"))
+
+    def _spec(self, index: int, port: int) -> FrontSpec:
+        config = replace(self.service.config, port=port, zmq_port=None, workers=())
+        level = logging.getLogger("kvrouter").getEffectiveLevel()
+        return FrontSpec(config, index, self.service.engine.reader_handle(), self.endpoint, os.getpid(), level)
+
+    async def _start(self, index: int, port: int) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "kvrouter.cli.front",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            start_new_session=True,  # a terminal's Ctrl-C reaches front 0 only; front 0 stops the others
+        )
+        self._procs[index] = proc
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        proc.stdin.write(pickle.dumps(self._spec(index, port)))
+        await proc.stdin.drain()
+        proc.stdin.close()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                line = await asyncio.wait_for(proc.stdout.readline(), timeout=max(remaining, 0.001))
+            except TimeoutError:
+                raise ServiceError(503, f"front {index} printed no ready line in {READY_TIMEOUT_S:.0f}s") from None
+            if not line:
+                code = await proc.wait()
+                raise ServiceError(503, f"front {index} exited with status {code} before it was ready")
+            if line.decode(errors="replace").startswith(READY_LINE):
+                log.info("front ready front=%d pid=%d", index, proc.pid)
+                self._ready.add(index)
+                return
+
+    async def _supervise(self, port: int) -> None:
+        """Start again any front that exits while the service runs."""
+        while not self._stopping:
+            waits = {asyncio.ensure_future(p.wait()): i for i, p in self._procs.items()}
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            for task in done:
+                index = waits[task]
+                self._ready.discard(index)
+                if self._stopping:
+                    return
+                self.restarts += 1
+                log.warning(
+                    "front exited front=%d status=%s restarts=%d; starting it again",
+                    index,
+                    task.result(),
+                    self.restarts,
+                )
+                await asyncio.sleep(RESTART_DELAY_S)
+                try:
+                    await self._start(index, port)
+                except ServiceError as exc:
+                    log.error("front not started again front=%d error=%s", index, exc)
+
+    async def _stop_fronts(self) -> None:
+        procs = [p for p in self._procs.values() if p.returncode is None]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        waits = [asyncio.ensure_future(proc.wait()) for proc in self._procs.values()]
+        if not waits:
+            return
+        _, pending = await asyncio.wait(waits, timeout=self.service.config.drain_secs + STOP_TIMEOUT_S)
+        for index, proc in self._procs.items():
+            if proc.returncode is None:
+                log.warning("front did not stop on SIGTERM front=%d pid=%d; killing it", index, proc.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+        if pending:
+            await asyncio.wait(pending)
+
+    # -- another front ----------------------------------------------------------------------------
+
+    async def _watch_parent(self) -> None:
+        assert self.spec is not None
+        while os.getppid() == self.spec.parent:
+            await asyncio.sleep(PARENT_POLL_S)
+        log.warning("front 0 is gone front=%d parent=%d: stopping", self.index, self.spec.parent)
+        self.service.stop()

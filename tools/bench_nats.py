@@ -150,6 +150,9 @@ ROUNDS: Final = 3
 START_TIMEOUT_S: Final = 300.0
 """A cold numba cache compiles every kernel first, on 2 shared cores."""
 RESTORE_TIMEOUT_S: Final = 300.0
+SNAPSHOT_TIMEOUT_S: Final = 90.0
+"""A snapshot restart past this is reported as failed (with why) and its side not run again: the default
+run must stay within 5 minutes."""
 STOP_TIMEOUT_S: Final = 20.0
 NATS_START_TIMEOUT_S: Final = 10.0
 GOALS: Final = {"warm_restart": 1.0}
@@ -161,11 +164,13 @@ QUICK: Final = {
     "blocks": 2000,
     "rounds": 1,
 }
-SIDES: Final = ("full_reference", "full_all", "snapshot")
+SIDES: Final = ("full_reference", "full_all", "snapshot", "snapshot_all")
+DURABLE_SIDES: Final = frozenset({"snapshot", "snapshot_all"})
 SIDE_NAMES: Final = {
     "full_reference": f"full restore ({RESTORE_CONCURRENCY} at once, 0-{RESTORE_JITTER_S * 1000:.0f} ms jitter)",
     "full_all": "full restore (all at once)",
-    "snapshot": "snapshot restart (durable)",
+    "snapshot": f"snapshot restart (durable; {RESTORE_CONCURRENCY} at once, jitter)",
+    "snapshot_all": "snapshot restart (durable; all at once)",
 }
 URL_LINE: Final = re.compile(r"kvrouter up: API at (http://\S+)")
 ZMQ_LINE: Final = re.compile(r"kvrouter up: ZMQ fast path at (tcp://\S+)")
@@ -268,6 +273,7 @@ class Replica:
         self, name: str, nats_url: str, namespace: str, folder: Path, *extra: str, fastpath: bool = False
     ) -> None:
         self.name = name
+        self.fastpath = fastpath
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_") and k != "NATS_SERVER"}
         command = [sys.executable, "-m", "kvrouter", "up", "--port", "0", "--shards", "1"]
         command += [] if fastpath else ["--zmq-port", "0"]  # with --port 0, the fast path on a free port
@@ -302,8 +308,8 @@ class Replica:
     def wait_index(self, timeout: float = START_TIMEOUT_S) -> float:
         """Until the index is up (and the fast path's line read); returns when."""
         at = self._wait(lambda line: line.startswith(INDEX_LINE), timeout)
-        with contextlib.suppress(SystemExit):
-            self._wait(lambda line: bool(ZMQ_LINE.search(line)), 5.0)
+        if self.fastpath:  # printed right after the index line
+            self._wait(lambda line: bool(ZMQ_LINE.search(line)), timeout)
         return at
 
     def _wait(self, done: Callable[[str], bool], timeout: float) -> float:
@@ -363,10 +369,19 @@ def running(replica: Replica) -> Iterator[Replica]:
 
 
 def register_nats(replica: Replica, worker_id: int, model: str, query_endpoint: str | None = None) -> None:
+    """``POST /register`` of a NATS worker, retried while it answers 503 (a durable replica refuses NATS workers
+    until its start is done: stream found, snapshot loaded, consumer made)."""
     body: dict[str, Any] = {"instance_id": worker_id, "transport": "nats", "model_name": model, "block_size": BLOCK}
     if query_endpoint is not None:
         body["query_endpoint"] = query_endpoint
-    replica.post("/register", body)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        status, answer = call(replica.url + "/register", "POST", body)
+        if 200 <= status < 300:
+            return
+        if status != 503 or time.monotonic() > deadline or replica.proc.poll() is not None:
+            raise fail(f"{replica.name} POST /register {worker_id}: {status} {answer}")
+        time.sleep(0.01)
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
@@ -879,9 +894,14 @@ class Workers:
 
 
 def restored(replica: Replica, expected: dict[int, int]) -> set[int]:
-    """The workers ``GET /workers`` shows ``exact`` with all their blocks."""
+    """The workers ``GET /workers`` shows ``exact`` with all their blocks (none when it does not answer in
+    time: a replica's loop can be busy for seconds while it restores)."""
     done: set[int] = set()
-    for instance in replica.get(f"/workers?model_name={RESTORE_MODEL}"):
+    try:
+        instances = replica.get(f"/workers?model_name={RESTORE_MODEL}")
+    except OSError:
+        return done
+    for instance in instances:
         listener = instance["listeners"].get("0", {})
         worker = instance["instance_id"]
         if listener.get("state") == "exact" and listener.get("cached_blocks") == expected.get(worker):
@@ -889,7 +909,14 @@ def restored(replica: Replica, expected: dict[int, int]) -> set[int]:
     return done
 
 
-def register_bounded(replica: Replica, workers: Workers, concurrency: int, jitter_s: float, rng: random.Random) -> None:
+def register_bounded(
+    replica: Replica,
+    workers: Workers,
+    concurrency: int,
+    jitter_s: float,
+    rng: random.Random,
+    timeout: float = RESTORE_TIMEOUT_S,
+) -> None:
     """Register every worker, at most ``concurrency`` restoring at once, each after 0..``jitter_s``; returns
     when all are restored (``GET /workers``, polled every ``RESTORE_POLL_S``)."""
     expected = dict.fromkeys(workers.endpoints, workers.per_worker)
@@ -897,7 +924,7 @@ def register_bounded(replica: Replica, workers: Workers, concurrency: int, jitte
     restoring: set[int] = set()
     finished: set[int] = set()
     due: list[tuple[float, int]] = []
-    deadline = time.monotonic() + RESTORE_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     next_poll = 0.0
     while len(finished) < len(expected):
         now = time.perf_counter()
@@ -914,7 +941,7 @@ def register_bounded(replica: Replica, workers: Workers, concurrency: int, jitte
             next_poll = now + RESTORE_POLL_S
             continue
         if time.monotonic() > deadline:
-            raise fail(f"{replica.name}: {len(finished)}/{len(expected)} workers restored in {RESTORE_TIMEOUT_S}s")
+            raise fail(f"{replica.name}: {len(finished)}/{len(expected)} workers restored in {timeout:g}s")
         pause = min([next_poll] + [at for at, _ in due]) - time.perf_counter()
         if pause > 0:
             time.sleep(min(pause, RESTORE_POLL_S))
@@ -962,7 +989,7 @@ class Durable:
 
         from kvrouter.service.config import ServiceConfig
 
-        if "router_durable_kv_events" not in {f.name for f in dataclasses.fields(ServiceConfig)}:
+        if "durable_kv_events" not in {f.name for f in dataclasses.fields(ServiceConfig)}:
             return "this checkout's kvrouter has no durable mode (--router-durable-kv-events)"
         return None
 
@@ -991,8 +1018,10 @@ class Durable:
             register_nats(replica, worker, RESTORE_MODEL, endpoint)
 
     def _status(self, replica: Replica) -> dict[str, Any]:
+        """``/ready``'s ``durable_events``, with the relay's ``worker_queries`` (queries it sent to workers)."""
         _, body = replica.ready()
-        status: dict[str, Any] = (body or {}).get("durable_events") or {}
+        status: dict[str, Any] = dict((body or {}).get("durable_events") or {})
+        status["worker_queries"] = ((body or {}).get("nats_events") or {}).get("worker_queries")
         return status
 
     def wait_indexed(self, sent: int) -> None:
@@ -1001,9 +1030,12 @@ class Durable:
         assert replica is not None
         expected = dict.fromkeys(self.workers.endpoints, self.workers.per_worker)
         deadline = time.monotonic() + RESTORE_TIMEOUT_S
+        done: set[int] = set()
+        status: dict[str, Any] = {}
         while True:
-            done = restored(replica, expected)
-            status = self._status(replica)
+            done = restored(replica, expected)  # its loop may be busy with the stream for a while: ask again
+            with contextlib.suppress(OSError):
+                status = self._status(replica)
             if len(done) == len(expected) and status.get("snapshot_uploads", 0) >= 1:
                 break
             if time.monotonic() > deadline or replica.proc.poll() is not None:
@@ -1011,28 +1043,22 @@ class Durable:
                     f"durable fill: {len(done)}/{len(expected)} workers indexed, {sent} messages sent, "
                     f"status {status}: {tail(replica.log)}"
                 )
-            time.sleep(0.2)
+            time.sleep(0.5)
         self.replica = None
         code = replica.stop()
         if code != 0:
             raise fail(f"the durable fill replica exited {code}: {tail(replica.log)}")
 
-    def restart(self, n: int) -> dict[str, Any]:
-        """One warm restart: the same router id, the workers registered at once, until ready and restored."""
+    def restart(self, side: str, n: int, timeout: float) -> dict[str, Any]:
+        """One warm restart: the same router id; the workers registered as ``side`` says (``snapshot``: as the
+        reference's restore, ``snapshot_all``: all at once), until restored and ready."""
+        concurrency, jitter = (RESTORE_CONCURRENCY, RESTORE_JITTER_S) if side == "snapshot" else (10**6, 0.0)
         before = self.workers.queries()
-        replica, times = timed_start(
-            f"snapshot-{n}", self.nats, DURABLE_NAMESPACE, self.folder, self.workers, self.flags
-        )
-        expected = dict.fromkeys(self.workers.endpoints, self.workers.per_worker)
+        replica, times = timed_start(f"{side}-{n}", self.nats, DURABLE_NAMESPACE, self.folder, self.workers, self.flags)
         with running(replica):
-            self._register(replica)
-            deadline = time.monotonic() + RESTORE_TIMEOUT_S
-            while len(restored(replica, expected)) < len(expected):
-                if time.monotonic() > deadline:
-                    raise fail(f"{replica.name}: not restored within {RESTORE_TIMEOUT_S}s: {self._status(replica)}")
-                time.sleep(RESTORE_POLL_S)
+            register_bounded(replica, self.workers, concurrency, jitter, random.Random(n), timeout)
             restored_at = time.perf_counter() - replica.spawned
-            ready = wait_ready(replica, RESTORE_TIMEOUT_S) - replica.spawned
+            ready = wait_ready(replica, timeout) - replica.spawned
             status = self._status(replica)
         return {
             **times,
@@ -1040,7 +1066,9 @@ class Durable:
             "ready_s": max(ready, restored_at),
             "queries": self.workers.queries() - before,
             "snapshot_loaded": status.get("snapshot_loaded"),
-            "worker_queries_reported": status.get("worker_queries"),
+            "snapshot_loads": status.get("snapshot_loads"),
+            "replayed": status.get("received"),
+            "relay_worker_queries": status.get("worker_queries"),
         }
 
     def close(self) -> None:
@@ -1050,13 +1078,14 @@ class Durable:
 
 
 def run_restore(args: argparse.Namespace, nats: NatsServer, folder: Path) -> dict[str, Any]:
-    durable = Durable.available()
-    sides = [s for s in args.sides if s != "snapshot" or durable is None]
     results: dict[str, dict[str, Any]] = {side: {"runs": []} for side in args.sides}
-    if "snapshot" in args.sides and durable is not None:
-        results["snapshot"]["why"] = durable
+    missing = Durable.available()
+    sides = [s for s in args.sides if s not in DURABLE_SIDES or missing is None]
+    for side in set(args.sides) - set(sides):
+        results[side]["why"] = missing
+    durable = bool(DURABLE_SIDES & set(sides))
     subjects = None
-    if "snapshot" in sides:
+    if durable:
         from kvrouter.bridge.subjects import Subjects
 
         subjects = Subjects(DURABLE_NAMESPACE)
@@ -1068,9 +1097,9 @@ def run_restore(args: argparse.Namespace, nats: NatsServer, folder: Path) -> dic
         subjects.kv_events if subjects else None,
     )
     fill_s = 0.0
+    snapshot: Durable | None = None
     try:
-        snapshot: Durable | None = None
-        if "snapshot" in sides:
+        if durable:
             snapshot = Durable(nats, folder, workers)
         started = time.perf_counter()
         sent = workers.fill()
@@ -1078,18 +1107,24 @@ def run_restore(args: argparse.Namespace, nats: NatsServer, folder: Path) -> dic
             snapshot.wait_indexed(sent)
         fill_s = time.perf_counter() - started
         for n in range(args.rounds):
-            order = sides if n % 2 == 0 else sides[::-1]
-            for side in order:
-                if side == "snapshot":
-                    assert snapshot is not None
-                    run = snapshot.restart(n)
-                else:
-                    run = run_full(args, nats, folder, workers, side, n)
+            for side in sides if n % 2 == 0 else sides[::-1]:
+                if "why" in results[side]:
+                    continue  # failed once: not run again
+                try:
+                    if side in DURABLE_SIDES:
+                        assert snapshot is not None
+                        run = snapshot.restart(side, n, args.snapshot_timeout)
+                    else:
+                        run = run_full(args, nats, folder, workers, side, n)
+                except SystemExit as exc:  # a side that does not restore in time is reported, not fatal
+                    results[side]["why"] = str(exc)
+                    print(f"bench_nats: {side} run {n} failed: {exc}", file=sys.stderr, flush=True)
+                    continue
                 results[side]["runs"].append(run)
                 print(f"bench_nats: {side} run {n}: {run}", file=sys.stderr, flush=True)
+    finally:
         if snapshot is not None:
             snapshot.close()
-    finally:
         workers.close()
     for row in results.values():
         runs = row["runs"]
@@ -1168,12 +1203,15 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{'side':<48} {'to API s':>9} {'to ready s':>11} {'worker queries':>15} {'runs':>5}")
         for side, row in restore["sides"].items():
             if row.get("median_ready_s") is None:
-                print(f"{SIDE_NAMES[side]:<48} {'-':>9} {'not measured: ' + row.get('why', ''):>11}")
+                why = (row.get("why") or "").splitlines()[0][:150]
+                print(f"{SIDE_NAMES[side]:<48} not measured: {why}")
                 continue
             print(
                 f"{SIDE_NAMES[side]:<48} {row['median_api_s']:>9.2f} {row['median_ready_s']:>11.2f} "
                 f"{row['worker_queries']:>15} {len(row['runs']):>5}"
             )
+            if row.get("why"):
+                print(f"{'':<48} then failed: {row['why'].splitlines()[0][:150]}")
     ratios = result["ratios"]
     value = ratios.get("warm_restart")
     goal = GOALS["warm_restart"]
@@ -1212,6 +1250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=BLOCKS, help="cached blocks over all restore workers")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="restarts per side")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument(
+        "--snapshot-timeout",
+        type=float,
+        default=SNAPSHOT_TIMEOUT_S,
+        help="a snapshot restart not restored and ready within this is reported failed [s]",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK}")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures here")

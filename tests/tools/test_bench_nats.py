@@ -48,12 +48,15 @@ def test_quick_run_measures_the_lag_and_both_restores(tmp_path: Path) -> None:
         row = restore["sides"][side]
         assert row["median_ready_s"] > 0
         assert row["worker_queries"] >= restore["workers"]  # one full dump per worker at least
-    snapshot = restore["sides"]["snapshot"]
-    if snapshot["median_ready_s"] is None:
-        assert figures["ratios"]["warm_restart"] is None
-        assert snapshot["why"]
-    else:
-        assert snapshot["worker_queries"] == 0
-        assert figures["ratios"]["warm_restart"] > 0
+    for side in ("snapshot", "snapshot_all"):
+        snapshot = restore["sides"][side]
+        if snapshot["median_ready_s"] is None:  # no durable mode in this checkout, or it did not restore
+            assert snapshot["why"]
+        else:
+            assert snapshot["worker_queries"] == 0  # restored without asking any worker
+            assert all(run["snapshot_loaded"] for run in snapshot["runs"])
+    ratio = figures["ratios"]["warm_restart"]
+    assert (ratio is None) == (restore["sides"]["snapshot"]["median_ready_s"] is None)
+    assert ratio is None or ratio > 0
     assert figures["shm_left"] == []
     assert "shm: clean" in stdout

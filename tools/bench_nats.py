@@ -129,8 +129,8 @@ WINDOW: Final = 64
 """Decisions in flight at most; past it the generator falls behind its schedule."""
 LATE_S: Final = 0.010
 """A decision sent this long after its turn in the schedule counts ``late`` (the window was full)."""
-SECONDS: Final = 20.0
-IDLE_SECONDS: Final = 5.0
+SECONDS: Final = 15.0
+IDLE_SECONDS: Final = 3.0
 PROBE_INTERVAL_S: Final = 0.05
 WARM_S: Final = 1.0
 """Probes before the idle phase, not counted: a replica's first decisions compile and warm caches."""
@@ -188,6 +188,7 @@ URL_LINE: Final = re.compile(r"kvrouter up: API at (http://\S+)")
 ZMQ_LINE: Final = re.compile(r"kvrouter up: ZMQ fast path at (tcp://\S+)")
 INDEX_LINE: Final = "kvrouter up: the index is up"
 MAGIC: Final = b"kvr1"
+LOAD_SAMPLE_S: Final = 5.0
 
 
 def fail(message: str) -> SystemExit:
@@ -289,7 +290,8 @@ class Replica:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_") and k != "NATS_SERVER"}
         command = [sys.executable, "-m", "kvrouter", "up", "--port", "0", "--shards", "1"]
         command += [] if fastpath else ["--zmq-port", "0"]  # with --port 0, the fast path on a free port
-        command += ["--mock-workers", "0", "--nats-url", nats_url, "--namespace", namespace, *extra]
+        command += ["--mock-workers", "0", "--drain-secs", "0", "--nats-url", nats_url, "--namespace", namespace]
+        command += extra
         self.log = folder / f"{name}.log"
         self._log = self.log.open("a")
         self.spawned = time.perf_counter()
@@ -1231,6 +1233,33 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"ratios ({result['ratio_basis']}): warm_restart {shown}, goal >= {goal:g}")
 
 
+class LoadSampler:
+    """The 1-minute load average every ``LOAD_SAMPLE_S`` while the run lasts (a daemon thread): what else the
+    machine was doing, beside the before and after figures."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = [os.getloadavg()[0]]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-nats-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(LOAD_SAMPLE_S):
+            self.samples.append(os.getloadavg()[0])
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "min": min(self.samples),
+            "max": max(self.samples),
+            "mean": statistics.fmean(self.samples),
+            "samples": len(self.samples),
+        }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_load"]:
@@ -1280,6 +1309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = os.getloadavg()
     started = time.perf_counter()
     result: dict[str, Any] = {}
+    sampler = LoadSampler()
     with tempfile.TemporaryDirectory(prefix="bench_nats-") as tmp:
         folder = Path(tmp)
         nats = NatsServer(folder)
@@ -1290,6 +1320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result["warm_restart"] = run_restore(args, nats, folder)
         finally:
             nats.stop()
+            sampler.stop()
     sides = (result.get("warm_restart") or {}).get("sides", {})
     full = sides.get("full_reference", {}).get("median_ready_s")
     warm = sides.get("snapshot", {}).get("median_ready_s")
@@ -1300,15 +1331,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "loadavg_1min_during": sampler.summary(),
         "python": sys.version.split()[0],
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
     result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"}
     print_table(result)
     m = result["machine"]
+    during = m["loadavg_1min_during"]
     print(
-        f"machine: {m['cpu_count']} CPUs; load average {m['loadavg_before']} before, {m['loadavg_after']} after; "
-        f"python {m['python']}; {m['wall_seconds']:.0f} s"
+        f"machine: {m['cpu_count']} CPUs; load average {m['loadavg_before']} before, {m['loadavg_after']} after, "
+        f"1-min load during the run {during['min']:.2f}-{during['max']:.2f} (mean {during['mean']:.2f}, "
+        f"every {LOAD_SAMPLE_S:g} s); python {m['python']}; {m['wall_seconds']:.0f} s"
     )
     result["shm_left"] = Replica.SHM_LEFT
     print(f"shm: {'clean' if not Replica.SHM_LEFT else 'left behind: ' + ', '.join(Replica.SHM_LEFT)}")

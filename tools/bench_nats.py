@@ -288,6 +288,8 @@ class Replica:
         self.name = name
         self.fastpath = fastpath
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_") and k != "NATS_SERVER"}
+        if "KVROUTER_LOG" in os.environ:  # the log level passes (``--logs``); no other setting does
+            env["KVROUTER_LOG"] = os.environ["KVROUTER_LOG"]
         command = [sys.executable, "-m", "kvrouter", "up", "--port", "0", "--shards", "1"]
         command += [] if fastpath else ["--zmq-port", "0"]  # with --port 0, the fast path on a free port
         command += ["--mock-workers", "0", "--drain-secs", "0", "--nats-url", nats_url, "--namespace", namespace]
@@ -1302,6 +1304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK}")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures here")
+    parser.add_argument("--logs", type=Path, metavar="DIR", help="keep the replicas' and nats-server's logs here")
     args = parser.parse_args(argv)
     if args.quick:
         parser.set_defaults(**QUICK)
@@ -1311,7 +1314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {}
     sampler = LoadSampler()
     with tempfile.TemporaryDirectory(prefix="bench_nats-") as tmp:
-        folder = Path(tmp)
+        folder = Path(tmp) if args.logs is None else args.logs
+        folder.mkdir(parents=True, exist_ok=True)
         nats = NatsServer(folder)
         try:
             if "lag" in args.parts:

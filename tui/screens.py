@@ -145,6 +145,9 @@ class DetailScreen(ModalScreen[None]):
                 text.append(f"{name:>16}  ", style="dim")
                 text.append(value, style=cells.STATE_STYLES.get(value, ""))
                 text.append("\n")
+            for problem in row.problems:
+                text.append(f"{'misconfigured':>16}  ", style="dim")
+                text.append(problem + "\n", style="bold red")
             if won:
                 overlaps = [d.overlap_blocks / d.prompt_blocks for d in won if d.prompt_blocks]
                 if overlaps:

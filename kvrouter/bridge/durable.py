@@ -6,14 +6,15 @@ the stream ``namespace-{ns}-component-{comp}-kv-events`` (the reference's name: 
 captures that subject, created with file storage by the first replica that finds it missing. Each
 replica reads it through its own durable pull consumer ``kvrouter-<router_id>`` and hands every message
 to its :class:`~kvrouter.bridge.events.NatsEventRelay` in durable mode, which keeps a local indexer per
-rank and answers the appliers' queries itself (``events.py``): no worker is ever asked, neither on a
-join nor for a gap.
+rank and answers the appliers' queries itself (``events.py``): no worker is asked, neither on a join
+nor for a gap, unless the stream lost part of a rank's history (then that rank is repaired from its
+worker once, counted).
 
 **Restart: snapshot + stream, not the consumer's cursor.** A replica's index lives in its memory, so a
 restarted replica has lost everything its consumer had acknowledged; resuming the consumer where it
 stopped would skip exactly what it needs. At start it therefore loads the snapshot (if any), then
 re-creates its consumer (same durable name: found again, not a new one per restart) to deliver from the
-snapshot's stream sequence + 1. The snapshot is taken on the event loop between two messages, so the
+snapshot's stream sequence + 1. The snapshot is taken while no message is being relayed, so the
 sequence it records is exactly the last one its state reflects: the replay neither misses nor repeats a
 message, and per-rank event ids drop anything delivered twice anyway (a redelivery after a reconnect is
 dropped by the stream cursor, ``redelivered``). ``/ready`` waits until the replica has processed the
@@ -35,13 +36,19 @@ the reference uses an etcd lock, which kvrouter does not have), it uploads its r
 purges the stream below the smaller of the snapshot's sequence and every consumer's ack floor, so a live
 replica that lags never loses a message it has not read. The reference purges first and dumps after (its
 comment admits the dump may not match the purge point); dumping first makes the recorded sequence exact.
+The dump holds a lock the consumer also takes around each fetched batch, so no message is relayed while
+it runs, and it yields to the event loop between two ranks: HTTP requests wait for one rank's dump at
+most, not for the whole index (a million blocks take seconds to dump in Python).
 
 **Loading.** The object is read until two consecutive reads of its metadata agree around a successful
 read of its data (same ``nuid``, at most ``SNAPSHOT_READ_TRIES`` tries ``SNAPSHOT_READ_PAUSE_S`` apart):
 the reference's "read until two consecutive reads agree" applied to the metadata, so a 20 MB snapshot is
 downloaded once, not twice (nats-py's object get is the slow part, ``spec/wire-formats.md`` §5.2), and the
 data's SHA-256 is checked by nats-py. An object that does not decode is counted (``snapshot_bad``), logged
-as an error naming the bucket, and the replica replays the stream from its first message instead.
+as an error naming the bucket, and the replica replays the stream from its first message instead; when
+the stream was purged past that (``first_seq`` beyond the resume point) the relay is marked ``partial``
+and each rank is repaired from its worker at its first query. A snapshot ahead of the stream's last
+sequence (the stream was made again) is refused the same way.
 
 ``--router-reset-states`` deletes the snapshot bucket (and its lock bucket) and purges the stream at start.
 """
@@ -105,10 +112,14 @@ CONSUMER_INACTIVE_S: Final = 3600.0
 """A consumer nobody pulled from for this long is removed by the server: the reference's docs give
 durable consumers an hour. Until then a stopped replica's ack floor holds back the purge."""
 MAX_ACK_PENDING: Final = 100_000
+"""Messages fetched and not yet acknowledged before the server stops delivering (acks are per batch)."""
 RETRY_S: Final = 1.0
+"""Pause before retrying after NATS refused or dropped a request."""
 CLOSE_TIMEOUT_S: Final = 2.0
 """Bound on deleting the consumer at shutdown (NATS may be gone)."""
-"""Pause before retrying after NATS refused or dropped a request."""
+START_TRIES: Final = 3
+"""Loads of the snapshot at start when the stream was purged past the loaded one meanwhile (another
+replica's newer snapshot covers the purge); after that the replica starts partial."""
 
 
 def slug(name: str) -> str:
@@ -205,10 +216,12 @@ class DurableEvents:
         self.snapshot_seq: int | None = None
         """The stream sequence of the snapshot loaded at start (None: none loaded)."""
         self.last_snapshot: dict[str, Any] | None = None
-        """The last snapshot this replica uploaded: ``{"seq", "bytes", "ranks", "seconds"}``."""
+        """The last snapshot this replica uploaded: ``{"seq", "bytes", "ranks", "purged_below", "seconds"}``."""
         self._nc: Any = None
         self._js: Any = None
         self._logged: set[str] = set()
+        self._relaying = asyncio.Lock()
+        """Held while a fetched batch is relayed and while a snapshot dumps the ranks: never both."""
 
     def _once(self, kind: str, message: str, *args: object) -> None:
         if kind not in self._logged:
@@ -291,16 +304,18 @@ class DurableEvents:
         )
         return None
 
-    async def _load_snapshot(self, last_seq: int) -> int:
+    async def _load_snapshot(self) -> int:
         """Load the snapshot into the relay; the stream sequence to resume after (0 without one).
 
-        A snapshot past the stream's ``last_seq`` belongs to an earlier stream (deleted and made again: its
-        sequences started over) and is refused as bad: resuming after it would skip the new stream's events.
+        A snapshot past the stream's last sequence (read after the download, so a snapshot taken meanwhile
+        is below it) belongs to an earlier stream, deleted and made again with sequences starting over: it
+        is refused as bad, since resuming after it would skip the new stream's events.
         """
         data = await self._download()
         if data is None:
             log.info("durable start without snapshot bucket=%s: replaying the stream", self.bucket)
             return 0
+        last_seq = (await self._js.stream_info(self.stream)).state.last_seq
         try:
             snapshot = decode_snapshot(data)
         except BadMessage as exc:
@@ -361,12 +376,26 @@ class DurableEvents:
         await self._ensure_stream()
         if self.reset_states:
             await self._reset()
-        before = await self._js.stream_info(self.stream)
-        after = await self._load_snapshot(before.state.last_seq)
-        self.processed_seq = after
-        info = await self._js.stream_info(self.stream)
-        self.target_seq = info.state.last_seq if info.state.messages else after
-        if info.state.first_seq > after + 1:  # purged past what this replica holds: ranks ask their worker
+        for attempt in range(1, START_TRIES + 1):
+            self.relay.clear()
+            bad = self.counters.snapshot_bad
+            after = await self._load_snapshot()
+            psub = await self._make_consumer(after)  # from here its ack floor holds back others' purges
+            info = await self._js.stream_info(self.stream)
+            if info.state.first_seq <= after + 1:
+                break
+            if attempt < START_TRIES and self.counters.snapshot_bad == bad:
+                # another replica may have snapshotted and purged meanwhile: its newer snapshot covers the purge
+                log.info(
+                    "durable stream purged past the resume point, loading the snapshot again stream=%s first_seq=%d "
+                    "resume_after=%d try=%d",
+                    self.stream,
+                    info.state.first_seq,
+                    after,
+                    attempt,
+                )
+                continue
+            # purged past what this replica holds (a bad snapshot, a reset): each rank asks its worker
             self.relay.partial = True
             log.warning(
                 "durable stream lost messages this replica needs stream=%s first_seq=%d resume_after=%d: "
@@ -375,7 +404,9 @@ class DurableEvents:
                 info.state.first_seq,
                 after,
             )
-        psub = await self._make_consumer(after)
+            break
+        self.processed_seq = after
+        self.target_seq = info.state.last_seq if info.state.messages else after
         self.caught_up = self.processed_seq >= self.target_seq
         self.loaded = True
         log.info(
@@ -428,14 +459,15 @@ class DurableEvents:
                 self._once("fetch", "durable fetch failed consumer=%s error=%r; retrying", self.consumer, exc)
                 await asyncio.sleep(RETRY_S)
                 continue
-            for msg in messages:  # hot path: one relay call per stream message
-                counters.received += 1
-                seq = msg.metadata.sequence.stream
-                if seq <= self.processed_seq:
-                    counters.redelivered += 1
-                    continue
-                relay.relay(msg.data)
-                self.processed_seq = seq
+            async with self._relaying:  # not while a snapshot is being taken, rank by rank
+                for msg in messages:  # hot path: one relay call per stream message
+                    counters.received += 1
+                    seq = msg.metadata.sequence.stream
+                    if seq <= self.processed_seq:
+                        counters.redelivered += 1
+                        continue
+                    relay.relay(msg.data)
+                    self.processed_seq = seq
             if messages:
                 with contextlib.suppress(Exception):  # an ack lost is a redelivery, dropped by the cursor
                     await messages[-1].ack()
@@ -492,8 +524,12 @@ class DurableEvents:
     async def _snapshot_and_purge(self, first_seq: int) -> None:
         js = self._js
         started = time.perf_counter()
-        seq = self.processed_seq
-        ranks = self.relay.snapshot()  # on the loop, between two messages: exactly the state at ``seq``
+        async with self._relaying:  # the stream waits: the ranks are exactly the state at ``seq``
+            seq = self.processed_seq
+            ranks = []
+            for key in self.relay.ranks():
+                ranks.append(self.relay.rank_state(key))
+                await asyncio.sleep(0)  # the routes run between two ranks' dumps
         data = encode_snapshot(seq, ranks)
         try:
             store = await js.object_store(self.bucket)

@@ -62,7 +62,7 @@ import nats
 import zmq
 import zmq.asyncio
 
-from ..errors import BadEvent, ConfigError, EventError
+from ..errors import BadEvent, ConfigError, EventError, KvRouterError
 from ..events.codecs.dynamo import Decoder as DynamoDecoder
 from ..events.codecs.frames import encode_live
 from ..events.codecs.kvrouter import Decoder as KvrouterDecoder, Encoder as KvrouterEncoder
@@ -226,10 +226,14 @@ class NatsEventRelay:
                 counters.bad_queries += 1
                 self._once("bad_query", "relay query ignored worker=%s dp=%d error=%s", key[0], key[1], exc)
                 continue
-            if self.incomplete(key) and key in self._fallbacks:
-                await self._repair(key)
-            local = self._local.get(key) or LocalIndexer(*key)
-            reply = local.answer(request)
+            try:
+                if self.incomplete(key) and key in self._fallbacks:
+                    await self._repair(key)
+                local = self._local.get(key) or LocalIndexer(*key)
+                reply = local.answer(request)
+            except (KvRouterError, ValueError) as exc:  # a rank state that will not dump: the asker times out
+                self._once("answer", "relay query not answered worker=%s dp=%d error=%r", key[0], key[1], exc)
+                continue
             try:
                 await sock.send_multipart([identity, *encode_reply(reply)], zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # the peer is gone or its queue is full: it times out and asks again
@@ -383,6 +387,13 @@ class NatsEventRelay:
             fresh.append(event)
         return fresh
 
+    def clear(self) -> None:
+        """Durable mode: forget every rank's state (before a snapshot load at start; sockets are kept)."""
+        self._local.clear()
+        self._incomplete.clear()
+        self._repaired.clear()
+        self.partial = False
+
     def load(self, ranks: Iterable[RankState]) -> None:
         """Durable mode: replace the local indexers of the ranks given by a snapshot's (the others kept)."""
         for rank in ranks:
@@ -390,16 +401,22 @@ class NatsEventRelay:
             local = self._local.get(key)
             if local is None:
                 local = self._local[key] = LocalIndexer(*key)
-            local.load(rank.events, rank.last_event_id)
+            local.load_batches(rank.batches, rank.last_event_id)
             self._incomplete.discard(key)
 
-    def snapshot(self) -> list[RankState]:
-        """Durable mode: every rank's state, compacted (chains merged), for a snapshot; runs on the loop, so
-        it reflects exactly the messages relayed so far."""
-        return [
-            RankState(key[0], key[1], local.last_event_id, tuple(compact(local.index.dump())))
-            for key, local in sorted(self._local.items())
-        ]
+    def ranks(self) -> list[WorkerKey]:
+        """Durable mode: every rank the relay holds state for, sorted."""
+        return sorted(self._local)
+
+    def rank_state(self, key: WorkerKey) -> RankState:
+        """Durable mode: one rank's state for a snapshot, compacted (chains merged). A rank still holding the
+        snapshot it was loaded from (and at most a ring of events since) gives those batches as they are:
+        no dump. The caller keeps the stream from being relayed meanwhile (``DurableEvents``)."""
+        local = self._local[key]
+        batches = local.loaded_batches()
+        if batches is None:  # hot path of a snapshot: a dump and a merge per block, on the loop
+            batches = tuple(local.batches(compact(local.index.dump()), None))
+        return RankState(key[0], key[1], local.last_event_id, batches)
 
     def local(self, worker_id: int, dp_rank: int) -> LocalIndexer | None:
         """Durable mode: the local indexer of a rank (None before its first event)."""

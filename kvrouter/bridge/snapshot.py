@@ -6,7 +6,10 @@ kvrouter's object is one msgpack map holding, per (worker, dp_rank), the rank's 
 batches (``docs/wire-format.md``), whose hashes are packed little-endian u64 arrays, after the dump's
 one-event-per-block stores are merged back into chains (:func:`compact`): a chain of blocks is one
 event, so a block costs 16 bytes (its engine and local hash) plus its share of one event's header, and a
-load is one ``numpy.frombuffer`` per chain. Each rank also carries its last event id, so the stream
+load is one ``numpy.frombuffer`` per chain. The batches are kept as bytes on load (checked with the
+kvrouter decoder's array path, no object per block): the relay answers an applier's join with them as
+they are (``worker/local_indexer.py``, :meth:`~kvrouter.worker.local_indexer.LocalIndexer.load_batches`),
+so a warm restart parses no block in Python. Each rank also carries its last event id, so the stream
 replayed after the snapshot continues every rank's ids exactly, and the map carries the stream sequence
 the snapshot covers, where that replay starts.
 
@@ -28,8 +31,9 @@ from typing import Any, Final
 import msgpack
 
 from ..errors import BadMessage, EventError
-from ..events.codecs.kvrouter import Decoder, Encoder
-from ..events.model import EngineHash, EventBatch, KvEvent, StorageTier, Stored
+from ..events.codecs.kvrouter import Decoder
+from ..events.model import EngineHash, KvEvent, StorageTier, Stored
+from ..worker.publisher import MAX_EVENT_BLOCKS
 
 __all__ = [
     "SNAPSHOT_KIND",
@@ -44,18 +48,17 @@ __all__ = [
 SNAPSHOT_VERSION: Final = 1
 SNAPSHOT_KIND: Final = "kvrouter-radix-state"
 """Marks the object as kvrouter's, so a reference router's JSON snapshot in the same bucket is refused by name."""
-_BATCH_EVENTS: Final = 4096
-"""Events per batch inside the object: bounds one msgpack map, not a wire limit."""
 
 
 @dataclass(frozen=True, slots=True)
 class RankState:
-    """One (worker, dp_rank) in a snapshot: the events that rebuild it from empty, and its last real id."""
+    """One (worker, dp_rank) in a snapshot: the batches of events that rebuild it from empty, its last real id."""
 
     worker_id: int
     dp_rank: int
     last_event_id: int | None
-    events: tuple[KvEvent, ...]
+    batches: tuple[bytes, ...]
+    """kvrouter-format batch payloads of this rank's events, in order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,8 @@ def compact(events: Sequence[KvEvent]) -> list[KvEvent]:
     Applying the result to an empty index gives what applying ``events`` gives: a merged store is the
     same blocks under the same parents, in an order where every parent still precedes its children.
     Events other than stores (the dump's trailing ``Removed`` of gap blocks) keep their order, after them.
+    A merged store stops at ``MAX_EVENT_BLOCKS`` blocks (the next part continues the chain), as
+    ``KvPublisher`` splits its stores, so every event fits a 1 MiB batch.
     """
     children: dict[tuple[StorageTier, EngineHash | None], list[Stored]] = {}
     stores: list[Stored] = []
@@ -96,7 +101,12 @@ def compact(events: Sequence[KvEvent]) -> list[KvEvent]:
             if id(event) in seen:
                 continue
             seen.add(id(event))
-            if run is not None and run.tier == event.tier and run.blocks[-1].engine_hash == event.parent:
+            if (
+                run is not None
+                and run.tier == event.tier
+                and run.blocks[-1].engine_hash == event.parent
+                and len(run.blocks) + len(event.blocks) <= MAX_EVENT_BLOCKS
+            ):
                 run = replace(run, blocks=run.blocks + event.blocks)
             else:
                 if run is not None:
@@ -111,15 +121,8 @@ def compact(events: Sequence[KvEvent]) -> list[KvEvent]:
 
 
 def encode_snapshot(stream_seq: int, ranks: Iterable[RankState]) -> bytes:
-    """The object's bytes: every rank's events (compacted by the caller or not) as kvrouter batches."""
-    encoder = Encoder()
-    body: list[list[Any]] = []
-    for rank in ranks:
-        batches = [
-            encoder.encode(EventBatch(rank.events[i : i + _BATCH_EVENTS], None, rank.dp_rank))
-            for i in range(0, len(rank.events), _BATCH_EVENTS)
-        ]
-        body.append([rank.worker_id, rank.dp_rank, rank.last_event_id, batches])
+    """The object's bytes: every rank's batches (of compacted dumps, from ``LocalIndexer.batches``)."""
+    body: list[list[Any]] = [[r.worker_id, r.dp_rank, r.last_event_id, list(r.batches)] for r in ranks]
     packed: bytes = msgpack.packb(
         {"v": SNAPSHOT_VERSION, "kind": SNAPSHOT_KIND, "stream_seq": stream_seq, "ranks": body}, use_bin_type=True
     )
@@ -128,6 +131,8 @@ def encode_snapshot(stream_seq: int, ranks: Iterable[RankState]) -> bytes:
 
 def decode_snapshot(data: bytes) -> Snapshot:
     """Decode a snapshot object.
+
+    The batches are checked (every event decodes, each batch is the rank's) but kept as bytes.
 
     Raises:
         BadMessage: not msgpack, not kvrouter's kind or version, or a field or batch that does not decode;
@@ -161,16 +166,14 @@ def decode_snapshot(data: bytes) -> Snapshot:
             raise BadMessage(f"{where}: worker_id, dp_rank and last_event_id must be integers")
         if not isinstance(batches, list):
             raise BadMessage(f"{where}: batches must be a list")
-        events: list[KvEvent] = []
         for j, payload in enumerate(batches):
             if not isinstance(payload, bytes):
                 raise BadMessage(f"{where}.batches[{j}]: expected bytes")
             try:
-                batch = decoder.decode(payload)
+                batch = decoder.decode_raw(payload)
             except EventError as exc:
                 raise BadMessage(f"{where}.batches[{j}]: {exc}") from exc
-            if any(e.worker_id != worker_id or e.dp_rank != dp_rank for e in batch.events):
-                raise BadMessage(f"{where}.batches[{j}]: events of another worker or rank")
-            events.extend(batch.events)
-        states.append(RankState(worker_id, dp_rank, last, tuple(events)))
+            if (batch.worker_id, batch.dp_rank) != (worker_id, dp_rank):
+                raise BadMessage(f"{where}.batches[{j}]: a batch of worker {batch.worker_id} dp {batch.dp_rank}")
+        states.append(RankState(worker_id, dp_rank, last, tuple(batches)))
     return Snapshot(stream_seq, tuple(states))

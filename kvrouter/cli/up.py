@@ -551,6 +551,27 @@ def up(
             rich_help_panel=_PROXY,
         ),
     ] = None,
+    shadow_policy: Annotated[
+        str | None,
+        typer.Option(
+            "--shadow-policy",
+            envvar="KVROUTER_SHADOW_POLICY",
+            help="Simulator policies (comma-separated) asked on every decision and compared in /metrics, "
+            "never used to route (kvrouter simulate --help lists them).",
+            show_default="none",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
+    decision_log: Annotated[
+        str | None,
+        typer.Option(
+            "--decision-log",
+            envvar="KVROUTER_DECISION_LOG",
+            help="Append every decision to FILE as a JSON line (summarise it with kvrouter decision-log FILE).",
+            show_default="off",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
     # Replica sync
     router_replica_sync: Annotated[
         bool,
@@ -739,6 +760,8 @@ def up(
         "queue_policy": router_queue_policy,
         "queue_timeout_secs": router_queue_timeout_secs,
         "tokenizer": tokenizer,
+        "decision_log": decision_log,
+        "shadow_policies": tuple(p.strip() for p in (shadow_policy or "").split(",") if p.strip()),
         "active_request_expiry_secs": router_active_request_expiry_secs,
         "replica_sync": router_replica_sync,
         "nats_url": nats_url,

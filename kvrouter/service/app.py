@@ -56,13 +56,16 @@ from .affinity import Affinity
 from .answers import address, explain
 from .config import ServiceConfig
 from .counters import PHASES, ServiceCounters
+from .decisions import DecisionLog, DecisionRecords, Recorded, decision_json
 from .fastpath import FastPath
 from .fronts import Fronts, FrontSpec
 from .health import Health
 from .partition import Instance, Partition
 from .queue import RouterQueue
 from .routes import Routes
+from .shadow import ShadowChoice, Shadows
 from .stats import EXPLAIN_INTERVAL_S, StatsPublisher
+from .trust import Trust
 from .validation import Registration, SelectRequest, Unregistration, parse_registration, parse_unregistration
 
 __all__ = ["PHASES", "SelectResult", "Service", "ServiceCounters"]
@@ -131,8 +134,18 @@ class Service:
         self.partitions: dict[tuple[str, str], Partition] = {}
         self.counters = ServiceCounters()
         self.accuracy = Accuracy(self.counters, lambda kind, fields: self._event(kind, **fields))
+        self.trust = Trust(self.counters, lambda kind, fields: self._event(kind, **fields))
+        """Each worker's trust state and the misconfigurations found (trust.py), updated by the health loop."""
+        self.shadows = Shadows(config.shadow_policies, self.counters) if config.shadow_policies else None
+        """``--shadow-policy``: other policies' choices on every decision, compared, never used (shadow.py)."""
         """Predicted against engine-reported reuse, per worker (``accuracy.py``)."""
         self.decisions: deque[dict[str, Any]] = deque(maxlen=config.decisions_ring)
+        self.records = DecisionRecords()
+        """Every decision with an id, kept to explain by id (``GET /decisions/{selection_id}``)."""
+        self.decision_log: DecisionLog | None = (
+            None if config.decision_log is None else DecisionLog(config.decision_log)
+        )
+        """``--decision-log FILE``: a line per decision (decisions.py)."""
         self.events: deque[dict[str, Any]] = deque(maxlen=config.events_ring)
         self.url = ""
         self._owner: dict[int, tuple[str, str]] = {}
@@ -274,6 +287,8 @@ class Service:
             if not self._forked:
                 log.warning("service run without start: forking the fork server from a running loop")
                 self.start()
+            if self.decision_log is not None:
+                self.decision_log.open()  # after the fork: the appliers hold no handle on it
             fronts = self.fronts
             if fronts is not None and not fronts.primary:
                 await fronts.open()  # the registry first: a front takes connections only once it can route
@@ -331,6 +346,8 @@ class Service:
                 await fronts.start_fronts(port)
             if isinstance(self.engine, Engine):  # front 0 speaks for the fronts to kvrouter top
                 self._publish_stats(tasks)
+            if self.decision_log is not None:
+                tasks.append(asyncio.create_task(self.decision_log.run(), name="kvrouter-decision-log"))
             if on_ready is not None:
                 on_ready(self.url)
             await self._stop_event.wait()
@@ -361,6 +378,8 @@ class Service:
             if self.fronts is not None:
                 await self.fronts.close()  # front 0: the other fronts drain and stop before the engine goes
             self._withdraw_stats()
+            if self.decision_log is not None:
+                self.decision_log.close()  # what the last second decided, written
             if runner is not None:
                 await runner.cleanup()
             self.engine.close()
@@ -483,10 +502,12 @@ class Service:
                 self.config.router,
                 expiry_secs=self.config.active_request_expiry_secs,
             )
+            partition.trust = self.trust.states
             self.partitions[key] = partition
         partition.instances[reg.instance_id] = updated
         self._owner[reg.instance_id] = key
         self.registrations[reg.instance_id, reg.dp_rank] = reg
+        self.trust.registered((reg.instance_id, reg.dp_rank))
         partition.rebuild()
         if self.sync is not None:
             self.sync.worker_registered((reg.instance_id, reg.dp_rank))  # peers' requests kept for it
@@ -532,7 +553,9 @@ class Service:
             for rank in ranks:
                 self.registrations.pop((request.instance_id, rank), None)
                 self.accuracy.forget((request.instance_id, rank))
+                self.trust.forget((request.instance_id, rank))
                 del instance.ranks[rank]
+                instance.rank_queries.pop(rank, None)
                 partition.unhealthy.pop((request.instance_id, rank), None)
                 self._streams.pop((request.instance_id, rank), None)
             removed += len(ranks)
@@ -685,6 +708,9 @@ class Service:
             candidates = self.affinity.candidates(partition.name, request.session_id, candidates)  # affinity.py
         router = partition.router
         index: Any = partition.approx if partition.approx is not None else self.engine
+        shadowed = None
+        if self.shadows is not None and not request.probe:  # before the live decision books anything
+            shadowed = self.shadows.choose(partition, index, candidates, selection_id or "", local, isl)
         started = time.perf_counter()
         self.counters.phases["hash"].observe(started - hashing)
         try:
@@ -696,6 +722,7 @@ class Service:
                 capacities=partition.capacities,
                 request_id=selection_id if reserve else None,
                 explain=explain or sampled,
+                record=reserve or selection_id is not None or self.decision_log is not None or shadowed is not None,
             )
         except NoWorkerAvailable as exc:
             self.counters.overloaded += 1
@@ -741,7 +768,26 @@ class Service:
             instance.http_endpoint,
             address(instance.http_endpoint),
         )
-        self._record_decision(result, len(local), elapsed)
+        record = selection.record
+        if self.shadows is not None and shadowed is not None and record is not None:
+            self.shadows.account(partition, *shadowed, selection.worker, record)
+        self._record_decision(result, len(local), elapsed, shadowed[2] if shadowed is not None else None)
+        if record is not None:
+            recorded = Recorded(
+                selection_id or f"seq-{self._decision_seq}",
+                self._decision_seq,
+                time.time(),
+                partition.model_name,
+                partition.routing_group,
+                block_size,
+                isl,
+                reserve,
+                record,
+            )
+            if selection_id is not None:
+                self.records.add(recorded)
+            if self.decision_log is not None:
+                self.decision_log.add(recorded)
         if sampled:  # the answer is the one an unexplained request gets
             selection.explanation = None
         return result
@@ -843,6 +889,16 @@ class Service:
         """(pending_count, pending_isl_tokens) of the partition's router queue."""
         return self.queue.pending(model, group)
 
+    async def decision(self, selection_id: str) -> dict[str, Any] | None:
+        """``GET /decisions/{selection_id}``: the decision as it was made, from this front's ring or, with
+        ``--fronts N``, another front's; None when no front keeps it."""
+        recorded = self.records.get(selection_id)
+        if recorded is not None:
+            return decision_json(recorded)
+        if self.fronts is not None:
+            return await self.fronts.find_decision(selection_id)
+        return None
+
     def fleet_counters(self) -> ServiceCounters:
         """The counters ``/metrics`` and ``kvrouter top`` show: this front's, or with ``--fronts N`` every
         front's summed (``fronts.py``)."""
@@ -852,7 +908,9 @@ class Service:
         """Reservations currently booked."""
         return len(self._reservations)
 
-    def _record_decision(self, result: SelectResult, prompt_blocks: int, elapsed: float) -> None:
+    def _record_decision(
+        self, result: SelectResult, prompt_blocks: int, elapsed: float, shadows: list[ShadowChoice] | None = None
+    ) -> None:
         self._decision_seq += 1
         selection = result.selection
         entry: dict[str, Any] = {
@@ -870,6 +928,16 @@ class Service:
             "selection_id": result.selection_id,
             "decision_us": round(elapsed * 1e6, 1),
         }
+        if shadows is not None:
+            entry["shadows"] = {
+                c.policy: {
+                    "worker_id": c.worker[0],
+                    "dp_rank": c.worker[1],
+                    "overlap_blocks": c.overlap_blocks,
+                    "cost": c.cost,
+                }
+                for c in shadows
+            }
         if selection.explanation is not None:
             entry["explain"] = explain(result)["workers"]
             self.last_explained = entry

@@ -18,6 +18,7 @@ from ..plane.config import PlaneConfig
 from ..plane.registry import WorkerSpec
 from ..routing.config import KVROUTER_CONFIG, RouterConfig
 from ..routing.slots import DEFAULT_EXPIRY_SECS
+from ..sim.policies import POLICIES
 
 __all__ = ["DEFAULT_NATS_URL", "DEFAULT_SNAPSHOT_THRESHOLD", "MAX_FRONTS", "ZMQ_PORT_DEFAULT", "ServiceConfig"]
 
@@ -40,11 +41,12 @@ class ServiceConfig:
     Raises:
         ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, fronts outside 1..64, a block size
             below 1, an overload status that is not 429 or 5xx, a body limit below 1 KiB, a negative drain time,
-            a session affinity TTL not above 0, a tokenizer path that names no file, a queue threshold below 1,
-            a queue policy other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace
-            or component that is not one NATS subject token, (with replica_sync or durable_kv_events) a
-            nats_url that is not nats:// or tls://, durable_kv_events without KV events, a snapshot threshold
-            below 1, or a router_id that is not 1-64 letters, digits, ``_`` or ``-``.
+            a session affinity TTL not above 0, a tokenizer path that names no file, a decision log in no
+            directory, a shadow policy the simulator does not have, a queue threshold below 1, a queue policy
+            other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace or component
+            that is not one NATS subject token, (with replica_sync or durable_kv_events) a nats_url that is not
+            nats:// or tls://, durable_kv_events without KV events, a snapshot threshold below 1, or a
+            router_id that is not 1-64 letters, digits, ``_`` or ``-``.
     """
 
     host: str = "127.0.0.1"
@@ -115,6 +117,10 @@ class ServiceConfig:
     router_id: str | None = None
     """``--router-id``: this replica's stable name, kept across restarts: its durable consumer is
     ``kvrouter-<router_id>``. None: derived from the host name and the port (``bridge/durable.py``)."""
+    shadow_policies: tuple[str, ...] = ()
+    """``--shadow-policy``: simulator policies asked on every decision, for comparison only (``shadow.py``)."""
+    decision_log: str | None = None
+    """``--decision-log FILE``: every decision appended to ``FILE`` as a JSON line (``decisions.py``)."""
     fronts: int = 1
     """``--fronts``: front processes serving ``port`` together (SO_REUSEPORT), each reading the index
     through shared memory, their load views kept in step by the replica sync (``fronts.py``)."""
@@ -140,6 +146,8 @@ class ServiceConfig:
             raise ConfigError(
                 f"ServiceConfig.session_affinity_ttl_secs must be > 0, got {self.session_affinity_ttl_secs}"
             )
+        if self.decision_log is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.decision_log))):
+            raise ConfigError(f"ServiceConfig.decision_log: no such directory for {self.decision_log!r}")
         if self.tokenizer is not None and not os.path.isfile(self.tokenizer):
             raise ConfigError(f"ServiceConfig.tokenizer: no such file {self.tokenizer!r}")
         if self.queue_threshold is not None and (type(self.queue_threshold) is not int or self.queue_threshold < 1):
@@ -155,6 +163,9 @@ class ServiceConfig:
                 f"ServiceConfig.active_request_expiry_secs must be > 0, got {self.active_request_expiry_secs}"
             )
         Subjects(self.namespace, self.component)  # raises ConfigError naming the bad one
+        for name in self.shadow_policies:
+            if name not in POLICIES:
+                raise ConfigError(f"ServiceConfig.shadow_policies: {name!r} is not one of {', '.join(POLICIES)}")
         if (self.replica_sync or self.durable_kv_events) and not self.nats_url.startswith(("nats://", "tls://")):
             raise ConfigError(
                 f"ServiceConfig.nats_url must be nats://host:port or tls://host:port, got {self.nats_url!r}"

@@ -14,7 +14,7 @@ from typing import Any, Final, TypeVar
 from ..events.model import WorkerKey
 from .histogram import HIT_RATE_BUCKETS, REUSE_ERROR_BUCKETS, Buckets
 
-__all__ = ["PHASES", "REUSE_FIELDS", "ServiceCounters"]
+__all__ = ["PHASES", "REUSE_FIELDS", "SHADOW_FIELDS", "ServiceCounters"]
 
 PHASES: Final = ("parse", "hash", "decide", "serialise", "total")
 """Where a ``/select``'s time goes (``ServiceCounters.phases``): the body read, decoded and validated; the
@@ -22,6 +22,9 @@ tokens hashed to blocks; the decision (``Router.select``: index walk, costs, cho
 and encoded; and the whole handler."""
 REUSE_FIELDS: Final = ("reports", "exact", "over", "under", "predicted_tokens", "actual_tokens")
 """``ServiceCounters.reuse``'s per-worker figures, in order (``accuracy.py``)."""
+SHADOW_FIELDS: Final = ("decisions", "agreements", "overlap_blocks", "live_overlap_blocks", "cost", "live_cost")
+"""``ServiceCounters.shadow``'s per-policy sums, in order (``shadow.py``): ``cost`` and ``live_cost`` over the
+decisions whose shadow pick was a live candidate."""
 
 
 @dataclass(slots=True)
@@ -58,6 +61,8 @@ class ServiceCounters:
     """Per worker, the engine's reuse reports against the router's predictions (``REUSE_FIELDS``)."""
     reuse_error: dict[WorkerKey, Buckets] = field(default_factory=dict)
     """Per worker, blocks reused minus blocks predicted (``REUSE_ERROR_BUCKETS``)."""
+    shadow: dict[str, list[float]] = field(default_factory=dict)
+    """Per shadow policy, its choices against the live ones (``SHADOW_FIELDS``)."""
 
     def to_wire(self) -> dict[str, Any]:
         """JSON-able, for the other fronts of ``--fronts N`` (``fronts.py``), which sum every front's."""
@@ -78,6 +83,7 @@ class ServiceCounters:
             "http_seconds": [[*k, s] for k, s in self.http_seconds.items()],
             "reuse": [[k[0], k[1], *counts] for k, counts in self.reuse.items()],
             "reuse_error": [[k[0], k[1], b.to_wire()] for k, b in self.reuse_error.items()],
+            "shadow": self.shadow,
         }
 
     @classmethod
@@ -102,6 +108,11 @@ class ServiceCounters:
             reuse_error={
                 (int(w), int(r)): Buckets.from_wire(b, REUSE_ERROR_BUCKETS) for w, r, b in wire["reuse_error"]
             },
+            shadow={
+                str(name): [float(v) for v in values]
+                for name, values in wire["shadow"].items()
+                if len(values) == len(SHADOW_FIELDS)
+            },
         )
 
     def add(self, other: ServiceCounters) -> None:
@@ -119,6 +130,10 @@ class ServiceCounters:
                 mine[i] += count
         for key, buckets in other.reuse_error.items():
             self.reuse_error.setdefault(key, Buckets(REUSE_ERROR_BUCKETS)).add(buckets)
+        for name, values in other.shadow.items():
+            mine_shadow = self.shadow.setdefault(name, [0.0] * len(SHADOW_FIELDS))
+            for i, value in enumerate(values):
+                mine_shadow[i] += value
         self.decision.add(other.decision)
         self.hit_rate.add(other.hit_rate)
         for phase, buckets in other.phases.items():

@@ -61,6 +61,7 @@ from ..errors import ServiceError
 from . import discovery
 from .config import ServiceConfig
 from .counters import ServiceCounters
+from .decisions import decision_json
 from .validation import Registration
 
 if TYPE_CHECKING:
@@ -75,6 +76,9 @@ CONTROL_SUBJECT: Final = "kvrouter.fronts.control"
 REGISTRY_SUBJECT: Final = "kvrouter.fronts.registry"
 REGISTRY_GET_SUBJECT: Final = "kvrouter.fronts.registry.get"
 COUNTERS_SUBJECT: Final = "kvrouter.fronts.counters"
+DECISION_SUBJECT: Final = "kvrouter.fronts.decision"
+DECISION_TIMEOUT_S: Final = 0.3
+"""How long a front waits for the one that keeps a decision asked by id (a front without it stays silent)."""
 COUNTERS_INTERVAL_S: Final = 1.0
 """How often each front publishes its counters: the others' part of a scrape is at most this old."""
 CONTROL_TIMEOUT_S: Final = 10.0
@@ -160,6 +164,7 @@ class Fronts:
             self.apply(orjson.loads(answer.data))
             self._tasks.append(asyncio.create_task(self._watch_parent(), name="kvrouter-fronts-parent"))
         await self._bus.subscribe(COUNTERS_SUBJECT, cb=self._on_counters)
+        await self._bus.subscribe(DECISION_SUBJECT, cb=self._on_decision)
         self._tasks.append(asyncio.create_task(self._publish_counters(), name="kvrouter-fronts-counters"))
 
     async def close(self) -> None:
@@ -217,6 +222,24 @@ class Fronts:
         if known is not None and known[0] != pid:  # that front was started again: keep what it had counted
             self._retired.add(known[1])
         self._peers[index] = (pid, counters)
+
+    # -- decisions by id ------------------------------------------------------------------------------
+
+    async def find_decision(self, selection_id: str) -> dict[str, Any] | None:
+        """A decision another front made and keeps (``GET /decisions/{id}`` reached the wrong front)."""
+        if self._bus is None:
+            return None
+        try:
+            answer = await self._bus.request(DECISION_SUBJECT, selection_id.encode(), timeout=DECISION_TIMEOUT_S)
+        except Exception:  # nats.errors.TimeoutError / NoRespondersError: no front keeps it
+            return None
+        found: dict[str, Any] = orjson.loads(answer.data)
+        return found
+
+    async def _on_decision(self, msg: localbus.LocalMessage) -> None:
+        recorded = self.service.records.get(msg.data.decode(errors="replace"))
+        if recorded is not None:
+            await msg.respond(orjson.dumps(decision_json(recorded)))
 
     # -- the registry -------------------------------------------------------------------------------
 

@@ -89,6 +89,8 @@ class Health:
                     if grown > 0:
                         self.service._event(name, worker_id=key[0], dp_rank=key[1], count=grown, state=stats.state)
             self.service._streams[key] = stats
+        if self.service.config.router.use_kv_events:
+            self.service.trust.update(streams, self._endpoints())
         for partition in self.service.partitions.values():
             unhealthy: dict[WorkerKey, str] = {}
             for instance in partition.instances.values():
@@ -125,6 +127,15 @@ class Health:
         if sync is not None:
             sync.sweep()
         self.service.queue.tick()  # queue.py: retry the waiters, drop those whose client left
+
+    def _endpoints(self) -> dict[WorkerKey, tuple[str, str, int, str]]:
+        """Per registered worker: (event endpoint, topic, block size, format), for the trust checks' messages."""
+        return {
+            (instance.instance_id, rank): (endpoint, instance.topic or "", partition.block_size, instance.format)
+            for partition in self.service.partitions.values()
+            for instance in partition.instances.values()
+            for rank, endpoint in instance.ranks.items()
+        }
 
     def refresh_index(self) -> None:
         stats = self.service.engine.stats()

@@ -68,6 +68,7 @@ from ..events.model import WorkerKey
 from ..index.layout import ERROR_KINDS, WORKER_STATES
 from ..routing.config import RouterConfig
 from ..routing.slots import SlotManager
+from .counters import SHADOW_FIELDS
 from .histogram import Buckets
 
 __all__ = [
@@ -330,6 +331,7 @@ class Counters(Protocol):
     http_seconds: dict[tuple[str, str], float]
     reuse: dict[WorkerKey, list[int]]
     reuse_error: dict[WorkerKey, Buckets]
+    shadow: dict[str, list[float]]
 
 
 class PartitionView(Protocol):
@@ -537,6 +539,7 @@ def front_families(counters: Counters) -> Iterator[Metric]:
         "kvrouter_kv_hit_rate", "Predicted hit rate of the chosen worker per decision", {(): counters.hit_rate}, []
     )
     yield from reuse_families(counters)
+    yield from shadow_families(counters)
     series: dict[tuple[str, ...], Buckets] = {(name,): b for name, b in counters.phases.items()}
     yield histogram(
         "kvrouter_routing_overhead_seconds",
@@ -574,6 +577,36 @@ def reuse_families(counters: Counters) -> Iterator[Metric]:
         {tuple(_key_labels(k)): b for k, b in sorted(counters.reuse_error.items())},
         labels,
     )
+
+
+def shadow_families(counters: Counters) -> Iterator[Metric]:
+    """``--shadow-policy``: each shadow's picks against the live ones over the same decisions (``shadow.py``)."""
+    if not counters.shadow:
+        return
+    families = {
+        "decisions": CounterMetricFamily(
+            "kvrouter_shadow_decisions", "Decisions a shadow policy was asked", labels=["policy"]
+        ),
+        "agreements": CounterMetricFamily(
+            "kvrouter_shadow_agreements", "Decisions where the shadow chose the live worker", labels=["policy"]
+        ),
+        "overlap_blocks": CounterMetricFamily(
+            "kvrouter_shadow_overlap_blocks", "Device overlap of the shadow's picks, summed", labels=["policy"]
+        ),
+        "live_overlap_blocks": CounterMetricFamily(
+            "kvrouter_shadow_live_overlap_blocks", "Device overlap of the live picks, same decisions", labels=["policy"]
+        ),
+        "cost": CounterMetricFamily(
+            "kvrouter_shadow_cost", "The live cost function's value of the shadow's picks, summed", labels=["policy"]
+        ),
+        "live_cost": CounterMetricFamily(
+            "kvrouter_shadow_live_cost", "The live picks' cost, over the same decisions", labels=["policy"]
+        ),
+    }
+    for policy, values in sorted(counters.shadow.items()):
+        for name, value in zip(SHADOW_FIELDS, values, strict=True):
+            families[name].add_metric([policy], value)
+    yield from families.values()
 
 
 def accuracy_families(accuracy: AccuracyView, workers: Iterable[WorkerKey]) -> Iterator[Metric]:

@@ -18,6 +18,7 @@ a restarted service forgets its approximate index, which expires after ``router_
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
@@ -106,6 +107,8 @@ class Partition:
         self.candidates: tuple[WorkerKey, ...] = ()
         """The routable keys, one tuple object until the next change (see the module docstring)."""
         self.capacities: dict[WorkerKey, int] | None = None
+        self.trust: Mapping[WorkerKey, str] = {}
+        """Each worker's trust state (the service's ``trust.py``, shared), for explanations."""
 
     @property
     def name(self) -> str:

@@ -65,6 +65,7 @@ key                       value
 ``explained``             the most recent explained decision (same shape), or nil: with one decision
                           explained every ``EXPLAIN_INTERVAL_S``, it may be older than ``decisions``
 ``events``                the last ``EVENTS_SHOWN`` entries of the event log, ``GET /events``'s shape
+``shadows``               ``--shadow-policy``: per policy, ``counters.SHADOW_FIELDS`` sums (``shadow.py``)
 ``replicas``              with replica sync on, the peers heard lately (``bridge/sync.py``), else nil
 ``sync_lag_ms``           with replica sync on, the median one-way delay of their presence messages, else nil
 ========================= ======================================================================
@@ -332,6 +333,8 @@ def build_blob(service: Service, *, last_gap_at: float | None, decisions: int, e
                     "active_requests": slots.active_requests(key),
                     "unhealthy": partition.unhealthy.get(key),
                     "accuracy": service.accuracy.rolling(key),
+                    "trust": service.trust.state(key),
+                    "problems": service.trust.problems(key),
                     "drift": key in service.accuracy.drifting,
                 }
             )
@@ -362,6 +365,7 @@ def build_blob(service: Service, *, last_gap_at: float | None, decisions: int, e
         "explained": service.last_explained,
         "events": _last(service.events, events),
         "trimmed": False,
+        "shadows": counters.shadow,
         **_replicas(service),
     }
 

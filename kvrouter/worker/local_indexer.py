@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from typing import Final
 
 from ..errors import ConfigError, EventError
-from ..events.codecs.kvrouter import Encoder
+from ..events.codecs.kvrouter import Decoder, Encoder
 from ..events.codecs.query import QueryReply, QueryRequest
 from ..events.model import Cleared, EventBatch, KvEvent, Removed, Stored
 from ..index.reference import RadixIndex
@@ -90,10 +90,21 @@ class LocalIndexer:
         self._ring: deque[KvEvent] = deque(maxlen=buffer_events)
         self._last_event_id: int | None = None
         self._logged: set[str] = set()
+        self._base: tuple[bytes, ...] | None = None
+        """Batches loaded by :meth:`load_batches` and not yet applied to the block set (lazy)."""
+        self._after_base: list[KvEvent] = []
+        """Events applied since ``_base`` was loaded, while it is still lazy."""
 
     def apply(self, events: Sequence[KvEvent]) -> None:
         """Apply events (consecutive ids, continuing :attr:`last_event_id`) to the block set and the ring."""
         if not events:
+            return
+        if self._base is not None:  # lazy: the block set is built when first needed
+            self._after_base.extend(events)
+            self._ring.extend(events)
+            self._last_event_id = events[-1].event_id
+            if len(self._after_base) > self.buffer_events:
+                self._materialize()
             return
         for event in events:  # hot path: one index update per event
             try:
@@ -117,11 +128,42 @@ class LocalIndexer:
         range query from before them must get a tree dump, never a range with a hole in it."""
         self._ring.clear()
 
+    def load_batches(self, batches: Sequence[bytes], last_event_id: int | None) -> None:
+        """Replace the state by a dump as kvrouter batches (a snapshot's) reflecting ``last_event_id``, lazily.
+
+        The batches are kept as they are: a tree dump is answered with them followed by the events applied
+        since (both rebuild the rank from empty, in order), so a join after a warm restart costs no block
+        in Python. The block set is built from them only when something needs it (:attr:`index`, a
+        snapshot, more than ``buffer_events`` events since). The caller checked the batches decode.
+        """
+        self.load((), last_event_id)
+        self._base = tuple(batches)
+
+    def _materialize(self) -> None:
+        """Build the block set from the lazy batches and the events since."""
+        base, after = self._base, self._after_base
+        if base is None:
+            return
+        self._base, self._after_base = None, []
+        decoder = Decoder()
+        for payload in base:
+            for event in decoder.decode(payload).events:
+                try:
+                    self._index.apply_event(self.worker_id, event)
+                except EventError:
+                    self.index_errors += 1
+        ring, last = list(self._ring), self._last_event_id
+        self.apply(after)
+        self._ring.clear()
+        self._ring.extend(ring)
+        self._last_event_id = last
+
     def load(self, events: Iterable[KvEvent], last_event_id: int | None) -> None:
         """Replace the state by a dump's events (a snapshot, a worker's tree dump) reflecting ``last_event_id``.
 
         The ring starts empty: any range query older than the next event gets a tree dump.
         """
+        self._base, self._after_base = None, []
         self._index = RadixIndex()
         self._ring.clear()
         for event in events:
@@ -137,6 +179,7 @@ class LocalIndexer:
 
     def reset(self) -> None:
         """A new incarnation of the worker (its ids start at 0 again): everything emptied."""
+        self._base, self._after_base = None, []
         self._index = RadixIndex()
         self._ring.clear()
         self._last_event_id = None
@@ -156,8 +199,19 @@ class LocalIndexer:
         wanted = list(itertools.islice(self._ring, request.start - first, max(end - first + 1, 0)))
         return QueryReply("events", last, tuple(self.batches(wanted, None)))
 
+    def loaded_batches(self) -> tuple[bytes, ...] | None:
+        """While a :meth:`load_batches` is still lazy: its batches and the events since, which rebuild the
+        rank from empty (what a new snapshot of it may hold without a dump); else None."""
+        if self._base is None:
+            return None
+        return self._base + tuple(self.batches(self._after_base, None))
+
     def tree_dump(self) -> QueryReply:
-        """A ``tree_dump`` reply: synthetic events rebuilding the block set from empty."""
+        """A ``tree_dump`` reply: events rebuilding the block set from empty (the lazy batches and the events
+        since, or the block set's dump)."""
+        loaded = self.loaded_batches()
+        if loaded is not None:
+            return QueryReply("tree_dump", self._last_event_id, loaded)
         return QueryReply("tree_dump", self._last_event_id, tuple(self.batches(self._index.dump(), None)))
 
     def batches(self, events: Iterable[KvEvent], timestamp: float | None) -> Iterable[bytes]:
@@ -182,4 +236,5 @@ class LocalIndexer:
     @property
     def index(self) -> RadixIndex:
         """The block set (read it, never apply to it): what a tree dump rebuilds."""
+        self._materialize()
         return self._index

@@ -20,6 +20,7 @@ import nats
 import pytest
 from nats.js.errors import BucketNotFoundError
 
+from kvrouter.bridge.durable import bucket_name, consumer_name, slug, stream_name
 from kvrouter.bridge.events import NatsEventSink
 from kvrouter.bridge.subjects import Subjects
 from kvrouter.hashing import block_hashes
@@ -117,21 +118,53 @@ def stopping(*started: Replica) -> Iterator[None]:
         assert shm_of(replica.proc.pid) == []
 
 
-def test_a_replica_killed_and_restarted_resumes_from_the_stream_without_asking_the_worker(
+def test_a_replica_killed_mid_stream_resumes_from_the_stream_then_from_a_snapshot_without_asking_the_worker(
     nats_server: NatsServer,
     publisher: tuple[KvPublisher, NatsEventSink],
     tmp_path: Path,
     wait_until: Callable[..., None],
 ) -> None:
+    """b is SIGKILLed twice: first with the whole stream still there (it replays it), then after a snapshot
+    past the threshold purged the stream (it loads the snapshot and replays the rest). Each time it ends
+    equal to the worker and to a, which never stopped, with no duplicate, no gap and no query to the worker."""
     pub, _ = publisher
     chains = Chains(pub)
-    a = durable("a", nats_server, "durable", tmp_path)
+    threshold = ("--router-snapshot-threshold", "14")  # crossed only in the second half
+    a = durable("a", nats_server, "durable", tmp_path, *threshold)
     a.wait_started()  # on a cold numba cache the first compiles the kernels; b then loads them
-    b = durable("b", nats_server, "durable", tmp_path)
-    restarted: Replica | None = None
-    tree: list[tuple[int, str]] = []
+    started = [durable("b", nats_server, "durable", tmp_path, *threshold)]
+    trees: list[list[tuple[int, str]]] = []
+
+    def kill(replica: Replica) -> None:
+        trees.append(descendants(replica.proc.pid))
+        replica.proc.kill()  # mid-stream: no shutdown at all; its consumer stays on the server
+        replica.proc.wait()
+        kill_and_sweep(trees[-1])
+
+    def restart() -> Replica:
+        b = durable("b", nats_server, "durable", tmp_path, *threshold)
+        started.append(b)
+        b.wait_started()
+        register(b, pub, wait_until)
+        wait_until(lambda: status(b)["ready"], timeout=QUIET_S, what="the restarted b /ready")
+        wait_until(lambda: chains.agree(b), timeout=QUIET_S, what="the restarted b equal to the worker")
+        return b
+
+    def clean(b: Replica) -> dict[str, Any]:
+        """b's status, checked: its own consumer found again, a's position, nothing twice, no gap, no worker."""
+        after = status(b)
+        assert after["consumer"] == "kvrouter-b"
+        assert after["processed_seq"] == status(a)["processed_seq"]
+        relay = after["relay"]
+        assert (relay["duplicates"], relay["gaps"], relay["malformed"], relay["incomplete"]) == (0, 0, 0, [])
+        assert relay["queries"] >= 1  # the applier's join was answered by the relay itself
+        assert pub.queries_answered == 0
+        assert pub.bad_queries == 0
+        return after
+
     with stopping(a):
         try:
+            b = started[0]
             b.wait_started()
             for replica in (a, b):
                 register(replica, pub, wait_until)
@@ -139,117 +172,54 @@ def test_a_replica_killed_and_restarted_resumes_from_the_stream_without_asking_t
                 chains.store(c, 3 + c)
             pub.publish()
             for replica in (a, b):
-                wait_until(
-                    lambda r=replica: chains.agree(r), timeout=QUIET_S, what=f"{replica.name} equal to the worker"
-                )
-            assert status(b)["consumer"] == "kvrouter-b"
+                name = f"{replica.name} equal to the worker"
+                wait_until(lambda r=replica: chains.agree(r), timeout=QUIET_S, what=name)
 
-            tree = descendants(b.proc.pid)
-            b.proc.kill()  # mid-stream: no shutdown at all
-            b.proc.wait()
-            kill_and_sweep(tree)
-            # while b is away: more stores, an eviction, a step in several messages
-            for c in range(4, 7):
+            kill(b)
+            for c in range(4, 7):  # while b is away: stores, an eviction, a step in several messages
                 chains.store(c, 2)
             pub.remove([1000 + 2, 3000 + 4])
             pub.publish()
             chains.store(7, 5)
             pub.publish()
             wait_until(lambda: chains.agree(a), timeout=QUIET_S, what="a equal while b is away")
-
-            restarted = durable("b", nats_server, "durable", tmp_path)
-            restarted.wait_started()
-            register(restarted, pub, wait_until)
-            wait_until(lambda: status(restarted)["ready"], timeout=QUIET_S, what="the restarted b /ready")
-            wait_until(lambda: chains.agree(restarted), timeout=QUIET_S, what="the restarted b equal to the worker")
+            b = restart()
+            assert clean(b)["snapshot_loaded"] is False  # no snapshot yet: the whole stream replayed
             chains.store(8, 3)
             pub.remove([7000 + 4])
-            pub.publish()
-            for replica in (a, restarted):
-                wait_until(
-                    lambda r=replica: chains.agree(r), timeout=QUIET_S, what=f"{replica.name} equal after restart"
-                )
+            pub.publish()  # 10 messages so far
 
-            after = status(restarted)
-            assert after["consumer"] == "kvrouter-b"  # its own consumer, found again
-            assert after["snapshot_loaded"] is False  # no snapshot: the whole stream replayed
-            assert after["processed_seq"] == status(a)["processed_seq"]
-            relay = after["relay"]
-            assert (relay["duplicates"], relay["gaps"], relay["malformed"], relay["incomplete"]) == (0, 0, 0, [])
-            assert relay["queries"] >= 1  # the applier's join was answered by the relay itself
-            assert pub.queries_answered == 0
-            assert pub.bad_queries == 0
-        finally:
-            b.stop()
-            if restarted is not None:
-                restarted.stop()
-            kill_and_sweep(tree)
-    assert b.proc.returncode == -signal.SIGKILL
-    assert restarted is not None
-    assert restarted.proc.returncode == 0
-    assert shm_of(b.proc.pid) == []
-    assert shm_of(restarted.proc.pid) == []
-
-
-def test_a_snapshot_past_the_threshold_purges_the_stream_and_a_restarted_replica_loads_it(
-    nats_server: NatsServer,
-    publisher: tuple[KvPublisher, NatsEventSink],
-    tmp_path: Path,
-    wait_until: Callable[..., None],
-) -> None:
-    pub, _ = publisher
-    chains = Chains(pub)
-    threshold = ("--router-snapshot-threshold", "6")
-    a = durable("a", nats_server, "durable", tmp_path, *threshold)
-    a.wait_started()
-    b = durable("b", nats_server, "durable", tmp_path, *threshold)
-    restarted: Replica | None = None
-    with stopping(a):
-        try:
-            b.wait_started()
-            for replica in (a, b):
-                register(replica, pub, wait_until)
-            for c in range(1, 9):  # 8 messages (one event each), past the threshold of 6
+            for c in range(10, 16):  # 16 messages: past the threshold of 14
                 chains.store(c, 2 + c % 3)
-            pub.remove([3000 + 1])
             pub.publish()
 
             def snapshotted() -> bool:
-                return sum(int(status(r)["snapshot_uploads"]) for r in (a, b)) >= 1
+                return sum(int(status(r)["purged"]) for r in (a, b)) >= 1
 
-            wait_until(snapshotted, timeout=QUIET_S, what="a snapshot past the threshold")
-            wait_until(lambda: sum(status(r)["purged"] for r in (a, b)) >= 6, timeout=QUIET_S, what="the purge")
+            wait_until(snapshotted, timeout=QUIET_S, what="a snapshot past the threshold, and a purge")
             taken = max((status(r)["last_snapshot"] or {"seq": -1} for r in (a, b)), key=lambda t: t["seq"])
-            assert taken["seq"] >= 9
-            assert taken["purged_below"] == taken["seq"] + 1  # both replicas had read it all
+            assert taken["seq"] >= 14
+            for replica in (a, b):
+                wait_until(lambda r=replica: chains.agree(r), timeout=QUIET_S, what=f"{replica.name} equal")
 
-            b.stop()  # a clean stop this time; its consumer stays on the server
+            kill(b)
             chains.store(20, 4)  # after the snapshot: replayed from the stream
             pub.publish()
             wait_until(lambda: chains.agree(a), timeout=QUIET_S, what="a equal after the snapshot")
-
-            restarted = durable("b", nats_server, "durable", tmp_path, *threshold)
-            restarted.wait_started()
-            register(restarted, pub, wait_until)
-            wait_until(lambda: status(restarted)["ready"], timeout=QUIET_S, what="the restarted b /ready")
-            wait_until(lambda: chains.agree(restarted), timeout=QUIET_S, what="the restarted b equal to the worker")
-            after = status(restarted)
+            b = restart()
+            after = clean(b)
             assert after["snapshot_loaded"] is True
             assert after["snapshot_loads"] == 1
             assert after["snapshot_seq"] >= taken["seq"]
             assert after["snapshot_bad"] == 0
-            assert 'kvrouter_durable_events_total{kind="snapshot_loads"} 1.0' in restarted.metrics()
-            assert after["processed_seq"] == status(a)["processed_seq"]
-            relay = after["relay"]
-            assert (relay["duplicates"], relay["gaps"], relay["incomplete"]) == (0, 0, [])
-            assert pub.queries_answered == 0
+            assert 'kvrouter_durable_events_total{kind="snapshot_loads"} 1.0' in b.metrics()
         finally:
-            b.stop()
-            if restarted is not None:
-                restarted.stop()
-    assert b.proc.returncode == 0
-    assert restarted is not None
-    assert restarted.proc.returncode == 0
+            for replica in started:
+                replica.stop()
+            for tree in trees:
+                kill_and_sweep(tree)
+    assert [r.proc.returncode for r in started] == [-signal.SIGKILL, -signal.SIGKILL, 0]
+    assert all(shm_of(r.proc.pid) == [] for r in started)
 
 
 async def _put_garbage(url: str, bucket: str) -> None:
@@ -339,7 +309,7 @@ def test_a_bad_snapshot_is_counted_and_reset_states_purges_both_and_the_replica_
         assert shm_of(replica.proc.pid) == []
 
 
-def test_nats_restarted_or_a_step_lost_the_durable_replica_carries_on_and_counts_it(
+def test_nats_absent_at_start_restarted_mid_run_or_a_step_lost_the_replica_says_so_and_carries_on(
     nats_server: NatsServer,
     publisher: tuple[KvPublisher, NatsEventSink],
     tmp_path: Path,
@@ -347,13 +317,26 @@ def test_nats_restarted_or_a_step_lost_the_durable_replica_carries_on_and_counts
 ) -> None:
     pub, sink = publisher
     chains = Chains(pub)
+    nats_server.stop()  # the sink reconnects when it is back
     d = durable("d", nats_server, "durable", tmp_path)
     with stopping(d):
-        d.wait_started()
+        d.wait_started()  # the API and the engine come up without NATS
+        said = status(d)
+        assert said["ready"] is False
+        assert "durable kv-events starting (stream, snapshot)" in said["reasons"]
+        body = {"instance_id": WORKER, "transport": "nats", "model_name": MODEL, "block_size": BLOCK}
+        code, answer = call(d.url + "/register", "POST", body)
+        assert code == 503
+        assert "durable kv-events" in str(answer)
+
+        nats_server.start()  # same port: the replica's connection attempts now succeed
+        wait_until(lambda: status(d)["loaded"], timeout=QUIET_S, what="d's durable start once NATS is up")
         register(d, pub, wait_until)
         chains.store(1, 4)
         pub.publish()
         wait_until(lambda: chains.agree(d), timeout=QUIET_S, what="d equal before the restart")
+        wait_until(lambda: status(d)["ready"], timeout=QUIET_S, what="d /ready")
+        assert pub.queries_answered == 0
         before = status(d)["processed_seq"]
 
         nats_server.restart()  # same port and store: the stream and the consumer survive on disk
@@ -421,3 +404,18 @@ def test_with_two_fronts_only_front_0_reads_the_stream(
         stream = "namespace-durable-component-backend-kv-events"
         assert asyncio.run(_consumers(nats_server.url, stream)) == ["kvrouter-f"]
         assert pub.queries_answered == 0
+
+
+def test_names_are_the_references() -> None:
+    """Stream and bucket slugged as the reference's ``Slug`` (``spec/dynamo-semantics.md`` §6.4); the consumer
+    named after the router id, or the host and port, and only ever NATS-safe characters."""
+    subjects = Subjects("my_ns", "backend")
+    assert stream_name(subjects) == "namespace-my-ns-component-backend-kv-events"
+    assert bucket_name(subjects) == "namespace-my-ns-component-backend-radix-bucket"
+    assert slug("a.b_c/d\\e") == "a-b-c-d-e"
+    assert consumer_name("r-1", "127.0.0.1", 8490) == "kvrouter-r-1"
+    host = consumer_name(None, "127.0.0.1", 8490)
+    assert host.startswith("kvrouter-")
+    assert host.endswith("-8490")
+    assert all(c.isalnum() or c in "-_" for c in host)
+    assert consumer_name(None, "127.0.0.1", 0) != consumer_name(None, "127.0.0.1", 0)  # random: pass --router-id

@@ -14,8 +14,11 @@ import pytest
 
 from kvrouter.bridge.snapshot import RankState, compact, decode_snapshot, encode_snapshot
 from kvrouter.errors import BadMessage, EventError
+from kvrouter.events.codecs.kvrouter import Decoder
+from kvrouter.events.codecs.query import QueryRequest
 from kvrouter.events.model import EngineHash, LocalHash, Removed, StorageTier, Stored, StoredBlock
 from kvrouter.index.reference import RadixIndex
+from kvrouter.worker.local_indexer import LocalIndexer
 
 WORKER = 3
 
@@ -63,15 +66,47 @@ def test_snapshot_round_trip_is_compact() -> None:
     index = random_index(99, steps=2000)
     dump = index.dump()
     blocks = sum(len(e.blocks) for e in dump if isinstance(e, Stored))
-    data = encode_snapshot(41, [RankState(WORKER, 0, 1999, tuple(compact(dump))), RankState(8, 2, None, ())])
+    batches = tuple(LocalIndexer(WORKER).batches(compact(dump), None))
+    data = encode_snapshot(41, [RankState(WORKER, 0, 1999, batches), RankState(8, 2, None, ())])
     assert len(data) < 24 * blocks  # 16 bytes of hashes a block plus a chain's share of one header
     snapshot = decode_snapshot(data)
     assert snapshot.stream_seq == 41
     assert [(r.worker_id, r.dp_rank, r.last_event_id) for r in snapshot.ranks] == [(WORKER, 0, 1999), (8, 2, None)]
     rebuilt = RadixIndex()
-    for event in snapshot.ranks[0].events:
-        rebuilt.apply_event(WORKER, event)
+    for payload in snapshot.ranks[0].batches:
+        for event in Decoder().decode(payload).events:
+            rebuilt.apply_event(WORKER, event)
     assert rebuilt.holdings() == index.holdings()
+
+
+def test_a_loaded_snapshot_answers_joins_with_its_batches_and_builds_the_index_only_when_needed() -> None:
+    """``LocalIndexer.load_batches``: a tree dump is the snapshot's batches plus the events since, and the
+    block set built later (``index``, or past ``buffer_events`` events) is the same as an eager load's."""
+    index = random_index(7)
+    batches = tuple(LocalIndexer(WORKER).batches(compact(index.dump()), None))
+    lazy, eager = LocalIndexer(WORKER, buffer_events=4), LocalIndexer(WORKER, buffer_events=4)
+    lazy.load_batches(batches, 299)
+    eager.load([e for p in batches for e in Decoder().decode(p).events], 299)
+    later = [
+        Stored(WORKER, None, (StoredBlock(EngineHash(10_000 + i), LocalHash(i + 1)),), event_id=300 + i)
+        for i in range(3)
+    ]
+    for local in (lazy, eager):
+        local.apply(later)
+    join = lazy.answer(QueryRequest(None, None))
+    assert (join.reply, join.last_event_id) == ("tree_dump", 302)
+    assert join.batches[: len(batches)] == batches  # the snapshot's bytes, as loaded
+    rebuilt = RadixIndex()
+    for payload in join.batches:
+        for event in Decoder().decode(payload).events:
+            rebuilt.apply_event(WORKER, event)
+    assert rebuilt.holdings() == eager.index.holdings()
+    assert lazy.answer(QueryRequest(301, None)).reply == "events"
+    more = [Stored(WORKER, None, (StoredBlock(EngineHash(9_000 + i), LocalHash(i)),), event_id=303 + i) for i in [0, 1]]
+    for local in (lazy, eager):
+        local.apply(more)
+    assert lazy.index.holdings() == eager.index.holdings()  # past buffer_events: built, the same
+    assert [e.event_id for e in lazy.since(300)] == [301, 302, 303, 304]
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 import pytest
 
 from kvrouter.service import discovery
+from kvrouter.service.decisions import summarise
 from tests.service.test_up import START_TIMEOUT_S, URL_LINE, descendants, start_up, stop_and_check
 
 __all__ = ["start_up"]  # the fixture, shared with test_up
@@ -90,8 +91,12 @@ def loads(client: Client) -> dict[int, tuple[int, int, int]]:
     }
 
 
-def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entries):
-    up = start_up("--fronts", "2", "--mock-workers", "2", "--shards", "1", "--client-rate", "0")
+def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entries, tmp_path):
+    decisions_log = tmp_path / "decisions.jsonl"
+    up = start_up(
+        *("--fronts", "2", "--mock-workers", "2", "--shards", "1", "--client-rate", "0"),
+        *("--decision-log", str(decisions_log)),
+    )
     url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
     up.expect(re.compile(r"Ctrl-C stops everything"), START_TIMEOUT_S)  # mocks registered (through either front)
     fronts = [on_front(url, 0), on_front(url, 1)]
@@ -118,6 +123,9 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
         assert sum(active for _, _, active in loads(fronts[1]).values()) == 8
         for front, selection_id in booked:
             other = fronts[1 - front]
+            status, kept = other.call("GET", f"/decisions/{selection_id}")  # kept by the front that decided
+            assert status == 200, kept
+            assert kept["selection_id"] == selection_id
             status, answer = other.call("POST", f"/reservations/{selection_id}/prefill_complete")
             assert status == 200, answer
             status, answer = other.call("DELETE", f"/reservations/{selection_id}")
@@ -176,6 +184,8 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
     assert folder.is_dir()
     stop_and_check(up, signal.SIGTERM, shm_entries)
     assert not folder.exists()
+    with decisions_log.open("rb") as lines:  # both fronts appended theirs; the last second's at the stop
+        assert summarise(lines)["decisions"] == 8
 
 
 def _cmdline(pid: int) -> bytes:

@@ -28,6 +28,10 @@ kinds are reported (``add``: a decision visible; ``free``: its release visible);
 ``add``. First ``--idle-seconds`` of probes without load (the floor), then ``--seconds`` under load.
 After the load the tool waits (bounded) until A and B show the same loads everywhere, and reports B's
 sync counters (``malformed``, ``dropped``, ``slow_consumer``, ``resyncs`` must stay 0).
+A subscriber of the sync subject in this process (``NatsTap``) timestamps the probe's AddRequest and Free
+as they cross NATS, which splits each lag into A's side (its answer to the event on NATS: A's publish
+queue and nats-py) and B's side (NATS to B's ``/loads``: B's receive and apply, and the poll). It reads
+every sync message (the generator's are skipped unparsed by a byte search), a few percent of a core.
 Rejected for the probe: B's stats segment (``service/stats.py``) is read without a request, but it is
 republished every 250 ms, far coarser than the lag measured; B's presence lag (``sync_lag_ms``) is
 the one-way delay of a presence message on NATS, not a decision applied to B's slot managers.
@@ -81,6 +85,7 @@ stream before the first run).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import http.client
 import json
@@ -484,18 +489,90 @@ class LoadsPoller:
         self.conn.close()
 
 
+class NatsTap:
+    """When the probe's sync events cross NATS: a subscriber of the active-sequences subject in this process
+    (nats-py on a private loop on a thread of its own), timestamping (``perf_counter``, the clock the probe
+    reads) each AddRequest and Free of the probe worker by request id. It splits a lag into A's side (its
+    answer to the event on NATS; negative when A published before its answer reached the probe) and B's
+    side (the event on NATS to B's ``/loads`` showing it, B's receive and apply plus the poll)."""
+
+    def __init__(self, url: str, subject: str) -> None:
+        self.url = url
+        self.subject = subject
+        self.adds: dict[str, float] = {}
+        self.frees: dict[str, float] = {}
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="bench-nats-tap", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10.0) or self._error is not None:
+            raise fail(f"the NATS tap did not subscribe to {subject}: {self._error!r}")
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._run())
+        except BaseException as exc:  # reported by __init__ (or lost at close: the tap is a diagnostic)
+            self._error = exc
+            self._ready.set()
+        finally:
+            self._loop.close()
+
+    async def _run(self) -> None:
+        import nats
+
+        self._stop = asyncio.Event()
+        nc = await nats.connect(self.url, connect_timeout=5)
+        marker = str(PROBE_WORKER).encode()
+
+        async def on_event(msg: Any) -> None:
+            data = msg.data
+            if marker not in data:  # most events are the generator's: skip them unparsed
+                return
+            at = time.perf_counter()
+            event = json.loads(data)
+            if event.get("worker", {}).get("worker_id") != PROBE_WORKER:
+                return
+            kind = event.get("data")
+            if kind == "Free":
+                self.frees.setdefault(event["request_id"], at)
+            elif isinstance(kind, dict) and "AddRequest" in kind:
+                self.adds.setdefault(event["request_id"], at)
+
+        await nc.subscribe(self.subject, cb=on_event)
+        await nc.flush()
+        self._ready.set()
+        await self._stop.wait()
+        await nc.close()
+
+    def close(self) -> None:
+        stop = self._stop
+        if stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(stop.set)
+        self._thread.join(10.0)
+
+
 class Probe:
     """Books and frees one ``probe`` reservation on A and times each until B shows it."""
 
-    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], a: Replica, b: Replica, seed: int) -> None:
+    def __init__(
+        self, context: zmq.Context[zmq.Socket[bytes]], a: Replica, b: Replica, tap: NatsTap, seed: int
+    ) -> None:
         self.a = FastPath(context, a.zmq)
         self.poller = LoadsPoller(b.url)
+        self.tap = tap
         rng = np.random.default_rng(seed)
         self.tokens = rng.integers(1, 150_000, size=4 * BLOCK, dtype=np.uint32).astype("<u4").tobytes()
 
     def run(self, until: Callable[[], bool], label: str) -> dict[str, Any]:
         add: list[float] = []
         free: list[float] = []
+        a_side: dict[str, list[float]] = {"add": [], "free": []}
+        """A's answer (or its free's) -> the event seen on NATS, per kind [s]."""
+        b_side: dict[str, list[float]] = {"add": [], "free": []}
+        """The event seen on NATS -> B's /loads showing it (a lag's rest) [s]."""
         reserve_rtt: list[float] = []
         missed = 0
         polls_before = len(self.poller.round_trips)
@@ -506,18 +583,27 @@ class Probe:
             chosen = self.a.call("select_and_reserve", model_name=PROBE_MODEL, token_ids=self.tokens, id=n)
             answered = time.perf_counter()
             reserve_rtt.append(answered - sent)
-            lag = self.poller.wait_for(1, answered)
-            if lag is None:
+            added = self.poller.wait_for(1, answered)
+            if added is None:
                 missed += 1
             else:
-                add.append(lag)
-            self.a.call("free", selection_id=chosen["selection_id"], id=n)
+                add.append(added)
+            selection = chosen["selection_id"]
+            self.a.call("free", selection_id=selection, id=n)
             freed = time.perf_counter()
-            lag = self.poller.wait_for(0, freed)
-            if lag is None:
+            released = self.poller.wait_for(0, freed)
+            if released is None:
                 missed += 1
             else:
-                free.append(lag)
+                free.append(released)
+            for kind, seen, since, lag in (
+                ("add", self.tap.adds, answered, added),
+                ("free", self.tap.frees, freed, released),
+            ):
+                on_nats = seen.pop(selection, None)
+                if on_nats is not None and lag is not None:
+                    a_side[kind].append(on_nats - since)
+                    b_side[kind].append(since + lag - on_nats)
             n += 1
             next_at += PROBE_INTERVAL_S
             pause = next_at - time.perf_counter()
@@ -532,6 +618,10 @@ class Probe:
             "free": summary_ms(free),
             "missed": missed,
             "probes": n,
+            "split": {
+                kind: {"a_to_nats": summary_ms(a_side[kind]), "nats_to_b": summary_ms(b_side[kind])}
+                for kind in ("add", "free")
+            },
             "reserve_round_trip": summary_ms(reserve_rtt),
             "poll_round_trip": summary_ms(polls),
             "resolution_ms": POLL_GAP_S * 1e3 + (statistics.median(polls) * 1e3 if polls else 0.0),
@@ -703,6 +793,8 @@ def wait_agree(a: Replica, b: Replica) -> tuple[bool, float]:
 
 
 def run_lag(args: argparse.Namespace, nats: NatsServer, folder: Path) -> dict[str, Any]:
+    from kvrouter.bridge.subjects import Subjects
+
     namespace = f"benchlag{secrets.token_hex(3)}"
     sync = ("--router-replica-sync", "--model-name", LOAD_MODEL, "--block-size", str(BLOCK))
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -719,7 +811,8 @@ def run_lag(args: argparse.Namespace, nats: NatsServer, folder: Path) -> dict[st
                 register_nats(replica, PROBE_WORKER, PROBE_MODEL)
             for replica in (a, b):
                 wait_ready(replica, START_TIMEOUT_S)
-            probe = Probe(context, a, b, args.seed)
+            tap = NatsTap(nats.url, Subjects(namespace).active_sequences)
+            probe = Probe(context, a, b, tap, args.seed)
             try:
                 warm_until = time.perf_counter() + WARM_S  # the first decisions of a process are slow
                 probe.run(lambda: time.perf_counter() > warm_until, "warm-up")
@@ -729,6 +822,7 @@ def run_lag(args: argparse.Namespace, nats: NatsServer, folder: Path) -> dict[st
                     points.append(loaded_point(probe, a, b, args, rate))
             finally:
                 probe.close()
+                tap.close()
             agreed, waited = wait_agree(a, b)
             _, ready_b = b.ready()
             counters = {k: v for k, v in (ready_b or {}).get("replica_sync", {}).items() if isinstance(v, int | float)}
@@ -1205,6 +1299,15 @@ def print_table(result: dict[str, Any]) -> None:
                 print(
                     f"{row['phase']:<8} {kind:<5} {figures} {s['samples']:>5} {row['missed']:>4} "
                     f"{row['resolution_ms']:>7.2f} {side}"
+                )
+        print("where the add lag goes, p50/p99 ms (A's answer -> the event seen on NATS; then -> B's /loads):")
+        for row in [lag["idle"], *lag["points"]]:
+            split = row["split"]["add"]
+            a_side, b_side = split["a_to_nats"], split["nats_to_b"]
+            if a_side["samples"]:
+                print(
+                    f"  {row['phase']:<8} A->NATS {a_side['p50_ms']:.2f}/{a_side['p99_ms']:.2f}, "
+                    f"NATS->B {b_side['p50_ms']:.2f}/{b_side['p99_ms']:.2f} ({a_side['samples']} samples)"
                 )
         goal_row = next((p for p in lag["points"] if p["phase"] == lag["goal_point"]), None)
         p99 = None if goal_row is None else goal_row["add"]["p99_ms"]

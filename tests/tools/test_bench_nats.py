@@ -39,6 +39,7 @@ def test_quick_run_measures_the_lag_and_both_restores(tmp_path: Path) -> None:
         assert row["missed"] == 0
         assert row["add"]["samples"] > 0
         assert row["free"]["samples"] > 0
+    assert lag["idle"]["split"]["add"]["a_to_nats"]["samples"] > 0  # the NATS tap saw the probe's events
     assert [p["generator"]["errors"] for p in lag["points"]] == [0]
     assert lag["points"][0]["generator"]["decisions"] > 0
     assert lag["agreed_after_load"] is True

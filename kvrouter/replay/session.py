@@ -113,6 +113,8 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
                 await stack.start()
         workload["engines"] = len(stack.mocks)
         workload["url"] = stack.url
+        if isinstance(stack, LocalStack) and stack.up is not None:
+            workload["router_pid"] = stack.up.pid
         victim = rng.choice(stack.mocks)
         runnable = [name for name in options.drills if stack.local or not DRILLS[name].needs_local]
         for name in options.drills:

@@ -98,7 +98,7 @@ def replay(
     mock_workers: Annotated[int, typer.Option("--mock-workers", min=1, help="Mock engines to start.")] = 4,
     num_gpu_blocks: Annotated[
         int, typer.Option("--mock-num-gpu-blocks", min=64, help="KV blocks of each mock engine.")
-    ] = 2048,
+    ] = 4096,
     shards: Annotated[int, typer.Option("--shards", min=1, help="Applier processes of the router started.")] = 2,
 ) -> None:
     """Run fault drills against a live stack: gaps, time to converge, wrong answers, routing quality."""

@@ -1,10 +1,10 @@
 """One ``kvrouter replay`` invocation: the stack, the baseline run, then each drill's run, with a progress bar.
 
-The baseline runs once and serves every drill: each run starts from the same reset fleet and sends the
-same requests, so a drill's hit rate and TTFT differ from the baseline's only by its fault (and by the
-timing noise of a shared machine, which one run cannot remove; ``docs/replay.md`` says so). The seed
-picks the probe prompts among the workload's prompts and the victim engine; the workload itself is the
-trace's.
+A short unmeasured warm-up (:data:`WARMUP_REQUESTS`) goes first. The baseline runs once and serves every
+drill: each run starts from the same reset fleet and sends the same requests, so a drill's hit rate and
+TTFT differ from the baseline's only by its fault (and by the timing noise of a shared machine, which one
+run cannot remove; ``docs/replay.md`` says so). The seed picks the probe prompts among the workload's
+prompts and the victim engine; the workload itself is the trace's.
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ __all__ = ["PROBES", "Outcomes", "ReplayOptions", "probe_prompts", "replay"]
 
 log = logging.getLogger(__name__)
 
+WARMUP_REQUESTS: Final = 40
+"""The first requests of the workload, sent once unmeasured before the baseline: the first run after a start
+pays the router's and the engines' first calls (slower forwarding bunches arrivals at the engines, which
+their simulated TTFT then shows), and would make the baseline look worse than every drill."""
+
 PROBES: Final = 4
 """Probe prompts asked every 100 ms: each is one ``/query`` plus its share of each engine's ``/overlap``."""
 
@@ -44,7 +49,7 @@ class ReplayOptions:
     url: str | None = None
     mock_workers: int = 4
     shards: int = 2
-    num_gpu_blocks: int = 2048
+    num_gpu_blocks: int = 4096
     model_name: str = "default"
 
 
@@ -129,6 +134,9 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
             console=console,
             transient=False,
         ) as progress:
+            warmup = requests[: min(WARMUP_REQUESTS, max(1, len(requests) // 10))]
+            task = progress.add_task("warm-up", total=len(warmup), note="")
+            await run(stack, warmup, prompts, on_done=lambda _outcome: progress.advance(task))
             names = ["baseline", *runnable] if runnable else []
             tasks = {name: progress.add_task(name, total=len(requests), note="", start=False) for name in names}
             for name in names:

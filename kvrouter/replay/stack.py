@@ -70,8 +70,9 @@ class StackConfig:
 
     mock_workers: int = 4
     block_size: int = 16
-    num_gpu_blocks: int = 2048
-    """Per mock: the scaled sample's first few hundred requests need several times this, so engines evict."""
+    num_gpu_blocks: int = 4096
+    """Per mock (``kvrouter up``'s demo default): the default workload's 400 requests need ~19,600 blocks, more than
+    four of these hold, so engines evict (``Removed`` events are part of every drill)."""
     shards: int = 2
     speedup_ratio: float = 1.0
     model_name: str = "default"

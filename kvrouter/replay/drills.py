@@ -4,6 +4,11 @@
   (``POST /faults``), a seq gap on the wire. Seen when the victim's ``gaps_detected`` moved.
 - ``engine-restart``: the victim engine restarts (``POST /restart``): sequence back to 0, cache
   emptied, its requests in flight failed. Seen when the victim's ``restarts`` moved.
+- ``worker-churn``: a new engine is started and registered, then the victim is unregistered (its
+  process keeps running, unregistered), both while requests are routed. Seen when the new worker has a
+  listener and the victim's row is gone. The end check then also requires that the router lists no
+  worker that left and indexes nothing for it; probe answers for a worker that left may be 0 from
+  its ``/unregister`` on. Gap counters are summed over the workers registered at the end.
 - ``applier-kill``: SIGKILL to the applier writing the victim's shard (its pid from the control
   segment), under load, so most likely mid-write. Seen when the shard's applier pid changed.
 
@@ -32,7 +37,7 @@ log = logging.getLogger(__name__)
 GAP_BATCHES: Final = 3
 """Batches the ``gap`` drill drops: one gap of three ids, recovered by one replay request."""
 
-NOT_BUILT: Final = ("worker-churn", "router-restart", "slow-consumer", "nats-outage", "replica-kill")
+NOT_BUILT: Final = ("router-restart", "slow-consumer", "nats-outage", "replica-kill")
 """Issue 14's drills this version does not run yet (the NATS ones also need ``--nats-url``)."""
 
 Rows = dict[int, dict[str, Any]]
@@ -97,12 +102,24 @@ def _applier_replaced(stack: Stack, _victim: Mock, done: dict[str, Any], _before
     return pid not in (0, int(done["pid"]))
 
 
+async def _worker_churn(stack: Stack, victim: Mock) -> dict[str, Any]:
+    added = await stack.add_mock()
+    await stack.remove(victim)
+    log.info("workers churned added=%d removed=%d", added.worker_id, victim.worker_id)
+    return {"added": added.worker_id, "removed": victim.worker_id}
+
+
+def _churned(_stack: Stack, _victim: Mock, done: dict[str, Any], _before: Rows, now: Rows) -> bool:
+    return int(done["added"]) in now and int(done["removed"]) not in now
+
+
 DRILLS: Final[dict[str, Drill]] = {
     drill.name: drill
     for drill in (
         Drill("gap", needs_local=False, inject=_gap, seen=_moved("gaps_detected")),
         Drill("engine-restart", needs_local=False, inject=_engine_restart, seen=_moved("restarts")),
         Drill("applier-kill", needs_local=True, inject=_applier_kill, seen=_applier_replaced),
+        Drill("worker-churn", needs_local=True, inject=_worker_churn, seen=_churned),
     )
 }
 """The drills this version runs, in the issue's order."""

@@ -190,6 +190,7 @@ async def run(
                 await watcher
     if watcher is not None and watcher.done() and not watcher.cancelled() and watcher.exception() is not None:
         raise watcher.exception()  # type: ignore[misc]
+    result.probes.departed.update(stack.departed)
     after = _rows(await stack.workers())
     for worker, listener in after.items():
         was = before.get(worker, {})

@@ -99,6 +99,11 @@ class Stack:
         self.model_name = model_name
         self.block_size = block_size
         self.mocks: list[Mock] = []
+        """The engines registered now."""
+        self.fleet: list[Mock] = []
+        """The engines registered at the start: what :meth:`reset` brings back after a churn."""
+        self.departed: dict[int, float] = {}
+        """Workers removed during the current run -> ``time.monotonic()`` just before their ``/unregister``."""
         self._http: aiohttp.ClientSession | None = None
 
     @property
@@ -159,6 +164,11 @@ class Stack:
             ReplayError: an engine refused the restart, or the index did not catch up in
                 :data:`RESET_TIMEOUT_S`.
         """
+        for extra in [mock for mock in self.mocks if mock not in self.fleet]:
+            await self.remove(extra)
+            await self.retire(extra)
+        self.mocks = list(self.fleet)
+        self.departed.clear()
         for mock in self.mocks:
             status, answer = await self.call("POST", mock.http + "/restart", {})
             if status != 200:
@@ -183,6 +193,32 @@ class Stack:
             if time.monotonic() > deadline:
                 raise ReplayError(f"the index did not forget the restarted engines in {RESET_TIMEOUT_S:.0f}s: {rows}")
             await asyncio.sleep(POLL_S)
+
+    async def remove(self, mock: Mock) -> None:
+        """Unregister ``mock`` while routing; it leaves :attr:`mocks` (its process keeps running).
+
+        Raises:
+            ReplayError: ``/unregister`` refused it.
+        """
+        self.departed[mock.worker_id] = time.monotonic()
+        status, answer = await self.call(
+            "POST", "/unregister", {"instance_id": mock.worker_id, "model_name": self.model_name}
+        )
+        if status not in (200, 404):
+            raise ReplayError(f"/unregister of worker {mock.worker_id} answered {status}: {answer}")
+        if mock in self.mocks:
+            self.mocks.remove(mock)
+
+    async def add_mock(self) -> Mock:
+        """Start one more engine and register it (:class:`LocalStack` only).
+
+        Raises:
+            ReplayError: always here: an attached stack starts no process.
+        """
+        raise ReplayError("adding an engine needs a local stack")
+
+    async def retire(self, mock: Mock) -> None:
+        """Stop an engine :meth:`add_mock` started; nothing for an attached stack."""
 
     def applier_pids(self) -> dict[int, int]:
         """Shard -> the pid of its applier; empty when the stack's segments are not ours to read."""
@@ -258,8 +294,26 @@ class LocalStack(Stack):
             raise ReplayError(str(exc)) from exc
         self.processes.sort(key=lambda p: p.worker_id)
         self.mocks = [Mock(p.worker_id, p.http, p.events, p.replay) for p in self.processes]
+        self.fleet = list(self.mocks)
         for mock in self.mocks:
             await self.register(mock)
+
+    async def add_mock(self) -> Mock:
+        worker_id = max(p.worker_id for p in self.processes) + 1
+        embedded = EmbeddedConfig(block_size=self.config.block_size, num_gpu_blocks=self.config.num_gpu_blocks)
+        try:
+            process = await start_mock(worker_id, embedded, self.processes, speedup_ratio=self.config.speedup_ratio)
+        except KvRouterError as exc:
+            raise ReplayError(str(exc)) from exc
+        mock = Mock(process.worker_id, process.http, process.events, process.replay)
+        await self.register(mock)
+        self.mocks.append(mock)
+        return mock
+
+    async def retire(self, mock: Mock) -> None:
+        gone = [p for p in self.processes if p.worker_id == mock.worker_id]
+        await stop_mocks(gone)
+        self.processes = [p for p in self.processes if p.worker_id != mock.worker_id]
 
     @staticmethod
     async def _drain(stream: asyncio.StreamReader) -> None:
@@ -326,6 +380,7 @@ class AttachedStack(Stack):
                 self.mocks.append(Mock(int(row["instance_id"]), http.rstrip("/")))
                 self._rows[int(row["instance_id"])] = row
                 self.block_size = int(row["block_size"])
+        self.fleet = list(self.mocks)
         if not self.mocks:
             raise ReplayError(f"{self.url} lists no worker of model {self.model_name!r} with an http_endpoint")
 

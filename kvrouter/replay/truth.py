@@ -52,6 +52,8 @@ class ProbeLog:
     """Worker -> (monotonic time the sample came back, overlap in blocks per probe)."""
     answers: list[tuple[float, int, dict[int, int]]] = field(default_factory=list)
     """(time the answer came back, probe index, worker -> overlap in blocks; absent = 0)."""
+    departed: dict[int, float] = field(default_factory=dict)
+    """Workers unregistered during the run -> when: from then on, holding nothing is right for them too."""
     failed: int = 0
     """Probe rounds that could not be completed (an engine or the router did not answer)."""
 
@@ -67,6 +69,8 @@ class ProbeLog:
                 lo = bisect.bisect_left(times, at - WINDOW_S)
                 hi = bisect.bisect_right(times, at) + 1  # and the first sample after the answer
                 allowed = {values[probe_index] for _, values in samples[lo:hi]}
+                if worker in self.departed and at >= self.departed[worker]:
+                    allowed.add(0)
                 if allowed and overlaps.get(worker, 0) not in allowed:
                     out.append(at)
                     break
@@ -117,10 +121,14 @@ async def index_equals_engines(stack: Stack) -> tuple[bool, str]:
     """
     block = stack.block_size
     rows = await stack.workers()
+    members = {mock.worker_id for mock in stack.mocks}
+    problems: list[str] = [
+        f"the router still lists worker {row['instance_id']}, which left" for row in rows
+        if int(row["instance_id"]) not in members
+    ]  # fmt: skip
     indexed = {
         int(row["instance_id"]): int(row.get("listeners", {}).get("0", {}).get("cached_blocks", -1)) for row in rows
     }
-    problems: list[str] = []
     leaves: dict[tuple[int, ...], set[int]] = {}
     for mock in stack.mocks:
         status, cache = await stack.call("GET", mock.http + "/cache")
@@ -144,6 +152,9 @@ async def index_equals_engines(stack: Stack) -> tuple[bool, str]:
             problems.append(f"/query_by_hash answered {status}: {str(answer)[:120]}")
             return
         scores = answer.get("scores", {})
+        strangers = [worker for worker in scores if int(worker) not in members]
+        if strangers:
+            problems.append(f"a cached path is indexed for worker(s) {', '.join(strangers)}, which left")
         for worker in holders:
             found = scores.get(str(worker), {}).get("0", 0) // block
             if found != len(path):

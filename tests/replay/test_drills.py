@@ -1,8 +1,8 @@
 """Every built drill in its short form, through the real command: ``python -m kvrouter replay`` starts
 ``kvrouter up`` and four ``kvrouter mock-worker`` processes (a fifth for the churn), drives 40 requests of
-the packaged trace at x8 once without a fault and once per drill, and writes ``--json``. Each drill must have been seen by the
-router, end with the index equal to every engine's own cache, and account for every gap; the command
-must exit 0 and leave nothing of its router in ``/dev/shm``.
+the packaged trace at x8 once without a fault and once per drill, and writes ``--json``. Each drill must
+have been seen by the router, end with the index equal to every engine's own cache, and account for
+every gap; the command must exit 0 and leave nothing of its router in ``/dev/shm``.
 """
 
 from __future__ import annotations

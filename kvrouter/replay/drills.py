@@ -9,6 +9,10 @@
   listener and the victim's row is gone. The end check then also requires that the router lists no
   worker that left and indexes nothing for it; probe answers for a worker that left may be 0 from
   its ``/unregister`` on. Gap counters are summed over the workers registered at the end.
+- ``router-restart``: ``kvrouter up`` gets SIGTERM (it drains, then exits) and is started again on the
+  same port; the engines are registered again (a new router knows no worker) and restored by replay from
+  0. Requests and probes meanwhile fail (counted in ``errors``). Seen when another router pid answers
+  ``/ready`` 200. The new router's counters start from 0, so its gaps are the run's.
 - ``applier-kill``: SIGKILL to the applier writing the victim's shard (its pid from the control
   segment), under load, so most likely mid-write. Seen when the shard's applier pid changed.
 
@@ -37,7 +41,7 @@ log = logging.getLogger(__name__)
 GAP_BATCHES: Final = 3
 """Batches the ``gap`` drill drops: one gap of three ids, recovered by one replay request."""
 
-NOT_BUILT: Final = ("router-restart", "slow-consumer", "nats-outage", "replica-kill")
+NOT_BUILT: Final = ("slow-consumer", "nats-outage", "replica-kill")
 """Issue 14's drills this version does not run yet (the NATS ones also need ``--nats-url``)."""
 
 Rows = dict[int, dict[str, Any]]
@@ -113,6 +117,15 @@ def _churned(_stack: Stack, _victim: Mock, done: dict[str, Any], _before: Rows, 
     return int(done["added"]) in now and int(done["removed"]) not in now
 
 
+async def _router_restart(stack: Stack, _victim: Mock) -> dict[str, Any]:
+    old = await stack.restart_router()
+    return {"old_pid": old, "pid": stack.router_pid()}
+
+
+def _router_replaced(stack: Stack, _victim: Mock, done: dict[str, Any], _before: Rows, now: Rows) -> bool:
+    return stack.router_pid() not in (0, int(done["old_pid"])) and bool(now)
+
+
 DRILLS: Final[dict[str, Drill]] = {
     drill.name: drill
     for drill in (
@@ -120,6 +133,7 @@ DRILLS: Final[dict[str, Drill]] = {
         Drill("engine-restart", needs_local=False, inject=_engine_restart, seen=_moved("restarts")),
         Drill("applier-kill", needs_local=True, inject=_applier_kill, seen=_applier_replaced),
         Drill("worker-churn", needs_local=True, inject=_worker_churn, seen=_churned),
+        Drill("router-restart", needs_local=True, inject=_router_restart, seen=_router_replaced),
     )
 }
 """The drills this version runs, in the issue's order."""

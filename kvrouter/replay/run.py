@@ -28,8 +28,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import aiohttp
+
 from .drills import Drill, Rows
-from .stack import Mock, Stack
+from .stack import Mock, ReplayError, Stack
 from .truth import PROBE_INTERVAL_S, ProbeLog, index_equals_engines, probe
 from .workload import Outcome, ReplayRequest, drive
 
@@ -134,6 +136,7 @@ async def run(
     """
     await stack.reset()
     before = _rows(await stack.workers())
+    generation = stack.generation
     result = RunResult(drill.name if drill else "baseline", [], ProbeLog())
     stop = asyncio.Event()
     fault_index = int(len(requests) * FAULT_AT)
@@ -158,25 +161,31 @@ async def run(
         await injected.wait()
         assert result.fault_at is not None
         while True:
-            now = _rows(await stack.workers())
-            if not result.fault_seen and drill.seen(stack, victim, result.fault, before, now):
-                result.fault_seen = True
-            if result.fault_seen and await _whole(stack):
-                result.converge_s = round(time.monotonic() - result.fault_at, 3)
-                return
+            try:
+                now = _rows(await stack.workers())
+                if not result.fault_seen and drill.seen(stack, victim, result.fault, before, now):
+                    result.fault_seen = True
+                if result.fault_seen and await _whole(stack):
+                    result.converge_s = round(time.monotonic() - result.fault_at, 3)
+                    return
+            except (OSError, TimeoutError, ReplayError, aiohttp.ClientError):
+                pass  # the router is down (router-restart): not whole yet
             await asyncio.sleep(PROBE_INTERVAL_S)
 
     started = time.monotonic()
     prober = asyncio.create_task(probe(stack, prompts, result.probes, stop))
     watcher = asyncio.create_task(watch()) if drill is not None else None
     try:
-        result.outcomes = await drive(stack.url, stack.model_name, requests, on_sent=on_sent, on_done=on_done)
+        result.outcomes = await drive(lambda: stack.url, stack.model_name, requests, on_sent=on_sent, on_done=on_done)
         if inject_task:
             await inject_task[0]
         await asyncio.sleep(SETTLE_S)
         deadline = time.monotonic() + CONVERGE_TIMEOUT_S
         while True:
-            result.converged, result.mismatch = await index_equals_engines(stack)
+            try:
+                result.converged, result.mismatch = await index_equals_engines(stack)
+            except (OSError, TimeoutError, ReplayError, aiohttp.ClientError) as exc:
+                result.converged, result.mismatch = False, f"the router or an engine did not answer: {exc!r}"
             watched = watcher is None or watcher.done()
             if (result.converged and watched) or time.monotonic() > deadline:
                 break
@@ -192,6 +201,8 @@ async def run(
         raise watcher.exception()  # type: ignore[misc]
     result.probes.departed.update(stack.departed)
     after = _rows(await stack.workers())
+    if stack.generation != generation:  # a new router: its rows counted from 0
+        before = {}
     for worker, listener in after.items():
         was = before.get(worker, {})
         for key in ("detected", "recovered", "lost"):

@@ -40,6 +40,7 @@ import orjson
 from ..engine import read_shards, read_workers
 from ..errors import KvRouterError
 from ..index.layout import Control, control_name
+from ..index.sweep import sweep_leftovers
 from ..service.embedded import EmbeddedConfig, MockProcess, start_mock, stop_mocks
 
 __all__ = ["AttachedStack", "LocalStack", "Mock", "ReplayError", "Stack", "StackConfig"]
@@ -56,6 +57,9 @@ STOP_TIMEOUT_S: Final = 15.0
 """SIGTERM to ``kvrouter up``, then this long (its drain is 5 s by default), then SIGKILL."""
 
 RESET_TIMEOUT_S: Final = 30.0
+
+RESTART_PORT_TRIES: Final = 3
+"""A restarted router binds its old port again (clients keep their URL); after this many refusals, any port."""
 HTTP_TIMEOUT_S: Final = 30.0
 POLL_S: Final = 0.1
 
@@ -102,6 +106,8 @@ class Stack:
         """The engines registered now."""
         self.fleet: list[Mock] = []
         """The engines registered at the start: what :meth:`reset` brings back after a churn."""
+        self.generation = 0
+        """Bumped by every router restart: the worker rows' counters start again from 0 then."""
         self.departed: dict[int, float] = {}
         """Workers removed during the current run -> ``time.monotonic()`` just before their ``/unregister``."""
         self._http: aiohttp.ClientSession | None = None
@@ -220,6 +226,18 @@ class Stack:
     async def retire(self, mock: Mock) -> None:
         """Stop an engine :meth:`add_mock` started; nothing for an attached stack."""
 
+    async def restart_router(self) -> int:
+        """Stop the router and start it again on the same port (:class:`LocalStack` only); returns the old pid.
+
+        Raises:
+            ReplayError: always here: an attached stack's router is not ours.
+        """
+        raise ReplayError("restarting the router needs a local stack")
+
+    def router_pid(self) -> int:
+        """The router's pid; 0 when it is not ours."""
+        return 0
+
     def applier_pids(self) -> dict[int, int]:
         """Shard -> the pid of its applier; empty when the stack's segments are not ours to read."""
         return {}
@@ -254,34 +272,8 @@ class LocalStack(Stack):
         Raises:
             ReplayError: the router printed no URL in :data:`START_TIMEOUT_S` or exited; an engine did not start.
         """
+        await self._start_router(0)
         cfg = self.config
-        argv = [
-            sys.executable, "-m", "kvrouter", "up", "--port", "0", "--mock-workers", "0", "--shards", str(cfg.shards),
-            "--model-name", cfg.model_name, "--block-size", str(cfg.block_size),
-        ]  # fmt: skip
-        with self.log_path.open("wb") as stderr:
-            self.up = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=stderr,
-                start_new_session=True,
-            )
-        assert self.up.stdout is not None
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.url:
-            try:
-                line = await asyncio.wait_for(self.up.stdout.readline(), max(deadline - time.monotonic(), 0.001))
-            except TimeoutError:
-                raise ReplayError(
-                    f"kvrouter up printed no URL in {START_TIMEOUT_S:.0f}s (log: {self.log_path})"
-                ) from None
-            if not line:
-                raise ReplayError(f"kvrouter up exited with {await self.up.wait()} (log: {self.log_path})")
-            match = URL_LINE.search(line.decode(errors="replace"))
-            if match:
-                self.url = match[1].rstrip("/")
-        self._drainer = asyncio.create_task(self._drain(self.up.stdout))
         embedded = EmbeddedConfig(block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks)
         try:
             await asyncio.gather(
@@ -297,6 +289,90 @@ class LocalStack(Stack):
         self.fleet = list(self.mocks)
         for mock in self.mocks:
             await self.register(mock)
+
+    async def _start_router(self, port: int) -> None:
+        """``kvrouter up`` on ``port`` (0: any), its URL read from its first line; stdout drained from then on."""
+        cfg = self.config
+        argv = [
+            sys.executable, "-m", "kvrouter", "up", "--port", str(port), "--zmq-port", "0", "--mock-workers", "0",
+            "--shards", str(cfg.shards), "--model-name", cfg.model_name, "--block-size", str(cfg.block_size),
+        ]  # fmt: skip
+        url = ""
+        with self.log_path.open("ab") as stderr:
+            self.up = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        assert self.up.stdout is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not url:
+            try:
+                line = await asyncio.wait_for(self.up.stdout.readline(), max(deadline - time.monotonic(), 0.001))
+            except TimeoutError:
+                raise ReplayError(
+                    f"kvrouter up printed no URL in {START_TIMEOUT_S:.0f}s (log: {self.log_path})"
+                ) from None
+            if not line:
+                code = await self.up.wait()
+                raise ReplayError(f"kvrouter up exited with {code}; its log ends: {self._log_tail()}")
+            match = URL_LINE.search(line.decode(errors="replace"))
+            if match:
+                url = match[1].rstrip("/")
+        self.url = url
+        self._drainer = asyncio.create_task(self._drain(self.up.stdout))
+
+    def _log_tail(self, lines: int = 5) -> str:
+        """The last lines of the routers' stderr (the file goes with the stack's temporary directory)."""
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError as exc:
+            return f"(unreadable: {exc})"
+        return " | ".join(text[-lines:]) or "(empty)"
+
+    async def _stop_router(self) -> None:
+        """SIGTERM, up to :data:`STOP_TIMEOUT_S`, then SIGKILL and a sweep of what a killed router leaves."""
+        up = self.up
+        if up is None or up.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            up.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(up.wait(), STOP_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("kvrouter up did not stop on SIGTERM pid=%d; killing it (log: %s)", up.pid, self.log_path)
+            with contextlib.suppress(ProcessLookupError):
+                up.kill()
+            await up.wait()
+            sweep_leftovers()
+
+    async def restart_router(self) -> int:
+        """SIGTERM (the router drains, as an operator's restart does), then ``kvrouter up`` again on the same
+        port, and every engine of :attr:`mocks` registered again (a new router knows no worker)."""
+        assert self.up is not None
+        old = self.up.pid
+        port = int(self.url.rsplit(":", 1)[1])
+        await self._stop_router()
+        for attempt in range(RESTART_PORT_TRIES):
+            try:
+                await self._start_router(port)
+                break
+            except ReplayError as exc:  # the port was taken meanwhile (an outgoing connection's local port)
+                log.info("router restart on its port failed port=%d attempt=%d error=%s", port, attempt, exc)
+                await asyncio.sleep(1.0)
+        else:
+            await self._start_router(0)
+            log.warning("router restarted on another port old_port=%d url=%s", port, self.url)
+        self.generation += 1
+        for mock in self.mocks:
+            await self.register(mock)
+        log.info("router restarted old_pid=%d pid=%d port=%d", old, self.up.pid, port)
+        return old
+
+    def router_pid(self) -> int:
+        return 0 if self.up is None else self.up.pid
 
     async def add_mock(self) -> Mock:
         worker_id = max(p.worker_id for p in self.processes) + 1
@@ -343,17 +419,7 @@ class LocalStack(Stack):
         """Stop the engines and the router (SIGTERM, then SIGKILL after :data:`STOP_TIMEOUT_S`); every one reaped."""
         await super().close()
         await stop_mocks(self.processes)
-        up = self.up
-        if up is not None and up.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                up.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(up.wait(), STOP_TIMEOUT_S)
-            except TimeoutError:
-                log.warning("kvrouter up did not stop on SIGTERM pid=%d; killing it (log: %s)", up.pid, self.log_path)
-                with contextlib.suppress(ProcessLookupError):
-                    up.kill()
-                await up.wait()
+        await self._stop_router()
         self._dir.cleanup()
 
 

@@ -127,7 +127,7 @@ async def _one(http: aiohttp.ClientSession, url: str, model: str, request: Repla
 
 
 async def drive(
-    url: str,
+    url: Callable[[], str],
     model: str,
     requests: Sequence[ReplayRequest],
     *,
@@ -135,6 +135,8 @@ async def drive(
     on_done: Callable[[Outcome], None] | None = None,
 ) -> list[Outcome]:
     """Send every request at its time (at most :data:`MAX_IN_FLIGHT` at once) and wait for every answer.
+
+    ``url()`` is the router's address when a request goes out (a restarted router may have moved).
 
     A failed request is an :class:`Outcome` with ``error`` set, never an exception: a drill injects faults,
     and requests failing meanwhile (a restarted engine fails its requests in flight) are part of what it
@@ -147,7 +149,7 @@ async def drive(
 
     async def send(http: aiohttp.ClientSession, request: ReplayRequest, outcome: Outcome) -> None:
         try:
-            await _one(http, url, model, request, outcome)
+            await _one(http, url(), model, request, outcome)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             outcome.error = type(exc).__name__
         finally:

@@ -1,8 +1,9 @@
 """Every built drill in its short form, through the real command: ``python -m kvrouter replay`` starts
-``kvrouter up`` and four ``kvrouter mock-worker`` processes (a fifth for the churn), drives 40 requests of
-the packaged trace at x8 once without a fault and once per drill, and writes ``--json``. Each drill must
-have been seen by the router, end with the index equal to every engine's own cache, and account for
-every gap; the command must exit 0 and leave nothing of its router in ``/dev/shm``.
+``kvrouter up`` (again for the router restart) and four ``kvrouter mock-worker`` processes (a fifth for
+the churn), drives 40 requests of the packaged trace at x8 once without a fault and once per drill, and
+writes ``--json``. Each drill must have been seen by the router, end with the index equal to every
+engine's own cache, and account for every gap; the command must exit 0 and leave nothing of its
+routers in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+BUILT = ["gap", "engine-restart", "applier-kill", "worker-churn", "router-restart"]
+
 RUN_TIMEOUT_S = 300.0
 """A cold numba cache compiles the router's and the mocks' kernels first: minutes on 2 shared cores."""
 
@@ -25,7 +28,7 @@ RUN_TIMEOUT_S = 300.0
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("replay") / "drills.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
-    command = [sys.executable, "-m", "kvrouter", "replay", "--drill", "gap,engine-restart,applier-kill,worker-churn",
+    command = [sys.executable, "-m", "kvrouter", "replay", "--drill", ",".join(BUILT),
                "--requests", "40", "--speed", "8", "--json", str(out)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert out.exists(), done.stdout + done.stderr
@@ -45,14 +48,11 @@ def test_the_command_exits_0_and_leaves_no_segment(report):
     assert report["exit_code"] == 0, report["output"]
     assert report["version"] == 1
     assert report["workload"]["requests"] == 40
-    assert "router-restart" in report["not_built"]
+    assert "slow-consumer" in report["not_built"]
     pid = report["workload"]["router_pid"]
     assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{pid}-")]
     assert report["baseline"]["converged"]
     assert report["baseline"]["wrong_answers"] == 0
-
-
-BUILT = ["gap", "engine-restart", "applier-kill", "worker-churn"]
 
 
 @pytest.mark.parametrize("name", BUILT)
@@ -91,6 +91,13 @@ def test_the_worker_churn_drill_added_one_worker_and_removed_another(report):
     fault = _drill(report, "worker-churn")["fault"]
     assert fault["added"] == 5  # after the four engines of the stack
     assert fault["removed"] in (1, 2, 3, 4)
+
+
+def test_the_router_restart_drill_ran_another_router_and_both_left_no_segment(report):
+    fault = _drill(report, "router-restart")["fault"]
+    assert fault["pid"] != fault["old_pid"]
+    for pid in (fault["old_pid"], fault["pid"]):
+        assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{pid}-")]
 
 
 def test_the_table_names_every_drill_and_what_is_not_built(report):

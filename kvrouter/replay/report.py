@@ -106,7 +106,7 @@ def render(console: Console, results: Sequence[RunResult | Skipped], baseline: R
     base = _quality(baseline) if baseline is not None else None
     for result in results:
         if isinstance(result, Skipped):
-            table.add_row(result.drill, "[yellow]skipped", result.reason, "", "", "", "", "", "")
+            table.add_row(result.drill, "[yellow]skipped", *["-"] * 7)
             continue
         ttft = result.ttft_ms()
         hit = f"{result.hit_rate:.3f}"
@@ -127,6 +127,9 @@ def render(console: Console, results: Sequence[RunResult | Skipped], baseline: R
             str(result.errors),
         )
     console.print(table)
+    for result in results:
+        if isinstance(result, Skipped):
+            console.print(f"[yellow]{result.drill}[/yellow] skipped: {result.reason}")
     for result in results:
         if isinstance(result, RunResult) and not result.converged and result.mismatch:
             console.print(f"[red]{result.drill}[/red]: the index differs from the engines: {result.mismatch}")

@@ -7,32 +7,14 @@ count wrong answers; once the batches are out, both say the index is right again
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import Iterator
 
-import pytest
-
-from kvrouter.replay import LocalStack, StackConfig
+from kvrouter.replay import LocalStack
 from kvrouter.replay.truth import PROBE_INTERVAL_S, WINDOW_S, ProbeLog, index_equals_engines, probe
 
 TIMEOUT_S = 30.0
 PROMPT = list(range(1, 16 * 4 + 1))
 """Four full blocks of 16 tokens."""
-
-
-@pytest.fixture(scope="module")
-def stack() -> Iterator[tuple[asyncio.AbstractEventLoop, LocalStack]]:
-    loop = asyncio.new_event_loop()
-    local = LocalStack(StackConfig(mock_workers=2, shards=1, speedup_ratio=8.0))
-    try:
-        loop.run_until_complete(local.start())
-        yield loop, local
-    finally:
-        pid = local.up.pid if local.up is not None else None
-        loop.run_until_complete(local.close())
-        loop.close()
-    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{pid}-")]
 
 
 async def _probe_until(local: LocalStack, log: ProbeLog, answers: int) -> None:

@@ -15,7 +15,7 @@ runner = CliRunner()
 def test_attached_runs_the_http_drills_and_skips_the_process_ones(stack, tmp_path):
     _loop, local = stack
     out = tmp_path / "attached.json"
-    args = ["replay", "--url", local.url, "--drill", "gap,applier-kill", "--requests", "20", "--speed", "8"]
+    args = ["replay", "--url", local.url, "--drill", "gap,applier-kill", "--requests", "16", "--speed", "8"]
     result = runner.invoke(app, [*args, "--json", str(out)])
     assert result.exit_code == 0, result.output
     drills = {d["drill"]: d for d in json.loads(out.read_text())["drills"]}

@@ -1,6 +1,6 @@
 """Every built drill in its short form, through the real command: ``python -m kvrouter replay`` starts
 ``kvrouter up`` (again for the router restart) and four ``kvrouter mock-worker`` processes (a fifth for
-the churn), drives 40 requests of the packaged trace at x8 once without a fault and once per drill, and
+the churn), drives 30 requests of the packaged trace at x8 once without a fault and once per drill, and
 writes ``--json``. Each drill must have been seen by the router, end with the index equal to every
 engine's own cache, and account for every gap; the command must exit 0 and leave nothing of its
 routers in ``/dev/shm``.
@@ -29,7 +29,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("replay") / "drills.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
     command = [sys.executable, "-m", "kvrouter", "replay", "--drill", ",".join(BUILT),
-               "--requests", "40", "--speed", "8", "--json", str(out)]  # fmt: skip
+               "--requests", "30", "--speed", "8", "--json", str(out)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert out.exists(), done.stdout + done.stderr
     document: dict[str, Any] = json.loads(out.read_text())
@@ -47,7 +47,7 @@ def _drill(report: dict[str, Any], name: str) -> dict[str, Any]:
 def test_the_command_exits_0_and_leaves_no_segment(report):
     assert report["exit_code"] == 0, report["output"]
     assert report["version"] == 1
-    assert report["workload"]["requests"] == 40
+    assert report["workload"]["requests"] == 30
     assert "slow-consumer" in report["not_built"]
     pid = report["workload"]["router_pid"]
     assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{pid}-")]
@@ -65,7 +65,7 @@ def test_each_drill_is_seen_converges_and_accounts_for_every_gap(report, name):
     assert gaps["detected"] == gaps["recovered"] + gaps["lost"]
     assert drill["converge_s"] is not None
     assert drill["probe_answers"] > 0
-    assert drill["requests"] == 40
+    assert drill["requests"] == 30
     assert set(drill["ttft_ms"]) == {"p50", "p90"}
     assert set(drill["baseline"]) == {"hit_rate", "ttft_ms"}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Annotated, Final
 
@@ -17,7 +18,17 @@ import orjson
 import typer
 from rich.console import Console
 
-from ..replay import DRILLS, NOT_BUILT, ReplayError, ReplayOptions, exit_status, replay as run_replay, report_json
+from ..replay import (
+    DRILLS,
+    NOT_BUILT,
+    ReplayError,
+    ReplayOptions,
+    RunResult,
+    exit_status,
+    replay as run_replay,
+    report_json,
+)
+from ..replay.plot import write_plot
 from ..replay.report import render
 from ..sim.trace import SAMPLE_NAME, load_sample, load_trace
 
@@ -35,6 +46,7 @@ EPILOG: Final = (
     "  kvrouter replay                                     # every drill built, the packaged sample\n\n"
     "  kvrouter replay --drill gap,applier-kill --requests 100 --speed 8 --json drills.json\n\n"
     "  kvrouter replay --url http://127.0.0.1:8490 --drill gap   # attach: process drills are skipped\n\n"
+    "  kvrouter replay --requests 200 --plot drills.png          # needs matplotlib (the plot extra)\n\n"
     f"Drills: {', '.join(DRILLS)}. Not built yet: {', '.join(NOT_BUILT)}."
 )
 
@@ -87,6 +99,10 @@ def replay(
         ),
     ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", metavar="FILE", help="Write the results as JSON.")] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option("--plot", metavar="FILE.png", help="Plot hit rate and TTFT over time, the fault marked."),
+    ] = None,
     url: Annotated[
         str | None,
         typer.Option(
@@ -103,6 +119,8 @@ def replay(
 ) -> None:
     """Run fault drills against a live stack: gaps, time to converge, wrong answers, routing quality."""
     drills = parse_drills(drill)
+    if plot is not None and find_spec("matplotlib") is None:
+        raise typer.BadParameter("needs matplotlib: pip install 'kvrouter[plot]'", param_hint="--plot")
     loaded = load_sample() if trace is None else load_trace(trace)
     if len(loaded.requests) < requests:
         raise typer.BadParameter(f"{loaded.name} has {len(loaded.requests)} usable requests", param_hint="--requests")
@@ -129,4 +147,7 @@ def replay(
     if json_path is not None:
         document = report_json(outcome.results, outcome.baseline, outcome.workload, NOT_BUILT)
         json_path.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n")
+    if plot is not None:
+        ran = [r for r in outcome.results if isinstance(r, RunResult)]
+        write_plot(ran, outcome.baseline, plot)
     raise typer.Exit(exit_status(outcome.results))

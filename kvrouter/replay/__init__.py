@@ -8,7 +8,7 @@ Layout, one job per module:
 - ``drills.py``: each fault, how it is injected and how its being seen is told; the drills not built yet.
 - ``run.py``: one measured run (reset, load, fault, convergence, counters).
 - ``session.py``: one invocation (stack, baseline, drills, progress).
-- ``report.py``: the table, the JSON, the exit status.
+- ``report.py``: the table, the JSON, the exit status; ``plot.py``: ``--plot``.
 """
 
 from __future__ import annotations

@@ -28,13 +28,14 @@ RUN_TIMEOUT_S = 300.0
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("replay") / "drills.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
-    command = [sys.executable, "-m", "kvrouter", "replay", "--drill", ",".join(BUILT),
-               "--requests", "30", "--speed", "8", "--json", str(out)]  # fmt: skip
+    command = [sys.executable, "-m", "kvrouter", "replay", "--drill", ",".join(BUILT), "--requests", "30",
+               "--speed", "8", "--json", str(out), "--plot", str(out.with_suffix(".png"))]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert out.exists(), done.stdout + done.stderr
     document: dict[str, Any] = json.loads(out.read_text())
     document["exit_code"] = done.returncode
     document["output"] = done.stdout + done.stderr
+    document["plot"] = out.with_suffix(".png")
     return document
 
 
@@ -98,6 +99,10 @@ def test_the_router_restart_drill_ran_another_router_and_both_left_no_segment(re
     assert fault["pid"] != fault["old_pid"]
     for pid in (fault["old_pid"], fault["pid"]):
         assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{pid}-")]
+
+
+def test_the_plot_is_a_png(report):
+    assert report["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_table_names_every_drill_and_what_is_not_built(report):

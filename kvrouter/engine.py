@@ -54,17 +54,19 @@ from .index.layout import (
     W_LAST_EVENT_NS,
     W_LAST_ID,
     W_RESTARTS,
+    W_SEEN,
     W_SKIPPED_EVENTS,
     W_STALE,
     W_STATE,
     W_WORKER_ID,
     WORKER_STATES,
     Control,
+    unpack_seen,
 )
 from .index.reader import IndexReader
 from .index.supervisor import STOP_TIMEOUT, Supervisor
 from .plane.config import PlaneConfig
-from .plane.registry import WorkerSpec
+from .plane.registry import FORMATS, WorkerSpec
 
 __all__ = [
     "Engine",
@@ -182,6 +184,12 @@ class WorkerStats:
     """Engine restarts seen (ids went back to 0)."""
     events: int
     """Events applied from its stream."""
+    foreign_block_size: int = 0
+    """The block size of stores dropped for not being the registered one (0: none seen)."""
+    foreign_format: str | None = None
+    """A format that decodes frames the registered one refused (None: none found)."""
+    foreign_rank: int | None = None
+    """A dp rank whose batches arrived on this rank's port (None: none did)."""
 
     @classmethod
     def of_row(cls, shard: int, row: Sequence[int]) -> WorkerStats:
@@ -201,6 +209,7 @@ class WorkerStats:
             bad_frames=row[W_BAD_FRAMES],
             restarts=row[W_RESTARTS],
             events=row[W_EVENTS],
+            **_seen(row[W_SEEN]),
         )
 
 
@@ -563,6 +572,15 @@ class EngineView:
             self._open = False
             self._reader.close()
             self._control.close()
+
+
+def _seen(word: int) -> dict[str, Any]:
+    size, code, rank = unpack_seen(word)
+    return {
+        "foreign_block_size": size,
+        "foreign_format": FORMATS[code - 1] if 0 < code <= len(FORMATS) else None,
+        "foreign_rank": rank,
+    }
 
 
 def read_workers(control: Control) -> dict[WorkerKey, WorkerStats]:

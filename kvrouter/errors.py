@@ -12,7 +12,7 @@ KvRouterError
 ├── EngineError              the shared-memory engine is not running, or could not start
 │   └── FlushTimeout         (also a TimeoutError) an applier did not reach a flush in time
 ├── StatsError               a stats segment that is not one, or whose blob does not decode (``kvrouter top``)
-├── BadMessage               (also a ValueError) a replica-sync message (NATS) that does not decode; names the field
+├── BadMessage               (also a ValueError) a replica-sync message or snapshot (NATS) that does not decode
 └── EventError               an event could not be applied; ``kind`` names why
     ├── BadEvent             bad_event: the input does not decode into an event
     ├── ParentNotFound       parent_not_found
@@ -129,7 +129,8 @@ class BadMessage(KvRouterError, ValueError):
     missing or mistyped field, an unknown variant, a number out of range. The message names the path and
     the offending value, e.g. ``active_sequences_events: $.worker.dp_rank: expected an integer in
     0..4294967295, got 'x'``. The bridge counts it as malformed, logs the first one, and applies nothing of
-    it; the sync carries on."""
+    it; the sync carries on. Also raised for a durable-mode index snapshot that does not decode
+    (``kvrouter/bridge/snapshot.py``): the replica counts it, says so, and replays the stream instead."""
 
 
 class EventError(KvRouterError):

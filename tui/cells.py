@@ -31,6 +31,7 @@ DASH: Final = "-"
 
 STATE_STYLES: Final[dict[str, str]] = {
     "unhealthy": "bold red",
+    "misconfig": "bold red",
     "failed": "bold red",
     "stale": "yellow",
     "restoring": "yellow",

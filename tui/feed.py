@@ -31,6 +31,7 @@ import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Final
 
@@ -42,7 +43,7 @@ from kvrouter.index.layout import PREFIX, SHM_DIR, Control, control_name, stats_
 from kvrouter.service.discovery import Discovered, entries, pid_alive, runtime_dir
 from kvrouter.service.stats import DECISIONS_SHOWN, EVENTS_SHOWN, StatsReader, percentiles
 
-from .model import TIERS, Candidate, Decision, LogEvent, ProbeRow, RouterGone, Snapshot, WorkerRow
+from .model import TIERS, Candidate, Decision, LogEvent, ProbeRow, RouterGone, Shadow, Snapshot, WorkerRow
 
 __all__ = [
     "HTTP_TIMEOUT_S",
@@ -149,9 +150,11 @@ def _recent(decisions: Iterable[Mapping[str, Any]], explained: Mapping[str, Any]
     return tuple(out)
 
 
-def _state(plane: str | None, stale: bool, unhealthy: Any, approximate: bool) -> str:
+def _state(plane: str | None, stale: bool, unhealthy: Any, approximate: bool, trust: Any = None) -> str:
     if unhealthy:
         return "unhealthy"
+    if trust == "misconfigured":
+        return "misconfig"  # the service's trust state, shortened to fit the state column
     if approximate:
         return "approximate"
     if plane is None:
@@ -178,6 +181,9 @@ def _row(
         gaps_detected=gaps[0],
         gaps_lost=gaps[1],
         last_event_at=last,
+        accuracy=_opt_float(load.get("accuracy")),
+        drift=load.get("drift") is True,
+        problems=_problems(load.get("problems")),
     )
 
 
@@ -349,7 +355,8 @@ class ShmFeed:
         workers = []
         for load in loads:
             row = rows.get((_int(load.get("worker_id")), _int(load.get("dp_rank"))))
-            state = _state(row.state if row else None, bool(row and row.stale), load.get("unhealthy"), approximate)
+            plane = row.state if row else None
+            state = _state(plane, bool(row and row.stale), load.get("unhealthy"), approximate, load.get("trust"))
             if row is None:
                 workers.append(_row(load, state, {}, (0, 0), None))
             else:
@@ -384,6 +391,7 @@ class ShmFeed:
             replicas=None if blob.get("replicas") is None else _int(blob.get("replicas")),
             sync_lag_ms=_opt_float(blob.get("sync_lag_ms")),
             extra=_extra(blob),
+            shadows=_blob_shadows(blob.get("shadows")),
         )
 
     def probe(self, tokens: Sequence[int]) -> tuple[ProbeRow, ...]:
@@ -561,6 +569,7 @@ class HttpFeed:
             else None,
             sync_lag_ms=_lag_ms(metrics.get("kvrouter_replica_sync_lag_seconds", {}).values(), 1e3),
             extra={"url": self.url},
+            shadows=_metric_shadows(metrics),
         )
 
     def probe(self, tokens: Sequence[int]) -> tuple[ProbeRow, ...]:
@@ -591,6 +600,40 @@ def _metrics(text: str, url: str) -> dict[str, dict[Labels, float]]:
     return out
 
 
+def _problems(value: Any) -> tuple[str, ...]:
+    """The service's misconfiguration messages of a worker (``trust.py``), by check name."""
+    if not isinstance(value, Mapping):
+        return ()
+    return tuple(str(message) for _, message in sorted(value.items()))
+
+
+def _blob_shadows(value: Any) -> dict[str, Shadow]:
+    """The stats blob's ``shadows``: per policy, the six sums in ``Shadow``'s order."""
+    if not isinstance(value, Mapping):
+        return {}
+    return {
+        str(name): Shadow(*(_float(v) for v in sums))
+        for name, sums in value.items()
+        if isinstance(sums, list | tuple) and len(sums) == len(fields(Shadow))
+    }
+
+
+_SHADOW_METRICS: Final = (
+    "kvrouter_shadow_decisions_total",
+    "kvrouter_shadow_agreements_total",
+    "kvrouter_shadow_overlap_blocks_total",
+    "kvrouter_shadow_live_overlap_blocks_total",
+    "kvrouter_shadow_cost_total",
+    "kvrouter_shadow_live_cost_total",
+)
+
+
+def _metric_shadows(metrics: Mapping[str, Mapping[Labels, float]]) -> dict[str, Shadow]:
+    """The same from ``/metrics``' ``kvrouter_shadow_*`` families."""
+    policies = {dict(k).get("policy", "?") for k in metrics.get(_SHADOW_METRICS[0], {})}
+    return {p: Shadow(*(_where(metrics, name, "policy", p) for name in _SHADOW_METRICS)) for p in sorted(policies)}
+
+
 def _where(metrics: Mapping[str, Mapping[Labels, float]], name: str, label: str = "", *values: str) -> float:
     """The sum of ``name``'s samples, only those whose ``label`` is one of ``values`` when given."""
     series = metrics.get(name, {})
@@ -610,22 +653,34 @@ def _flat_loads(answer: Iterable[Any]) -> list[dict[str, Any]]:
 def _http_workers(loads: Iterable[Mapping[str, Any]], instances: Iterable[Any]) -> tuple[WorkerRow, ...]:
     """Worker rows from ``/loads`` (the booked load) joined with ``/workers``' listeners (the event plane)."""
     listeners: dict[tuple[int, int], dict[str, Any]] = {}
+    accuracy: dict[tuple[int, int], dict[str, Any]] = {}
     for instance in instances:
         if isinstance(instance, dict) and isinstance(instance.get("listeners"), dict):
             for rank, listener in instance["listeners"].items():
                 if isinstance(listener, dict) and str(rank).isdigit():
                     listeners[_int(instance.get("instance_id")), int(rank)] = listener
+        if isinstance(instance, dict) and isinstance(instance.get("accuracy"), dict):
+            for rank, view in instance["accuracy"].items():
+                if isinstance(view, dict) and str(rank).isdigit():
+                    accuracy[_int(instance.get("instance_id")), int(rank)] = view
     workers = []
     for load in loads:
         listener = listeners.get((_int(load.get("worker_id")), _int(load.get("dp_rank"))), {})
         unhealthy = None if load.get("schedulable", True) else "skipped"
         plane = listener.get("state") if isinstance(listener.get("state"), str) else None
         approximate = listener.get("status") == "approximate"
-        state = _state(plane, bool(listener.get("stale")), unhealthy, approximate)
+        state = _state(plane, bool(listener.get("stale")), unhealthy, approximate, listener.get("trust"))
         gaps = (_int(listener.get("gaps_detected")), _int(listener.get("gaps_lost")))
         last = _opt_float(listener.get("last_event_at"))
         tiers = listener.get("cached_by_tier")
         if not isinstance(tiers, dict):  # a router from before layout 3: its device count only
             tiers = {TIERS[0]: listener.get("cached_blocks")}
+        view = accuracy.get((_int(load.get("worker_id")), _int(load.get("dp_rank"))), {})
+        load = {
+            **load,
+            "accuracy": view.get("rolling"),
+            "drift": view.get("drift"),
+            "problems": listener.get("problems"),
+        }
         workers.append(_row(load, state, tiers, gaps, last))
     return tuple(sorted(workers, key=lambda w: w.key))

@@ -23,6 +23,7 @@ __all__ = [
     "LogEvent",
     "ProbeRow",
     "RouterGone",
+    "Shadow",
     "Snapshot",
     "WorkerRow",
 ]
@@ -45,7 +46,8 @@ class WorkerRow:
     model: str
     state: str
     """``exact``, ``partial``, ``restoring``, ``unknown`` (the event plane's), ``stale`` (silent past its
-    timeout), ``approximate`` (no events: approximate mode) or ``unhealthy`` (taken out of routing)."""
+    timeout), ``approximate`` (no events: approximate mode), ``misconfig`` (the service found a
+    misconfiguration: ``problems``) or ``unhealthy`` (taken out of routing)."""
     cached_blocks: int
     active_blocks: int
     prefill_tokens: int
@@ -58,6 +60,13 @@ class WorkerRow:
     """Blocks the index holds in the host, disk and shared tiers (``TIERS[1:]``); ``cached_blocks`` is the
     device tier's. Kept apart from it rather than as a four-tuple beside it, so the device count cannot be
     given twice and disagree."""
+    accuracy: float | None = None
+    """The share of the engine's recent reuse reports that matched the router's prediction (the service's
+    ``accuracy.py``); None before enough reports."""
+    drift: bool = False
+    """The accuracy is below the service's drift threshold."""
+    problems: tuple[str, ...] = ()
+    """The misconfigurations the service found (its ``trust.py``), each a message a person can act on."""
 
     @property
     def key(self) -> tuple[int, int]:
@@ -67,6 +76,18 @@ class WorkerRow:
     def cached_by_tier(self) -> tuple[int, int, int, int]:
         """Cached blocks per tier, in ``TIERS`` order."""
         return (self.cached_blocks, *self.cached_offloaded)
+
+
+@dataclass(frozen=True, slots=True)
+class Shadow:
+    """One shadow policy against the live one over the same decisions (the service's ``shadow.py``)."""
+
+    decisions: float
+    agreements: float
+    overlap_blocks: float
+    live_overlap_blocks: float
+    cost: float
+    live_cost: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +171,8 @@ class Snapshot:
     """Peers and sync lag with the NATS bridge on; None without it."""
     extra: dict[str, str] = field(default_factory=dict)
     """Anything else the source wants in the header (``model``, ``policy``, ...)."""
+    shadows: dict[str, Shadow] = field(default_factory=dict)
+    """``--shadow-policy``: each shadow policy's picks against the live ones, by policy name."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,6 +137,7 @@ class DetailScreen(ModalScreen[None]):
                 ("prefill tokens", str(row.prefill_tokens)),
                 ("requests", str(row.requests)),
                 ("gaps", f"{row.gaps_detected} detected, {row.gaps_lost} lost"),
+                ("index accuracy", _accuracy(row.accuracy, row.drift)),
                 ("last event", f"{cells.age(row.last_event_at, snapshot.taken_at)} ago"),
                 ("recent decisions", f"chose it {len(won)} of {len(snapshot.decisions)}"),
             )
@@ -144,6 +145,9 @@ class DetailScreen(ModalScreen[None]):
                 text.append(f"{name:>16}  ", style="dim")
                 text.append(value, style=cells.STATE_STYLES.get(value, ""))
                 text.append("\n")
+            for problem in row.problems:
+                text.append(f"{'misconfigured':>16}  ", style="dim")
+                text.append(problem + "\n", style="bold red")
             if won:
                 overlaps = [d.overlap_blocks / d.prompt_blocks for d in won if d.prompt_blocks]
                 if overlaps:
@@ -151,6 +155,13 @@ class DetailScreen(ModalScreen[None]):
                     text.append(f"{100 * sum(overlaps) / len(overlaps):.0f}% of the prompt on average\n")
         self.query_one("#detail-text", Static).update(text)
         self.query_one("#detail-spark", Sparkline).data = list(rates.cached_history.get(self.key, ()))
+
+
+def _accuracy(share: float | None, drift: bool) -> str:
+    """The engine's reuse reports against the router's predictions (the service's ``accuracy.py``)."""
+    if share is None:
+        return "not enough reuse reports yet"
+    return f"{100 * share:.0f}% of recent reuse reports as predicted" + (" (DRIFT)" if drift else "")
 
 
 class ProbeScreen(ModalScreen[Probe | None]):

@@ -6,10 +6,10 @@ Layout, one job per module:
 - ``codec.py``     the JSON messages (the reference's ``ActiveSequenceEvent``, kvrouter's snapshot parts),
                    strict decoding that names the bad field
 - ``sync.py``      ``ReplicaSync``: publish own reservations' events, apply peers', late join, counters
-- ``events.py``    KV events over NATS: ``NatsEventRelay`` (``kv-events`` → local PUBs the appliers follow),
-                   ``NatsEventSink`` (what ``KvPublisher`` publishes through)
-
-JetStream durable mode is not here yet.
+- ``events.py``    KV events over NATS: ``NatsEventRelay`` (``kv-events`` → local PUBs the appliers follow;
+                   in durable mode every rank's local indexer too), ``NatsEventSink`` (``KvPublisher``'s)
+- ``durable.py``   JetStream durable mode: ``DurableEvents`` (stream, durable consumer, snapshots, reset)
+- ``snapshot.py``  the snapshot object's codec (compact msgpack, chains of packed u64 hashes)
 """
 
 from __future__ import annotations

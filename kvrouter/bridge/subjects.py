@@ -61,7 +61,6 @@ class Subjects:
         """Every replica's ``{"router_id", "sent_at"}`` each ``PRESENCE_INTERVAL_S``: who is there, and the lag."""
         self.kv_events = f"{self.prefix}.{KV_EVENTS_EVENT}"
         """Workers publishing KV events on NATS publish here; the service's relay follows it (``events.py``)."""
-        """Every replica's ``{"router_id", "sent_at"}`` each ``PRESENCE_INTERVAL_S``: who is there, and the lag."""
 
     def snapshot_of(self, router_id: int) -> str:
         """Where the peer ``router_id`` answers a snapshot request, in parts, to the request's reply subject."""

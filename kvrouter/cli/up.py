@@ -87,6 +87,7 @@ ROUTER_FLAGS: Final[Mapping[str, str]] = {
     "router_prefill_load_scale": "prefill_load_scale",
     "router_decode_active_request_weight": "decode_active_request_weight",
     "router_prefill_work_weight": "prefill_work_weight",
+    "router_untrusted_overlap_weight": "untrusted_overlap_weight",
     "router_host_cache_hit_weight": "host_cache_hit_weight",
     "router_disk_cache_hit_weight": "disk_cache_hit_weight",
     "router_temperature": "router_temperature",
@@ -385,6 +386,18 @@ def up(
             rich_help_panel=_COST,
         ),
     ] = KVROUTER_CONFIG.prefill_work_weight,
+    router_untrusted_overlap_weight: Annotated[
+        float,
+        typer.Option(
+            "--router-untrusted-overlap-weight",
+            envvar="KVROUTER_ROUTER_UNTRUSTED_OVERLAP_WEIGHT",
+            min=0.0,
+            max=1.0,
+            help="kvrouter's: multiplies the overlap credit of workers whose trust is not exact "
+            "(partial, stale, misconfigured; docs/insight.md); 1 = off.",
+            rich_help_panel=_COST,
+        ),
+    ] = KVROUTER_CONFIG.untrusted_overlap_weight,
     router_host_cache_hit_weight: Annotated[
         float,
         typer.Option(
@@ -551,6 +564,27 @@ def up(
             rich_help_panel=_PROXY,
         ),
     ] = None,
+    shadow_policy: Annotated[
+        str | None,
+        typer.Option(
+            "--shadow-policy",
+            envvar="KVROUTER_SHADOW_POLICY",
+            help="Simulator policies (comma-separated) asked on every decision and compared in /metrics, "
+            "never used to route (kvrouter simulate --help lists them).",
+            show_default="none",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
+    decision_log: Annotated[
+        str | None,
+        typer.Option(
+            "--decision-log",
+            envvar="KVROUTER_DECISION_LOG",
+            help="Append every decision to FILE as a JSON line (summarise it with kvrouter decision-log FILE).",
+            show_default="off",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
     # Replica sync
     router_replica_sync: Annotated[
         bool,
@@ -595,6 +629,48 @@ def up(
             rich_help_panel=_SYNC,
         ),
     ] = 300.0,
+    router_durable_kv_events: Annotated[
+        bool,
+        typer.Option(
+            "--router-durable-kv-events",
+            "--durable-kv-events",
+            envvar="KVROUTER_ROUTER_DURABLE_KV_EVENTS",
+            help="Workers' NATS kv-events are kept in a JetStream stream this replica reads as a durable consumer; "
+            "index snapshots go to the object store; a restarted replica resumes without asking any worker.",
+            rich_help_panel=_SYNC,
+        ),
+    ] = False,
+    router_snapshot_threshold: Annotated[
+        int,
+        typer.Option(
+            "--router-snapshot-threshold",
+            envvar="KVROUTER_ROUTER_SNAPSHOT_THRESHOLD",
+            min=1,
+            help="\\[messages] Durable mode: past this many messages in the stream, snapshot the index and "
+            "purge the stream up to it.",
+            rich_help_panel=_SYNC,
+        ),
+    ] = 1_000_000,
+    router_reset_states: Annotated[
+        bool,
+        typer.Option(
+            "--router-reset-states",
+            envvar="KVROUTER_ROUTER_RESET_STATES",
+            help="Durable mode: at start, delete the snapshot bucket and purge the stream.",
+            rich_help_panel=_SYNC,
+        ),
+    ] = False,
+    router_id: Annotated[
+        str | None,
+        typer.Option(
+            "--router-id",
+            envvar="KVROUTER_ROUTER_ID",
+            help="This replica's stable name (durable mode: its consumer is kvrouter-<id>, found again after a "
+            "restart).",
+            show_default="<hostname>-<port>",
+            rich_help_panel=_SYNC,
+        ),
+    ] = None,
     # Embedded demo
     mock_workers: Annotated[
         int | None,
@@ -697,11 +773,17 @@ def up(
         "queue_policy": router_queue_policy,
         "queue_timeout_secs": router_queue_timeout_secs,
         "tokenizer": tokenizer,
+        "decision_log": decision_log,
+        "shadow_policies": tuple(p.strip() for p in (shadow_policy or "").split(",") if p.strip()),
         "active_request_expiry_secs": router_active_request_expiry_secs,
         "replica_sync": router_replica_sync,
         "nats_url": nats_url,
         "namespace": namespace,
         "component": component,
+        "durable_kv_events": router_durable_kv_events,
+        "snapshot_threshold": router_snapshot_threshold,
+        "reset_states": router_reset_states,
+        "router_id": router_id,
     }
     demo: dict[str, Any] = {
         "mock_workers": mocks,

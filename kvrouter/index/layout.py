@@ -101,17 +101,43 @@ WORKER_ROWS: Final = 4096
     W_CACHED_HOST,
     W_CACHED_DISK,
     W_CACHED_SHARED,
-) = range(19)
+    W_SEEN,
+) = range(20)
 """Worker row words: identity and cached device blocks (the writer), then the event plane's view of the
 worker: the last sequence number or event id applied (``NO_ID`` before the first), when its last message
 arrived, gaps detected / recovered / lost, the trust state (``WORKER_*``), the stale flag, blocks dropped
 for a wrong block size, events skipped (another attention group), undecodable frames, engine restarts
 seen, and events applied; then cached blocks in the host, disk and shared tiers (the writer). The other
 tiers' counts come after the rest, not beside ``W_CACHED``, so every word of layout 2 kept its place;
-word 19 is spare (zero)."""
+word 19, ``W_SEEN``, is what the plane saw that contradicts the registration (:func:`seen_word`; zero
+while nothing did), for the service's misconfiguration checks."""
 W_CACHED_BY_TIER: Final = (W_CACHED, W_CACHED_HOST, W_CACHED_DISK, W_CACHED_SHARED)
 """Each tier's cached-blocks word, in ``StorageTier`` order (device, host, disk, shared)."""
 WORKER_ROW_WORDS: Final = 20
+SEEN_FORMAT_SHIFT: Final = 32
+SEEN_RANK_SHIFT: Final = 40
+
+
+def seen_word(word: int, *, block_size: int = 0, format_code: int = 0, rank: int | None = None) -> int:
+    """``W_SEEN`` with one more fact set: bits 0-31 the block size of blocks dropped for not being the
+    registered one; bits 32-39 one plus the index in ``plane.registry.FORMATS`` of a format that decodes
+    frames the registered one refused; bits 40-55 one plus a dp rank whose batches came on this rank's
+    port. Rules: zero means "not seen"; a fact is overwritten by the latest sighting."""
+    if block_size:
+        word = (word & ~0xFFFF_FFFF) | (block_size & 0xFFFF_FFFF)
+    if format_code:
+        word = (word & ~(0xFF << SEEN_FORMAT_SHIFT)) | ((format_code & 0xFF) << SEEN_FORMAT_SHIFT)
+    if rank is not None:
+        word = (word & ~(0xFFFF << SEEN_RANK_SHIFT)) | (((rank + 1) & 0xFFFF) << SEEN_RANK_SHIFT)
+    return word
+
+
+def unpack_seen(word: int) -> tuple[int, int, int | None]:
+    """(block size seen or 0, format code or 0, dp rank seen or None) of a ``W_SEEN`` word."""
+    rank = (word >> SEEN_RANK_SHIFT) & 0xFFFF
+    return word & 0xFFFF_FFFF, (word >> SEEN_FORMAT_SHIFT) & 0xFF, rank - 1 if rank else None
+
+
 NO_ID: Final = (1 << 64) - 1
 """``W_LAST_ID`` before any message was applied."""
 

@@ -78,6 +78,9 @@ class WorkerSpec:
     block_size: int = DEFAULT_BLOCK_SIZE
     rank_endpoints: Mapping[int, str] = field(default_factory=dict)
     """Explicit per-rank event endpoints, overriding the offset rule for the ranks listed."""
+    rank_query_endpoints: Mapping[int, str] = field(default_factory=dict)
+    """Explicit per-rank query endpoints (kvrouter format), overriding the offset rule for the ranks
+    listed: a durable-mode relay's own ROUTER per rank (``bridge/events.py``)."""
 
     def __post_init__(self) -> None:
         where = f"worker {self.worker_id}"
@@ -100,6 +103,8 @@ class WorkerSpec:
 
     def recovery_endpoint(self, rank: int) -> str | None:
         """Where rank ``rank`` answers for its history: the replay socket, or the local indexer's."""
+        if self.format == "kvrouter" and rank in self.rank_query_endpoints:
+            return self.rank_query_endpoints[rank]
         base = self.query_endpoint if self.format == "kvrouter" else self.replay_endpoint
         return None if base is None else offset_endpoint(base, rank)
 
@@ -114,6 +119,7 @@ class WorkerSpec:
             "dp_ranks": list(self.dp_ranks),
             "block_size": self.block_size,
             "rank_endpoints": dict(self.rank_endpoints),
+            "rank_query_endpoints": dict(self.rank_query_endpoints),
         }
         packed: bytes = msgpack.packb(body, use_bin_type=True)
         return packed
@@ -133,6 +139,7 @@ class WorkerSpec:
                 dp_ranks=tuple(body["dp_ranks"]),
                 block_size=body["block_size"],
                 rank_endpoints=body["rank_endpoints"],
+                rank_query_endpoints=body.get("rank_query_endpoints", {}),
             )
         except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
             raise ConfigError(f"not a worker spec: {exc!r}") from exc

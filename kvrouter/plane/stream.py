@@ -37,14 +37,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import zmq
 
-from ..errors import BadEvent
+from ..errors import BadEvent, ConfigError, InvalidHashInput
 from ..events.codecs import sglang, vllm
 from ..events.codecs.frames import ReplayEnd, ReplayFrame
 from ..events.codecs.kvrouter import Decoder, RawBatch, RawEvent
@@ -61,6 +61,7 @@ from ..index.layout import (
     W_LAST_EVENT_NS,
     W_LAST_ID,
     W_RESTARTS,
+    W_SEEN,
     W_SKIPPED_EVENTS,
     W_STALE,
     W_STATE,
@@ -68,11 +69,12 @@ from ..index.layout import (
     WORKER_PARTIAL,
     WORKER_RESTORING,
     WORKER_UNKNOWN,
+    seen_word,
 )
 from ..index.writer import ShardWriter
 from .config import PlaneConfig
 from .recovery import QueryClient, RecoveryClient, ReplayClient
-from .registry import WorkerSpec
+from .registry import FORMATS, WorkerSpec
 
 __all__ = ["Stream", "Unit"]
 
@@ -97,8 +99,12 @@ class Unit(NamedTuple):
     skipped_events: int = 0
     sent_at: float = 0.0
     """The batch's engine stamp [s] (0: none), for the index lag."""
+    foreign_block_size: int = 0
+    """The block size of dropped stores that were not the registered one (0: none)."""
 
 
+GUESS_FRAMES: Final = 8
+"""Bad frames of a stream tried against the other formats, to name the one its worker sends."""
 TAIL_CHECK_S: Final = 2.0
 """A vLLM / SGLang stream quiet this long after a batch asks the replay socket once for anything past its
 cursor. A gap shows only when a later batch arrives: the last batches before a silence (dropped at a full
@@ -157,6 +163,8 @@ class Stream:
         self._recovery_endpoint = spec.recovery_endpoint(rank)
         self._where = f"worker={spec.worker_id} dp={rank}"
         self._logged: set[str] = set()
+        self._guesses = 0
+        """Bad frames tried against the other formats so far (``_guess_format``)."""
         self.cursor: int | None = None
         self.joining = True
         """The first restore has not finished: a restarted shard stays ``recovering`` while any stream joins."""
@@ -246,13 +254,24 @@ class Stream:
             batch = self._decode(payload, self._events_seen)
         except BadEvent as exc:
             self._bad(str(exc), "decode")
+            self._guess_format(payload)
             return None
         if (batch.worker_id, batch.dp_rank) != self.key:
             self._bad(f"a batch of worker {batch.worker_id} dp {batch.dp_rank} on this stream", "wrong-worker")
+            if batch.worker_id == self.spec.worker_id:  # another rank's events on this rank's port
+                self._words[W_SEEN] = seen_word(int(self._words[W_SEEN]), rank=batch.dp_rank)
             return None
         self._events_seen += len(batch.events)
         if self.spec.format != "kvrouter":
-            return Unit(seq, seq, batch.events, batch.dropped_blocks, batch.skipped_events, batch.timestamp or 0.0)
+            return Unit(
+                seq,
+                seq,
+                batch.events,
+                batch.dropped_blocks,
+                batch.skipped_events,
+                batch.timestamp or 0.0,
+                batch.foreign_block_size,
+            )
         events = batch.events
         if not events:
             return None
@@ -261,6 +280,23 @@ class Stream:
             self._bad(f"event ids {first}..{last} are not consecutive", "ids")
             return None
         return Unit(first, last, events, sent_at=batch.timestamp or 0.0)
+
+    def _guess_format(self, payload: bytes) -> None:
+        """A frame the registered format refused: which format does decode it? Asked for the first bad frames
+        only (:data:`GUESS_FRAMES`), so a worker sending garbage costs a few decodes, not one per frame."""
+        if self._guesses >= GUESS_FRAMES:
+            return
+        self._guesses += 1
+        for code, name in enumerate(FORMATS, start=1):
+            if name == self.spec.format:
+                continue
+            try:
+                batch = _decoder(replace(self.spec, format=name))(payload, 0)
+            except (BadEvent, ConfigError, InvalidHashInput):
+                continue
+            if batch.events:
+                self._words[W_SEEN] = seen_word(int(self._words[W_SEEN]), format_code=code)
+                return
 
     def _bad(self, what: str, kind: str) -> None:
         self._bump(W_BAD_FRAMES)
@@ -309,6 +345,8 @@ class Stream:
         if events:
             self._writer.apply_batch(self.key, events, unit.sent_at)
         self._bump(W_EVENTS, len(events))
+        if unit.foreign_block_size:
+            self._words[W_SEEN] = seen_word(int(self._words[W_SEEN]), block_size=unit.foreign_block_size)
         if unit.dropped_blocks:
             self._bump(W_DROPPED_BLOCKS, unit.dropped_blocks)
             self._warn_once(

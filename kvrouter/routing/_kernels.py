@@ -82,8 +82,10 @@ SAMPLE: Final = -2
 # dispatcher types and unboxes every array argument, 1.4 µs a call for the dozen a decision reads; one
 # context array costs a tenth of that. The router rebinds an entry whenever it, or its slot manager,
 # replaces that array, before the next call (``router.py``), so no address outlives its array.
-B_SEQS, B_CANDIDATES, B_LOADS, B_WORK, B_HOLDERS, B_SCRATCH, B_CAPACITIES, B_PARAMS, B_OUT, B_TIES = range(0, 30, 3)
-BOUND_WORDS: Final = 30
+B_SEQS, B_CANDIDATES, B_LOADS, B_WORK, B_HOLDERS, B_SCRATCH, B_CAPACITIES, B_PARAMS, B_OUT, B_TIES, B_TRUST = range(
+    0, 33, 3
+)
+BOUND_WORDS: Final = 33
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -102,6 +104,7 @@ def _decide(
     params: npt.NDArray[np.float64],
     out: npt.NDArray[np.float64],
     ties: npt.NDArray[np.int64],
+    trust: npt.NDArray[np.float64],
     explain: bool,
 ) -> tuple[int, int, int]:
     """A whole decision after the index walk, in one call: the prompt's sequence hashes into ``seqs[:n]``
@@ -121,7 +124,7 @@ def _decide(
     if params[P_TRACK_BLOCKS] != 0.0:
         touched = _active.leading(holders, seqs[:n], leading, scratch[1], scratch[2])
     result = cost_and_choose(
-        candidates, overlaps, loads[0], loads[1], loads[2], leading, capacities, work, params, out, ties, explain
+        candidates, overlaps, loads[0], loads[1], loads[2], leading, capacities, work, params, out, ties, trust, explain
     )
     for j in range(touched):
         leading[scratch[1, j]] = 0
@@ -160,6 +163,7 @@ def decide(
     params = carray(_floats_at(bound[B_PARAMS]), (bound[B_PARAMS + 1],))
     out = carray(_floats_at(bound[B_OUT]), (bound[B_OUT + 1], bound[B_OUT + 2]))
     ties = _vector(bound, B_TIES)
+    trust = carray(_floats_at(bound[B_TRUST]), (bound[B_TRUST + 1],))
     head, skip, count = _decide(
         local,
         isl,
@@ -175,6 +179,7 @@ def decide(
         params,
         out,
         ties,
+        trust,
         explain,
     )
     return head, skip, count, overlaps[0, candidates[head]] if head >= 0 else 0
@@ -231,6 +236,7 @@ def _weights(params: npt.NDArray[np.float64]) -> Weights:
 def _terms(
     overlap: tuple[int, int, int, int],
     loads: tuple[int, int, int, int],
+    trust: float,
     factor_of: float,
     least: int,
     mean_recent: float,
@@ -239,7 +245,8 @@ def _terms(
 ) -> tuple[float, float, float, float, float, float, float, float]:
     """One candidate's terms, ``cost.worker_cost``'s arithmetic in its order: ``(raw, credit, adjusted,
     prefill cost, decode blocks, request cost, total, work factor)``. ``overlap`` is the slot's per tier,
-    ``loads`` its queued prefill, requests, active blocks and leading active blocks, ``factor_of`` its
+    ``loads`` its queued prefill, requests, active blocks and leading active blocks, ``trust`` its credit
+    factor (``untrusted_overlap_weight`` for a worker marked untrusted, else 1), ``factor_of`` its
     decayed recent work; ``least`` the lowest queued prefill and ``mean_recent`` the mean recent work over
     the eligible candidates. The one place the arithmetic lives: the pass over every candidate and the fill of the
     chosen ones' columns both call it. Scalars only: an array argument costs an atomic incref and decref
@@ -259,6 +266,8 @@ def _terms(
         + disk_w * max(0, disk - host)
         + shared_w * max(0, shared - disk)
     )
+    if trust != 1.0:
+        credit *= trust
     adjusted = raw - credit
     if not adjusted > 0.0:
         adjusted = 0.0
@@ -305,6 +314,7 @@ def cost_and_choose(
     params: npt.NDArray[np.float64],
     out: npt.NDArray[np.float64],
     ties: npt.NDArray[np.int64],
+    trust: npt.NDArray[np.float64],
     explain: bool,
 ) -> tuple[int, int, int]:  # hot path: two passes over the candidates, then the chosen and its ties
     """Cost every candidate into ``out`` and choose.
@@ -325,6 +335,7 @@ def cost_and_choose(
             were half the decision.
         ties: ``len(candidates)`` scratch; at temperature 0, ``ties[:count]`` are the candidates (positions)
             tied with ``head`` after it, in order.
+        trust: per slot, the credit factor (1 unless the slot's worker is marked untrusted).
         explain: write every candidate's terms (also done above temperature 0, where ``sample`` reads
             every total and the caller's choice is not known here).
 
@@ -372,6 +383,7 @@ def cost_and_choose(
         terms = _terms(
             (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot]),
             (prefill[slot], requests[slot], blocks[slot], leading[slot]),
+            trust[slot],
             work[slot] * decay_now,
             least,
             mean_recent,
@@ -401,7 +413,8 @@ def cost_and_choose(
             slot = candidates[i]
             overlap = (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot])
             loads = (prefill[slot], requests[slot], blocks[slot], leading[slot])
-            _fill(out, i, _terms(overlap, loads, work[slot] * decay_now, least, mean_recent, work_weight, weights))
+            factor = work[slot] * decay_now
+            _fill(out, i, _terms(overlap, loads, trust[slot], factor, least, mean_recent, work_weight, weights))
     return head, skip, count
 
 

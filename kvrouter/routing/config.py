@@ -71,6 +71,11 @@ class RouterConfig:
     ``--active-decode-blocks-threshold``); None: off. Workers of unknown capacity are never busy by it."""
     active_prefill_tokens_threshold: int | None = None
     """Busy when active prefill tokens exceed this (``--active-prefill-tokens-threshold``); None: off."""
+    untrusted_overlap_weight: float = 1.0
+    """kvrouter's own (1: off, the reference's behaviour): multiplies every overlap credit of a worker the
+    caller marked untrusted (``Router.set_untrusted``: the service marks the workers whose trust state is
+    not ``exact``, ``service/trust.py``), so a router that may have lost part of a worker's history leans
+    less on it. In 0..1."""
 
     def __post_init__(self) -> None:
         for spec in fields(self):
@@ -79,6 +84,10 @@ class RouterConfig:
                 continue
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(f"RouterConfig.{spec.name} must be a finite number >= 0, got {value!r}")
+        if self.untrusted_overlap_weight > 1:
+            raise ConfigError(
+                f"RouterConfig.untrusted_overlap_weight must be in 0..1, got {self.untrusted_overlap_weight!r}"
+            )
         if self.router_ttl_secs <= 0:
             raise ConfigError(f"RouterConfig.router_ttl_secs must be > 0, got {self.router_ttl_secs!r}")
         if self.router_selection_policy not in ("default", "lmetric"):

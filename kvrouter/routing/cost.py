@@ -7,6 +7,7 @@ The reference's ``worker_logit`` (``scheduling/selector/default.rs``; ``spec/dyn
     credit_decay    = 1 / (1 + decay * max(0, active_prefill - min_active_prefill) / B / ceil(ISL / B))
     overlap_credit  = credit * credit_decay * device + host_w * (host - device)
                     + disk_w * (disk - host) + shared_w * (shared - disk)
+                      times untrusted_w for a worker marked untrusted (1 by default)
     adjusted        = max(0, raw_prefill - overlap_credit)
     cost            = prefill_load_scale * adjusted + potential_decode_blocks + request_w * active_requests
     lmetric         = adjusted * (potential_decode_blocks + 1)   (router_selection_policy="lmetric")
@@ -18,6 +19,8 @@ is the worker's recently booked uncached prefill (``SlotManager.recent_prefill_t
 tokens beyond its device overlap at booking, decayed as ``exp(-age / 60 s)``), ``mean_recent`` its mean
 over the eligible candidates. The other terms see only what is in flight, so without it the prefill
 work each worker did drifts apart under cache affinity, more so the more workers share the traffic.
+``untrusted_w`` is kvrouter's too (``untrusted_overlap_weight``, default 1 = off): the service marks the
+workers whose trust state is not ``exact`` (``service/trust.py``), and their overlap counts for less.
 A factor rather than a sum: it is dimensionless (weight 1 = cost proportional to the worker's share of
 recent work), so it needs no scale per trace, and a worker whose cost is 0 stays 0. Rejected: counting
 all work ever booked (no recovery after a burst) and a window of fixed requests (it ignores time).
@@ -98,6 +101,7 @@ def worker_cost(
     load: Load,
     min_active_prefill_tokens: int,
     mean_recent_prefill_tokens: float = 0.0,
+    trusted: bool = True,
 ) -> Cost:
     """The cost of one candidate worker.
 
@@ -110,6 +114,7 @@ def worker_cost(
         min_active_prefill_tokens: the least active prefill among the candidates (for the credit decay).
         mean_recent_prefill_tokens: the mean ``recent_prefill_tokens`` over the eligible candidates
             (for ``prefill_work_weight``).
+        trusted: False multiplies the credit by ``untrusted_overlap_weight``.
     """
     track_prefill = config.router_track_prefill_tokens
     raw_prefill = (load.active_prefill_tokens + isl_tokens) / block_size if track_prefill else 0.0
@@ -124,6 +129,8 @@ def worker_cost(
         + config.disk_cache_hit_weight * max(0, overlap.disk - overlap.host)
         + config.shared_credit * max(0, overlap.shared - overlap.disk)
     )
+    if not trusted:
+        credit *= config.untrusted_overlap_weight
     adjusted = max(0.0, raw_prefill - credit)
     prefill_cost = config.prefill_load_scale * adjusted
     request_cost = config.decode_active_request_weight * load.active_requests

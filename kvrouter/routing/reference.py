@@ -307,6 +307,7 @@ class ReferenceRouter:
         self.rng = random.Random(seed)
         self._clock = clock
         self._next_sweep = clock() + SWEEP_INTERVAL_SECS
+        self._untrusted: frozenset[WorkerKey] = frozenset()
         self.slots: ReferenceSlotManager | SlotManager = slots or ReferenceSlotManager(
             block_size=block_size,
             track_active_blocks=self.config.router_track_active_blocks,
@@ -376,6 +377,7 @@ class ReferenceRouter:
                 load=loads[w],
                 min_active_prefill_tokens=least_prefill,
                 mean_recent_prefill_tokens=mean_recent,
+                trusted=w not in self._untrusted,
             )
             for w in candidates
         }
@@ -395,6 +397,10 @@ class ReferenceRouter:
                 for w in candidates
             )
         return Selection(chosen, overlaps[chosen].device, costs[chosen], isl, explanation)
+
+    def set_untrusted(self, workers: Iterable[WorkerKey]) -> None:
+        """The workers whose overlap credit ``untrusted_overlap_weight`` multiplies (``Router.set_untrusted``)."""
+        self._untrusted = frozenset(workers)
 
     def _load(self, worker: WorkerKey, seq_hashes: Sequence[int]) -> Load:
         return Load(

@@ -45,7 +45,7 @@ from .cost import Cost, Overlap
 from .selection import probabilities
 from .slots import SlotManager
 
-__all__ = ["ArrayOverlapSource", "OverlapSource", "Router", "Selection", "WorkerExplanation"]
+__all__ = ["ArrayOverlapSource", "DecisionRecord", "OverlapSource", "Router", "Selection", "WorkerExplanation"]
 
 SWEEP_INTERVAL_SECS: Final = 60.0
 """How often stale requests are swept out of the slot manager: Dynamo's one-minute sweep (§5)."""
@@ -82,15 +82,41 @@ class WorkerExplanation:
 
 
 @dataclass(slots=True)
+class DecisionRecord:
+    """A decision's every term as arrays, kept to be explained later (``select(record=True)``): the copies
+    cost a few microseconds, where building the explanation's objects costs tens. Not frozen, as ``Cost``
+    (a frozen ``__init__`` costs a microsecond more); treat it as read only.
+
+    ``terms`` is the kernel's ``(COLUMNS, candidates)`` output, ``overlaps`` the candidates' ``(tiers,
+    candidates)`` overlaps, ``head`` the chosen position."""
+
+    keys: Sequence[WorkerKey]
+    terms: npt.NDArray[np.float64]
+    overlaps: npt.NDArray[np.int64]
+    head: int
+    temperature: float
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.terms.nbytes + self.overlaps.nbytes) + 64 * len(self.keys)
+
+    def explain(self) -> tuple[WorkerExplanation, ...]:
+        """Every candidate's explanation, as ``select(explain=True)`` would have given it then."""
+        return explanation(self.keys, self.overlaps, self.terms, self.head, self.temperature)
+
+
+@dataclass(slots=True)
 class Selection:
-    """The chosen worker, its device overlap and cost, and (when asked) every candidate's explanation.
-    Not frozen, as ``Cost``: one is built on every decision; treat it as read only."""
+    """The chosen worker, its device overlap and cost, and (when asked) every candidate's explanation or
+    a record to explain later. Not frozen, as ``Cost``: one is built on every decision; treat it as read
+    only."""
 
     worker: WorkerKey
     overlap_blocks: int
     cost: Cost
     isl_tokens: int
     explanation: tuple[WorkerExplanation, ...] | None = None
+    record: DecisionRecord | None = None
 
 
 class Router:
@@ -145,6 +171,30 @@ class Router:
         """The decision kernel's view of the arrays above and the slot manager's, by address (``B_*``)."""
         self._stamp = (-1, -1)
         """The numbering's version and the slot manager's generation ``_bound`` was made at."""
+        self._untrusted: frozenset[WorkerKey] = frozenset()
+        self._trust = np.ones(0, dtype=np.float64)
+        """Per slot, the overlap credit's factor: ``untrusted_overlap_weight`` for the untrusted, else 1."""
+
+    @property
+    def untrusted(self) -> frozenset[WorkerKey]:
+        return self._untrusted
+
+    def set_untrusted(self, workers: Iterable[WorkerKey]) -> None:
+        """The workers whose overlap credit ``untrusted_overlap_weight`` multiplies from now on (the service
+        marks those whose trust state is not ``exact``); every other worker's credit is whole."""
+        untrusted = frozenset(workers)
+        if untrusted != self._untrusted:
+            self._untrusted = untrusted
+            self._fill_trust()
+
+    def _fill_trust(self) -> None:
+        numbering = self.slots.numbering
+        slots = numbering.slots(list(self._untrusted)) if self._untrusted else np.empty(0, dtype=np.int64)
+        if len(self._trust) != len(numbering):
+            self._trust = np.ones(len(numbering), dtype=np.float64)
+            self._bind(kernels.B_TRUST, self._trust)
+        self._trust[:] = 1.0
+        self._trust[slots] = self.config.untrusted_overlap_weight
 
     def select(
         self,
@@ -158,6 +208,7 @@ class Router:
         capacities: Mapping[WorkerKey, int] | None = None,
         request_id: str | None = None,
         explain: bool = False,
+        record: bool = False,
     ) -> Selection:
         """Choose a worker for one request.
 
@@ -172,6 +223,8 @@ class Router:
             capacities: KV blocks per worker, for ``active_decode_blocks_threshold``.
             request_id: book the request on the chosen worker (select-and-reserve); None only chooses.
             explain: attach every candidate's :class:`WorkerExplanation`.
+            record: attach a :class:`DecisionRecord` (every candidate's terms as arrays), to be explained
+                later if asked.
 
         Raises:
             NoWorkerAvailable: no candidates, or all over a busy threshold.
@@ -206,18 +259,19 @@ class Router:
             capacity = np.fromiter((capacities.get(w) or 0 for w in keys), dtype=np.float64, count=len(keys))
             self._bind(kernels.B_CAPACITIES, capacity)  # for this call only
         age = now - slots.work_epoch
+        terms = explain or record  # the kernel writes every candidate's terms, not only the winner's
         fused = getattr(index, "overlaps_and", None)  # the engine or its reader: the walk inside the decision
         try:
             if fused is not None and n:
                 overlaps = self._overlaps
                 (_, head, skip, count, device), again = fused(
-                    kernels.decide_on_shards, local, slots.numbering, NTIERS, overlaps, self._bound, isl, age, explain
+                    kernels.decide_on_shards, local, slots.numbering, NTIERS, overlaps, self._bound, isl, age, terms
                 )  # again: a shard answered late, so decide on the whole, mended answer
             else:
                 overlaps = self._overlaps_of(index, local, slots.numbering)
                 again = True
             if again:
-                head, skip, count, device = kernels.decide(local, overlaps, self._bound, isl, age, explain)
+                head, skip, count, device = kernels.decide(local, overlaps, self._bound, isl, age, terms)
         finally:
             if capacity is not None:
                 self._bind(kernels.B_CAPACITIES, self._no_capacity)
@@ -245,10 +299,11 @@ class Router:
             if not isinstance(index, ApproxIndex):
                 raise ConfigError("use_kv_events=False needs an ApproxIndex to record decisions in")
             index.record_routing(chosen, local.tolist())
-        explanation = None
-        if explain:
-            explanation = self._explain(keys, self._candidates, overlaps, out, head)
-        return Selection(chosen, device, _cost(out[:, head]), isl, explanation)
+        temperature = self.config.router_temperature
+        held = overlaps[:, self._candidates] if terms else None
+        kept = DecisionRecord(keys, out.copy(), held, head, temperature) if record and held is not None else None
+        explained = explanation(keys, held, out, head, temperature) if explain and held is not None else None
+        return Selection(chosen, device, _cost(out[:, head]), isl, explained, kept)
 
     def _take(self, workers: Iterable[WorkerKey]) -> None:
         """Make ``workers`` the candidates: deduplicated in order, slotted (assigned on first sight), bound.
@@ -271,6 +326,7 @@ class Router:
         slots.ready()
         if self._overlaps.shape[1] != len(slots.numbering):
             self._overlaps = np.zeros((NTIERS, len(slots.numbering)), dtype=np.int64)
+        self._fill_trust()  # sized to the numbering too
         for entry, array in (
             (kernels.B_SEQS, self._seqs),
             (kernels.B_CANDIDATES, self._candidates),
@@ -282,6 +338,7 @@ class Router:
             (kernels.B_PARAMS, self._params),
             (kernels.B_OUT, self._out),
             (kernels.B_TIES, self._ties),
+            (kernels.B_TRUST, self._trust),
         ):
             self._bind(entry, array)
         self._stamp = (slots.numbering.version, slots.generation)
@@ -304,26 +361,26 @@ class Router:
         query: Any = local if isinstance(index, IndexReader) or _is_engine(index) else local.tolist()
         return overlaps_from_tiers(index.find_matches_by_tier(query), numbering, NTIERS)
 
-    def _explain(
-        self,
-        keys: list[WorkerKey],
-        candidates: npt.NDArray[np.int64],
-        overlaps: npt.NDArray[np.int64],
-        out: npt.NDArray[np.float64],
-        head: int,
-    ) -> tuple[WorkerExplanation, ...]:
-        busy = out[kernels.C_BUSY] != 0.0
-        eligible = np.flatnonzero(~busy).tolist()
-        totals = out[kernels.C_TOTAL, eligible].tolist()
-        chance = [0.0] * len(keys)
-        for position, p in zip(eligible, probabilities(totals, self.config.router_temperature), strict=True):
-            chance[position] = p
-        return tuple(
-            WorkerExplanation(
-                keys[i], _overlap(overlaps, int(candidates[i])), _cost(out[:, i]), chance[i], i == head, bool(busy[i])
-            )
-            for i in range(len(keys))
-        )
+
+def explanation(
+    keys: Sequence[WorkerKey],
+    overlaps: npt.NDArray[np.int64],
+    out: npt.NDArray[np.float64],
+    head: int,
+    temperature: float,
+) -> tuple[WorkerExplanation, ...]:
+    """Every candidate's explanation from the kernel's output ``out`` and the candidates' ``(tiers,
+    candidates)`` ``overlaps``; ``head`` the chosen position."""
+    busy = out[kernels.C_BUSY] != 0.0
+    eligible = np.flatnonzero(~busy).tolist()
+    totals = out[kernels.C_TOTAL, eligible].tolist()
+    chance = [0.0] * len(keys)
+    for position, p in zip(eligible, probabilities(totals, temperature), strict=True):
+        chance[position] = p
+    return tuple(
+        WorkerExplanation(keys[i], _overlap(overlaps, i), _cost(out[:, i]), chance[i], i == head, bool(busy[i]))
+        for i in range(len(keys))
+    )
 
 
 def _is_engine(index: object) -> bool:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from .decisions import worker_terms
+
 if TYPE_CHECKING:
     from .app import SelectResult
     from .validation import SelectRequest
@@ -44,32 +46,8 @@ def explain(result: SelectResult) -> dict[str, Any]:
             "temperature": config.router_temperature,
             "policy": config.router_selection_policy,
         },
-        "workers": [
-            {
-                "worker_id": w.worker[0],
-                "dp_rank": w.worker[1],
-                "overlap_blocks": w.overlap.device,
-                "overlap": {
-                    "device": w.overlap.device,
-                    "host": w.overlap.host,
-                    "disk": w.overlap.disk,
-                    "shared": w.overlap.shared,
-                },
-                "prompt_blocks": prompt_blocks,
-                "raw_prefill_blocks": w.cost.raw_prefill_blocks,
-                "overlap_credit_blocks": w.cost.overlap_credit_blocks,
-                "adjusted_prefill_blocks": w.cost.adjusted_prefill_blocks,
-                "prefill_cost": w.cost.prefill_cost,
-                "decode_cost": w.cost.decode_blocks,
-                "request_cost": w.cost.request_cost,
-                "work_factor": w.cost.work_factor,
-                "cost": w.cost.total,
-                "prob": w.probability,
-                "selected": w.selected,
-                "busy": w.busy,
-            }
-            for w in explanation
-        ],
+        "workers": [worker_terms(w, prompt_blocks) for w in explanation],
+        "trust": {f"{w.worker[0]}:{w.worker[1]}": result.partition.trust.get(w.worker) for w in explanation},
     }
 
 

@@ -32,6 +32,7 @@ import numpy.typing as npt
 from aiohttp import web
 
 from ..bridge import ReplicaSync, Subjects, localbus
+from ..bridge.durable import DurableEvents, consumer_name
 from ..bridge.events import NatsEventRelay
 from ..engine import Engine, EngineView, WorkerStats
 from ..errors import (
@@ -45,21 +46,26 @@ from ..errors import (
 )
 from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes_array
+from ..plane.registry import offset_endpoint
 from ..routing.config import RouterConfig
 from ..routing.router import Router, Selection
 from ..routing.slots import SlotManager
 from . import discovery, fastparse, fastpath, metrics, proxy
+from .accuracy import Accuracy
 from .affinity import Affinity
 from .answers import address, explain
 from .config import ServiceConfig
 from .counters import PHASES, ServiceCounters
+from .decisions import DecisionLog, DecisionRecords, Recorded, decision_json
 from .fastpath import FastPath
 from .fronts import Fronts, FrontSpec
 from .health import Health
 from .partition import Instance, Partition
 from .queue import RouterQueue
 from .routes import Routes
+from .shadow import ShadowChoice, Shadows
 from .stats import EXPLAIN_INTERVAL_S, StatsPublisher
+from .trust import Trust
 from .validation import Registration, SelectRequest, Unregistration, parse_registration, parse_unregistration
 
 __all__ = ["PHASES", "SelectResult", "Service", "ServiceCounters"]
@@ -88,6 +94,10 @@ class _Reservation:
     worker: WorkerKey
     at: float
     """``time.monotonic()`` when booked."""
+    predicted: int | None = None
+    """The chosen worker's predicted overlap in tokens (own reservations; a peer's is not known here)."""
+    reported: bool = False
+    """The engine's reuse was reported (``accuracy.py``): one report per reservation."""
 
 
 def _loopback(host: str) -> bool:
@@ -123,7 +133,19 @@ class Service:
         self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._routes.middleware])
         self.partitions: dict[tuple[str, str], Partition] = {}
         self.counters = ServiceCounters()
+        self.accuracy = Accuracy(self.counters, lambda kind, fields: self._event(kind, **fields))
+        self.trust = Trust(self.counters, lambda kind, fields: self._event(kind, **fields))
+        """Each worker's trust state and the misconfigurations found (trust.py), updated by the health loop."""
+        self.shadows = Shadows(config.shadow_policies, self.counters) if config.shadow_policies else None
+        """``--shadow-policy``: other policies' choices on every decision, compared, never used (shadow.py)."""
+        """Predicted against engine-reported reuse, per worker (``accuracy.py``)."""
         self.decisions: deque[dict[str, Any]] = deque(maxlen=config.decisions_ring)
+        self.records = DecisionRecords()
+        """Every decision with an id, kept to explain by id (``GET /decisions/{selection_id}``)."""
+        self.decision_log: DecisionLog | None = (
+            None if config.decision_log is None else DecisionLog(config.decision_log)
+        )
+        """``--decision-log FILE``: a line per decision (decisions.py)."""
         self.events: deque[dict[str, Any]] = deque(maxlen=config.events_ring)
         self.url = ""
         self._owner: dict[int, tuple[str, str]] = {}
@@ -181,8 +203,21 @@ class Service:
 
         self.relay: NatsEventRelay | None = None
         """Workers registered with ``transport: nats``: their ``kv-events`` relayed onto local PUBs
-        (``bridge/events.py``); made at the first such registration, on ``nats_url``."""
+        (``bridge/events.py``); made at the first such registration, on ``nats_url`` (at once in durable mode)."""
         self._relay_task: asyncio.Task[None] | None = None
+        self.durable: DurableEvents | None = None
+        """``durable_kv_events``: the JetStream consumer and snapshots feeding the relay (``bridge/durable.py``)."""
+        if config.durable_kv_events and front is None:  # front 0 owns the engine, hence the relay
+            subjects = Subjects(config.namespace, config.component)
+            self.relay = NatsEventRelay(config.nats_url, subjects.kv_events, durable=True)
+            self.durable = DurableEvents(
+                self.relay,
+                subjects,
+                url=config.nats_url,
+                consumer=consumer_name(config.router_id, config.host, config.port),
+                snapshot_threshold=config.snapshot_threshold,
+                reset_states=config.reset_states,
+            )
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -252,6 +287,8 @@ class Service:
             if not self._forked:
                 log.warning("service run without start: forking the fork server from a running loop")
                 self.start()
+            if self.decision_log is not None:
+                self.decision_log.open()  # after the fork: the appliers hold no handle on it
             fronts = self.fronts
             if fronts is not None and not fronts.primary:
                 await fronts.open()  # the registry first: a front takes connections only once it can route
@@ -303,14 +340,20 @@ class Service:
             tasks.append(asyncio.create_task(self.health.run(), name="kvrouter-health"))
             if self.sync is not None:
                 tasks.append(asyncio.create_task(self.sync.run(), name="kvrouter-sync"))
+            if self.durable is not None:
+                tasks.append(asyncio.create_task(self.durable.run(), name="kvrouter-durable"))
             if fronts is not None and fronts.primary:
                 await fronts.start_fronts(port)
             if isinstance(self.engine, Engine):  # front 0 speaks for the fronts to kvrouter top
                 self._publish_stats(tasks)
+            if self.decision_log is not None:
+                tasks.append(asyncio.create_task(self.decision_log.run(), name="kvrouter-decision-log"))
             if on_ready is not None:
                 on_ready(self.url)
             await self._stop_event.wait()
             self._stopping = True
+            if fronts is not None and fronts.primary:
+                fronts.stop_others()  # every front drains at once, not one after the other
             self.queue.close()  # queue.py: waiters get 503
             self._event("stopping", inflight=self._inflight)
             deadline = time.monotonic() + config.drain_secs
@@ -330,11 +373,15 @@ class Service:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await self.health.close()
+            if self.durable is not None:
+                await self.durable.close()
             if self.relay is not None:
                 await self.relay.close()
             if self.fronts is not None:
                 await self.fronts.close()  # front 0: the other fronts drain and stop before the engine goes
             self._withdraw_stats()
+            if self.decision_log is not None:
+                self.decision_log.close()  # what the last second decided, written
             if runner is not None:
                 await runner.cleanup()
             self.engine.close()
@@ -398,8 +445,18 @@ class Service:
         """
         reg = registration
         key = (reg.model_name, reg.routing_group)
+        rank_query: dict[int, str] = {}
         if follow and reg.transport == "nats" and self.config.router.use_kv_events:
-            reg = replace(reg, endpoint=self._relay().add(reg.instance_id, reg.dp_rank))
+            relay = self._relay()
+            if self.durable is not None:
+                if not self.durable.loaded:
+                    raise ServiceError(503, "durable kv-events: still loading the snapshot and the stream; retry")
+                try:
+                    own = None if reg.query_endpoint is None else offset_endpoint(reg.query_endpoint, reg.dp_rank)
+                except ConfigError as exc:
+                    raise ServiceError(400, f"query_endpoint: {exc}") from exc
+                rank_query[reg.dp_rank] = relay.add_query(reg.instance_id, reg.dp_rank, fallback=own)
+            reg = replace(reg, endpoint=relay.add(reg.instance_id, reg.dp_rank))
         if self.config.router.use_kv_events and reg.endpoint is None:
             raise ServiceError(400, "endpoint: required (KV events are on)")
         owner = self._owner.get(reg.instance_id)
@@ -425,6 +482,7 @@ class Service:
             {**instance.ranks, reg.dp_rank: reg.endpoint or ""},
             replay_endpoint=instance.replay_endpoint if instance.ranks else reg.replay_endpoint,
             query_endpoint=instance.query_endpoint if instance.ranks else reg.query_endpoint,
+            rank_queries={**instance.rank_queries, **rank_query},
             topic=instance.topic if instance.ranks else reg.topic,
             http_endpoint=reg.http_endpoint or instance.http_endpoint,
             total_kv_blocks=reg.total_kv_blocks or instance.total_kv_blocks,
@@ -446,10 +504,12 @@ class Service:
                 self.config.router,
                 expiry_secs=self.config.active_request_expiry_secs,
             )
+            partition.trust = self.trust.states
             self.partitions[key] = partition
         partition.instances[reg.instance_id] = updated
         self._owner[reg.instance_id] = key
         self.registrations[reg.instance_id, reg.dp_rank] = reg
+        self.trust.registered((reg.instance_id, reg.dp_rank))
         partition.rebuild()
         if self.sync is not None:
             self.sync.worker_registered((reg.instance_id, reg.dp_rank))  # peers' requests kept for it
@@ -494,7 +554,10 @@ class Service:
                 self.relay.remove(request.instance_id, ranks)
             for rank in ranks:
                 self.registrations.pop((request.instance_id, rank), None)
+                self.accuracy.forget((request.instance_id, rank))
+                self.trust.forget((request.instance_id, rank))
                 del instance.ranks[rank]
+                instance.rank_queries.pop(rank, None)
                 partition.unhealthy.pop((request.instance_id, rank), None)
                 self._streams.pop((request.instance_id, rank), None)
             removed += len(ranks)
@@ -647,6 +710,9 @@ class Service:
             candidates = self.affinity.candidates(partition.name, request.session_id, candidates)  # affinity.py
         router = partition.router
         index: Any = partition.approx if partition.approx is not None else self.engine
+        shadowed = None
+        if self.shadows is not None and not request.probe:  # before the live decision books anything
+            shadowed = self.shadows.choose(partition, index, candidates, selection_id or "", local, isl)
         started = time.perf_counter()
         self.counters.phases["hash"].observe(started - hashing)
         try:
@@ -658,6 +724,7 @@ class Service:
                 capacities=partition.capacities,
                 request_id=selection_id if reserve else None,
                 explain=explain or sampled,
+                record=reserve or selection_id is not None or self.decision_log is not None or shadowed is not None,
             )
         except NoWorkerAvailable as exc:
             self.counters.overloaded += 1
@@ -684,7 +751,8 @@ class Service:
         if reserve:
             assert selection_id is not None
             counters.reservations += 1
-            self._reservations[selection_id] = _Reservation(partition, selection.worker, time.monotonic())
+            predicted = selection.overlap_blocks * partition.block_size
+            self._reservations[selection_id] = _Reservation(partition, selection.worker, time.monotonic(), predicted)
             if self.sync is not None:
                 self.sync.added(selection_id, partition.slots, request.lora_name)  # queued: no I/O here
         fallbacks: list[tuple[WorkerKey, float]] = []
@@ -702,17 +770,39 @@ class Service:
             instance.http_endpoint,
             address(instance.http_endpoint),
         )
-        self._record_decision(result, len(local), elapsed)
+        record = selection.record
+        if self.shadows is not None and shadowed is not None and record is not None:
+            self.shadows.account(partition, *shadowed, selection.worker, record)
+        self._record_decision(result, len(local), elapsed, shadowed[2] if shadowed is not None else None)
+        if record is not None:
+            recorded = Recorded(
+                selection_id or f"seq-{self._decision_seq}",
+                self._decision_seq,
+                time.time(),
+                partition.model_name,
+                partition.routing_group,
+                block_size,
+                isl,
+                reserve,
+                record,
+            )
+            if selection_id is not None:
+                self.records.add(recorded)
+            if self.decision_log is not None:
+                self.decision_log.add(recorded)
         if sampled:  # the answer is the one an unexplained request gets
             selection.explanation = None
         return result
 
-    def prefill_complete(self, selection_id: str) -> None:
-        """The reservation's first token is out: its prompt stops counting as queued prefill.
+    def prefill_complete(self, selection_id: str, cached_tokens: int | None = None) -> None:
+        """The reservation's first token is out: its prompt stops counting as queued prefill. ``cached_tokens``:
+        the prompt tokens the engine reused, when the client knows them (:meth:`report_reuse`).
 
         Raises:
             ServiceError: 404, no such reservation.
         """
+        if cached_tokens is not None:
+            self.report_reuse(selection_id, cached_tokens)
         reservation = self._reservations.get(selection_id)
         if reservation is None:
             peer = self._peer_reservation(selection_id)
@@ -739,6 +829,17 @@ class Service:
         if self.sync is not None:
             self.sync.freed(selection_id, reservation.worker)
         self.queue.changed(reservation.partition)  # queue.py
+
+    def report_reuse(self, selection_id: str, cached_tokens: int) -> str | None:
+        """The engine reused ``cached_tokens`` of the reservation's prompt: compare with the prediction
+        (``accuracy.py``). Returns the outcome, or None when there is nothing to compare with (not booked
+        here, already reported, or freed)."""
+        reservation = self._reservations.get(selection_id)
+        if reservation is None or reservation.predicted is None or reservation.reported:
+            return None
+        reservation.reported = True
+        block_size = reservation.partition.block_size
+        return self.accuracy.observe(reservation.worker, reservation.predicted, cached_tokens, block_size)
 
     def _peer_reservation(self, selection_id: str) -> _Reservation | None:
         """A reservation another replica booked and the sync applied here: with replica sync on, any
@@ -790,11 +891,28 @@ class Service:
         """(pending_count, pending_isl_tokens) of the partition's router queue."""
         return self.queue.pending(model, group)
 
+    async def decision(self, selection_id: str) -> dict[str, Any] | None:
+        """``GET /decisions/{selection_id}``: the decision as it was made, from this front's ring or, with
+        ``--fronts N``, another front's; None when no front keeps it."""
+        recorded = self.records.get(selection_id)
+        if recorded is not None:
+            return decision_json(recorded)
+        if self.fronts is not None:
+            return await self.fronts.find_decision(selection_id)
+        return None
+
+    def fleet_counters(self) -> ServiceCounters:
+        """The counters ``/metrics`` and ``kvrouter top`` show: this front's, or with ``--fronts N`` every
+        front's summed (``fronts.py``)."""
+        return self.counters if self.fronts is None else self.fronts.counters()
+
     def reservations(self) -> int:
         """Reservations currently booked."""
         return len(self._reservations)
 
-    def _record_decision(self, result: SelectResult, prompt_blocks: int, elapsed: float) -> None:
+    def _record_decision(
+        self, result: SelectResult, prompt_blocks: int, elapsed: float, shadows: list[ShadowChoice] | None = None
+    ) -> None:
         self._decision_seq += 1
         selection = result.selection
         entry: dict[str, Any] = {
@@ -812,6 +930,16 @@ class Service:
             "selection_id": result.selection_id,
             "decision_us": round(elapsed * 1e6, 1),
         }
+        if shadows is not None:
+            entry["shadows"] = {
+                c.policy: {
+                    "worker_id": c.worker[0],
+                    "dp_rank": c.worker[1],
+                    "overlap_blocks": c.overlap_blocks,
+                    "cost": c.cost,
+                }
+                for c in shadows
+            }
         if selection.explanation is not None:
             entry["explain"] = explain(result)["workers"]
             self.last_explained = entry

@@ -8,6 +8,7 @@ from a literal and the precedence rules live in one place.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
@@ -17,13 +18,18 @@ from ..plane.config import PlaneConfig
 from ..plane.registry import WorkerSpec
 from ..routing.config import KVROUTER_CONFIG, RouterConfig
 from ..routing.slots import DEFAULT_EXPIRY_SECS
+from ..sim.policies import POLICIES
 
-__all__ = ["DEFAULT_NATS_URL", "MAX_FRONTS", "ZMQ_PORT_DEFAULT", "ServiceConfig"]
+__all__ = ["DEFAULT_NATS_URL", "DEFAULT_SNAPSHOT_THRESHOLD", "MAX_FRONTS", "ZMQ_PORT_DEFAULT", "ServiceConfig"]
 
 DEFAULT_NATS_URL: Final = "nats://127.0.0.1:4222"
 """NATS's default client port on this machine."""
 MAX_FRONTS: Final = 64
 """More front processes than this would be more than any machine's cores."""
+DEFAULT_SNAPSHOT_THRESHOLD: Final = 1_000_000
+"""Stream messages past which a durable replica snapshots the index: the reference's
+``router_snapshot_threshold`` (``spec/dynamo-semantics.md`` §6.4)."""
+_ROUTER_ID: Final = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 ZMQ_PORT_DEFAULT: Final = -1
 """``ServiceConfig.zmq_port``'s default: ``port + 1`` (a free port when ``port`` is 0)."""
 
@@ -35,10 +41,12 @@ class ServiceConfig:
     Raises:
         ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, fronts outside 1..64, a block size
             below 1, an overload status that is not 429 or 5xx, a body limit below 1 KiB, a negative drain time,
-            a session affinity TTL not above 0, a tokenizer path that names no file, a queue threshold below 1,
-            a queue policy other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace
-            or component that is not one NATS subject token, or (with replica_sync) a nats_url that is not
-            nats:// or tls://.
+            a session affinity TTL not above 0, a tokenizer path that names no file, a decision log in no
+            directory, a shadow policy the simulator does not have, a queue threshold below 1, a queue policy
+            other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace or component
+            that is not one NATS subject token, (with replica_sync or durable_kv_events) a nats_url that is not
+            nats:// or tls://, durable_kv_events without KV events, a snapshot threshold below 1, or a
+            router_id that is not 1-64 letters, digits, ``_`` or ``-``.
     """
 
     host: str = "127.0.0.1"
@@ -98,6 +106,21 @@ class ServiceConfig:
     """``--namespace``: the subjects' ``namespace.<namespace>`` (the reference's default)."""
     component: str = "backend"
     """``--component``: the subjects' ``component.<component>`` (the reference's default)."""
+    durable_kv_events: bool = False
+    """``--router-durable-kv-events``: workers' ``kv-events`` are kept in a JetStream stream this replica
+    reads as a durable consumer, with index snapshots in the object store (``bridge/durable.py``)."""
+    snapshot_threshold: int = DEFAULT_SNAPSHOT_THRESHOLD
+    """``--router-snapshot-threshold``: stream messages past which the index is snapshotted and the
+    stream purged up to the snapshot (durable mode)."""
+    reset_states: bool = False
+    """``--router-reset-states``: at start, delete the snapshot bucket and purge the stream (durable mode)."""
+    router_id: str | None = None
+    """``--router-id``: this replica's stable name, kept across restarts: its durable consumer is
+    ``kvrouter-<router_id>``. None: derived from the host name and the port (``bridge/durable.py``)."""
+    shadow_policies: tuple[str, ...] = ()
+    """``--shadow-policy``: simulator policies asked on every decision, for comparison only (``shadow.py``)."""
+    decision_log: str | None = None
+    """``--decision-log FILE``: every decision appended to ``FILE`` as a JSON line (``decisions.py``)."""
     fronts: int = 1
     """``--fronts``: front processes serving ``port`` together (SO_REUSEPORT), each reading the index
     through shared memory, their load views kept in step by the replica sync (``fronts.py``)."""
@@ -123,6 +146,8 @@ class ServiceConfig:
             raise ConfigError(
                 f"ServiceConfig.session_affinity_ttl_secs must be > 0, got {self.session_affinity_ttl_secs}"
             )
+        if self.decision_log is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.decision_log))):
+            raise ConfigError(f"ServiceConfig.decision_log: no such directory for {self.decision_log!r}")
         if self.tokenizer is not None and not os.path.isfile(self.tokenizer):
             raise ConfigError(f"ServiceConfig.tokenizer: no such file {self.tokenizer!r}")
         if self.queue_threshold is not None and (type(self.queue_threshold) is not int or self.queue_threshold < 1):
@@ -138,9 +163,22 @@ class ServiceConfig:
                 f"ServiceConfig.active_request_expiry_secs must be > 0, got {self.active_request_expiry_secs}"
             )
         Subjects(self.namespace, self.component)  # raises ConfigError naming the bad one
-        if self.replica_sync and not self.nats_url.startswith(("nats://", "tls://")):
+        for name in self.shadow_policies:
+            if name not in POLICIES:
+                raise ConfigError(f"ServiceConfig.shadow_policies: {name!r} is not one of {', '.join(POLICIES)}")
+        if (self.replica_sync or self.durable_kv_events) and not self.nats_url.startswith(("nats://", "tls://")):
             raise ConfigError(
                 f"ServiceConfig.nats_url must be nats://host:port or tls://host:port, got {self.nats_url!r}"
+            )
+        if self.durable_kv_events and not self.router.use_kv_events:
+            raise ConfigError("ServiceConfig.durable_kv_events needs KV events (router.use_kv_events)")
+        if type(self.snapshot_threshold) is not int or self.snapshot_threshold < 1:
+            raise ConfigError(
+                f"ServiceConfig.snapshot_threshold must be an integer >= 1, got {self.snapshot_threshold!r}"
+            )
+        if self.router_id is not None and not _ROUTER_ID.match(self.router_id):
+            raise ConfigError(
+                f"ServiceConfig.router_id must be 1-64 letters, digits, '_' or '-', got {self.router_id!r}"
             )
         if self.decisions_ring < 1 or self.events_ring < 1:
             raise ConfigError("ServiceConfig.decisions_ring and events_ring must be >= 1")

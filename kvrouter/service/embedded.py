@@ -439,7 +439,10 @@ class Embedded:
     ) -> int:
         """Stream one completion; prefill complete at the first chunk. The engine's ``cached_tokens``."""
         assert self._http is not None
-        body = orjson.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True, "dp_rank": dp_rank})
+        options = {"include_usage": True, "continuous_usage_stats": True}  # the reused tokens at the first token
+        body = orjson.dumps(
+            {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "stream_options": options, "dp_rank": dp_rank}
+        )
         cached = 0
         first = True
         async with self._http.post(endpoint + "/v1/completions", data=body,
@@ -455,11 +458,11 @@ class Embedded:
                 chunk = orjson.loads(payload)
                 if "error" in chunk:
                     raise ValueError(f"engine error: {chunk['error']}")
-                if first:
-                    first = False
-                    await self._call("POST", f"/reservations/{selection}/prefill_complete")
                 usage = chunk.get("usage") or {}
                 cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) or 0)
+                if first:  # with the engine's reused tokens: the router's index accuracy (accuracy.py)
+                    first = False
+                    await self._call("POST", f"/reservations/{selection}/prefill_complete", {"cached_tokens": cached})
         return cached
 
     async def _status(self) -> None:

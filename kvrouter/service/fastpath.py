@@ -50,7 +50,7 @@ import zmq.asyncio
 
 from ..errors import KvRouterError, ServiceError
 from .answers import select_json
-from .validation import parse_query, parse_select
+from .validation import cached_tokens, parse_query, parse_select
 
 if TYPE_CHECKING:
     from .app import Service
@@ -309,7 +309,7 @@ class FastPath:
         return answer
 
     def _prefill_complete(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        self.service.prefill_complete(_selection_id(body))
+        self.service.prefill_complete(_selection_id(body), cached_tokens(body))
         return {"status": "ok"}
 
     def _free(self, body: Mapping[str, Any]) -> dict[str, Any]:

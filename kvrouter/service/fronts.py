@@ -25,9 +25,13 @@ aiohttp's own work per request (``docs/http-api.md``); more fronts answer more. 
   starts asks for it on ``kvrouter.fronts.registry.get``. The whole registry each time, versioned: a few
   KB even for a large fleet, and a front never has to replay a history.
 
-Every answer carries ``X-Kvrouter-Front: <k>``. Per front, not shared: ``/metrics``' request counters,
-the decisions and events rings, the router queue, session affinity and, in approximate mode, the
-approximate index (each learns only its own decisions). A front that exits is started again after
+Every answer carries ``X-Kvrouter-Front: <k>``. **Counters** (decisions, HTTP requests, the histograms)
+are published by each front every second on ``kvrouter.fronts.counters``; each front answers ``/metrics``
+(and front 0 fills the stats segment ``kvrouter top`` reads) with the sum, so a scrape through the shared
+port reads the same totals on any front; a restarted front's last figures stay in the sum. Rejected:
+prometheus-client's multiprocess mode (a file per process and metric, written on every observation).
+Per front, not shared: the decisions and events rings, the router queue, session affinity and, in
+approximate mode, the approximate index (each learns only its own decisions). A front that exits is started again after
 :data:`RESTART_DELAY_S`, and counted; fronts exit when front 0 goes.
 
 Rejected: one listening socket inherited by every front (a thundering herd on each connection, and no
@@ -56,6 +60,8 @@ from ..engine import ReaderHandle
 from ..errors import ServiceError
 from . import discovery
 from .config import ServiceConfig
+from .counters import ServiceCounters
+from .decisions import decision_json
 from .validation import Registration
 
 if TYPE_CHECKING:
@@ -69,6 +75,12 @@ FRONT_HEADER: Final = "X-Kvrouter-Front"
 CONTROL_SUBJECT: Final = "kvrouter.fronts.control"
 REGISTRY_SUBJECT: Final = "kvrouter.fronts.registry"
 REGISTRY_GET_SUBJECT: Final = "kvrouter.fronts.registry.get"
+COUNTERS_SUBJECT: Final = "kvrouter.fronts.counters"
+DECISION_SUBJECT: Final = "kvrouter.fronts.decision"
+DECISION_TIMEOUT_S: Final = 0.3
+"""How long a front waits for the one that keeps a decision asked by id (a front without it stays silent)."""
+COUNTERS_INTERVAL_S: Final = 1.0
+"""How often each front publishes its counters: the others' part of a scrape is at most this old."""
 CONTROL_TIMEOUT_S: Final = 10.0
 """How long a front waits for front 0 to do a write route (a registration waits on the engine)."""
 READY_TIMEOUT_S: Final = 300.0
@@ -117,6 +129,12 @@ class Fronts:
         self._ready: set[int] = set()
         """Fronts (1..N-1) that printed their ready line and have not exited since."""
         self._stopping = False
+        self._peers: dict[int, tuple[int, ServiceCounters]] = {}
+        """Another front's index -> (its pid, its counters as last published)."""
+        self._retired = ServiceCounters()
+        """The counters of fronts that exited (their last publication): sums stay monotonic across a restart."""
+        self.bad_counters = 0
+        """Counter publications that did not decode (counted, logged once)."""
 
     # -- both ends ------------------------------------------------------------------------------
 
@@ -139,12 +157,15 @@ class Fronts:
             self._bus = await localbus.connect([self.endpoint], name="front-0")
             await self._bus.subscribe(CONTROL_SUBJECT, cb=self._on_control)
             await self._bus.subscribe(REGISTRY_GET_SUBJECT, cb=self._on_registry_get)
-            return
-        self._bus = await localbus.connect([self.endpoint], name=f"front-{self.index}")
-        await self._bus.subscribe(REGISTRY_SUBJECT, cb=self._on_registry)
-        answer = await self._bus.request(REGISTRY_GET_SUBJECT, b"{}", timeout=CONTROL_TIMEOUT_S)
-        self.apply(orjson.loads(answer.data))
-        self._tasks.append(asyncio.create_task(self._watch_parent(), name="kvrouter-fronts-parent"))
+        else:
+            self._bus = await localbus.connect([self.endpoint], name=f"front-{self.index}")
+            await self._bus.subscribe(REGISTRY_SUBJECT, cb=self._on_registry)
+            answer = await self._bus.request(REGISTRY_GET_SUBJECT, b"{}", timeout=CONTROL_TIMEOUT_S)
+            self.apply(orjson.loads(answer.data))
+            self._tasks.append(asyncio.create_task(self._watch_parent(), name="kvrouter-fronts-parent"))
+        await self._bus.subscribe(COUNTERS_SUBJECT, cb=self._on_counters)
+        await self._bus.subscribe(DECISION_SUBJECT, cb=self._on_decision)
+        self._tasks.append(asyncio.create_task(self._publish_counters(), name="kvrouter-fronts-counters"))
 
     async def close(self) -> None:
         """Stop the other fronts (front 0), leave the bus, stop the broker, remove the directory."""
@@ -165,6 +186,60 @@ class Fronts:
             self._broker = None
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+    # -- counters: every front's, summed -------------------------------------------------------------
+
+    def counters(self) -> ServiceCounters:
+        """This front's counters now, plus the others' as last published, plus those of fronts that exited:
+        what ``/metrics`` and ``kvrouter top`` show, the same on every front (up to a second behind)."""
+        total = ServiceCounters()
+        total.add(self.service.counters)
+        total.add(self._retired)
+        for _, theirs in self._peers.values():
+            total.add(theirs)
+        return total
+
+    async def _publish_counters(self) -> None:
+        assert self._bus is not None
+        while True:
+            await asyncio.sleep(COUNTERS_INTERVAL_S)
+            wire = {"front": self.index, "pid": os.getpid(), "counters": self.service.counters.to_wire()}
+            await self._bus.publish(COUNTERS_SUBJECT, orjson.dumps(wire))
+
+    async def _on_counters(self, msg: localbus.LocalMessage) -> None:
+        try:
+            body = orjson.loads(msg.data)
+            index, pid = int(body["front"]), int(body["pid"])
+            counters = ServiceCounters.from_wire(body["counters"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            self.bad_counters += 1
+            if self.bad_counters == 1:
+                log.warning("fronts: a counters message did not decode error=%r", exc)
+            return
+        if index == self.index:
+            return
+        known = self._peers.get(index)
+        if known is not None and known[0] != pid:  # that front was started again: keep what it had counted
+            self._retired.add(known[1])
+        self._peers[index] = (pid, counters)
+
+    # -- decisions by id ------------------------------------------------------------------------------
+
+    async def find_decision(self, selection_id: str) -> dict[str, Any] | None:
+        """A decision another front made and keeps (``GET /decisions/{id}`` reached the wrong front)."""
+        if self._bus is None:
+            return None
+        try:
+            answer = await self._bus.request(DECISION_SUBJECT, selection_id.encode(), timeout=DECISION_TIMEOUT_S)
+        except Exception:  # nats.errors.TimeoutError / NoRespondersError: no front keeps it
+            return None
+        found: dict[str, Any] = orjson.loads(answer.data)
+        return found
+
+    async def _on_decision(self, msg: localbus.LocalMessage) -> None:
+        recorded = self.service.records.get(msg.data.decode(errors="replace"))
+        if recorded is not None:
+            await msg.respond(orjson.dumps(decision_json(recorded)))
 
     # -- the registry -------------------------------------------------------------------------------
 
@@ -326,11 +401,17 @@ class Fronts:
                 except ServiceError as exc:
                     log.error("front not started again front=%d error=%s", index, exc)
 
+    def stop_others(self) -> None:
+        """Front 0, as it starts to drain: the other fronts drain at the same time (SIGTERM); :meth:`close`
+        waits for them."""
+        self._stopping = True
+        for proc in self._procs.values():
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+
     async def _stop_fronts(self) -> None:
-        procs = [p for p in self._procs.values() if p.returncode is None]
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+        self.stop_others()
         waits = [asyncio.ensure_future(proc.wait()) for proc in self._procs.values()]
         if not waits:
             return

@@ -89,6 +89,13 @@ class Health:
                     if grown > 0:
                         self.service._event(name, worker_id=key[0], dp_rank=key[1], count=grown, state=stats.state)
             self.service._streams[key] = stats
+        if self.service.config.router.use_kv_events:
+            trust = self.service.trust
+            trust.update(streams, self._endpoints())
+            if self.service.config.router.untrusted_overlap_weight != 1.0:  # their overlap credit weighs less
+                for partition in self.service.partitions.values():
+                    keys = partition.worker_keys()
+                    partition.router.set_untrusted(k for k in keys if trust.state(k) not in (None, "exact"))
         for partition in self.service.partitions.values():
             unhealthy: dict[WorkerKey, str] = {}
             for instance in partition.instances.values():
@@ -125,6 +132,15 @@ class Health:
         if sync is not None:
             sync.sweep()
         self.service.queue.tick()  # queue.py: retry the waiters, drop those whose client left
+
+    def _endpoints(self) -> dict[WorkerKey, tuple[str, str, int, str]]:
+        """Per registered worker: (event endpoint, topic, block size, format), for the trust checks' messages."""
+        return {
+            (instance.instance_id, rank): (endpoint, instance.topic or "", partition.block_size, instance.format)
+            for partition in self.service.partitions.values()
+            for instance in partition.instances.values()
+            for rank, endpoint in instance.ranks.items()
+        }
 
     def refresh_index(self) -> None:
         stats = self.service.engine.stats()
@@ -203,6 +219,13 @@ class Health:
             answer["nats_events"] = relay.status()
             if not relay.connected:
                 reasons.append("kv-events relay not connected to NATS")
+        durable = self.service.durable
+        if durable is not None:
+            answer["durable_events"] = durable.status()
+            if not durable.loaded:
+                reasons.append("durable kv-events starting (stream, snapshot)")
+            elif not durable.caught_up:
+                reasons.append(f"durable kv-events catching up (seq {durable.processed_seq} of {durable.target_seq})")
         ok = not reasons
         return ok, {
             "ready": ok,

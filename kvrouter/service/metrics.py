@@ -61,12 +61,14 @@ from prometheus_client.registry import Collector
 
 from .. import __version__
 from ..bridge import ReplicaSync
+from ..bridge.durable import DurableEvents
 from ..engine import Engine, EngineView
 from ..errors import EngineError
 from ..events.model import WorkerKey
 from ..index.layout import ERROR_KINDS, WORKER_STATES
 from ..routing.config import RouterConfig
 from ..routing.slots import SlotManager
+from .counters import SHADOW_FIELDS
 from .histogram import Buckets
 
 __all__ = [
@@ -327,6 +329,9 @@ class Counters(Protocol):
     http_requests: dict[tuple[str, str], int]
     http_errors: dict[tuple[str, str], int]
     http_seconds: dict[tuple[str, str], float]
+    reuse: dict[WorkerKey, list[int]]
+    reuse_error: dict[WorkerKey, Buckets]
+    shadow: dict[str, list[float]]
 
 
 class PartitionView(Protocol):
@@ -339,6 +344,12 @@ class PartitionView(Protocol):
     def worker_keys(self) -> list[WorkerKey]: ...
 
 
+class AccuracyView(Protocol):
+    drifting: set[WorkerKey]
+
+    def rolling(self, worker: WorkerKey) -> float | None: ...
+
+
 class ServiceView(Protocol):
     """What :func:`install` needs of a ``Service``."""
 
@@ -348,8 +359,9 @@ class ServiceView(Protocol):
     def app(self) -> web.Application: ...
     @property
     def partitions(self) -> Mapping[tuple[str, str], PartitionView]: ...
+    def fleet_counters(self) -> Counters: ...
     @property
-    def counters(self) -> Counters: ...
+    def accuracy(self) -> AccuracyView: ...
     def pending(self, model: str, group: str) -> tuple[int, int]: ...
     @property
     def started_at(self) -> float: ...
@@ -357,6 +369,8 @@ class ServiceView(Protocol):
     def router_config(self) -> RouterConfig: ...
     @property
     def sync(self) -> ReplicaSync | None: ...
+    @property
+    def durable(self) -> DurableEvents | None: ...
 
 
 SYNC_EVENT_KINDS: Final = (
@@ -415,6 +429,41 @@ def replica_sync_families(sync: ReplicaSync) -> Iterator[Metric]:
         )
         lag.add_metric([], status["sync_lag_ms"] / 1e3)
         yield lag
+
+
+DURABLE_EVENT_KINDS: Final = (
+    "received",
+    "redelivered",
+    "snapshot_loads",
+    "snapshot_uploads",
+    "snapshot_bad",
+    "snapshot_failures",
+    "purged",
+)
+"""``kvrouter_durable_events``' kinds: ``DurableCounters``' fields."""
+RELAY_EVENT_KINDS: Final = ("duplicates", "gaps", "restarts", "queries", "bad_queries", "malformed", "oversized")
+"""The relay's counters reported beside them in durable mode (``RelayCounters``' fields)."""
+
+
+def durable_families(durable: DurableEvents) -> Iterator[Metric]:
+    """Durable mode (``bridge/durable.py``): caught up, the stream position, what was received, dropped,
+    snapshotted and purged."""
+    status = durable.status()
+    relay = durable.relay.status()
+    caught_up = GaugeMetricFamily(
+        "kvrouter_durable_caught_up", "1 once the stream is processed up to its last sequence at start"
+    )
+    caught_up.add_metric([], 1.0 if status["caught_up"] else 0.0)
+    seq = GaugeMetricFamily("kvrouter_durable_processed_seq", "The last stream sequence relayed")
+    seq.add_metric([], status["processed_seq"])
+    events = CounterMetricFamily(
+        "kvrouter_durable_events", "Durable-mode messages, duplicates, snapshots and purges by kind", labels=["kind"]
+    )
+    for kind in DURABLE_EVENT_KINDS:
+        events.add_metric([kind], status[kind])
+    for kind in RELAY_EVENT_KINDS:
+        events.add_metric([kind], relay[kind])
+    yield from (caught_up, seq, events)
 
 
 def identity_families(started_at: float, config: RouterConfig) -> Iterator[Metric]:
@@ -489,6 +538,8 @@ def front_families(counters: Counters) -> Iterator[Metric]:
     yield histogram(
         "kvrouter_kv_hit_rate", "Predicted hit rate of the chosen worker per decision", {(): counters.hit_rate}, []
     )
+    yield from reuse_families(counters)
+    yield from shadow_families(counters)
     series: dict[tuple[str, ...], Buckets] = {(name,): b for name, b in counters.phases.items()}
     yield histogram(
         "kvrouter_routing_overhead_seconds",
@@ -496,6 +547,87 @@ def front_families(counters: Counters) -> Iterator[Metric]:
         series,
         ["phase"],
     )
+
+
+def reuse_families(counters: Counters) -> Iterator[Metric]:
+    """Predicted against engine-reported reuse per worker (``accuracy.py``), every front's reports."""
+    labels = ["worker_id", "dp_rank"]
+    reports = CounterMetricFamily(
+        "kvrouter_worker_reuse_reports",
+        "Engine reports of reused prompt tokens, by how they compare with the router's prediction in whole blocks "
+        "(exact; over: the index held blocks the engine had not; under: the reverse)",
+        labels=[*labels, "outcome"],
+    )
+    predicted = CounterMetricFamily(
+        "kvrouter_worker_reuse_predicted_tokens", "Predicted overlap in tokens of the reported requests", labels=labels
+    )
+    actual = CounterMetricFamily(
+        "kvrouter_worker_reuse_actual_tokens", "Prompt tokens the engine reported it reused", labels=labels
+    )
+    for key, counts in sorted(counters.reuse.items()):
+        values = _key_labels(key)
+        for outcome, count in zip(("exact", "over", "under"), counts[1:4], strict=True):
+            reports.add_metric([*values, outcome], count)
+        predicted.add_metric(values, counts[4])
+        actual.add_metric(values, counts[5])
+    yield from (reports, predicted, actual)
+    yield histogram(
+        "kvrouter_worker_reuse_error_blocks",
+        "Per report, blocks the engine reused minus blocks the router predicted",
+        {tuple(_key_labels(k)): b for k, b in sorted(counters.reuse_error.items())},
+        labels,
+    )
+
+
+def shadow_families(counters: Counters) -> Iterator[Metric]:
+    """``--shadow-policy``: each shadow's picks against the live ones over the same decisions (``shadow.py``)."""
+    if not counters.shadow:
+        return
+    families = {
+        "decisions": CounterMetricFamily(
+            "kvrouter_shadow_decisions", "Decisions a shadow policy was asked", labels=["policy"]
+        ),
+        "agreements": CounterMetricFamily(
+            "kvrouter_shadow_agreements", "Decisions where the shadow chose the live worker", labels=["policy"]
+        ),
+        "overlap_blocks": CounterMetricFamily(
+            "kvrouter_shadow_overlap_blocks", "Device overlap of the shadow's picks, summed", labels=["policy"]
+        ),
+        "live_overlap_blocks": CounterMetricFamily(
+            "kvrouter_shadow_live_overlap_blocks", "Device overlap of the live picks, same decisions", labels=["policy"]
+        ),
+        "cost": CounterMetricFamily(
+            "kvrouter_shadow_cost", "The live cost function's value of the shadow's picks, summed", labels=["policy"]
+        ),
+        "live_cost": CounterMetricFamily(
+            "kvrouter_shadow_live_cost", "The live picks' cost, over the same decisions", labels=["policy"]
+        ),
+    }
+    for policy, values in sorted(counters.shadow.items()):
+        for name, value in zip(SHADOW_FIELDS, values, strict=True):
+            families[name].add_metric([policy], value)
+    yield from families.values()
+
+
+def accuracy_families(accuracy: AccuracyView, workers: Iterable[WorkerKey]) -> Iterator[Metric]:
+    """This front's rolling accuracy and drift per worker (``accuracy.py``)."""
+    labels = ["worker_id", "dp_rank"]
+    share = GaugeMetricFamily(
+        "kvrouter_worker_index_accuracy",
+        "Share of the worker's last reuse reports on this front that matched the prediction (needs 20 reports)",
+        labels=labels,
+    )
+    drift = GaugeMetricFamily(
+        "kvrouter_worker_accuracy_drift",
+        "1 while the worker's index accuracy is below the drift threshold",
+        labels=labels,
+    )
+    for key in sorted(workers):
+        rolling = accuracy.rolling(key)
+        if rolling is not None:
+            share.add_metric(_key_labels(key), rolling)
+        drift.add_metric(_key_labels(key), 1.0 if key in accuracy.drifting else 0.0)
+    yield from (share, drift)
 
 
 def install(service: ServiceView) -> CollectorRegistry:
@@ -517,9 +649,13 @@ def install(service: ServiceView) -> CollectorRegistry:
 
     def front() -> Iterator[Metric]:
         yield from identity_families(service.started_at, service.router_config)
-        yield from front_families(service.counters)
+        yield from front_families(service.fleet_counters())
+        workers = [key for p in list(service.partitions.values()) for key in p.worker_keys()]
+        yield from accuracy_families(service.accuracy, workers)
         if service.sync is not None:
             yield from replica_sync_families(service.sync)
+        if service.durable is not None:
+            yield from durable_families(service.durable)
 
     registry.register(ServiceCollector(service.engine, partitions=partitions, front=front))
 

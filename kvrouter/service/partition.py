@@ -18,6 +18,7 @@ a restarted service forgets its approximate index, which expires after ``router_
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
@@ -43,6 +44,8 @@ class Instance:
     """dp rank -> its KV-event endpoint."""
     replay_endpoint: str | None = None
     query_endpoint: str | None = None
+    rank_queries: dict[int, str] = field(default_factory=dict)
+    """dp rank -> its own query endpoint, when the rank has one (a durable relay's ROUTER per rank)."""
     topic: str = ""
     http_endpoint: str | None = None
     """Where the worker serves requests: what ``/select`` returns as ``endpoint``."""
@@ -64,6 +67,7 @@ class Instance:
             dp_ranks=ranks,
             block_size=block_size,
             rank_endpoints=dict(self.ranks),
+            rank_query_endpoints=dict(self.rank_queries),
         )
 
 
@@ -103,6 +107,8 @@ class Partition:
         self.candidates: tuple[WorkerKey, ...] = ()
         """The routable keys, one tuple object until the next change (see the module docstring)."""
         self.capacities: dict[WorkerKey, int] | None = None
+        self.trust: Mapping[WorkerKey, str] = {}
+        """Each worker's trust state (the service's ``trust.py``, shared), for explanations."""
 
     @property
     def name(self) -> str:
@@ -134,7 +140,9 @@ class Partition:
         config = replace(
             self.router.config, active_decode_blocks_threshold=decode, active_prefill_tokens_threshold=prefill
         )
-        self.router = Router(config, block_size=self.block_size, slots=self.router.slots)
+        router = Router(config, block_size=self.block_size, slots=self.router.slots)
+        router.set_untrusted(self.router.untrusted)
+        self.router = router
 
     def thresholds(self) -> dict[str, Any]:
         """The busy thresholds as ``/busy_threshold`` shows them."""

@@ -59,6 +59,8 @@ SELECTION_HEADER: Final = "X-Kvrouter-Selection-Id"
 DISCONNECT_POLL_S: Final = 0.05
 """How often a request in flight checks that its client is still connected."""
 CONNECT_TIMEOUT_S: Final = 5.0
+USAGE_TAIL_BYTES: Final = 8192
+"""The end of a streamed answer kept to read its usage chunk: the engine's reused tokens (``accuracy.py``)."""
 ATTEMPTS: Final = 2
 """The chosen worker, then once more after a refused connection."""
 
@@ -220,7 +222,7 @@ class CompletionsProxy:
             if not content_type.startswith("text/event-stream"):
                 data = await upstream.read()
                 if upstream.status < 400:
-                    self.service.prefill_complete(selection_id)
+                    self.service.prefill_complete(selection_id, _reused(data))
                 headers["Content-Type"] = content_type
                 return web.Response(body=data, status=upstream.status, headers=headers)
             headers["Content-Type"] = content_type
@@ -228,12 +230,16 @@ class CompletionsProxy:
             response = web.StreamResponse(status=upstream.status, headers=headers)
             await response.prepare(request)
             first = True
+            tail = b""
             try:
                 async for chunk in upstream.content.iter_any():
                     if first:
                         first = False
                         self.service.prefill_complete(selection_id)
                     await response.write(chunk)
+                    tail = (tail + chunk)[-USAGE_TAIL_BYTES:]
+                if (reused := _reused_in_stream(tail)) is not None:
+                    self.service.report_reuse(selection_id, reused)
             except aiohttp.ClientError as exc:  # the worker dropped mid-stream: tell the client, in-band
                 self.upstream_failed += 1
                 log.warning("proxy stream broken worker=%s error=%r", _name(result), exc)
@@ -264,6 +270,31 @@ async def _watch(request: web.Request, task: asyncio.Task[Any], gone: asyncio.Ev
             gone.set()
             task.cancel()
             return
+
+
+def _reused(answer: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a JSON answer, None when it has none."""
+    if b'"cached_tokens"' not in answer:
+        return None
+    try:
+        return _cached(orjson.loads(answer))
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _reused_in_stream(tail: bytes) -> int | None:
+    """The same from a stream's last ``data:`` event that carries it (the usage chunk, before ``[DONE]``)."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data:") and b'"cached_tokens"' in line:
+            return _reused(line[5:].strip())
+    return None
+
+
+def _cached(answer: Any) -> int | None:
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if type(value) is int and value >= 0 else None
 
 
 def _name(result: SelectResult) -> str:

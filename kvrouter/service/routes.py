@@ -38,6 +38,7 @@ from .queue import client_gone
 from .validation import (
     MAX_ID,
     SelectRequest,
+    cached_tokens,
     parse_body,
     parse_query,
     parse_select,
@@ -103,6 +104,7 @@ class Routes:
         r.add_get("/busy_threshold", self._h_busy_get)
         r.add_post("/busy_threshold", self._h_busy_set)
         r.add_get("/decisions", self._h_decisions)
+        r.add_get("/decisions/{selection_id}", self._h_decision)
         r.add_get("/events", self._h_events)
 
     @web.middleware
@@ -205,9 +207,12 @@ class Routes:
             if stats is None:
                 listeners[str(rank)] = {"endpoint": endpoint, "status": "pending"}
                 continue
+            trust = self.service.trust
             listeners[str(rank)] = {
                 "endpoint": endpoint,
                 "status": "active" if stats.state in ("exact", "partial") else "pending",
+                "trust": trust.state(key),
+                "problems": trust.problems(key),
                 "state": stats.state,
                 "stale": stats.stale,
                 "cached_blocks": stats.cached_blocks,
@@ -237,6 +242,11 @@ class Routes:
             "address": address(instance.http_endpoint),
             "listeners": listeners,
             "skipped": skipped,
+            "accuracy": {
+                str(rank): view
+                for rank in sorted(instance.ranks)
+                if (view := self.service.accuracy.view((instance.instance_id, rank))) is not None
+            },
         }
 
     async def _h_query(self, request: web.Request) -> web.Response:
@@ -355,7 +365,9 @@ class Routes:
         return await self._select_route(request, reserve=True)
 
     async def _h_prefill_complete(self, request: web.Request) -> web.Response:
-        self.service.prefill_complete(request.match_info["id"])
+        raw = await request.read()  # optional: {"cached_tokens": n}, what the engine reused (accuracy.py)
+        reused = cached_tokens(parse_body(raw)) if raw.strip() else None
+        self.service.prefill_complete(request.match_info["id"], reused)
         return _json({"status": "ok"})
 
     async def _h_free(self, request: web.Request) -> web.Response:
@@ -432,6 +444,12 @@ class Routes:
     async def _h_decisions(self, request: web.Request) -> web.Response:
         since = self._since(request)
         return _json({"last": self.service._decision_seq, "decisions": self._after(self.service.decisions, since)})
+
+    async def _h_decision(self, request: web.Request) -> web.Response:
+        answer = await self.service.decision(request.match_info["selection_id"])
+        if answer is None:
+            raise ServiceError(404, "no decision of that id is kept (never made, or older than the ring holds)")
+        return _json(answer)
 
     async def _h_events(self, request: web.Request) -> web.Response:
         since = self._since(request)

@@ -58,12 +58,14 @@ key                       value
 ``loads``                 per (partition, worker, dp rank): ``model_name``, ``routing_group``,
                           ``worker_id``, ``dp_rank``, ``potential_prefill_tokens``,
                           ``potential_decode_blocks``, ``active_requests``, ``unhealthy`` (the reason it is
-                          skipped, or nil)
+                          skipped, or nil), ``accuracy`` (the rolling share of reuse reports as predicted,
+                          or nil: ``accuracy.py``), ``drift``
 ``decisions``             the last ``DECISIONS_SHOWN`` entries of the decisions ring, oldest first, in
                           ``GET /decisions``'s shape (``explain`` holds the candidates when explained)
 ``explained``             the most recent explained decision (same shape), or nil: with one decision
                           explained every ``EXPLAIN_INTERVAL_S``, it may be older than ``decisions``
 ``events``                the last ``EVENTS_SHOWN`` entries of the event log, ``GET /events``'s shape
+``shadows``               ``--shadow-policy``: per policy, ``counters.SHADOW_FIELDS`` sums (``shadow.py``)
 ``replicas``              with replica sync on, the peers heard lately (``bridge/sync.py``), else nil
 ``sync_lag_ms``           with replica sync on, the median one-way delay of their presence messages, else nil
 ========================= ======================================================================
@@ -310,7 +312,7 @@ def build_blob(service: Service, *, last_gap_at: float | None, decisions: int, e
     """The blob's map for ``service`` now (module docstring), with the last ``decisions`` and ``events``
     ring entries. Reads only the service's Python state: call it on the service's loop."""
     config = service.config.router
-    counters = service.counters
+    counters = service.fleet_counters()
     fast = service.fastpath.counters.requests if service.fastpath is not None else {}
     http = counters.http_requests
     queries = counters.decisions + sum(http.get((route, "POST"), 0) for route in ("/query", "/query_by_hash"))
@@ -330,6 +332,10 @@ def build_blob(service: Service, *, last_gap_at: float | None, decisions: int, e
                     "potential_decode_blocks": slots.active_blocks(key),
                     "active_requests": slots.active_requests(key),
                     "unhealthy": partition.unhealthy.get(key),
+                    "accuracy": service.accuracy.rolling(key),
+                    "trust": service.trust.state(key),
+                    "problems": service.trust.problems(key),
+                    "drift": key in service.accuracy.drifting,
                 }
             )
     return {
@@ -359,6 +365,7 @@ def build_blob(service: Service, *, last_gap_at: float | None, decisions: int, e
         "explained": service.last_explained,
         "events": _last(service.events, events),
         "trimmed": False,
+        "shadows": counters.shadow,
         **_replicas(service),
     }
 

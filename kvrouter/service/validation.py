@@ -25,6 +25,7 @@ __all__ = [
     "Registration",
     "SelectRequest",
     "Unregistration",
+    "cached_tokens",
     "parse_body",
     "parse_query",
     "parse_registration",
@@ -212,6 +213,15 @@ def _topic(body: Mapping[str, Any]) -> str:
     if not isinstance(value, str) or len(value) > MAX_NAME:
         raise ServiceError(400, f"topic: expected a string of at most {MAX_NAME} characters")
     return value
+
+
+def cached_tokens(body: Mapping[str, Any]) -> int | None:
+    """``prefill_complete``'s optional ``cached_tokens``: the prompt tokens the engine reused (``accuracy.py``).
+
+    Raises:
+        ServiceError: 400, not an integer in 0..2^32-1.
+    """
+    return _opt_int(body, "cached_tokens", high=U32_MAX)
 
 
 def parse_registration(body: Mapping[str, Any], *, endpoint_required: bool = True) -> Registration:

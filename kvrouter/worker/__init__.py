@@ -5,7 +5,8 @@
 model has no clock; the simulator (``sim/simulator.py``) or a real-time mock engine drives it.
 
 ``publisher`` (``KvPublisher``) is the other side of a real engine: what it embeds to publish its KV
-events in kvrouter's format and answer the router's recovery queries. ``engine_publisher``
+events in kvrouter's format and answer the router's recovery queries, from a ``local_indexer``
+(``LocalIndexer``, also the durable-mode relay's per-rank state). ``engine_publisher``
 (``EnginePublisher``) speaks vLLM's / SGLang's publisher wire instead, for mocks and tests.
 
 ``mock_engine`` (``MockEngine``) is that real-time driver: the model stepped on a wall clock, one
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from .engine_publisher import EnginePublisher
 from .kv_cache import KvCache
+from .local_indexer import LocalIndexer
 from .mock_engine import MockEngine, MockEngineConfig
 from .publisher import KvPublisher
 from .scheduler import GENERATED_ID_BASE, Iteration, WorkerConfig, WorkerModel, generated_block_id
@@ -28,6 +30,7 @@ __all__ = [
     "Iteration",
     "KvCache",
     "KvPublisher",
+    "LocalIndexer",
     "MockEngine",
     "MockEngineConfig",
     "WorkerConfig",

@@ -7,19 +7,20 @@ the rank's engine thread (:class:`~kvrouter.worker.mock_engine.MockEngine`) and 
 
 | route | body | answer |
 |---|---|---|
-| ``POST /v1/completions`` | ``{"prompt", "max_tokens", "stream", "dp_rank"}`` | ``text_completion`` (*) |
+| ``POST /v1/completions`` | ``{"prompt", "max_tokens", "stream", "stream_options", "dp_rank"}`` | (*) |
 | ``GET /cache`` | | per rank: ``last_seq`` (vllm) or ``last_event_id`` (kvrouter), ``held_batches``, ``blocks`` |
 | ``POST /overlap`` | ``{"prompts": [[token ids], ...]}`` | per rank: ``last_seq`` / ``last_event_id``, ``overlaps`` |
 | ``POST /faults`` | ``{"drop_batches": n, "pause": bool, "dp_rank": r}`` | each rank's fault state |
 | ``POST /restart`` | ``{}`` or ``{"dp_rank": r}`` | each rank's position after the restart |
 | ``GET /health`` | | ``{"status": "ok", ...}``; 503 ``"failed"`` once an engine thread died |
 
-(*) OpenAI-shaped, with ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens reused from the
-cache at admission) and a ``kvrouter`` object: simulated ``ttft_ms`` and ``finish_ms``, ``dp_rank``.
+(*) A ``text_completion``, OpenAI-shaped, with ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens
+reused from the cache at admission) and a ``kvrouter`` object: simulated ``ttft_ms`` and ``finish_ms``, ``dp_rank``.
 
 Bad input gets 400 with ``{"error": {"message": ..., "type": "invalid_request_error"}}`` naming the
 field, as OpenAI's servers answer; the server carries on. ``stream: true`` sends Server-Sent Events: one
-chunk when the first token is out, a last one with ``finish_reason`` and ``usage``, then ``[DONE]``.
+chunk when the first token is out, a last one with ``finish_reason`` and ``usage``, then ``[DONE]``; with
+``"stream_options": {"continuous_usage_stats": true}`` (vLLM's) the first chunk carries ``usage`` too.
 The mock generates no text (``text`` is empty): its output tokens are synthetic ids, see
 ``mock_engine.py``.
 """
@@ -240,7 +241,9 @@ class _Handler(BaseHTTPRequestHandler):
         ident = f"cmpl-mock-{engine.config.worker_id}-{request.dp_rank}-{id(request):x}"
         created = int(time.time())
         if stream:
-            self._stream(request, ident, created)
+            options = body.get("stream_options")
+            continuous = isinstance(options, dict) and options.get("continuous_usage_stats") is True
+            self._stream(request, ident, created, continuous=continuous)
             return
         while (update := self._next(request)) is Update.FIRST_TOKEN:
             pass
@@ -255,7 +258,7 @@ class _Handler(BaseHTTPRequestHandler):
         except queue.Empty:
             raise TimeoutError from None
 
-    def _stream(self, request: Completion, ident: str, created: int) -> None:
+    def _stream(self, request: Completion, ident: str, created: int, *, continuous: bool) -> None:
         worker = self.server.engine.config.worker_id
         update = self._next(request)
         if update is Update.FAILED:  # before anything was sent: a plain error status
@@ -267,7 +270,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        self._event(_completion(request, ident, created, worker, final=False))
+        self._event(_completion(request, ident, created, worker, final=False, usage=continuous))
         update = self._next(request)
         if update is Update.FAILED:
             assert request.error is not None
@@ -282,8 +285,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
-def _completion(request: Completion, ident: str, created: int, worker_id: int, *, final: bool) -> dict[str, Any]:
-    """A ``text_completion`` object (or stream chunk); ``final`` adds the finish reason, usage and finish time."""
+def _completion(
+    request: Completion, ident: str, created: int, worker_id: int, *, final: bool, usage: bool = False
+) -> dict[str, Any]:
+    """A ``text_completion`` object (or stream chunk); ``final`` adds the finish reason, usage and finish time;
+    ``usage`` adds usage to a first chunk (vLLM's ``stream_options.continuous_usage_stats``), so a gateway
+    learns the reused tokens at the first token."""
     answer: dict[str, Any] = {
         "id": ident,
         "object": "text_completion",
@@ -292,12 +299,12 @@ def _completion(request: Completion, ident: str, created: int, worker_id: int, *
         "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length" if final else None}],
         "kvrouter": {"worker_id": worker_id, "dp_rank": request.dp_rank, "ttft_ms": request.ttft_ms},
     }
-    if final:
-        prompt = len(request.prompt)
+    if final or usage:
+        prompt, produced = len(request.prompt), request.max_tokens if final else 1
         answer["usage"] = {
             "prompt_tokens": prompt,
-            "completion_tokens": request.max_tokens,
-            "total_tokens": prompt + request.max_tokens,
+            "completion_tokens": produced,
+            "total_tokens": prompt + produced,
             "prompt_tokens_details": {"cached_tokens": request.cached_tokens},
         }
         answer["kvrouter"]["finish_ms"] = request.finish_ms

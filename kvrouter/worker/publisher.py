@@ -5,17 +5,12 @@ when it evicts them, :meth:`~KvPublisher.clear` when it resets its prefix cache,
 :meth:`~KvPublisher.publish` once per step. The publisher computes the blocks' local hashes (so the
 router never re-hashes tokens), numbers events consecutively from 0, and sends each step as one live
 message ``[topic, seq, payload]`` on a PUB socket (``docs/wire-format.md``). It also keeps a *local
-indexer*, as Dynamo's ``LocalKvIndexer`` does (``spec/dynamo-semantics.md`` §6.1): a ring of the last
-``buffer_events`` events plus every block the worker holds, and answers a router's range queries on a
-ROUTER socket (:mod:`kvrouter.events.codecs.query`): ``events`` for a range still in the ring,
-``tree_dump`` for a full restore or a range older than the ring, ``too_new`` past the last id.
-
-The block set is a :class:`~kvrouter.index.reference.RadixIndex` fed the very events the router gets, so
-its :meth:`~kvrouter.index.reference.RadixIndex.dump` is by construction what the router would hold had
-it seen everything, interior evictions included (the dump re-creates the missing ancestors under spare
-engine hashes and removes them again). Cost: one Python object per cached block and one dump event per
-block, against a second index written for the purpose; the reference is the oracle every other index
-is checked against, so a dump from it needs no checking of its own.
+indexer* (:class:`~kvrouter.worker.local_indexer.LocalIndexer`, as Dynamo's ``LocalKvIndexer``,
+``spec/dynamo-semantics.md`` §6.1): a ring of the last ``buffer_events`` events plus every block the
+worker holds, and answers a router's range queries on a ROUTER socket
+(:mod:`kvrouter.events.codecs.query`): ``events`` for a range still in the ring, ``tree_dump`` for a
+full restore or a range older than the ring, ``too_new`` past the last id. The same class is the
+durable-mode relay's per-rank state (``bridge/events.py``): one way to hold and answer it.
 
 Rejected: vLLM's replay protocol (a ring of raw batches keyed by seq). It cannot answer "older than I
 keep" with anything but silence, so a router that fell behind by more than the ring could never catch
@@ -63,11 +58,9 @@ Example: wiring it into an engine's block manager (allocate / evict hooks) and s
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Final, Protocol
 
@@ -78,13 +71,11 @@ import zmq
 from ..errors import ConfigError, EncodeError, EngineError, EventError, InvalidHashInput
 from ..events.codecs.dynamo import Encoder as RouterEventEncoder
 from ..events.codecs.frames import encode_live
-from ..events.codecs.kvrouter import Encoder
 from ..events.codecs.query import QueryReply, QueryRequest, decode_request, encode_reply
 from ..events.model import (
     U64_MAX,
     Cleared,
     EngineHash,
-    EventBatch,
     KvEvent,
     LocalHash,
     Removed,
@@ -94,6 +85,7 @@ from ..events.model import (
 )
 from ..hashing import block_hashes
 from ..index.reference import RadixIndex
+from .local_indexer import BUFFER_EVENTS, MAX_BATCH_BYTES, LocalIndexer
 
 __all__ = [
     "BUFFER_EVENTS",
@@ -106,15 +98,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-BUFFER_EVENTS: Final = 1024
-"""Events the ring keeps for range answers: Dynamo's ``WORKER_KV_INDEXER_BUFFER_SIZE``
-(``spec/dynamo-semantics.md`` §6.1)."""
-
-MAX_BATCH_BYTES: Final = 1 << 20
-"""No batch payload, live or inside a reply, exceeds 1 MiB: a larger step goes out as several
-consecutive batches (each its own seq), a larger reply as several batches in its list. A router may
-set its SUB's ``ZMQ_MAXMSGSIZE`` from it. Pinned by tests/worker/test_publisher.py::test_big_steps_split."""
 
 MAX_EVENT_BLOCKS: Final = 32_768
 """Blocks per event: a store or remove of more is split into consecutive events (a store's later
@@ -136,20 +119,6 @@ PUB_SNDHWM: Final = 100_000
 
 MAX_QUERIES_PER_SERVE: Final = 64
 """``serve`` answers at most this many queries per call, so a flood cannot stall the engine's step."""
-
-_BATCH_OVERHEAD: Final = 128
-"""Upper bound of a batch's msgpack bytes besides its events (map keys, version, ids, timestamp)."""
-
-
-def _event_bytes(event: KvEvent) -> int:
-    """Upper bound of one event's packed size without tokens (tag, id, tier, parent, bin headers)."""
-    match event:
-        case Stored(blocks=blocks):
-            return 64 + 16 * len(blocks)
-        case Removed(engine_hashes=hashes):
-            return 48 + 8 * len(hashes)
-        case Cleared():
-            return 32
 
 
 def _engine_hash(value: int, where: str) -> EngineHash:
@@ -192,9 +161,9 @@ class KvPublisher:
 
     bad_queries: int
     """Query messages that were not a valid request (ignored, no reply)."""
-    index_errors: int
-    """Events the local indexer refused (an unknown parent, an unknown removed block, a repeated hash).
-    They are still published: the router refuses them alike, so both sides agree."""
+    queries_answered: int
+    """Queries answered on the query socket since the start: what a test counts to show that a router
+    restored or recovered without asking this worker (durable mode, ``docs/nats-bridge.md``)."""
 
     def __init__(
         self,
@@ -219,19 +188,16 @@ class KvPublisher:
         self.topic = topic
         self.buffer_events = buffer_events
         self.bad_queries = 0
-        self.index_errors = 0
-        self._encoder = Encoder()
+        self.queries_answered = 0
         self._nats = nats
         self._router_events = RouterEventEncoder()
         self._event_blocks = MAX_EVENT_BLOCKS if nats is None else NATS_EVENT_BLOCKS
         self._logged: set[str] = set()
         self._closed = False
-        self._index = RadixIndex()
-        self._ring: deque[KvEvent] = deque(maxlen=buffer_events)
+        self._local = LocalIndexer(worker_id, dp_rank, buffer_events=buffer_events)
         self._pending: list[KvEvent] = []
         self._next_event_id = 0
         self._next_seq = 0
-        self._last_event_id: int | None = None
         self._own_context = context is None
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context() if context is None else context
         self._router: zmq.Socket[bytes] | None = None
@@ -347,24 +313,10 @@ class KvPublisher:
         if not self._pending:
             return None
         events, self._pending = self._pending, []
-        for event in events:  # hot path: one index update per event, once per engine step
-            try:
-                self._index.apply_event(self.worker_id, event)
-            except EventError as exc:
-                self.index_errors += 1
-                self._log_once(
-                    f"index_{exc.kind}",
-                    "local index refused event worker=%s dp=%d kind=%s error=%s (counted, logged once)",
-                    self.worker_id,
-                    self.dp_rank,
-                    exc.kind,
-                    exc,
-                )
-        self._ring.extend(events)
-        self._last_event_id = events[-1].event_id
+        self._local.apply(events)
         timestamp = time.time()
         seq = self._next_seq
-        for payload in self._batches(events, timestamp):
+        for payload in self._local.batches(events, timestamp):
             seq = self._next_seq
             self._next_seq += 1
             if send:
@@ -419,59 +371,36 @@ class KvPublisher:
                 )
                 continue
             answered += 1
+        self.queries_answered += answered
         return answered
 
     def answer(self, request: QueryRequest) -> QueryReply:
         """The reply to one query, as :meth:`serve` sends it (exposed for engines with their own transport)."""
-        last = self._last_event_id
-        if request.start is None:
-            return self._tree_dump()
-        after = -1 if last is None else last
-        if request.start > after + 1:
-            return QueryReply("too_new", last)
-        first = self._ring[0].event_id if self._ring else after + 1
-        if request.start < first:
-            return self._tree_dump()
-        end = after if request.end is None else min(request.end, after)
-        wanted = list(itertools.islice(self._ring, request.start - first, max(end - first + 1, 0)))
-        return QueryReply("events", last, tuple(self._batches(wanted, None)))
-
-    def _tree_dump(self) -> QueryReply:
-        return QueryReply("tree_dump", self._last_event_id, tuple(self._batches(self._index.dump(), None)))
-
-    def _batches(self, events: Iterable[KvEvent], timestamp: float | None) -> Iterable[bytes]:
-        """Pack events into batch payloads of at most :data:`MAX_BATCH_BYTES` each, in order."""
-        group: list[KvEvent] = []
-        size = _BATCH_OVERHEAD
-        for event in events:
-            cost = _event_bytes(event)
-            if group and size + cost > MAX_BATCH_BYTES:
-                yield self._encoder.encode(EventBatch(tuple(group), timestamp, self.dp_rank))
-                group, size = [], _BATCH_OVERHEAD
-            group.append(event)
-            size += cost
-        if group:
-            yield self._encoder.encode(EventBatch(tuple(group), timestamp, self.dp_rank))
+        return self._local.answer(request)
 
     def reset(self) -> None:
         """An engine restart: queued events dropped, local indexer and ring emptied, event ids and seq
         back to 0. The router sees the seq go back to 0 and treats the worker as fresh."""
-        self._index = RadixIndex()
-        self._ring.clear()
+        self._local.reset()
         self._pending.clear()
         self._next_event_id = 0
         self._next_seq = 0
-        self._last_event_id = None
 
     @property
     def last_event_id(self) -> int | None:
         """The id of the last published event (None before the first publish of this incarnation)."""
-        return self._last_event_id
+        return self._local.last_event_id
 
     @property
     def index(self) -> RadixIndex:
         """The local indexer's block set (read it, never apply to it): what a tree dump rebuilds."""
-        return self._index
+        return self._local.index
+
+    @property
+    def index_errors(self) -> int:
+        """Events the local indexer refused (an unknown parent, an unknown removed block, a repeated hash).
+        They are still published: the router refuses them alike, so both sides agree."""
+        return self._local.index_errors
 
     # -- lifecycle ------------------------------------------------------------------------------
 

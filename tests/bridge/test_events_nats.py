@@ -24,7 +24,10 @@ import zmq
 
 from kvrouter.bridge.events import NatsEventRelay, NatsEventSink
 from kvrouter.bridge.subjects import Subjects
+from kvrouter.events.codecs.dynamo import Encoder as RouterEventEncoder
 from kvrouter.events.codecs.kvrouter import Decoder
+from kvrouter.events.codecs.query import QueryReply, QueryRequest, decode_reply, encode_request
+from kvrouter.events.model import EngineHash, LocalHash, Stored, StoredBlock
 from kvrouter.hashing import block_hashes
 from kvrouter.routing.config import RouterConfig
 from kvrouter.service import Service, ServiceConfig
@@ -236,5 +239,71 @@ def test_relay_counts_bad_input_and_carries_on(nats_server: NatsServer) -> None:
             await relay.close()
             sub.close(linger=0)
             context.term()
+
+    asyncio.run(main())
+
+
+def test_durable_relay_indexes_every_rank_drops_duplicates_and_answers_queries_itself() -> None:
+    """Durable mode, fed directly (no NATS needed): a rank not registered is still indexed; a repeated id is
+    dropped, a jump counted and the rank marked incomplete, id 0 after others resets the rank; the rank's
+    query ROUTER answers a join (tree dump) and a range from the relay's own state."""
+    encoder = RouterEventEncoder()
+
+    def stored(event_id: int, chain: int, parent: int | None = None) -> bytes:
+        blocks = (StoredBlock(EngineHash(chain), LocalHash(chain * 7 + 1)),)
+        parent_hash = None if parent is None else EngineHash(parent)
+        return encoder.encode_router_event(Stored(WORKER, parent_hash, blocks, dp_rank=0, event_id=event_id))
+
+    async def main() -> None:
+        relay = NatsEventRelay("nats://127.0.0.1:1", "namespace.d.component.c.kv-events", durable=True)
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            for event_id, chain, parent in [(0, 10, None), (1, 11, 10), (2, 12, 11)]:
+                relay.relay(stored(event_id, chain, parent))
+            relay.relay(stored(1, 11, 10))  # delivered twice: dropped, not applied again
+            local = relay.local(WORKER, 0)
+            assert local is not None
+            assert local.last_event_id == 2
+            assert relay.counters.duplicates == 1
+            assert relay.counters.unknown_worker == 0  # kept for when it registers
+            assert relay.status()["incomplete"] == []
+
+            endpoint = relay.add_query(WORKER, 0)
+            dealer.connect(endpoint)
+            loop = asyncio.get_running_loop()
+
+            async def ask(start: int | None) -> QueryReply:
+                dealer.send_multipart(encode_request(QueryRequest(start, None)))
+                deadline = loop.time() + 30
+                while not dealer.poll(0):
+                    assert loop.time() < deadline, "no answer from the relay's ROUTER"
+                    await asyncio.sleep(0.005)
+                return decode_reply(dealer.recv_multipart())
+
+            join = await ask(None)
+            assert (join.reply, join.last_event_id) == ("tree_dump", 2)
+            dumped = [e for payload in join.batches for e in Decoder().decode(payload).events]
+            assert sum(len(e.blocks) for e in dumped if isinstance(e, Stored)) == 3
+            tail = await ask(1)
+            assert (tail.reply, [e.event_id for p in tail.batches for e in Decoder().decode(p).events]) == (
+                "events",
+                [1, 2],
+            )
+            assert relay.counters.queries == 2
+
+            relay.relay(stored(5, 20))  # 3 and 4 never reached the stream
+            assert relay.counters.gaps == 1
+            assert relay.status()["incomplete"] == [[WORKER, 0]]
+            assert (await ask(1)).reply == "tree_dump"  # the ring restarted at the jump: no range across it
+            relay.relay(stored(0, 30))  # the worker restarted: ids from 0 again
+            assert relay.counters.restarts == 1
+            assert local.last_event_id == 0
+            assert local.index.block_counts() == {(WORKER, 0): 1}
+        finally:
+            dealer.close(linger=0)
+            context.term()
+            await relay.close()
 
     asyncio.run(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,6 +63,38 @@ def test_sync_flags_reach_the_service_config(runner: CliRunner) -> None:
     ],
 )
 def test_bad_values_are_refused_naming_them(runner: CliRunner, args: list[str], names: str) -> None:
+    result = runner.invoke(app, ["up", *args, "--print-config"], env={"COLUMNS": "300"})
+    assert result.exit_code == 2
+    assert names in result.output
+
+
+def test_durable_flags_defaults_alias_env_and_toml(runner: CliRunner, tmp_path: Path) -> None:
+    service = resolve(runner)["service"]
+    assert (service["durable_kv_events"], service["reset_states"], service["router_id"]) == (False, False, None)
+    assert service["snapshot_threshold"] == 1_000_000  # the reference's router_snapshot_threshold
+    assert resolve(runner, "--durable-kv-events")["service"]["durable_kv_events"] is True
+    env = {"KVROUTER_ROUTER_DURABLE_KV_EVENTS": "1", "KVROUTER_ROUTER_SNAPSHOT_THRESHOLD": "7"}
+    resolved = resolve(runner, env={**env, "KVROUTER_ROUTER_ID": "r-1", "KVROUTER_ROUTER_RESET_STATES": "true"})
+    service = resolved["service"]
+    assert (service["durable_kv_events"], service["snapshot_threshold"]) == (True, 7)
+    assert (service["router_id"], service["reset_states"]) == ("r-1", True)
+    assert resolved["sources"]["router_snapshot_threshold"] == "env"
+    toml = tmp_path / "router.toml"
+    toml.write_text('router-durable-kv-events = true\nrouter_snapshot_threshold = 9\nrouter-id = "a_2"\n')
+    service = resolve(runner, "--config", str(toml), "--router-snapshot-threshold", "3")["service"]
+    assert (service["durable_kv_events"], service["snapshot_threshold"], service["router_id"]) == (True, 3, "a_2")
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--router-durable-kv-events", "--router-id", "a.b"], "router_id"),
+        (["--router-durable-kv-events", "--nats-url", "http://x:1"], "nats_url"),
+        (["--router-durable-kv-events", "--no-router-kv-events"], "durable_kv_events"),
+        (["--router-snapshot-threshold", "0"], "router-snapshot-threshold"),
+    ],
+)
+def test_bad_durable_values_are_refused_naming_them(runner: CliRunner, args: list[str], names: str) -> None:
     result = runner.invoke(app, ["up", *args, "--print-config"], env={"COLUMNS": "300"})
     assert result.exit_code == 2
     assert names in result.output

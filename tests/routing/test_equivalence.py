@@ -70,6 +70,7 @@ def configs(draw: st.DrawFn) -> RouterConfig:
         router_assume_kv_reuse=draw(st.booleans()),
         active_decode_blocks_threshold=draw(st.sampled_from([None, None, 0.5, 1.0])),
         active_prefill_tokens_threshold=draw(st.sampled_from([None, None, 0, 12, 40])),
+        untrusted_overlap_weight=draw(st.sampled_from([1.0, 1.0, 0.5, 0.0])),
     )
 
 
@@ -95,6 +96,7 @@ steps = st.one_of(
     st.tuples(st.just("mark"), st.integers(0, 30)),
     st.tuples(st.just("free"), st.integers(0, 30)),
     st.tuples(st.just("advance"), st.sampled_from([0.5, 30.0, 61.0, 150.0, 299.0, 300.0])),
+    st.tuples(st.just("untrust"), st.lists(workers, max_size=4)),
 )
 
 
@@ -234,6 +236,9 @@ def run_stream(
             getattr(oracle.slots, "mark_prefill_completed" if kind == "mark" else "free")(rid)
         elif kind == "advance":
             clock.now += step[1]
+        elif kind == "untrust":  # the service marks the workers whose trust state is not exact
+            fast.set_untrusted(step[1])
+            oracle.set_untrusted(step[1])
         assert isinstance(oracle.slots, ReferenceSlotManager)
         assert_same_loads(fast.slots, oracle.slots)
 

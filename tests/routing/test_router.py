@@ -145,3 +145,47 @@ def test_prefill_work_weight_sends_new_work_to_the_worker_that_did_less_lately()
             assert selection.explanation is not None
             factors = {row.worker: row.cost.work_factor for row in selection.explanation}
             assert factors == {W1: 2.0, W2: 0.0}  # mean 1 block: W1 holds twice it, W2 none
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5])
+def test_a_recorded_decision_explains_later_as_an_explained_one_did(temperature):
+    """``record=True`` keeps arrays only; explained later they say what ``explain=True`` said then."""
+    tokens = list(range(8 * B))
+    local = block_hashes(tokens, B)
+    index = RadixIndex()
+    _cache(index, 2, local[:6])
+    _cache(index, 3, local[:2], StorageTier.HOST)
+    config = RouterConfig(router_temperature=temperature)
+    recorder, explainer = Router(config, block_size=B, seed=7), Router(config, block_size=B, seed=7)
+    for n in range(6):  # booked requests between decisions: loads differ from one decision to the next
+        recorded = recorder.select(index, [W1, W2, W3], tokens=tokens, record=True, request_id=f"r{n}")
+        explained = explainer.select(index, [W1, W2, W3], tokens=tokens, explain=True, request_id=f"r{n}")
+        assert recorded.explanation is None
+        assert recorded.record is not None
+        assert explained.record is None
+        assert recorded.worker == explained.worker
+        assert recorded.record.explain() == explained.explanation
+        assert recorded.record.nbytes > 0
+
+
+def test_an_untrusted_workers_overlap_credit_is_weighted_down():
+    tokens = list(range(8 * B))
+    local = block_hashes(tokens, B)
+    index = RadixIndex()
+    _cache(index, 2, local[:6])
+    _cache(index, 3, local[:4])
+    config = RouterConfig(untrusted_overlap_weight=0.5)
+    router = Router(config, block_size=B, seed=1)
+    trusted = router.select(index, [W1, W2, W3], tokens=tokens, explain=True)
+    assert trusted.worker == W2
+    router.set_untrusted([W2, (9, 0)])  # a worker it has never seen is fine
+    halved = router.select(index, [W1, W2, W3], tokens=tokens, explain=True)
+    assert halved.explanation is not None
+    rows = {row.worker: row for row in halved.explanation}
+    assert rows[W2].cost.overlap_credit_blocks == 3.0  # 6 blocks, credit 1 a block, halved
+    assert rows[W3].cost.overlap_credit_blocks == 4.0
+    assert halved.worker == W3  # 4 trusted blocks now beat 6 untrusted ones
+    router.set_untrusted([])
+    assert router.select(index, [W1, W2, W3], tokens=tokens).worker == W2
+    with pytest.raises(ConfigError, match="untrusted_overlap_weight"):
+        RouterConfig(untrusted_overlap_weight=1.5)

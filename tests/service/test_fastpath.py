@@ -185,8 +185,11 @@ def test_reserve_prefill_complete_free_over_dealer_move_the_loads(fast: FastRunn
     assert again["status"] == 409
     assert "error" in again
 
-    assert client.call({"op": "prefill_complete", "token": TOKEN, "selection_id": "z-1"}) == {"status": "ok"}
+    reports = fast.service.counters.reuse.get((1, 0), [0] * 6)[0]
+    completed = {"op": "prefill_complete", "token": TOKEN, "selection_id": "z-1", "cached_tokens": 3 * BLOCK}
+    assert client.call(completed) == {"status": "ok"}
     assert loads(fast)[1]["potential_prefill_tokens"] == before["potential_prefill_tokens"]
+    assert fast.service.counters.reuse[1, 0][0] == reports + 1  # the engine's reuse, as over HTTP (accuracy.py)
     assert client.call({"op": "free", "token": TOKEN, "selection_id": "z-1", "id": "f"}) == {"status": "ok", "id": "f"}
     freed = loads(fast)[1]
     freed.pop("recent_prefill_tokens")
@@ -245,6 +248,7 @@ def test_malformed_messages_get_errors_and_the_socket_keeps_serving(fast: FastRu
         ({**good, "model_name": "nope"}, 404),
         ({"op": "free", "token": TOKEN, "selection_id": 5}, 400),
         ({"op": "prefill_complete", "token": TOKEN, "selection_id": "never"}, 404),
+        ({"op": "prefill_complete", "token": TOKEN, "selection_id": "never", "cached_tokens": -1}, 400),
         ({"op": "query_by_hash", "model_name": MODEL, "block_hashes": [1, "x"]}, 400),
     ]
     for body, status in refused:

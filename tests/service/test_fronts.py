@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 import pytest
 
 from kvrouter.service import discovery
+from kvrouter.service.decisions import summarise
 from tests.service.test_up import START_TIMEOUT_S, URL_LINE, descendants, start_up, stop_and_check
 
 __all__ = ["start_up"]  # the fixture, shared with test_up
@@ -55,7 +56,11 @@ def on_front(url: str, front: int) -> Client:
     """A connection that landed on ``front``."""
     for _ in range(TRIES):
         client = Client(url)
-        client.call("GET", "/health")
+        try:
+            client.call("GET", "/health")
+        except ConnectionError:  # a front killed with connections in its backlog resets them
+            client.close()
+            continue
         if client.front == front:
             return client
         client.close()
@@ -69,6 +74,13 @@ def until(check: Any, what: str) -> None:
         time.sleep(0.05)
 
 
+def decisions(client: Client) -> float:
+    client.conn.request("GET", "/metrics")
+    response = client.conn.getresponse()
+    text = response.read().decode()
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("kvrouter_decisions_total ")))
+
+
 def loads(client: Client) -> dict[int, tuple[int, int, int]]:
     status, body = client.call("GET", "/loads")
     assert status == 200
@@ -79,8 +91,12 @@ def loads(client: Client) -> dict[int, tuple[int, int, int]]:
     }
 
 
-def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entries):
-    up = start_up("--fronts", "2", "--mock-workers", "2", "--shards", "1", "--client-rate", "0")
+def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entries, tmp_path):
+    decisions_log = tmp_path / "decisions.jsonl"
+    up = start_up(
+        *("--fronts", "2", "--mock-workers", "2", "--shards", "1", "--client-rate", "0"),
+        *("--decision-log", str(decisions_log)),
+    )
     url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
     up.expect(re.compile(r"Ctrl-C stops everything"), START_TIMEOUT_S)  # mocks registered (through either front)
     fronts = [on_front(url, 0), on_front(url, 1)]
@@ -102,9 +118,14 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
             assert status == 200, answer
             booked.append((i % 2, answer["selection_id"]))
         until(lambda: loads(fronts[0]) == loads(fronts[1]), "both fronts' loads to agree")
+        # /metrics on either front counts every front's decisions (the others' as published each second)
+        until(lambda: [decisions(c) for c in fronts] == [8.0, 8.0], "both fronts' /metrics to count 8 decisions")
         assert sum(active for _, _, active in loads(fronts[1]).values()) == 8
         for front, selection_id in booked:
             other = fronts[1 - front]
+            status, kept = other.call("GET", f"/decisions/{selection_id}")  # kept by the front that decided
+            assert status == 200, kept
+            assert kept["selection_id"] == selection_id
             status, answer = other.call("POST", f"/reservations/{selection_id}/prefill_complete")
             assert status == 200, answer
             status, answer = other.call("DELETE", f"/reservations/{selection_id}")
@@ -148,6 +169,12 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
             status, workers = again.call("GET", "/workers")
             assert sorted(row["instance_id"] for row in workers) == [1, 2, 9]
             until(lambda: again.call("GET", "/ready")[0] == 200, "the new front 1 ready")
+            # the killed front's decisions stay counted: front 0 keeps its last publication
+            first = on_front(url, 0)
+            try:
+                assert decisions(first) == 8.0
+            finally:
+                first.close()
         finally:
             again.close()
     finally:
@@ -157,6 +184,8 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
     assert folder.is_dir()
     stop_and_check(up, signal.SIGTERM, shm_entries)
     assert not folder.exists()
+    with decisions_log.open("rb") as lines:  # both fronts appended theirs; the last second's at the stop
+        assert summarise(lines)["decisions"] == 8
 
 
 def _cmdline(pid: int) -> bytes:

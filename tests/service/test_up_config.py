@@ -200,10 +200,31 @@ def test_a_bad_config_file_is_a_usage_error_naming_the_problem(runner, tmp_path,
         ["--router-selection-policy", "cheapest"],
         ["--port", "70000"],
         ["--router-temperature", "-1"],
+        ["--fronts", "0"],
+        ["--fronts", "65"],
+        ["--shadow-policy", "greedy_overlap,nope"],
+        ["--decision-log", "/no/such/dir/decisions.jsonl"],
     ],
 )
 def test_bad_values_are_usage_errors(runner, args):
     assert runner.invoke(app, ["up", *args, "--print-config"]).exit_code == 2
+
+
+def test_fronts_shadows_and_the_decision_log_come_from_flags_env_or_file(runner, tmp_path):
+    log = str(tmp_path / "decisions.jsonl")
+    resolved = resolve(runner, "--fronts", "3", "--shadow-policy", "greedy_overlap, dynamo_t0", "--decision-log", log)
+    service = resolved["service"]
+    assert (service["fronts"], service["shadow_policies"], service["decision_log"]) == (
+        3,
+        ["greedy_overlap", "dynamo_t0"],
+        log,
+    )
+    env = {"KVROUTER_FRONTS": "2", "KVROUTER_SHADOW_POLICY": "round_robin"}
+    service = resolve(runner, env=env)["service"]
+    assert (service["fronts"], service["shadow_policies"]) == (2, ["round_robin"])
+    path = write(tmp_path, 'fronts = 4\nshadow_policy = "least_loaded"\n')
+    service = resolve(runner, "--config", str(path))["service"]
+    assert (service["fronts"], service["shadow_policies"]) == (4, ["least_loaded"])
 
 
 def test_auth_token_comes_from_the_environment_and_is_not_printed(runner):

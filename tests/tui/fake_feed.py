@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from tests.clock import FakeClock
-from tui.model import Candidate, Decision, LogEvent, ProbeRow, RouterGone, Snapshot, WorkerRow
+from tui.model import Candidate, Decision, LogEvent, ProbeRow, RouterGone, Shadow, Snapshot, WorkerRow
 
 START = 1_700_000_000.0
 """The fake's epoch: a fixed wall-clock time, so ``taken_at`` looks like a real feed's."""
@@ -29,6 +29,8 @@ class FakeFeed:
         self.temperature = temperature
         self.replicas: tuple[int, float] | None = None
         """(peers, sync lag ms) the snapshots carry, as a replica-synced router's do; None without the bridge."""
+        self.shadows: dict[str, Shadow] = {}
+        """What the snapshots say of shadow policies (``--shadow-policy``)."""
         self.gone: Exception | None = None
         """When set, ``poll`` and ``probe`` raise it."""
         self.polls = 0
@@ -187,6 +189,7 @@ class FakeFeed:
             replicas=None if self.replicas is None else self.replicas[0],
             sync_lag_ms=None if self.replicas is None else self.replicas[1],
             extra={"model": "llama-3-8b"},
+            shadows=dict(self.shadows),
         )
 
     def probe(self, tokens: Sequence[int]) -> tuple[ProbeRow, ...]:

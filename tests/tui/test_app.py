@@ -17,6 +17,7 @@ from textual.widgets.data_table import ColumnKey
 from tests.tui.fake_feed import FakeFeed, gone
 from tui import cells
 from tui.app import TopApp
+from tui.model import Shadow
 from tui.screens import DetailScreen, HelpScreen, NotThereScreen, ProbeScreen
 from tui.view import SORT_KEYS
 from tui.widgets.worker_table import MARK, row_key
@@ -144,6 +145,40 @@ async def test_the_header_shows_replicas_and_sync_lag_only_with_the_bridge(fake_
         fake_feed.step()
         await app.tick()
         assert "replicas 2, sync lag 3 ms" in app.meters.text
+
+
+async def test_the_header_compares_each_shadow_policy_with_the_live_one(fake_feed: FakeFeed) -> None:
+    app = make_app(fake_feed)
+    async with app.run_test(size=SIZE):
+        await app.tick()
+        assert "shadow" not in app.meters.text
+        fake_feed.shadows = {
+            "greedy_overlap": Shadow(10, 5, 80, 100, 110, 100),
+            "round_robin": Shadow(0, 0, 0, 0, 0, 0),
+        }
+        fake_feed.step()
+        await app.tick()
+        assert "shadow greedy_overlap agree 50% ovl 80% of live cost +10%" in app.meters.text
+        assert "shadow round_robin -" in app.meters.text
+
+
+async def test_the_detail_screen_shows_the_index_accuracy(fake_feed: FakeFeed) -> None:
+    app = make_app(fake_feed)
+    key = next(iter(fake_feed.rows))
+    problem = "worker 0:0 sends KV blocks of a size other than its registered block_size 16"
+    fake_feed.rows[key] = replace(
+        fake_feed.rows[key], accuracy=0.42, drift=True, state="misconfig", problems=(problem,)
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        await app.tick()
+        screen = DetailScreen(key)
+        await app.push_screen(screen)
+        await pilot.pause()
+        screen.show(fake_feed.poll(), app.rates)
+        text = str(screen.query_one("#detail-text", Static).render())
+        assert "42% of recent reuse reports as predicted (DRIFT)" in text
+        assert problem in text
+        assert "misconfig" in text
 
 
 async def test_slash_filters_workers_and_escape_clears_the_filter(fake_feed: FakeFeed) -> None:

@@ -266,3 +266,34 @@ def test_a_workers_host_tier_blocks_reach_workers_and_both_feeds(running: Runnin
             wait_until(lambda: row(http) == (2, (3, 0, 0)), what="the HTTP feed's row has the host blocks")
         finally:
             running.call("POST", "/unregister", {"instance_id": 9, "model_name": "tiers"})
+
+
+def test_shadow_figures_read_the_same_from_the_blob_and_from_metrics() -> None:
+    from tui.feed import _blob_shadows, _metric_shadows
+    from tui.model import Shadow
+
+    sums = [10.0, 5.0, 80.0, 100.0, 110.0, 100.0]
+    assert _blob_shadows({"greedy_overlap": sums, "bad": [1.0]}) == {"greedy_overlap": Shadow(*sums)}
+    assert _blob_shadows(None) == {}
+    names = (
+        "kvrouter_shadow_decisions_total",
+        "kvrouter_shadow_agreements_total",
+        "kvrouter_shadow_overlap_blocks_total",
+        "kvrouter_shadow_live_overlap_blocks_total",
+        "kvrouter_shadow_cost_total",
+        "kvrouter_shadow_live_cost_total",
+    )
+    metrics: dict[str, dict[tuple[tuple[str, str], ...], float]] = {
+        name: {(("policy", "greedy_overlap"),): value} for name, value in zip(names, sums, strict=True)
+    }
+    assert _metric_shadows(metrics) == {"greedy_overlap": Shadow(*sums)}
+
+
+def test_a_misconfigured_worker_shows_as_misconfig_whatever_its_stream_says() -> None:
+    from tui.feed import _problems, _state
+
+    assert _state("exact", False, None, False, "misconfigured") == "misconfig"
+    assert _state("exact", False, "http_endpoint down", False, "misconfigured") == "unhealthy"
+    assert _state("exact", True, None, False, "stale") == "stale"
+    assert _problems({"no_events": "b", "block_size": "a"}) == ("a", "b")
+    assert _problems(None) == ()

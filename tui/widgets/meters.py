@@ -15,7 +15,7 @@ from textual.geometry import Size
 from textual.widget import Widget
 
 from tui import cells
-from tui.model import Snapshot
+from tui.model import Shadow, Snapshot
 from tui.rates import Rates
 from tui.view import View
 
@@ -41,6 +41,20 @@ class Status:
 
 def _weights(weights: dict[str, float]) -> str:
     return " ".join(f"{name} {value:g}" for name, value in weights.items())
+
+
+def _shadow(name: str, shadow: Shadow) -> Text:
+    """``shadow greedy_overlap agree 72% ovl 81/79% cost +3%``: the shadow's picks against the live ones, over
+    the same decisions (overlap shown the shadow's / the live's; cost the live cost function's)."""
+    if not shadow.decisions:
+        return Text(f"shadow {name} -")
+    agree = 100 * shadow.agreements / shadow.decisions
+    text = f"shadow {name} agree {agree:.0f}%"
+    if shadow.live_overlap_blocks:
+        text += f" ovl {100 * shadow.overlap_blocks / shadow.live_overlap_blocks:.0f}% of live"
+    if shadow.live_cost:
+        text += f" cost {100 * (shadow.cost - shadow.live_cost) / shadow.live_cost:+.0f}%"
+    return Text(text)
 
 
 def header_groups(snapshot: Snapshot, rates: Rates, status: Status) -> list[Text]:
@@ -94,6 +108,7 @@ def header_groups(snapshot: Snapshot, rates: Rates, status: Status) -> list[Text
         groups.append(Text(f"replicas {snapshot.replicas}{lag}"))
     if snapshot.weights:
         groups.append(Text(f"weights {_weights(snapshot.weights)}"))
+    groups += [_shadow(name, shadow) for name, shadow in sorted(snapshot.shadows.items())]
 
     if not status.sort_shown:
         groups.append(Text(f"sort {view.sort_key}{'▲' if view.sort_reverse else '▼'}"))

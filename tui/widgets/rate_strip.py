@@ -40,7 +40,10 @@ class RateStrip(Horizontal):
 
     def show(self, rates: Rates) -> None:
         for name in METERS:
-            sparkline = self.query_one(f"#spark-{name}", Sparkline)
+            found = self.query(f"#spark-{name}")  # none while the app tears down and a resize still renders
+            if not found:
+                return
+            sparkline = found.only_one(Sparkline)
             width = max(sparkline.content_size.width, 1)
             past = list(rates.history[name])[-width:]
             # Zeros in front until the history fills the width: bars scroll in from the right, one a

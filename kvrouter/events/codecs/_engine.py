@@ -126,6 +126,8 @@ class EngineDecoder:
             raise InvalidHashInput(f"{self.dialect.name} decoder: block_size must be >= 1, got {block_size}")
         self.worker_id = worker_id
         self.block_size = block_size
+        self._foreign = 0
+        """The block size of the last store of another size in the batch being decoded (0: none)."""
         d = self.dialect
         self._lift_args = (
             np.frombuffer(b"token_ids", dtype=np.uint8),
@@ -172,13 +174,14 @@ class EngineDecoder:
         dp_rank = 0 if rank is None else expect_int(rank, f"{root}[2]", hi=I32_MAX)
         events: list[RawEvent] = []
         dropped = 0
+        self._foreign = 0
         for i, raw in enumerate(raw_events):  # hot path: one pass per engine event
             event, lost = self._event(raw, f"{root}[1][{i}]", first_event_id + len(events))
             dropped += lost
             if event is not None:
                 events.append(event)
         skipped = len(raw_events) - len(events)
-        return RawBatch(self.worker_id, dp_rank, timestamp, tuple(events), skipped, dropped)
+        return RawBatch(self.worker_id, dp_rank, timestamp, tuple(events), skipped, dropped, self._foreign)
 
     def _unpack(self, payload: bytes) -> object:
         """The msgpack tree, each event's integer ``token_ids`` / ``block_hashes`` already a u32 / u64
@@ -248,6 +251,7 @@ class EngineDecoder:
         if size != self.block_size:
             # Blocks of another size ("Block not published" in Dynamo) go, and with them every later one
             # of the event: here that is all of them, since one event has one block_size.
+            self._foreign = size  # named to the operator (the service's trust.py)
             return RawEvent(_STORED, event_id, tier, parent, _NO_HASHES, _NO_HASHES, _NO_TOKENS), len(hashes)
         try:
             local = block_hashes_array(tokens, size, lora_name=lora_name, mm_infos=mm_infos, eagle=eagle)

@@ -137,6 +137,8 @@ class RawBatch(NamedTuple):
     dropped_blocks: int = 0
     """Engine blocks not indexed: every block of a store whose ``block_size`` is not the router's, and
     blocks past the last full block of ``token_ids``."""
+    foreign_block_size: int = 0
+    """The ``block_size`` of the last store dropped for not being the router's (0: none was)."""
 
 
 class Decoder:

@@ -9,7 +9,7 @@ import logging
 
 import typer
 
-from . import decision_log, mock_worker, simulate, top, up, version
+from . import decision_log, mock_worker, replay, simulate, top, up, version
 
 __all__ = ["app", "configure_logging", "main"]
 
@@ -26,6 +26,7 @@ app.command("up", epilog=up.EPILOG)(up.up)
 app.command("top", epilog=top.EPILOG)(top.top)
 app.command("mock-worker", epilog=mock_worker.EPILOG)(mock_worker.mock_worker)
 app.command("decision-log", epilog=decision_log.EPILOG)(decision_log.decision_log)
+app.command("replay", epilog=replay.EPILOG)(replay.replay)
 
 
 def configure_logging(spec: str) -> None:

@@ -98,9 +98,12 @@ class MockProcess:
     replay: str | None = None
 
 
-async def start_mock(worker_id: int, config: EmbeddedConfig, started: list[MockProcess]) -> MockProcess:
+async def start_mock(
+    worker_id: int, config: EmbeddedConfig, started: list[MockProcess], *, speedup_ratio: float = 1.0
+) -> MockProcess:
     """Start one mock engine and wait for its ready line; appended to ``started`` at once, so a caller
-    that is cancelled meanwhile still stops it.
+    that is cancelled meanwhile still stops it. ``speedup_ratio``: the mock's simulated ms per wall ms
+    (``kvrouter replay`` runs a trace faster than real time).
 
     Raises:
         EmbeddedError: the process exited or printed no ready line within :data:`MOCK_START_TIMEOUT_S`.
@@ -115,6 +118,7 @@ async def start_mock(worker_id: int, config: EmbeddedConfig, started: list[MockP
         "--format", "vllm",
         "--block-size", str(config.block_size),
         "--num-gpu-blocks", str(config.num_gpu_blocks),
+        "--speedup-ratio", repr(speedup_ratio),
         "--exit-with-parent",
     ]  # fmt: skip
     proc = await asyncio.create_subprocess_exec(

@@ -600,6 +600,19 @@ class _Rank:
             "blocks": blocks,
         }
 
+    def overlaps(self, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
+        """``POST /overlap`` for this rank (engine thread): per prompt, how many of its leading full blocks
+        this rank's cache holds, as ``/cache`` would show them, without shipping every block."""
+        found = []
+        for ids in prompts:
+            held = 0
+            for block in ids:
+                if block not in self._cached:
+                    break
+                held += 1
+            found.append(held)
+        return {"dp_rank": self.rank, **self.sink.position(), "overlaps": found}
+
     def set_faults(self, drop_batches: int | None, pause: bool | None) -> dict[str, Any]:
         """``POST /faults`` for this rank (engine thread)."""
         if drop_batches is not None:
@@ -727,6 +740,17 @@ class MockEngine:
             "format": self.config.format,
             "ranks": [future.result(timeout) for future in ranks],
         }
+
+    def overlaps(self, prompts: Sequence[array[int]], timeout: float) -> list[Any]:
+        """``POST /overlap``: every rank's overlap (leading cached blocks) with each prompt.
+
+        The prompts are hashed here, once, into the ids the ranks name prompt blocks by (masked sequence
+        hashes); each rank then only looks them up between iterations.
+        """
+        size = self.config.block_size
+        ids = [[h & _PROMPT_ID_MASK for h in sequence_hashes(block_hashes(prompt, size))] for prompt in prompts]
+        futures = [rank.call(functools.partial(rank.overlaps, ids)) for rank in self._ranks]
+        return [future.result(timeout) for future in futures]
 
     def faults(self, drop_batches: int | None, pause: bool | None, dp_rank: int | None, timeout: float) -> list[Any]:
         """``POST /faults`` on one rank or all; returns each rank's fault state."""

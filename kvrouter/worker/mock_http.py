@@ -9,6 +9,7 @@ the rank's engine thread (:class:`~kvrouter.worker.mock_engine.MockEngine`) and 
 |---|---|---|
 | ``POST /v1/completions`` | ``{"prompt", "max_tokens", "stream", "stream_options", "dp_rank"}`` | (*) |
 | ``GET /cache`` | | per rank: ``last_seq`` (vllm) or ``last_event_id`` (kvrouter), ``held_batches``, ``blocks`` |
+| ``POST /overlap`` | ``{"prompts": [[token ids], ...]}`` | per rank: ``last_seq`` / ``last_event_id``, ``overlaps`` |
 | ``POST /faults`` | ``{"drop_batches": n, "pause": bool, "dp_rank": r}`` | each rank's fault state |
 | ``POST /restart`` | ``{}`` or ``{"dp_rank": r}`` | each rank's position after the restart |
 | ``GET /health`` | | ``{"status": "ok", ...}``; 503 ``"failed"`` once an engine thread died |
@@ -110,7 +111,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch(routes, read_body=False)
 
     def do_POST(self) -> None:
-        routes = {"/v1/completions": self._completions, "/faults": self._faults, "/restart": self._restart}
+        routes = {
+            "/v1/completions": self._completions,
+            "/faults": self._faults,
+            "/restart": self._restart,
+            "/overlap": self._overlap,
+        }
         self._dispatch(routes, read_body=True)
 
     def _dispatch(self, routes: dict[str, Any], *, read_body: bool) -> None:
@@ -195,6 +201,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _cache(self, _body: dict[str, Any]) -> None:
         self._json(200, self.server.engine.cache(CONTROL_TIMEOUT_S))
+
+    def _overlap(self, body: dict[str, Any]) -> None:
+        prompts = body.get("prompts")
+        if not isinstance(prompts, list):
+            raise _BadRequest(f"prompts must be a list of token-id lists, got {_describe(prompts)}")
+        parsed = []
+        for i, prompt in enumerate(prompts):
+            try:
+                parsed.append(_prompt(prompt))
+            except _BadRequest as exc:
+                raise _BadRequest(f"prompts[{i}]: {exc}") from None
+        self._json(200, {"ranks": self.server.engine.overlaps(parsed, CONTROL_TIMEOUT_S)})
 
     def _faults(self, body: dict[str, Any]) -> None:
         drop = _opt_int(body, "drop_batches", low=0)

@@ -193,6 +193,20 @@ def test_repeated_prompt_reports_cached_tokens_and_simulated_times(start_worker)
     assert second["kvrouter"]["ttft_ms"] < first["kvrouter"]["ttft_ms"]
 
 
+def test_overlap_counts_each_prompts_leading_cached_blocks(start_worker):
+    worker = start_worker()
+    prompt = list(range(1, 3 * BLOCK + 5))
+    worker.complete(prompt, 1)
+    other = prompt[: 2 * BLOCK] + [70_000] * BLOCK
+    status, answer = worker.call("POST", "/overlap", {"prompts": [prompt, other, [5] * BLOCK, [1]]})
+    assert status == 200
+    (rank,) = answer["ranks"]
+    assert rank["overlaps"] == [3, 2, 0, 0]
+    assert rank["last_seq"] == worker.cache()["ranks"][0]["last_seq"]
+    assert worker.call("POST", "/overlap", {"prompts": [[-1]]})[0] == 400
+    assert worker.call("POST", "/overlap", {})[0] == 400
+
+
 def test_stream_sends_first_token_then_done(start_worker):
     worker = start_worker()
     body = json.dumps({"prompt": list(range(40)), "max_tokens": 5, "stream": True}).encode()

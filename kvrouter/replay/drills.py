@@ -1,0 +1,139 @@
+"""The drills: one fault each, injected the way it happens in a fleet, and how to tell the router saw it.
+
+- ``gap``: the victim engine publishes its next :data:`GAP_BATCHES` batches with ``send=False``
+  (``POST /faults``), a seq gap on the wire. Seen when the victim's ``gaps_detected`` moved.
+- ``engine-restart``: the victim engine restarts (``POST /restart``): sequence back to 0, cache
+  emptied, its requests in flight failed. Seen when the victim's ``restarts`` moved.
+- ``worker-churn``: a new engine is started and registered, then the victim is unregistered (its
+  process keeps running, unregistered), both while requests are routed. Seen when the new worker has a
+  listener and the victim's row is gone. The end check then also requires that the router lists no
+  worker that left and indexes nothing for it; probe answers for a worker that left may be 0 from
+  its ``/unregister`` on. Gap counters are summed over the workers registered at the end.
+- ``router-restart``: ``kvrouter up`` gets SIGTERM (it drains, then exits) and is started again on the
+  same port; the engines are registered again (a new router knows no worker) and restored by replay from
+  0. Requests and probes meanwhile fail (counted in ``errors``). Seen when another router pid answers
+  ``/ready`` 200. The new router's counters start from 0, so its gaps are the run's.
+- ``applier-kill``: SIGKILL to the applier writing the victim's shard (its pid from the control
+  segment), under load, so most likely mid-write. Seen when the shard's applier pid changed.
+
+The victim is chosen by the seed among the stack's engines. Each drill names what it needs: drills that
+signal a process or read a segment need a :class:`~kvrouter.replay.stack.LocalStack`.
+
+The other drills of issue 14 are listed in :data:`NOT_BUILT`: asking for one is a usage error naming
+them, never a silent pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from .stack import Mock, ReplayError, Stack
+
+__all__ = ["DRILLS", "GAP_BATCHES", "NOT_BUILT", "Drill", "Rows"]
+
+log = logging.getLogger(__name__)
+
+GAP_BATCHES: Final = 3
+"""Batches the ``gap`` drill drops: one gap of three ids, recovered by one replay request."""
+
+NOT_BUILT: Final = ("slow-consumer", "nats-outage", "replica-kill")
+"""Issue 14's drills this version does not run yet (the NATS ones also need ``--nats-url``)."""
+
+Rows = dict[int, dict[str, Any]]
+"""Worker id -> its rank-0 listener from ``GET /workers`` (gap counters, restarts, state, cached blocks)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Drill:
+    """One fault: how to inject it, and how to tell from the router's rows that it was seen."""
+
+    name: str
+    needs_local: bool
+    """Signals a process or reads a segment: skipped against ``--url``."""
+    inject: Callable[[Stack, Mock], Awaitable[dict[str, Any]]]
+    """Inject the fault on the victim; returns what was done (for the report)."""
+    seen: Callable[[Stack, Mock, dict[str, Any], Rows, Rows], bool]
+    """(stack, victim, what inject returned, rows before, rows now): the router has seen the fault."""
+
+
+def _moved(counter: str) -> Callable[[Stack, Mock, dict[str, Any], Rows, Rows], bool]:
+    def seen(_stack: Stack, victim: Mock, _done: dict[str, Any], before: Rows, now: Rows) -> bool:
+        was = before.get(victim.worker_id, {}).get(counter, 0)
+        return int(now.get(victim.worker_id, {}).get(counter, 0)) > int(was)
+
+    return seen
+
+
+async def _gap(stack: Stack, victim: Mock) -> dict[str, Any]:
+    status, answer = await stack.call("POST", victim.http + "/faults", {"drop_batches": GAP_BATCHES})
+    if status != 200:
+        raise ReplayError(f"POST {victim.http}/faults answered {status}: {answer}")
+    return {"worker": victim.worker_id, "dropped_batches": GAP_BATCHES}
+
+
+async def _engine_restart(stack: Stack, victim: Mock) -> dict[str, Any]:
+    status, answer = await stack.call("POST", victim.http + "/restart", {})
+    if status != 200:
+        raise ReplayError(f"POST {victim.http}/restart answered {status}: {answer}")
+    return {"worker": victim.worker_id}
+
+
+def _victim_shard(stack: Stack, victim: Mock) -> int:
+    """The shard whose applier follows the victim: the control segment's worker rows say."""
+    shards = stack.shards_of()
+    if victim.worker_id not in shards:
+        raise ReplayError(f"no shard follows worker {victim.worker_id}: {shards}")
+    return shards[victim.worker_id]
+
+
+async def _applier_kill(stack: Stack, victim: Mock) -> dict[str, Any]:
+    shard = _victim_shard(stack, victim)
+    pid = stack.applier_pids().get(shard, 0)
+    if pid <= 0:
+        raise ReplayError(f"shard {shard} has no applier to kill")
+    os.kill(pid, signal.SIGKILL)
+    log.info("applier killed shard=%d pid=%d worker=%d", shard, pid, victim.worker_id)
+    return {"worker": victim.worker_id, "shard": shard, "pid": pid}
+
+
+def _applier_replaced(stack: Stack, _victim: Mock, done: dict[str, Any], _before: Rows, _now: Rows) -> bool:
+    pid = stack.applier_pids().get(int(done["shard"]), 0)
+    return pid not in (0, int(done["pid"]))
+
+
+async def _worker_churn(stack: Stack, victim: Mock) -> dict[str, Any]:
+    added = await stack.add_mock()
+    await stack.remove(victim)
+    log.info("workers churned added=%d removed=%d", added.worker_id, victim.worker_id)
+    return {"added": added.worker_id, "removed": victim.worker_id}
+
+
+def _churned(_stack: Stack, _victim: Mock, done: dict[str, Any], _before: Rows, now: Rows) -> bool:
+    return int(done["added"]) in now and int(done["removed"]) not in now
+
+
+async def _router_restart(stack: Stack, _victim: Mock) -> dict[str, Any]:
+    old = await stack.restart_router()
+    return {"old_pid": old, "pid": stack.router_pid()}
+
+
+def _router_replaced(stack: Stack, _victim: Mock, done: dict[str, Any], _before: Rows, now: Rows) -> bool:
+    return stack.router_pid() not in (0, int(done["old_pid"])) and bool(now)
+
+
+DRILLS: Final[dict[str, Drill]] = {
+    drill.name: drill
+    for drill in (
+        Drill("gap", needs_local=False, inject=_gap, seen=_moved("gaps_detected")),
+        Drill("engine-restart", needs_local=False, inject=_engine_restart, seen=_moved("restarts")),
+        Drill("applier-kill", needs_local=True, inject=_applier_kill, seen=_applier_replaced),
+        Drill("worker-churn", needs_local=True, inject=_worker_churn, seen=_churned),
+        Drill("router-restart", needs_local=True, inject=_router_restart, seen=_router_replaced),
+    )
+}
+"""The drills this version runs, in the issue's order."""

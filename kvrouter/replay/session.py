@@ -1,0 +1,162 @@
+"""One ``kvrouter replay`` invocation: the stack, the baseline run, then each drill's run, with a progress bar.
+
+A short unmeasured warm-up (:data:`WARMUP_REQUESTS`) goes first. The baseline runs once and serves every
+drill: each run starts from the same reset fleet and sends the same requests, so a drill's hit rate and
+TTFT differ from the baseline's only by its fault (and by the timing noise of a shared machine, which one
+run cannot remove; ``docs/replay.md`` says so). The seed picks the probe prompts among the workload's
+prompts and the victim engine; the workload itself is the trace's.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..sim.trace import Trace
+from .drills import DRILLS, NOT_BUILT
+from .report import Skipped
+from .run import RunResult, run
+from .stack import AttachedStack, LocalStack, Stack, StackConfig
+from .workload import TOKENS_PER_HASH, ReplayRequest, requests_from_trace
+
+__all__ = ["PROBES", "Outcomes", "ReplayOptions", "probe_prompts", "replay"]
+
+log = logging.getLogger(__name__)
+
+WARMUP_REQUESTS: Final = 40
+"""The first requests of the workload, sent once unmeasured before the baseline: the first run after a start
+pays the router's and the engines' first calls (slower forwarding bunches arrivals at the engines, which
+their simulated TTFT then shows), and would make the baseline look worse than every drill."""
+
+PROBES: Final = 4
+"""Probe prompts asked every 100 ms: each is one ``/query`` plus its share of each engine's ``/overlap``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayOptions:
+    """What the command line resolved."""
+
+    drills: tuple[str, ...]
+    requests: int
+    speed: float
+    seed: int
+    url: str | None = None
+    mock_workers: int = 4
+    shards: int = 2
+    num_gpu_blocks: int = 4096
+    model_name: str = "default"
+
+
+@dataclass(slots=True)
+class Outcomes:
+    """Everything one invocation measured."""
+
+    baseline: RunResult | None
+    results: list[RunResult | Skipped]
+    workload: dict[str, Any]
+
+
+def probe_prompts(requests: Sequence[ReplayRequest], rng: random.Random, count: int = PROBES) -> list[list[int]]:
+    """``count`` distinct cacheable prompts (the full hash-id blocks of workload requests), picked by ``rng``."""
+    seen: set[tuple[int, ...]] = set()
+    candidates = []
+    for request in requests:
+        blocks = [t for t in request.prompt if t < 1 << 30]  # the trace's blocks, without the request's own tail
+        if len(blocks) >= 2 * TOKENS_PER_HASH and tuple(blocks) not in seen:
+            seen.add(tuple(blocks))
+            candidates.append(blocks)
+    return rng.sample(candidates, min(count, len(candidates)))
+
+
+async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outcomes:
+    """Start (or attach) the stack, run the baseline and every asked drill, stop the stack.
+
+    Raises:
+        ReplayError: the stack could not be started, attached or reset, or a fault not injected.
+        ValueError: the workload cannot be built from ``trace`` (too few requests).
+    """
+    requests = requests_from_trace(trace, count=options.requests, speed=options.speed)
+    rng = random.Random(options.seed)
+    prompts = probe_prompts(requests, rng)
+    stack: Stack
+    if options.url is not None:
+        attached = AttachedStack(options.url, options.model_name)
+        stack = attached
+    else:
+        stack = LocalStack(
+            StackConfig(
+                mock_workers=options.mock_workers,
+                num_gpu_blocks=options.num_gpu_blocks,
+                shards=options.shards,
+                speedup_ratio=options.speed,
+                model_name=options.model_name,
+            )
+        )
+    workload = {
+        "trace": trace.name,
+        "requests": len(requests),
+        "speed": options.speed,
+        "seed": options.seed,
+        "tokens_per_hash": TOKENS_PER_HASH,
+        "duration_s": round(requests[-1].at, 2),
+        "probes": len(prompts),
+    }
+    results: list[RunResult | Skipped] = []
+    baseline: RunResult | None = None
+    try:
+        with console.status("starting the stack (kvrouter up and mock engines)..."):
+            if isinstance(stack, AttachedStack):
+                await stack.attach()
+            else:
+                assert isinstance(stack, LocalStack)
+                await stack.start()
+        workload["engines"] = len(stack.mocks)
+        workload["url"] = stack.url
+        if isinstance(stack, LocalStack) and stack.up is not None:
+            workload["router_pid"] = stack.up.pid
+        victim = rng.choice(stack.mocks)
+        runnable = [name for name in options.drills if stack.local or not DRILLS[name].needs_local]
+        for name in options.drills:
+            if name not in runnable:
+                results.append(Skipped(name, "needs local processes (not with --url)"))
+        with Progress(
+            TextColumn("{task.description:<16}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[note]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        ) as progress:
+            warmup = requests[: min(WARMUP_REQUESTS, max(1, len(requests) // 10))]
+            task = progress.add_task("warm-up", total=len(warmup), note="")
+            await run(stack, warmup, prompts, on_done=lambda _outcome: progress.advance(task))
+            names = ["baseline", *runnable] if runnable else []
+            tasks = {name: progress.add_task(name, total=len(requests), note="", start=False) for name in names}
+            for name in names:
+                task = tasks[name]
+                progress.start_task(task)
+
+                def done(outcome: Any, task: Any = task) -> None:
+                    progress.advance(task)
+
+                drill = DRILLS.get(name)
+                result = await run(stack, requests, prompts, drill, victim if drill else None, on_done=done)
+                note = "converged" if result.converged else "NOT converged"
+                progress.update(task, note=f"{note}, {result.elapsed_s:.0f}s")
+                if drill is None:
+                    baseline = result
+                else:
+                    results.append(result)
+    finally:
+        await stack.close()
+    order = {name: i for i, name in enumerate(options.drills)}
+    results.sort(key=lambda r: order[r.drill])
+    workload["not_built"] = list(NOT_BUILT)
+    return Outcomes(baseline, results, workload)

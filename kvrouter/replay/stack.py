@@ -1,0 +1,468 @@
+"""The live stack a drill runs against: ``kvrouter up`` and ``kvrouter mock-worker`` processes, or a running one.
+
+**Real processes.** :class:`LocalStack` starts ``python -m kvrouter up --port 0 --mock-workers 0`` in its
+own session (its stderr in a temporary log file, named when something fails), then the mock engines
+(``service/embedded.py``'s :func:`start_mock`, vLLM format with a replay socket, ``--exit-with-parent``)
+and registers them through ``POST /register`` with their ``http_endpoint``, as an operator's engines
+join. Faults are then injected only through what an operator has: the mocks' control routes, signals to
+processes, and the control segment ``kvrouter-<pid>-ctl`` read-only (which applier writes which shard).
+Rejected: an in-process ``Service`` (an applier SIGKILL or a router restart would then be simulated,
+not done) and ``kvrouter up``'s own demo mocks (their ports are printed, but they die with the router,
+so a router restart could not keep them).
+
+:class:`AttachedStack` (``--url``) knows only HTTP: the workers ``GET /workers`` lists with an
+``http_endpoint`` that answers a mock's ``/cache``. Drills needing a process of their own are skipped.
+
+**A clean start per run.** :meth:`reset` restarts every mock engine (empty cache, sequence from 0),
+then unregisters and registers it again, so the index forgets the old blocks at once instead of at the
+engine's next batch, and waits until every listener follows its engine again with nothing cached and
+``/ready`` answers 200 (every shard up: the first run does not start while the appliers compile). Each
+run of a drill and the baseline therefore start from the same empty fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+import orjson
+
+from ..engine import read_shards, read_workers
+from ..errors import KvRouterError
+from ..index.layout import Control, control_name
+from ..index.sweep import sweep_leftovers
+from ..service.embedded import EmbeddedConfig, MockProcess, start_mock, stop_mocks
+
+__all__ = ["AttachedStack", "LocalStack", "Mock", "ReplayError", "Stack", "StackConfig"]
+
+log = logging.getLogger(__name__)
+
+URL_LINE: Final = re.compile(r"kvrouter up: API at (http://\S+)")
+"""``kvrouter up``'s first stdout line (``cli/up.py``)."""
+
+START_TIMEOUT_S: Final = 180.0
+"""A cold numba cache compiles the appliers' and the mocks' kernels for minutes on 2 shared cores."""
+
+STOP_TIMEOUT_S: Final = 15.0
+"""SIGTERM to ``kvrouter up``, then this long (its drain is 5 s by default), then SIGKILL."""
+
+RESET_TIMEOUT_S: Final = 30.0
+
+RESTART_PORT_TRIES: Final = 3
+"""A restarted router binds its old port again (clients keep their URL); after this many refusals, any port."""
+HTTP_TIMEOUT_S: Final = 30.0
+POLL_S: Final = 0.1
+
+
+class ReplayError(KvRouterError):
+    """The stack could not be started, attached or reset; the message says which part and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class StackConfig:
+    """What :class:`LocalStack` starts."""
+
+    mock_workers: int = 4
+    block_size: int = 16
+    num_gpu_blocks: int = 4096
+    """Per mock (``kvrouter up``'s demo default): the default workload's 400 requests need ~19,600 blocks, more than
+    four of these hold, so engines evict (``Removed`` events are part of every drill)."""
+    shards: int = 2
+    speedup_ratio: float = 1.0
+    model_name: str = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class Mock:
+    """One engine of the stack, as a drill addresses it."""
+
+    worker_id: int
+    http: str
+    events: str = ""
+    replay: str | None = None
+
+
+class Stack:
+    """What every stack offers a drill: the router's URL, its engines, HTTP calls, a reset."""
+
+    local = False
+    """Whether the stack's processes are ours (drills needing signals or segments run only then)."""
+
+    def __init__(self, url: str, model_name: str, block_size: int) -> None:
+        self.url = url.rstrip("/")
+        self.model_name = model_name
+        self.block_size = block_size
+        self.mocks: list[Mock] = []
+        """The engines registered now."""
+        self.fleet: list[Mock] = []
+        """The engines registered at the start: what :meth:`reset` brings back after a churn."""
+        self.generation = 0
+        """Bumped by every router restart: the worker rows' counters start again from 0 then."""
+        self.departed: dict[int, float] = {}
+        """Workers removed during the current run -> ``time.monotonic()`` just before their ``/unregister``."""
+        self._http: aiohttp.ClientSession | None = None
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S))
+        return self._http
+
+    async def call(self, method: str, url: str, body: object = None) -> tuple[int, Any]:
+        """One JSON call; ``url`` is absolute or a path of the router."""
+        if url.startswith("/"):
+            url = self.url + url
+        data = None if body is None else orjson.dumps(body)
+        headers = {"Content-Type": "application/json"} if data is not None else None
+        async with self.http.request(method, url, data=data, headers=headers) as response:
+            raw = await response.read()
+            try:
+                return response.status, orjson.loads(raw) if raw else None
+            except orjson.JSONDecodeError:
+                return response.status, raw.decode(errors="replace")
+
+    async def workers(self) -> list[dict[str, Any]]:
+        """``GET /workers`` of the stack's model."""
+        status, rows = await self.call("GET", f"/workers?model_name={self.model_name}")
+        if status != 200 or not isinstance(rows, list):
+            raise ReplayError(f"GET {self.url}/workers answered {status}: {str(rows)[:200]}")
+        return rows
+
+    async def register(self, mock: Mock) -> None:
+        """``POST /register`` of one mock (retried while the router's engine is still starting: 503).
+
+        Raises:
+            ReplayError: refused, or still 503 after :data:`START_TIMEOUT_S`.
+        """
+        body = {
+            "instance_id": mock.worker_id,
+            "endpoint": mock.events,
+            "replay_endpoint": mock.replay,
+            "http_endpoint": mock.http,
+            "format": "vllm",
+            "model_name": self.model_name,
+            "block_size": self.block_size,
+            "dp_rank": 0,
+        }
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            status, answer = await self.call("POST", "/register", body)
+            if status in (200, 201):
+                return
+            if status != 503 or time.monotonic() > deadline:
+                raise ReplayError(f"/register of mock engine {mock.worker_id} answered {status}: {answer}")
+            await asyncio.sleep(0.25)
+
+    async def reset(self) -> None:
+        """Every engine restarted and re-registered; returns once the index follows each with nothing cached.
+
+        Raises:
+            ReplayError: an engine refused the restart, or the index did not catch up in
+                :data:`RESET_TIMEOUT_S`.
+        """
+        for extra in [mock for mock in self.mocks if mock not in self.fleet]:
+            await self.remove(extra)
+            await self.retire(extra)
+        self.mocks = list(self.fleet)
+        self.departed.clear()
+        for mock in self.mocks:
+            status, answer = await self.call("POST", mock.http + "/restart", {})
+            if status != 200:
+                raise ReplayError(f"POST {mock.http}/restart answered {status}: {answer}")
+            status, answer = await self.call(
+                "POST", "/unregister", {"instance_id": mock.worker_id, "model_name": self.model_name}
+            )
+            if status not in (200, 404):
+                raise ReplayError(f"/unregister of worker {mock.worker_id} answered {status}: {answer}")
+            await self.register(mock)
+        deadline = time.monotonic() + RESET_TIMEOUT_S
+        while True:
+            rows = await self.workers()
+            empty = {
+                row["instance_id"]
+                for row in rows
+                for listener in row.get("listeners", {}).values()
+                if listener.get("cached_blocks") == 0 and listener.get("state") in ("exact", "unknown")
+            }
+            if empty >= {mock.worker_id for mock in self.mocks} and (await self.call("GET", "/ready"))[0] == 200:
+                return
+            if time.monotonic() > deadline:
+                raise ReplayError(f"the index did not forget the restarted engines in {RESET_TIMEOUT_S:.0f}s: {rows}")
+            await asyncio.sleep(POLL_S)
+
+    async def remove(self, mock: Mock) -> None:
+        """Unregister ``mock`` while routing; it leaves :attr:`mocks` (its process keeps running).
+
+        Raises:
+            ReplayError: ``/unregister`` refused it.
+        """
+        self.departed[mock.worker_id] = time.monotonic()
+        status, answer = await self.call(
+            "POST", "/unregister", {"instance_id": mock.worker_id, "model_name": self.model_name}
+        )
+        if status not in (200, 404):
+            raise ReplayError(f"/unregister of worker {mock.worker_id} answered {status}: {answer}")
+        if mock in self.mocks:
+            self.mocks.remove(mock)
+
+    async def add_mock(self) -> Mock:
+        """Start one more engine and register it (:class:`LocalStack` only).
+
+        Raises:
+            ReplayError: always here: an attached stack starts no process.
+        """
+        raise ReplayError("adding an engine needs a local stack")
+
+    async def retire(self, mock: Mock) -> None:
+        """Stop an engine :meth:`add_mock` started; nothing for an attached stack."""
+
+    async def restart_router(self) -> int:
+        """Stop the router and start it again on the same port (:class:`LocalStack` only); returns the old pid.
+
+        Raises:
+            ReplayError: always here: an attached stack's router is not ours.
+        """
+        raise ReplayError("restarting the router needs a local stack")
+
+    def router_pid(self) -> int:
+        """The router's pid; 0 when it is not ours."""
+        return 0
+
+    def applier_pids(self) -> dict[int, int]:
+        """Shard -> the pid of its applier; empty when the stack's segments are not ours to read."""
+        return {}
+
+    def shards_of(self) -> dict[int, int]:
+        """Worker id -> the shard following it; empty when the stack's segments are not ours to read."""
+        return {}
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+
+class LocalStack(Stack):
+    """``kvrouter up`` and its mock engines, started and stopped by this process (see the module docstring)."""
+
+    local = True
+
+    def __init__(self, config: StackConfig) -> None:
+        super().__init__("", config.model_name, config.block_size)
+        self.config = config
+        self.up: asyncio.subprocess.Process | None = None
+        self.processes: list[MockProcess] = []
+        self._dir = tempfile.TemporaryDirectory(prefix="kvrouter-replay-")
+        self.log_path = Path(self._dir.name) / "up.log"
+        self._drainer: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Start the router, then the engines, and register them.
+
+        Raises:
+            ReplayError: the router printed no URL in :data:`START_TIMEOUT_S` or exited; an engine did not start.
+        """
+        await self._start_router(0)
+        cfg = self.config
+        embedded = EmbeddedConfig(block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks)
+        try:
+            await asyncio.gather(
+                *(
+                    start_mock(worker_id, embedded, self.processes, speedup_ratio=cfg.speedup_ratio)
+                    for worker_id in range(1, cfg.mock_workers + 1)
+                )
+            )
+        except KvRouterError as exc:
+            raise ReplayError(str(exc)) from exc
+        self.processes.sort(key=lambda p: p.worker_id)
+        self.mocks = [Mock(p.worker_id, p.http, p.events, p.replay) for p in self.processes]
+        self.fleet = list(self.mocks)
+        for mock in self.mocks:
+            await self.register(mock)
+
+    async def _start_router(self, port: int) -> None:
+        """``kvrouter up`` on ``port`` (0: any), its URL read from its first line; stdout drained from then on."""
+        cfg = self.config
+        argv = [
+            sys.executable, "-m", "kvrouter", "up", "--port", str(port), "--zmq-port", "0", "--mock-workers", "0",
+            "--shards", str(cfg.shards), "--model-name", cfg.model_name, "--block-size", str(cfg.block_size),
+        ]  # fmt: skip
+        url = ""
+        with self.log_path.open("ab") as stderr:
+            self.up = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        assert self.up.stdout is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not url:
+            try:
+                line = await asyncio.wait_for(self.up.stdout.readline(), max(deadline - time.monotonic(), 0.001))
+            except TimeoutError:
+                raise ReplayError(
+                    f"kvrouter up printed no URL in {START_TIMEOUT_S:.0f}s (log: {self.log_path})"
+                ) from None
+            if not line:
+                code = await self.up.wait()
+                raise ReplayError(f"kvrouter up exited with {code}; its log ends: {self._log_tail()}")
+            match = URL_LINE.search(line.decode(errors="replace"))
+            if match:
+                url = match[1].rstrip("/")
+        self.url = url
+        self._drainer = asyncio.create_task(self._drain(self.up.stdout))
+
+    def _log_tail(self, lines: int = 5) -> str:
+        """The last lines of the routers' stderr (the file goes with the stack's temporary directory)."""
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError as exc:
+            return f"(unreadable: {exc})"
+        return " | ".join(text[-lines:]) or "(empty)"
+
+    async def _stop_router(self) -> None:
+        """SIGTERM, up to :data:`STOP_TIMEOUT_S`, then SIGKILL and a sweep of what a killed router leaves."""
+        up = self.up
+        if up is None or up.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            up.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(up.wait(), STOP_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("kvrouter up did not stop on SIGTERM pid=%d; killing it (log: %s)", up.pid, self.log_path)
+            with contextlib.suppress(ProcessLookupError):
+                up.kill()
+            await up.wait()
+            sweep_leftovers()
+
+    async def restart_router(self) -> int:
+        """SIGTERM (the router drains, as an operator's restart does), then ``kvrouter up`` again on the same
+        port, and every engine of :attr:`mocks` registered again (a new router knows no worker)."""
+        assert self.up is not None
+        old = self.up.pid
+        port = int(self.url.rsplit(":", 1)[1])
+        await self._stop_router()
+        for attempt in range(RESTART_PORT_TRIES):
+            try:
+                await self._start_router(port)
+                break
+            except ReplayError as exc:  # the port was taken meanwhile (an outgoing connection's local port)
+                log.info("router restart on its port failed port=%d attempt=%d error=%s", port, attempt, exc)
+                await asyncio.sleep(1.0)
+        else:
+            await self._start_router(0)
+            log.warning("router restarted on another port old_port=%d url=%s", port, self.url)
+        self.generation += 1
+        for mock in self.mocks:
+            await self.register(mock)
+        log.info("router restarted old_pid=%d pid=%d port=%d", old, self.up.pid, port)
+        return old
+
+    def router_pid(self) -> int:
+        return 0 if self.up is None else self.up.pid
+
+    async def add_mock(self) -> Mock:
+        worker_id = max(p.worker_id for p in self.processes) + 1
+        embedded = EmbeddedConfig(block_size=self.config.block_size, num_gpu_blocks=self.config.num_gpu_blocks)
+        try:
+            process = await start_mock(worker_id, embedded, self.processes, speedup_ratio=self.config.speedup_ratio)
+        except KvRouterError as exc:
+            raise ReplayError(str(exc)) from exc
+        mock = Mock(process.worker_id, process.http, process.events, process.replay)
+        await self.register(mock)
+        self.mocks.append(mock)
+        return mock
+
+    async def retire(self, mock: Mock) -> None:
+        gone = [p for p in self.processes if p.worker_id == mock.worker_id]
+        await stop_mocks(gone)
+        self.processes = [p for p in self.processes if p.worker_id != mock.worker_id]
+
+    @staticmethod
+    async def _drain(stream: asyncio.StreamReader) -> None:
+        """Read ``kvrouter up``'s stdout to the end, so a full pipe never blocks it."""
+        while await stream.readline():
+            pass
+
+    def applier_pids(self) -> dict[int, int]:
+        if self.up is None:
+            return {}
+        control = Control.attach(control_name(self.up.pid))
+        try:
+            return {shard.shard: shard.pid for shard in read_shards(control)}
+        finally:
+            control.close()
+
+    def shards_of(self) -> dict[int, int]:
+        if self.up is None:
+            return {}
+        control = Control.attach(control_name(self.up.pid))
+        try:
+            return {worker: stats.shard for (worker, _rank), stats in read_workers(control).items()}
+        finally:
+            control.close()
+
+    async def close(self) -> None:
+        """Stop the engines and the router (SIGTERM, then SIGKILL after :data:`STOP_TIMEOUT_S`); every one reaped."""
+        await super().close()
+        await stop_mocks(self.processes)
+        await self._stop_router()
+        self._dir.cleanup()
+
+
+class AttachedStack(Stack):
+    """A running router (``--url``): its workers with an ``http_endpoint`` are the engines drills address."""
+
+    def __init__(self, url: str, model_name: str) -> None:
+        super().__init__(url, model_name, 0)
+        self._rows: dict[int, dict[str, Any]] = {}
+
+    async def attach(self) -> None:
+        """Read the workers and their block size.
+
+        Raises:
+            ReplayError: the router does not answer, or lists no worker with an ``http_endpoint``.
+        """
+        try:
+            rows = await self.workers()
+        except aiohttp.ClientError as exc:
+            raise ReplayError(f"cannot reach {self.url}: {exc}") from exc
+        for row in rows:
+            http = row.get("http_endpoint")
+            if isinstance(http, str) and http:
+                self.mocks.append(Mock(int(row["instance_id"]), http.rstrip("/")))
+                self._rows[int(row["instance_id"])] = row
+                self.block_size = int(row["block_size"])
+        self.fleet = list(self.mocks)
+        if not self.mocks:
+            raise ReplayError(f"{self.url} lists no worker of model {self.model_name!r} with an http_endpoint")
+
+    async def register(self, mock: Mock) -> None:
+        """Register again as it was registered (the row's endpoints)."""
+        row = self._rows[mock.worker_id]
+        body = {
+            "instance_id": mock.worker_id,
+            "endpoint": row["endpoints"].get("0"),
+            "replay_endpoint": row.get("replay_endpoint"),
+            "http_endpoint": mock.http,
+            "format": row.get("format", "vllm"),
+            "model_name": self.model_name,
+            "block_size": self.block_size,
+            "dp_rank": 0,
+        }
+        status, answer = await self.call("POST", "/register", body)
+        if status not in (200, 201):
+            raise ReplayError(f"/register of worker {mock.worker_id} answered {status}: {answer}")

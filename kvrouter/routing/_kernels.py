@@ -335,7 +335,8 @@ def cost_and_choose(
             were half the decision.
         ties: ``len(candidates)`` scratch; at temperature 0, ``ties[:count]`` are the candidates (positions)
             tied with ``head`` after it, in order.
-        trust: per slot, the credit factor (1 unless the slot's worker is marked untrusted).
+        trust: per slot, the credit factor (1 unless the slot's worker is marked untrusted); empty when
+            no candidate's credit is weighted down.
         explain: write every candidate's terms (also done above temperature 0, where ``sample`` reads
             every total and the caller's choice is not known here).
 
@@ -370,6 +371,7 @@ def cost_and_choose(
         return NO_WORKER, 0, 0
     mean_recent = recent_sum / eligible
     every = explain or params[P_TEMPERATURE] != 0.0
+    weigh = trust.size > 0  # empty unless some candidate's credit is weighted down: no load per candidate then
     weights = _weights(params)
     work_weight = params[P_WORK_WEIGHT]
     # the oracle's reservoir pass (``selection.choose``) over the eligible totals, without its draws:
@@ -383,7 +385,7 @@ def cost_and_choose(
         terms = _terms(
             (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot]),
             (prefill[slot], requests[slot], blocks[slot], leading[slot]),
-            trust[slot],
+            trust[slot] if weigh else 1.0,
             work[slot] * decay_now,
             least,
             mean_recent,
@@ -414,7 +416,8 @@ def cost_and_choose(
             overlap = (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot])
             loads = (prefill[slot], requests[slot], blocks[slot], leading[slot])
             factor = work[slot] * decay_now
-            _fill(out, i, _terms(overlap, loads, trust[slot], factor, least, mean_recent, work_weight, weights))
+            weight = trust[slot] if weigh else 1.0
+            _fill(out, i, _terms(overlap, loads, weight, factor, least, mean_recent, work_weight, weights))
     return head, skip, count
 
 

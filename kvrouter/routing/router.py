@@ -173,7 +173,8 @@ class Router:
         """The numbering's version and the slot manager's generation ``_bound`` was made at."""
         self._untrusted: frozenset[WorkerKey] = frozenset()
         self._trust = np.ones(0, dtype=np.float64)
-        """Per slot, the overlap credit's factor: ``untrusted_overlap_weight`` for the untrusted, else 1."""
+        """Per slot, the overlap credit's factor: ``untrusted_overlap_weight`` for the untrusted, else 1; left
+        empty (and the kernel reads no factor) while no worker is untrusted or the weight is 1."""
 
     @property
     def untrusted(self) -> frozenset[WorkerKey]:
@@ -188,13 +189,15 @@ class Router:
             self._fill_trust()
 
     def _fill_trust(self) -> None:
-        numbering = self.slots.numbering
-        slots = numbering.slots(list(self._untrusted)) if self._untrusted else np.empty(0, dtype=np.int64)
-        if len(self._trust) != len(numbering):
+        weight = self.config.untrusted_overlap_weight
+        if not self._untrusted or weight == 1.0:
+            self._trust = np.ones(0, dtype=np.float64)
+        else:
+            numbering = self.slots.numbering
+            slots = numbering.slots(list(self._untrusted))
             self._trust = np.ones(len(numbering), dtype=np.float64)
-            self._bind(kernels.B_TRUST, self._trust)
-        self._trust[:] = 1.0
-        self._trust[slots] = self.config.untrusted_overlap_weight
+            self._trust[slots] = weight
+        self._bind(kernels.B_TRUST, self._trust)
 
     def select(
         self,

@@ -42,6 +42,7 @@ from ..errors import KvRouterError
 from ..index.layout import Control, control_name
 from ..index.sweep import sweep_leftovers
 from ..service.embedded import EmbeddedConfig, MockProcess, start_mock, stop_mocks
+from ..service.ready_line import ready_line
 
 __all__ = ["AttachedStack", "LocalStack", "Mock", "ReplayError", "Stack", "StackConfig"]
 
@@ -297,7 +298,6 @@ class LocalStack(Stack):
             sys.executable, "-m", "kvrouter", "up", "--port", str(port), "--zmq-port", "0", "--mock-workers", "0",
             "--shards", str(cfg.shards), "--model-name", cfg.model_name, "--block-size", str(cfg.block_size),
         ]  # fmt: skip
-        url = ""
         with self.log_path.open("ab") as stderr:
             self.up = await asyncio.create_subprocess_exec(
                 *argv,
@@ -307,21 +307,14 @@ class LocalStack(Stack):
                 start_new_session=True,
             )
         assert self.up.stdout is not None
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not url:
-            try:
-                line = await asyncio.wait_for(self.up.stdout.readline(), max(deadline - time.monotonic(), 0.001))
-            except TimeoutError:
-                raise ReplayError(
-                    f"kvrouter up printed no URL in {START_TIMEOUT_S:.0f}s (log: {self.log_path})"
-                ) from None
-            if not line:
-                code = await self.up.wait()
-                raise ReplayError(f"kvrouter up exited with {code}; its log ends: {self._log_tail()}")
-            match = URL_LINE.search(line.decode(errors="replace"))
-            if match:
-                url = match[1].rstrip("/")
-        self.url = url
+        try:
+            match = await ready_line(self.up.stdout, URL_LINE, START_TIMEOUT_S)
+        except TimeoutError:
+            raise ReplayError(f"kvrouter up printed no URL in {START_TIMEOUT_S:.0f}s (log: {self.log_path})") from None
+        if match is None:
+            code = await self.up.wait()
+            raise ReplayError(f"kvrouter up exited with {code}; its log ends: {self._log_tail()}")
+        self.url = match[1].rstrip("/")
         self._drainer = asyncio.create_task(self._drain(self.up.stdout))
 
     def _log_tail(self, lines: int = 5) -> str:

@@ -43,6 +43,7 @@ import aiohttp
 import orjson
 
 from ..errors import KvRouterError
+from .ready_line import ready_line
 
 __all__ = ["Embedded", "EmbeddedConfig", "MockProcess", "Workload", "start_mock", "stop_mocks"]
 
@@ -127,23 +128,16 @@ async def start_mock(
     mock = MockProcess(worker_id, proc)
     started.append(mock)
     assert proc.stdout is not None
-    deadline = time.monotonic() + MOCK_START_TIMEOUT_S
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            line = await asyncio.wait_for(proc.stdout.readline(), timeout=max(remaining, 0.001))
-        except TimeoutError:
-            raise EmbeddedError(
-                f"mock engine {worker_id} printed no ready line in {MOCK_START_TIMEOUT_S:.0f}s"
-            ) from None
-        if not line:
-            code = await proc.wait()
-            raise EmbeddedError(f"mock engine {worker_id} exited with status {code} before it was ready")
-        match = READY_RE.search(line.decode(errors="replace"))
-        if match:
-            mock.http, mock.events = match[1], match[2]
-            mock.replay = None if match[3] == "none" else match[3]
-            return mock
+    try:
+        match = await ready_line(proc.stdout, READY_RE, MOCK_START_TIMEOUT_S)
+    except TimeoutError:
+        raise EmbeddedError(f"mock engine {worker_id} printed no ready line in {MOCK_START_TIMEOUT_S:.0f}s") from None
+    if match is None:
+        code = await proc.wait()
+        raise EmbeddedError(f"mock engine {worker_id} exited with status {code} before it was ready")
+    mock.http, mock.events = match[1], match[2]
+    mock.replay = None if match[3] == "none" else match[3]
+    return mock
 
 
 async def stop_mocks(mocks: list[MockProcess], timeout: float = MOCK_STOP_TIMEOUT_S) -> None:

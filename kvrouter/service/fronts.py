@@ -46,10 +46,10 @@ import contextlib
 import logging
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Final
 
@@ -62,6 +62,7 @@ from . import discovery
 from .config import ServiceConfig
 from .counters import ServiceCounters
 from .decisions import decision_json
+from .ready_line import ready_line
 from .validation import Registration
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ STOP_TIMEOUT_S: Final = 10.0
 """After SIGTERM, how long a front has to drain before it is killed (on top of ``drain_secs``)."""
 PARENT_POLL_S: Final = 0.5
 READY_LINE: Final = "kvrouter front ready"
+READY_RE: Final = re.compile("^" + re.escape(READY_LINE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,20 +363,15 @@ class Fronts:
         proc.stdin.write(pickle.dumps(self._spec(index, port)))
         await proc.stdin.drain()
         proc.stdin.close()
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                line = await asyncio.wait_for(proc.stdout.readline(), timeout=max(remaining, 0.001))
-            except TimeoutError:
-                raise ServiceError(503, f"front {index} printed no ready line in {READY_TIMEOUT_S:.0f}s") from None
-            if not line:
-                code = await proc.wait()
-                raise ServiceError(503, f"front {index} exited with status {code} before it was ready")
-            if line.decode(errors="replace").startswith(READY_LINE):
-                log.info("front ready front=%d pid=%d", index, proc.pid)
-                self._ready.add(index)
-                return
+        try:
+            found = await ready_line(proc.stdout, READY_RE, READY_TIMEOUT_S)
+        except TimeoutError:
+            raise ServiceError(503, f"front {index} printed no ready line in {READY_TIMEOUT_S:.0f}s") from None
+        if found is None:
+            code = await proc.wait()
+            raise ServiceError(503, f"front {index} exited with status {code} before it was ready")
+        log.info("front ready front=%d pid=%d", index, proc.pid)
+        self._ready.add(index)
 
     async def _supervise(self, port: int) -> None:
         """Start again any front that exits while the service runs."""

@@ -75,8 +75,9 @@ from ..index.writer import ShardWriter
 from .config import PlaneConfig
 from .recovery import QueryClient, RecoveryClient, ReplayClient
 from .registry import FORMATS, WorkerSpec
+from .tap import Tap
 
-__all__ = ["Stream", "Unit"]
+__all__ = ["Stream", "Unit", "payload_decoder"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class Unit(NamedTuple):
     """The batch's engine stamp [s] (0: none), for the index lag."""
     foreign_block_size: int = 0
     """The block size of dropped stores that were not the registered one (0: none)."""
+    payload: bytes = b""
+    """The message as received, for the recording tap (``tap.py``)."""
 
 
 GUESS_FRAMES: Final = 8
@@ -132,11 +135,16 @@ class _Recovery:
 
 def _decoder(spec: WorkerSpec) -> Callable[[bytes, int], RawBatch]:
     """The payload → arrays function of the worker's format (decoding stays out of the writer)."""
-    if spec.format == "kvrouter":
+    return payload_decoder(spec.format, spec.worker_id, spec.block_size)
+
+
+def payload_decoder(format: str, worker_id: int, block_size: int) -> Callable[[bytes, int], RawBatch]:
+    """The payload → arrays function of a worker's ``format`` (the streams', and the replay of a recording's)."""
+    if format == "kvrouter":
         decode = Decoder().decode_raw
         return lambda payload, _first: decode(payload)
-    codec = vllm if spec.format == "vllm" else sglang
-    engine = codec.Decoder(spec.worker_id, spec.block_size)
+    codec = vllm if format == "vllm" else sglang
+    engine = codec.Decoder(worker_id, block_size)
     return lambda payload, first: engine.decode_raw(payload, first_event_id=first)
 
 
@@ -151,8 +159,11 @@ class Stream:
         context: zmq.Context[zmq.Socket[bytes]],
         watch: Watch,
         config: PlaneConfig,
+        tap: Tap | None = None,
     ) -> None:
         self.spec = spec
+        self._tap = tap
+        """Where what is applied is copied when the router records (``tap.py``); None: not recording."""
         self.rank = rank
         self.key: WorkerKey = (spec.worker_id, rank)
         self._writer = writer
@@ -196,6 +207,8 @@ class Stream:
             writer.forget(self.key)
             raise
         watch(self.socket, self)
+        if tap is not None:  # a joining worker's row starts empty (a new registration, or a new segment)
+            tap.cleared(self.key, "join")
         self._set_state(WORKER_UNKNOWN)
         self._begin_join(time.monotonic())
 
@@ -271,6 +284,7 @@ class Stream:
                 batch.skipped_events,
                 batch.timestamp or 0.0,
                 batch.foreign_block_size,
+                payload,
             )
         events = batch.events
         if not events:
@@ -279,7 +293,7 @@ class Stream:
         if len(events) > 1 and [event.event_id for event in events] != list(range(first, first + len(events))):
             self._bad(f"event ids {first}..{last} are not consecutive", "ids")
             return None
-        return Unit(first, last, events, sent_at=batch.timestamp or 0.0)
+        return Unit(first, last, events, sent_at=batch.timestamp or 0.0, payload=payload)
 
     def _guess_format(self, payload: bytes) -> None:
         """A frame the registered format refused: which format does decode it? Asked for the first bad frames
@@ -334,6 +348,8 @@ class Stream:
         self._bump(W_RESTARTS)
         log.warning("engine restart %s: %s; its blocks are cleared", self._where, why)
         self._writer.clear_worker(self.key)
+        if self._tap is not None:
+            self._tap.cleared(self.key, "restart")
         self.cursor = None
         self._exact = True
         self._words[W_LAST_ID] = NO_ID
@@ -343,7 +359,18 @@ class Stream:
         if self.cursor is not None and unit.first <= self.cursor:  # overlaps what is applied: keep the rest
             events = tuple(e for e in events if e.event_id > self.cursor)
         if events:
+            tap = self._tap
+            started = time.monotonic_ns() if tap is not None else 0
             self._writer.apply_batch(self.key, events, unit.sent_at)
+            if tap is not None:
+                tap.applied(
+                    self.key,
+                    self.spec.format,
+                    self.spec.block_size,
+                    unit.payload,
+                    len(unit.events) - len(events),
+                    started,
+                )
         self._bump(W_EVENTS, len(events))
         if unit.foreign_block_size:
             self._words[W_SEEN] = seen_word(int(self._words[W_SEEN]), block_size=unit.foreign_block_size)
@@ -476,8 +503,14 @@ class Stream:
             if self.cursor is not None and answer.last_event_id is not None and answer.last_event_id < self.cursor:
                 self._bump(W_RESTARTS)  # a dump behind our cursor: the worker restarted
             self._writer.clear_worker(self.key)
+            tap = self._tap
+            if tap is not None:
+                tap.cleared(self.key, "dump")
             for unit in units:
+                started = time.monotonic_ns() if tap is not None else 0
                 self._writer.apply_batch(self.key, unit.events)
+                if tap is not None:
+                    tap.applied(self.key, self.spec.format, self.spec.block_size, unit.payload, 0, started)
             self._exact = recovery.missing is None  # the dump replaces every earlier loss
             self.cursor = answer.last_event_id
             self._words[W_LAST_ID] = NO_ID if self.cursor is None else self.cursor

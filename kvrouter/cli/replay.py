@@ -18,6 +18,8 @@ import orjson
 import typer
 from rich.console import Console
 
+from ..errors import ConfigError, RecordingError
+from ..recording import read_recording
 from ..replay import (
     DRILLS,
     NOT_BUILT,
@@ -28,11 +30,12 @@ from ..replay import (
     replay as run_replay,
     report_json,
 )
+from ..replay.logical import parse_overrides, render as render_replay, replay_recording
 from ..replay.plot import write_plot
 from ..replay.report import render
 from ..sim.trace import SAMPLE_NAME, load_sample, load_trace
 
-__all__ = ["parse_drills", "replay"]
+__all__ = ["parse_drills", "replay", "replay_from"]
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +119,42 @@ def replay(
         int, typer.Option("--mock-num-gpu-blocks", min=64, help="KV blocks of each mock engine.")
     ] = 4096,
     shards: Annotated[int, typer.Option("--shards", min=1, help="Applier processes of the router started.")] = 2,
+    record: Annotated[
+        Path | None,
+        typer.Option(
+            "--record",
+            metavar="FILE",
+            dir_okay=False,
+            help="The router started records the whole run to FILE (kvrouter up --record), for --from later.",
+        ),
+    ] = None,
+    from_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--from",
+            metavar="FILE",
+            dir_okay=False,
+            help="Replay a recording in logical time, in-process: every decision again, compared with the recorded.",
+        ),
+    ] = None,
+    router: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--router",
+            metavar="KEY=VALUE",
+            help="With --from: a changed router setting (a RouterConfig field or a kvrouter up router flag, "
+            "e.g. router-temperature=0.5); repeatable. Shows what that router would have decided.",
+        ),
+    ] = None,
+    live: Annotated[
+        bool, typer.Option("--live", help="With --from: replay against a live stack (not built yet: exit 2).")
+    ] = False,
 ) -> None:
     """Run fault drills against a live stack: gaps, time to converge, wrong answers, routing quality."""
+    if from_path is not None or live or router:
+        raise typer.Exit(replay_from(from_path, router or [], json_path, live=live))
+    if record is not None and url is not None:
+        raise typer.BadParameter("records the router it starts; not with --url", param_hint="--record")
     drills = parse_drills(drill)
     if plot is not None and find_spec("matplotlib") is None:
         raise typer.BadParameter("needs matplotlib: pip install 'kvrouter[plot]'", param_hint="--plot")
@@ -133,6 +170,7 @@ def replay(
         mock_workers=mock_workers,
         shards=shards,
         num_gpu_blocks=num_gpu_blocks,
+        record=None if record is None else str(record),
     )
     console = Console()
     if not console.is_terminal:  # a pipe or a CI log: the table's full width rather than 80 wrapped columns
@@ -151,3 +189,29 @@ def replay(
         ran = [r for r in outcome.results if isinstance(r, RunResult)]
         write_plot(ran, outcome.baseline, plot)
     raise typer.Exit(exit_status(outcome.results))
+
+
+def replay_from(path: Path | None, overrides: list[str], json_path: Path | None, *, live: bool = False) -> int:
+    """``--from FILE``: the recording replayed in logical time (``replay/logical.py``). Returns the exit status:
+    0 every decision as recorded (with ``--router`` changes: the replay ran), 1 some decision differed
+    with the recorded router, 2 a usage error (no file, a file that is no recording of this version, or cut
+    short; a bad ``--router``; ``--live``, not built yet)."""
+    if live:
+        typer.echo("kvrouter replay: --live is not built yet; --from replays in logical time", err=True)
+        return 2
+    if path is None:
+        typer.echo("kvrouter replay: --router needs --from FILE", err=True)
+        return 2
+    try:
+        changes = parse_overrides(overrides)
+        report = replay_recording(read_recording(path), changes)
+    except (RecordingError, ConfigError) as exc:
+        typer.echo(f"kvrouter replay: {exc}", err=True)
+        return 2
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    render_replay(console, report)
+    if json_path is not None:
+        json_path.write_bytes(orjson.dumps(report.as_json(), option=orjson.OPT_INDENT_2) + b"\n")
+    return 0 if changes or report.differing == 0 else 1

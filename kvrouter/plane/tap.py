@@ -46,11 +46,14 @@ class Tap:
         context: the applier's ZMQ context.
         endpoint: the recorder's ``ipc://`` PULL address (``PlaneConfig.record_endpoint``).
         shard: the applier's shard, stamped on every record.
+        hwm: records queued before sends are dropped.
     """
 
-    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], endpoint: str, shard: int) -> None:
+    def __init__(
+        self, context: zmq.Context[zmq.Socket[bytes]], endpoint: str, shard: int, *, hwm: int = TAP_HWM
+    ) -> None:
         self._socket = context.socket(zmq.PUSH)
-        self._socket.setsockopt(zmq.SNDHWM, TAP_HWM)
+        self._socket.setsockopt(zmq.SNDHWM, hwm)
         self._socket.setsockopt(zmq.LINGER, LINGER_MS)
         self._socket.connect(endpoint)
         self._shard = shard

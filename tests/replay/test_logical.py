@@ -1,0 +1,145 @@
+"""Record → replay round trip (issue 14, item 2): a real service records a short run, ``--from`` replays it.
+
+The service runs in this process with ``record`` set (its appliers are real processes, their taps real
+ZMQ sockets) and two real ``kvrouter mock-worker`` engines behind its ``/v1/completions`` proxy. Requests
+go out four at a time, so event batches and decisions interleave; six conversations grow turn by turn on
+a shared system prompt, so the index's overlaps decide. The replay in logical time must then give every
+decision the recorded outcome; a changed router replays the same calls and decides for itself.
+"""
+
+from __future__ import annotations
+
+import random
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgpack
+import orjson
+import pytest
+from typer.testing import CliRunner
+
+from kvrouter.cli import app
+from kvrouter.recording import MAGIC, VERSION, frame, read_recording
+from kvrouter.replay.logical import parse_overrides, replay_recording
+from kvrouter.routing.config import RouterConfig
+from kvrouter.service import ServiceConfig
+from tests.conftest import _wait_until
+from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, serving
+
+CONVERSATIONS = 6
+TURNS = 6
+SEED = 11
+
+runner = CliRunner()
+
+
+def _listening(run: Running) -> bool:
+    _, rows, _ = run.call("GET", "/workers")
+    listeners = [listener for row in rows for listener in row.get("listeners", {}).values()]
+    return len(listeners) == 2 and all(listener.get("state") == "exact" for listener in listeners)
+
+
+def _complete(url: str, tokens: list[int]) -> int:
+    body = f'{{"model": "{MODEL}", "prompt": {tokens}, "max_tokens": 2}}'.encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body, method="POST")
+    request.add_header("Content-Type", "application/json")
+    request.add_header("Authorization", f"Bearer {TOKEN}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        response.read()
+        return int(response.status)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """(the recording of a short run, the router calls it made)."""
+    folder = tmp_path_factory.mktemp("record")
+    path = folder / "run.kvr"
+    config = ServiceConfig(
+        port=0,
+        shards=2,
+        auth_token=TOKEN,
+        health_interval_secs=0.1,
+        drain_secs=2.0,
+        router=RouterConfig(),
+        record=str(path),
+        record_seed=SEED,
+    )
+    rng = random.Random(SEED)
+    system = [rng.randrange(1, 30_000) for _ in range(4 * BLOCK)]
+    turns = [[rng.randrange(1, 30_000) for _ in range(2 * BLOCK + 5)] for _ in range(CONVERSATIONS * TURNS)]
+    calls = 0
+    with serving(config, folder) as run:
+        _wait_until(lambda: _listening(run), what="both engines followed")
+        with ThreadPoolExecutor(4) as pool:
+            for turn in range(TURNS):  # each turn of every conversation at once; the next turn extends it
+                prompts = [
+                    system + [t for k in range(turn + 1) for t in turns[c * TURNS + k]] for c in range(CONVERSATIONS)
+                ]
+                assert list(pool.map(lambda p: _complete(run.url, p), prompts)) == [200] * CONVERSATIONS
+                calls += CONVERSATIONS
+        for c in range(3):  # plain selects and a probe draw from the router's RNG too
+            run.ok("POST", "/select", {"model_name": MODEL, "token_ids": system + turns[c * TURNS]})
+            calls += 1
+        run.ok("POST", "/select", {"model_name": MODEL, "token_ids": system, "probe": True})
+        calls += 1
+    return path, calls
+
+
+def test_every_decision_of_a_recorded_run_replays_as_recorded(recorded):
+    path, calls = recorded
+    recording = read_recording(path, allow_open=False)
+    assert recording.header["seed"] == SEED
+    assert recording.count("reg") == 2
+    assert recording.count("pc") == recording.count("free") == CONVERSATIONS * TURNS
+    report = replay_recording(recording)
+    assert report.decisions == calls
+    assert report.matched == report.decisions, report.differences
+    assert report.dropped == 0
+    assert report.event_batches > 0
+    assert report.event_errors == 0
+    assert report.recorded_hit_blocks > 0  # the index mattered: later turns found their conversation's blocks
+    assert report.replayed_hit_blocks == report.recorded_hit_blocks
+
+
+def test_a_changed_router_replays_the_same_calls_and_decides_for_itself(recorded):
+    path, calls = recorded
+    report = replay_recording(read_recording(path), parse_overrides(["router-kv-overlap-score-credit=0"]))
+    assert report.overrides == {"overlap_score_credit": 0}
+    assert report.decisions == calls
+    assert report.matched + report.differing == calls
+    assert report.as_json()["hit_rate"]["recorded"] == round(report.recorded_hit_blocks / report.prompt_blocks, 4)
+
+
+def test_replay_from_prints_the_table_writes_the_json_and_exits_0(recorded, tmp_path):
+    path, calls = recorded
+    out = tmp_path / "replay.json"
+    result = runner.invoke(app, ["replay", "--from", str(path), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "matched" in result.output
+    document = orjson.loads(out.read_bytes())
+    assert document["decisions"] == document["matched"] == calls
+    assert document["version"] == VERSION
+    assert document["seed"] == SEED
+
+
+def test_a_cut_short_or_other_version_recording_and_live_are_usage_errors(recorded, tmp_path):
+    path, _ = recorded
+    whole = path.read_bytes()
+    cut = tmp_path / "cut.kvr"
+    cut.write_bytes(whole[: len(whole) // 2])
+    result = runner.invoke(app, ["replay", "--from", str(cut)])
+    assert result.exit_code == 2
+    assert "truncated at byte" in result.output
+    header_length = int.from_bytes(whole[len(MAGIC) : len(MAGIC) + 4], "little")
+    header = msgpack.unpackb(whole[len(MAGIC) + 4 : len(MAGIC) + 4 + header_length])
+    other = tmp_path / "v2.kvr"
+    other.write_bytes(MAGIC + frame({**header, "version": VERSION + 1}) + whole[len(MAGIC) + 4 + header_length :])
+    result = runner.invoke(app, ["replay", "--from", str(other)])
+    assert result.exit_code == 2
+    assert f"recording format version {VERSION + 1}" in result.output
+    result = runner.invoke(app, ["replay", "--from", str(path), "--live"])
+    assert result.exit_code == 2
+    assert "not built yet" in result.output
+    result = runner.invoke(app, ["replay", "--from", str(path), "--router", "no-such-knob=1"])
+    assert result.exit_code == 2

@@ -46,7 +46,8 @@ class ServiceConfig:
             other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace or component
             that is not one NATS subject token, (with replica_sync or durable_kv_events) a nats_url that is not
             nats:// or tls://, durable_kv_events without KV events, a snapshot threshold below 1, or a
-            router_id that is not 1-64 letters, digits, ``_`` or ``-``.
+            router_id that is not 1-64 letters, digits, ``_`` or ``-``, or a record file in no directory
+            or with fronts > 1 or replica_sync.
     """
 
     host: str = "127.0.0.1"

@@ -9,18 +9,24 @@ decision the recorded outcome; a changed router replays the same calls and decid
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import msgpack
+import numpy as np
 import orjson
 import pytest
 from typer.testing import CliRunner
 
 from kvrouter.cli import app
-from kvrouter.recording import MAGIC, VERSION, frame, read_recording
+from kvrouter.events.codecs import kvrouter as kvrouter_codec
+from kvrouter.events.model import EngineHash, EventBatch, LocalHash, StorageTier, Stored, StoredBlock
+from kvrouter.index.reference import RadixIndex
+from kvrouter.recording import MAGIC, VERSION, Recording, frame, read_recording
 from kvrouter.replay.logical import parse_overrides, replay_recording
 from kvrouter.routing.config import RouterConfig
 from kvrouter.service import ServiceConfig
@@ -143,3 +149,34 @@ def test_a_cut_short_or_other_version_recording_and_live_are_usage_errors(record
     assert "not built yet" in result.output
     result = runner.invoke(app, ["replay", "--from", str(path), "--router", "no-such-knob=1"])
     assert result.exit_code == 2
+
+
+def _raced(applied_from: int) -> Recording:
+    """A decision at t 1000..2000 whose recorded overlaps saw worker 2's batch, applied from ``applied_from`` to 2500."""
+    blocks = tuple(StoredBlock(EngineHash(100 + h), LocalHash(h)) for h in (11, 12, 13, 14))
+    payload = kvrouter_codec.Encoder().encode(EventBatch((Stored(2, None, blocks),)))
+    seen = RadixIndex()
+    seen.apply_event(2, Stored(2, None, blocks))
+    by_tier = seen.find_matches_by_tier([11, 12, 13, 14])
+    overlaps = [[by_tier.get(tier, {}).get(key, 0) for key in ((1, 0), (2, 0))] for tier in StorageTier]
+    records: list[dict[str, Any]] = [
+        {"k": "reg", "n": 0, "t": 100, "m": MODEL, "g": "default", "w": 1, "r": 0, "bs": BLOCK, "fmt": "kvrouter"},
+        {"k": "reg", "n": 1, "t": 101, "m": MODEL, "g": "default", "w": 2, "r": 0, "bs": BLOCK, "fmt": "kvrouter"},
+        {"k": "dec", "n": 2, "t": 1000, "t1": 2000, "m": MODEL, "g": "default", "id": "a", "probe": False,
+         "h": np.array([11, 12, 13, 14], dtype="<u8").tobytes(), "isl": 4 * BLOCK, "lora": None,
+         "cand": [[1, 0], [2, 0]], "cap": None, "untr": [], "w": [2, 0], "o": 4, "ov": overlaps, "err": None},
+        {"k": "ev", "n": 3, "t": 2500, "t0": applied_from, "w": 2, "r": 0, "fmt": "kvrouter", "bs": BLOCK,
+         "skip": 0, "p": payload},
+    ]  # fmt: skip
+    header = {"kind": "header", "version": VERSION, "seed": 1, "router": dataclasses.asdict(RouterConfig())}
+    return Recording(Path("raced.kvr"), header, records)
+
+
+def test_a_batch_applied_while_a_decision_walked_the_index_counts_as_seen_when_the_overlaps_say_so():
+    report = replay_recording(_raced(applied_from=1500))  # began before the decision ended: it may have been seen
+    assert report.races == 1
+    assert report.index_differs == 0
+    assert report.matched == report.decisions == 1
+    late = replay_recording(_raced(applied_from=2100))  # began after the decision ended: it cannot have been
+    assert late.races == 0
+    assert late.index_differs == 1

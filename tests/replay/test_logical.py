@@ -152,7 +152,8 @@ def test_a_cut_short_or_other_version_recording_and_live_are_usage_errors(record
 
 
 def _raced(applied_from: int) -> Recording:
-    """A decision at t 1000..2000 whose recorded overlaps saw worker 2's batch, applied from ``applied_from`` to 2500."""
+    """A decision at t 1000..2000 whose recorded overlaps saw worker 2's batch, applied from ``applied_from`` to 2500
+    (the recording of the moment a batch lands while a decision walks the index)."""
     blocks = tuple(StoredBlock(EngineHash(100 + h), LocalHash(h)) for h in (11, 12, 13, 14))
     payload = kvrouter_codec.Encoder().encode(EventBatch((Stored(2, None, blocks),)))
     seen = RadixIndex()

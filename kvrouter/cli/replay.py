@@ -30,6 +30,7 @@ from ..replay import (
     replay as run_replay,
     report_json,
 )
+from ..replay.live import render_live, replay_live
 from ..replay.logical import parse_overrides, render as render_replay, replay_recording
 from ..replay.plot import write_plot
 from ..replay.report import render
@@ -78,6 +79,7 @@ def parse_drills(value: str | None) -> tuple[str, ...]:
 
 
 def replay(
+    ctx: typer.Context,
     drill: Annotated[
         str | None,
         typer.Option("--drill", metavar="NAME[,NAME...]", help="Drills to run; all (default): every one built."),
@@ -147,12 +149,29 @@ def replay(
         ),
     ] = None,
     live: Annotated[
-        bool, typer.Option("--live", help="With --from: replay against a live stack (not built yet: exit 2).")
+        bool,
+        typer.Option(
+            "--live",
+            help="With --from: play the recording against a live router (--url, or one started) at --speed "
+            "(default 1 here): its events re-published, its calls made again; agreement and hit rate.",
+        ),
     ] = False,
 ) -> None:
     """Run fault drills against a live stack: gaps, time to converge, wrong answers, routing quality."""
     if from_path is not None or live or router:
-        raise typer.Exit(replay_from(from_path, router or [], json_path, live=live))
+        source = ctx.get_parameter_source("speed")
+        given = source is not None and source.name != "DEFAULT"
+        raise typer.Exit(
+            replay_from(
+                from_path,
+                router or [],
+                json_path,
+                live=live,
+                url=url,
+                speed=speed if given else 1.0,
+                shards=shards,
+            )
+        )
     if record is not None and url is not None:
         raise typer.BadParameter("records the router it starts; not with --url", param_hint="--record")
     drills = parse_drills(drill)
@@ -191,26 +210,50 @@ def replay(
     raise typer.Exit(exit_status(outcome.results))
 
 
-def replay_from(path: Path | None, overrides: list[str], json_path: Path | None, *, live: bool = False) -> int:
-    """``--from FILE``: the recording replayed in logical time (``replay/logical.py``). Returns the exit status:
-    0 every decision as recorded (with ``--router`` changes: the replay ran), 1 some decision differed
-    with the recorded router, 2 a usage error (no file, a file that is no recording of this version, or cut
-    short; a bad ``--router``; ``--live``, not built yet)."""
-    if live:
-        typer.echo("kvrouter replay: --live is not built yet; --from replays in logical time", err=True)
-        return 2
+def replay_from(
+    path: Path | None,
+    overrides: list[str],
+    json_path: Path | None,
+    *,
+    live: bool = False,
+    url: str | None = None,
+    speed: float = 1.0,
+    shards: int = 2,
+) -> int:
+    """``--from FILE``: the recording replayed in logical time (``replay/logical.py``), or with ``live`` played
+    against a router (``replay/live.py``). Returns the exit status: 0 every decision as recorded (with
+    ``--router`` changes: the replay ran; with ``--live``: it ran without an error), 1 some decision
+    differed with the recorded router, or the live replay met errors (a registration refused, no answer);
+    2 a usage error (no file, a file that is no recording of this version, or cut short; a bad ``--router``,
+    or one with ``--live``)."""
     if path is None:
-        typer.echo("kvrouter replay: --router needs --from FILE", err=True)
+        typer.echo("kvrouter replay: --router and --live need --from FILE", err=True)
+        return 2
+    if live and overrides:
+        typer.echo(
+            "kvrouter replay: --router changes the in-process router; --live plays to a router as it runs", err=True
+        )
         return 2
     try:
+        recording = read_recording(path)
         changes = parse_overrides(overrides)
-        report = replay_recording(read_recording(path), changes)
     except (RecordingError, ConfigError) as exc:
         typer.echo(f"kvrouter replay: {exc}", err=True)
         return 2
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)
+    if live:
+        try:
+            played = asyncio.run(replay_live(recording, url, speed, shards=shards))
+        except ReplayError as exc:
+            typer.echo(f"kvrouter replay: {exc}", err=True)
+            return 1
+        render_live(console, played)
+        if json_path is not None:
+            json_path.write_bytes(orjson.dumps(played.as_json(), option=orjson.OPT_INDENT_2) + b"\n")
+        return 1 if played.errors or (played.decisions and not played.answered) else 0
+    report = replay_recording(recording, changes)
     render_replay(console, report)
     if json_path is not None:
         json_path.write_bytes(orjson.dumps(report.as_json(), option=orjson.OPT_INDENT_2) + b"\n")

@@ -597,12 +597,14 @@ def up(
             rich_help_panel=_SERVER,
         ),
     ] = None,
-    record_seed: Annotated[
+    router_seed: Annotated[
         int | None,
         typer.Option(
-            "--record-seed",
-            help="The routers' seed while recording (the recording's header keeps it).",
-            show_default="drawn at random",
+            "--router-seed",
+            envvar="KVROUTER_ROUTER_SEED",
+            help="Seed every partition's router (tie-breaks and sampling draw alike in every run); with --record "
+            "the recording's header keeps it (drawn at random when not given).",
+            show_default="a fresh seed per router",
             rich_help_panel=_SERVER,
         ),
     ] = None,
@@ -796,7 +798,7 @@ def up(
         "tokenizer": tokenizer,
         "decision_log": decision_log,
         "record": record,
-        "record_seed": record_seed,
+        "router_seed": router_seed,
         "shadow_policies": tuple(p.strip() for p in (shadow_policy or "").split(",") if p.strip()),
         "active_request_expiry_secs": router_active_request_expiry_secs,
         "replica_sync": router_replica_sync,

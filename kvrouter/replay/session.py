@@ -99,7 +99,7 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
                 speedup_ratio=options.speed,
                 model_name=options.model_name,
                 record=options.record,
-                record_seed=options.seed,
+                router_seed=None if options.record is None else options.seed,
             )
         )
     workload = {

@@ -84,7 +84,10 @@ class StackConfig:
     record: str | None = None
     """``--record FILE``: the router records its run there (``kvrouter up --record``); a router started
     again (``router-restart``) records to ``FILE.1``, ``FILE.2``... so no start overwrites another's."""
-    record_seed: int = 0
+    router_seed: int | None = None
+    """``--router-seed`` of the router started (None: its routers draw their own)."""
+    router_args: tuple[str, ...] = ()
+    """More ``kvrouter up`` flags (``--from --live``: the recorded router config)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,7 +310,10 @@ class LocalStack(Stack):
         if cfg.record is not None:
             starts = self._router_starts
             path = cfg.record if not starts else f"{cfg.record}.{starts}"
-            argv += ["--record", path, "--record-seed", str(cfg.record_seed)]
+            argv += ["--record", path]
+        if cfg.router_seed is not None:
+            argv += ["--router-seed", str(cfg.router_seed)]
+        argv += cfg.router_args
         self._router_starts += 1
         with self.log_path.open("ab") as stderr:
             self.up = await asyncio.create_subprocess_exec(

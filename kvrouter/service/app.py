@@ -528,7 +528,7 @@ class Service:
                 reg.block_size,
                 self.config.router,
                 expiry_secs=self.config.active_request_expiry_secs,
-                seed=None if recording is None else recording.seed,
+                seed=self.config.router_seed if recording is None else recording.seed,
                 clock=time.monotonic if recording is None else recording.clock,
             )
             partition.trust = self.trust.states

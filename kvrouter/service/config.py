@@ -128,8 +128,9 @@ class ServiceConfig:
     record: str | None = None
     """``--record FILE``: the run's events, registrations and decisions written to ``FILE`` for
     ``kvrouter replay --from`` (``recording.py``)."""
-    record_seed: int | None = None
-    """``--record-seed``: the routers' seed while recording (written in the header); None draws one."""
+    router_seed: int | None = None
+    """``--router-seed``: every partition's router seed (with ``record``, written in the header); None: a
+    fresh seed per router (drawn once for the header when recording)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

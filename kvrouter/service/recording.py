@@ -60,7 +60,7 @@ class ServiceRecording:
     def __init__(self, config: ServiceConfig, endpoint: str) -> None:
         assert config.record is not None
         self.clock = HeldClock()
-        self.seed = secrets.randbelow(1 << 32) if config.record_seed is None else config.record_seed
+        self.seed = secrets.randbelow(1 << 32) if config.router_seed is None else config.router_seed
         header = {
             "kind": "header",
             "version": VERSION,

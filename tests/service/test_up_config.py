@@ -232,10 +232,10 @@ def test_fronts_shadows_and_the_decision_log_come_from_flags_env_or_file(runner,
 
 def test_the_recording_and_its_seed_come_from_flags_or_env(runner, tmp_path):
     path = str(tmp_path / "run.kvr")
-    service = resolve(runner, "--record", path, "--record-seed", "7")["service"]
-    assert (service["record"], service["record_seed"]) == (path, 7)
+    service = resolve(runner, "--record", path, "--router-seed", "7")["service"]
+    assert (service["record"], service["router_seed"]) == (path, 7)
     service = resolve(runner, env={"KVROUTER_RECORD": path})["service"]
-    assert (service["record"], service["record_seed"]) == (path, None)
+    assert (service["record"], service["router_seed"]) == (path, None)
 
 
 def test_auth_token_comes_from_the_environment_and_is_not_printed(runner):

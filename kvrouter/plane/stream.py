@@ -77,7 +77,7 @@ from .recovery import QueryClient, RecoveryClient, ReplayClient
 from .registry import FORMATS, WorkerSpec
 from .tap import Tap
 
-__all__ = ["Stream", "Unit", "payload_decoder"]
+__all__ = ["Stream", "Unit"]
 
 log = logging.getLogger(__name__)
 
@@ -135,16 +135,11 @@ class _Recovery:
 
 def _decoder(spec: WorkerSpec) -> Callable[[bytes, int], RawBatch]:
     """The payload → arrays function of the worker's format (decoding stays out of the writer)."""
-    return payload_decoder(spec.format, spec.worker_id, spec.block_size)
-
-
-def payload_decoder(format: str, worker_id: int, block_size: int) -> Callable[[bytes, int], RawBatch]:
-    """The payload → arrays function of a worker's ``format`` (the streams', and the replay of a recording's)."""
-    if format == "kvrouter":
+    if spec.format == "kvrouter":
         decode = Decoder().decode_raw
         return lambda payload, _first: decode(payload)
-    codec = vllm if format == "vllm" else sglang
-    engine = codec.Decoder(worker_id, block_size)
+    codec = vllm if spec.format == "vllm" else sglang
+    engine = codec.Decoder(spec.worker_id, spec.block_size)
     return lambda payload, first: engine.decode_raw(payload, first_event_id=first)
 
 

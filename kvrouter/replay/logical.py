@@ -38,11 +38,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import ConfigError, DuplicateRequest, EventError, KvRouterError, NoWorkerAvailable
-from ..events.codecs.kvrouter import RawBatch, _to_model
+from ..events.codecs import BatchDecoder, kvrouter, sglang, vllm
 from ..events.model import Cleared, StorageTier, WorkerKey
 from ..index import ApproxIndex
 from ..index.reference import RadixIndex
-from ..plane.stream import payload_decoder
 from ..recording import HeldClock, Recording
 from ..routing.config import RouterConfig
 from ..routing.router import NTIERS, Router
@@ -173,7 +172,7 @@ class LogicalReplay:
         self.partitions: dict[tuple[str, str], _Partition] = {}
         self.owner: dict[int, tuple[str, str]] = {}
         self.reservations: dict[str, tuple[str, str]] = {}
-        self.decoders: dict[tuple[int, int, str, int], Any] = {}
+        self.decoders: dict[tuple[int, int, str, int], BatchDecoder] = {}
         end = recording.end
         self.report = ReplayReport(
             str(recording.path),
@@ -193,18 +192,22 @@ class LogicalReplay:
     def _events(self, record: Mapping[str, Any]) -> None:
         worker, rank, fmt, block_size = int(record["w"]), int(record["r"]), str(record["fmt"]), int(record["bs"])
         key = (worker, rank, fmt, block_size)
-        decode = self.decoders.get(key)
-        if decode is None:
-            decode = self.decoders[key] = payload_decoder(fmt, worker, block_size)
+        decoder = self.decoders.get(key)
+        if decoder is None:  # the codec the applier's stream used (``decode`` is its ``decode_raw`` + objects)
+            if fmt == "kvrouter":
+                decoder = kvrouter.Decoder()
+            else:
+                decoder = (vllm if fmt == "vllm" else sglang).Decoder(worker, block_size)
+            self.decoders[key] = decoder
         self.report.event_batches += 1
         try:
-            batch: RawBatch = decode(bytes(record["p"]), 0)
+            batch = decoder.decode(bytes(record["p"]))
         except EventError:  # the live stream refused it before applying anything: not recorded then
             self.report.event_errors += 1
             return
         for event in batch.events[int(record.get("skip", 0)) :]:
             try:
-                self.index.apply_event(worker, _to_model(event, worker, rank))
+                self.index.apply_event(worker, event)
             except EventError:
                 self.report.event_errors += 1
 

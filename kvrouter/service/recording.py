@@ -25,7 +25,6 @@ import time
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +33,7 @@ from ..events.model import WorkerKey
 from ..recording import VERSION, HeldClock, Recorder
 from ..routing.router import Selection
 from .config import ServiceConfig
+from .partition import Partition
 from .validation import Registration, Unregistration
 
 __all__ = ["ServiceRecording", "kvrouter_version"]
@@ -117,7 +117,7 @@ class ServiceRecording:
     def decided(
         self,
         t: int,
-        partition: Any,
+        partition: Partition,
         local: npt.NDArray[np.uint64],
         isl: int,
         lora_name: str | None,
@@ -156,7 +156,7 @@ class ServiceRecording:
         """``pc`` (prefill complete) or ``free`` of a reservation."""
         self.recorder.add({"k": kind, "t": t, "id": selection_id})
 
-    def thresholds(self, t: int, partition: Any) -> None:
+    def thresholds(self, t: int, partition: Partition) -> None:
         config = partition.router.config
         self.recorder.add(
             {
@@ -169,5 +169,5 @@ class ServiceRecording:
             }
         )
 
-    def swept(self, t: int, partition: Any) -> None:
+    def swept(self, t: int, partition: Partition) -> None:
         self.recorder.add({"k": "sweep", "t": t, "m": partition.model_name, "g": partition.routing_group})

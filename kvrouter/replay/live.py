@@ -126,7 +126,6 @@ class _Player:
         self.context = zmq.asyncio.Context()
         self.ranks: dict[tuple[int, int], _Rank] = {}
         self.registered: dict[int, tuple[str, set[int]]] = {}
-        self.block_sizes: dict[tuple[str, str], int] = {}
         self.booked: set[str] = set()
         """The recorded ids of the reservations the live router booked and has not freed."""
         self.run_id = secrets.token_hex(4)
@@ -163,7 +162,6 @@ class _Player:
     async def _register(self, record: Mapping[str, Any]) -> None:
         worker, rank = int(record["w"]), int(record["r"])
         model = MODEL_PREFIX + str(record["m"])
-        self.block_sizes[(model, str(record["g"]))] = int(record["bs"])
         target = self._rank(worker, rank)
         endpoint = target.endpoint
         with contextlib.suppress(zmq.Again):
@@ -273,7 +271,7 @@ class _Player:
         if recorded is not None and worker == (int(recorded[0]), int(recorded[1])):
             report.agreed += 1
         if not record.get("probe") and record.get("err") is None:
-            block = self.block_sizes.get((model, str(record["g"])), 0) or 1
+            block = int(answer.get("block_size") or 1)
             report.prompt_blocks += len(local)
             report.recorded_hit_blocks += int(record.get("o") or 0)
             report.live_hit_blocks += int(answer.get("overlap", {}).get("gpu", 0)) // block

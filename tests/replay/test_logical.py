@@ -9,6 +9,7 @@ decision the recorded outcome; a changed router replays the same calls and decid
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 import urllib.request
@@ -20,6 +21,7 @@ import msgpack
 import numpy as np
 import orjson
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from typer.testing import CliRunner
 
 from kvrouter.cli import app
@@ -29,7 +31,7 @@ from kvrouter.index.reference import RadixIndex
 from kvrouter.recording import MAGIC, VERSION, Recording, frame, read_recording
 from kvrouter.replay.logical import parse_overrides, replay_recording
 from kvrouter.routing.config import RouterConfig
-from kvrouter.service import ServiceConfig
+from kvrouter.service import Service, ServiceConfig
 from tests.conftest import _wait_until
 from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, serving
 
@@ -195,3 +197,44 @@ def test_live_plays_the_recording_to_a_router_started_for_it(recorded, tmp_path)
     assert document["refused"] == 0
     assert document["errors"] == []
     assert document["event_batches"] == read_recording(path).count("ev")
+
+
+def test_an_approximate_mode_recording_replays_on_an_approx_index(tmp_path):
+    """No events at all: the ``ApproxIndex`` is fed by the decisions themselves, under the held clock (its TTL)."""
+    path = tmp_path / "approx.kvr"
+    config = ServiceConfig(
+        port=0, shards=1, router=RouterConfig(use_kv_events=False, router_ttl_secs=60), record=str(path), router_seed=5
+    )
+    service = Service(config)  # served without its engine: approximate mode never asks it
+    assert service.recording is not None
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(1, 30_000) for _ in range(3 * BLOCK)] for _ in range(3)]
+    steps: list[tuple[str, str, Any]] = [
+        ("POST", "/register", {"instance_id": wid, "model_name": MODEL, "block_size": BLOCK}) for wid in (1, 2, 3)
+    ]
+    for i in range(18):
+        body = {"model_name": MODEL, "token_ids": prefixes[i % 3] + [i + 1] * BLOCK, "selection_id": f"r{i}"}
+        steps.append(("POST", "/select_and_reserve", body))
+        if i % 2:
+            steps.append(("POST", f"/reservations/r{i - 1}/prefill_complete", {}))
+            steps.append(("DELETE", f"/reservations/r{i - 1}", None))
+    service.recording.open()
+    try:
+        answers = asyncio.run(_exchange(service, steps))
+    finally:
+        service.recording.close()
+    assert all(status in (200, 201) for status, _ in answers), answers
+    report = replay_recording(read_recording(path, allow_open=False))
+    assert report.decisions == 18
+    assert report.matched == 18, report.differences
+    assert report.recorded_hit_blocks > 0  # later requests followed their prefix's first decision
+    assert report.event_batches == 0
+
+
+async def _exchange(service: Service, steps: list[tuple[str, str, Any]]) -> list[tuple[int, Any]]:
+    answers = []
+    async with TestClient(TestServer(service.app, host="127.0.0.1")) as client:
+        for method, url, body in steps:
+            response = await client.request(method, url, json=body)
+            answers.append((response.status, await response.json()))
+    return answers

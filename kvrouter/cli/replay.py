@@ -148,6 +148,14 @@ def replay(
             "e.g. router-temperature=0.5); repeatable. Shows what that router would have decided.",
         ),
     ] = None,
+    allow_cut: Annotated[
+        bool,
+        typer.Option(
+            "--allow-cut",
+            help="With --from: replay a recording whose last frame is cut short (a router killed mid-write) up "
+            "to that frame, instead of refusing it.",
+        ),
+    ] = False,
     live: Annotated[
         bool,
         typer.Option(
@@ -170,6 +178,7 @@ def replay(
                 url=url,
                 speed=speed if given else 1.0,
                 shards=shards,
+                allow_cut=allow_cut,
             )
         )
     if record is not None and url is not None:
@@ -219,13 +228,14 @@ def replay_from(
     url: str | None = None,
     speed: float = 1.0,
     shards: int = 2,
+    allow_cut: bool = False,
 ) -> int:
     """``--from FILE``: the recording replayed in logical time (``replay/logical.py``), or with ``live`` played
     against a router (``replay/live.py``). Returns the exit status: 0 every decision as recorded (with
     ``--router`` changes: the replay ran; with ``--live``: it ran without an error), 1 some decision
     differed with the recorded router, or the live replay met errors (a registration refused, no answer);
     2 a usage error (no file, a file that is no recording of this version, or cut short; a bad ``--router``,
-    or one with ``--live``)."""
+    or one with ``--live``; without ``allow_cut``, a last frame cut short)."""
     if path is None:
         typer.echo("kvrouter replay: --router and --live need --from FILE", err=True)
         return 2
@@ -235,7 +245,7 @@ def replay_from(
         )
         return 2
     try:
-        recording = read_recording(path)
+        recording = read_recording(path, allow_cut=allow_cut)
         changes = parse_overrides(overrides)
     except (RecordingError, ConfigError) as exc:
         typer.echo(f"kvrouter replay: {exc}", err=True)

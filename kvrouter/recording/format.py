@@ -66,23 +66,33 @@ class Recording:
     records: list[dict[str, Any]] = field(default_factory=list)
     """Every record but the end, sorted by ``(t, n)``."""
     end: dict[str, Any] | None = None
+    cut_at: int | None = None
+    """With ``allow_cut``: the byte offset of the frame cut short, where reading stopped (None: whole)."""
 
     def count(self, kind: str) -> int:
         return sum(1 for record in self.records if record["k"] == kind)
+
+
+class _Cut(RecordingError):
+    """A frame cut short at the end of the data (``offset``): a writer killed mid-frame, a copy cut off."""
+
+    def __init__(self, message: str, offset: int) -> None:
+        super().__init__(message)
+        self.offset = offset
 
 
 def _frames(data: bytes, path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     offset = len(MAGIC)
     while offset < len(data):
         if offset + LENGTH.size > len(data):
-            raise RecordingError(f"{path}: truncated at byte {offset}: a frame length cut short")
+            raise _Cut(f"{path}: truncated at byte {offset}: a frame length cut short", offset)
         (length,) = LENGTH.unpack_from(data, offset)
         if length > MAX_FRAME:
             raise RecordingError(f"{path}: corrupt at byte {offset}: a frame of {length} bytes")
         start = offset + LENGTH.size
         if start + length > len(data):
-            raise RecordingError(
-                f"{path}: truncated at byte {offset}: a frame of {length} bytes, {len(data) - start} left"
+            raise _Cut(
+                f"{path}: truncated at byte {offset}: a frame of {length} bytes, {len(data) - start} left", offset
             )
         try:
             record = msgpack.unpackb(data[start : start + length], raw=False, strict_map_key=False)
@@ -94,17 +104,20 @@ def _frames(data: bytes, path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         offset = start + length
 
 
-def read_recording(path: str | Path, *, allow_open: bool = True) -> Recording:
+def read_recording(path: str | Path, *, allow_open: bool = True, allow_cut: bool = False) -> Recording:
     """Read a whole recording.
 
     Args:
         path: the file ``kvrouter up --record`` wrote.
         allow_open: accept a file without its end record (a router still running, or killed); the frames
             it holds must still be whole.
+        allow_cut: accept a last frame cut short (a router SIGKILLed mid-write): reading stops there and
+            :attr:`Recording.cut_at` says where (``kvrouter replay --from FILE --allow-cut``).
 
     Raises:
-        RecordingError: not a recording, another format version, a frame cut short or corrupt, a record
-            without its kind, sequence number or time, or (``allow_open=False``) no end record.
+        RecordingError: not a recording, another format version, a frame cut short (unless ``allow_cut``) or
+            corrupt, a record without its kind, sequence number or time, or (``allow_open=False``) no end
+            record.
     """
     path = Path(path)
     try:
@@ -123,14 +136,19 @@ def read_recording(path: str | Path, *, allow_open: bool = True) -> Recording:
             f"{path}: recording format version {header.get('version')!r}; this kvrouter reads version {VERSION}"
         )
     recording = Recording(path, header)
-    for offset, record in frames:
-        kind, n, t = record.get("k"), record.get("n"), record.get("t")
-        if kind not in KINDS or type(n) is not int or type(t) is not int:
-            raise RecordingError(f"{path}: corrupt record at byte {offset}: kind {kind!r}, n {n!r}, t {t!r}")
-        if kind == "end":
-            recording.end = record
-        else:
-            recording.records.append(record)
+    try:
+        for offset, record in frames:
+            kind, n, t = record.get("k"), record.get("n"), record.get("t")
+            if kind not in KINDS or type(n) is not int or type(t) is not int:
+                raise RecordingError(f"{path}: corrupt record at byte {offset}: kind {kind!r}, n {n!r}, t {t!r}")
+            if kind == "end":
+                recording.end = record
+            else:
+                recording.records.append(record)
+    except _Cut as exc:
+        if not allow_cut:
+            raise RecordingError(f"{exc} (--allow-cut replays the frames before it)") from None
+        recording.cut_at = exc.offset
     if recording.end is None and not allow_open:
         raise RecordingError(f"{path}: no end record: the router did not close it")
     recording.records.sort(key=lambda r: (r["t"], r["n"]))

@@ -112,6 +112,8 @@ class ReplayReport:
     prompt_blocks: int = 0
     dropped: int | None = None
     """Records the recorder dropped (front + appliers); None: the file has no end record."""
+    cut_at: int | None = None
+    """Where a frame cut short ended the file (``--allow-cut``); None: whole."""
     differences: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -138,6 +140,7 @@ class ReplayReport:
                 "replayed": _ratio(self.replayed_hit_blocks, self.prompt_blocks),
             },
             "dropped": self.dropped,
+            "cut_at": self.cut_at,
             "differences": self.differences,
         }
 
@@ -181,6 +184,7 @@ class LogicalReplay:
             self.seed,
             dict(overrides or {}),
             dropped=None if end is None else int(end.get("dropped", 0)) + int(end.get("tap_dropped", 0)),
+            cut_at=recording.cut_at,
         )
 
     # -- the index ----------------------------------------------------------------------------
@@ -474,6 +478,8 @@ def render(console: Console, report: ReplayReport) -> None:
     console.print(table)
     if report.overrides:
         console.print(f"router overrides: {', '.join(f'{k}={v}' for k, v in report.overrides.items())}")
+    if report.cut_at is not None:
+        console.print(f"the recording is cut short at byte {report.cut_at}: the frames before it were replayed")
     if report.dropped is None:
         console.print("the recording has no end record: its router did not close it (killed, or still running)")
     elif report.dropped:

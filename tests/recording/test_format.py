@@ -48,6 +48,10 @@ def test_a_file_cut_inside_a_frame_is_refused_at_its_offset(tmp_path):
     path.write_bytes(whole[: last + 2])  # inside the length prefix itself
     with pytest.raises(RecordingError, match="frame length cut short"):
         read_recording(path)
+    salvaged = read_recording(path, allow_cut=True)  # a router killed mid-write: the whole frames before it
+    assert salvaged.cut_at == last
+    assert [r["n"] for r in salvaged.records] == [2, 0, 1]
+    assert salvaged.end is None
 
 
 def test_not_a_recording_a_corrupt_frame_and_a_missing_end(tmp_path):

@@ -139,6 +139,9 @@ def test_a_cut_short_or_other_version_recording_and_a_bad_router_change_are_usag
     result = runner.invoke(app, ["replay", "--from", str(cut)])
     assert result.exit_code == 2
     assert "truncated at byte" in result.output
+    result = runner.invoke(app, ["replay", "--from", str(cut), "--allow-cut"])
+    assert result.exit_code == 0, result.output
+    assert "cut short at byte" in result.output
     header_length = int.from_bytes(whole[len(MAGIC) : len(MAGIC) + 4], "little")
     header = msgpack.unpackb(whole[len(MAGIC) + 4 : len(MAGIC) + 4 + header_length])
     other = tmp_path / "v2.kvr"

@@ -47,6 +47,7 @@ from ..errors import (
 from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes_array
 from ..plane.registry import offset_endpoint
+from ..recording import Recorder
 from ..routing.config import RouterConfig
 from ..routing.router import Router, Selection
 from ..routing.slots import SlotManager
@@ -263,6 +264,11 @@ class Service:
     @property
     def stopping(self) -> bool:
         return self._stopping
+
+    @property
+    def recorder(self) -> Recorder | None:
+        """The ``--record`` writer (its counters for ``/metrics``); None when not recording."""
+        return None if self.recording is None else self.recording.recorder
 
     @property
     def router_config(self) -> RouterConfig:

@@ -91,6 +91,12 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
             calls += 1
         run.ok("POST", "/select", {"model_name": MODEL, "token_ids": system, "probe": True})
         calls += 1
+        request = urllib.request.Request(run.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            metrics = response.read().decode()
+    assert 'kvrouter_recording_dropped_total{source="front"} 0.0' in metrics
+    assert 'kvrouter_recording_dropped_total{source="applier"} 0.0' in metrics
+    assert "kvrouter_recording_records_total" in metrics
     return path, calls
 
 

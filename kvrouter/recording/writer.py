@@ -1,15 +1,15 @@
 """``Recorder``: the one writer of a recording (``kvrouter up --record FILE``), off the routing path.
 
 Two sources feed it: the front's own records (registrations, decisions, prefill completions, frees),
-handed over by :meth:`Recorder.add` on the event loop, and the appliers' (``plane/tap.py``), which arrive
-on a ZMQ PULL socket. A thread drains both, numbers each record (``n``), packs and writes it. Routing never
-waits for the disk: :meth:`add` puts on a bounded queue without blocking and counts a record it cannot put
-(:attr:`Recorder.dropped`); the appliers' sends are bounded the same way, and their drops are counted here
+handed over by :meth:`Recorder.add` on the event loop (a deque append), and the appliers'
+(``plane/tap.py``), which arrive on a ZMQ PULL socket. A thread drains both, numbers each record (``n``),
+packs and writes it. Routing never waits for the disk: :meth:`add` puts on a bounded queue without blocking
+and counts a record it cannot put (:attr:`Recorder.dropped`); the appliers' sends are bounded the same way, and their drops are counted here
 from the gaps in each applier's numbering (:attr:`Recorder.tap_dropped`). Both counts are written in the
 end record, and ``kvrouter replay --from`` warns when a recording lost records (its decisions may then
 differ for a reason that is not the router's).
 
-The cost on the event loop is building one small dict per operation and one ``put_nowait``; packing runs
+The cost on the event loop is building one small dict per operation and one append; packing runs
 on the thread (the GIL is shared, so a very busy recording takes some of the front's CPU: it is a
 diagnostic mode, not one to leave on at peak).
 """
@@ -19,9 +19,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, BinaryIO, Final
 
@@ -60,7 +60,10 @@ class Recorder:
         self.path = Path(path)
         self.header = header
         self.endpoint = endpoint
-        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=limit)
+        self._queue: deque[dict[str, Any]] = deque()
+        """The front's records: appended on the event loop, taken on the thread (each end atomic under the GIL;
+        a ``queue.Queue``'s lock and condition cost microseconds a record)."""
+        self._limit = limit
         self._file: BinaryIO | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -91,12 +94,12 @@ class Recorder:
 
     def add(self, record: dict[str, Any]) -> None:
         """Queue one of the front's records (it has ``k`` and ``t``; ``n`` is given when written). Never blocks."""
-        try:
-            self._queue.put_nowait(record)
-        except queue.Full:
+        if len(self._queue) >= self._limit:
             self.dropped += 1
             if self.dropped == 1:
                 log.warning("recording dropped a record path=%s: the writer is behind", self.path)
+            return
+        self._queue.append(record)
 
     def _write(self, record: dict[str, Any]) -> None:
         file = self._file
@@ -134,12 +137,9 @@ class Recorder:
             self._write(record)
 
     def _take_queue(self) -> None:
-        while True:
-            try:
-                record = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            self._write(record)
+        pending = self._queue
+        while pending:
+            self._write(pending.popleft())
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -157,13 +157,6 @@ class Recorder:
                 next_flush = time.monotonic() + FLUSH_S
                 with contextlib.suppress(OSError, ValueError):
                     self._file.flush()
-
-    def drain(self, timeout: float = 1.0) -> None:
-        """Wait until the front's queue is empty (and the taps' socket has been read since), up to ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while self._queue.qsize() and time.monotonic() < deadline:
-            time.sleep(POLL_MS / 1000)
-        time.sleep(2 * POLL_MS / 1000)
 
     def close(self) -> None:
         """Stop the thread, write what is left and the end record, close the file and the socket. Idempotent."""

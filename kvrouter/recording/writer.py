@@ -1,13 +1,13 @@
 """``Recorder``: the one writer of a recording (``kvrouter up --record FILE``), off the routing path.
 
-Two sources feed it: the front's own records (registrations, decisions, prefill completions, frees),
-handed over by :meth:`Recorder.add` on the event loop (a deque append), and the appliers'
-(``plane/tap.py``), which arrive on a ZMQ PULL socket. A thread drains both, numbers each record (``n``),
-packs and writes it. Routing never waits for the disk: :meth:`add` puts on a bounded queue without blocking
-and counts a record it cannot put (:attr:`Recorder.dropped`); the appliers' sends are bounded the same way, and their drops are counted here
-from the gaps in each applier's numbering (:attr:`Recorder.tap_dropped`). Both counts are written in the
-end record, and ``kvrouter replay --from`` warns when a recording lost records (its decisions may then
-differ for a reason that is not the router's).
+Two sources feed it: the front's own records (registrations, decisions, prefill completions, frees), handed
+over by :meth:`Recorder.add` on the event loop (a deque append), and the appliers' (``plane/tap.py``), which
+arrive on a ZMQ PULL socket. A thread drains both, numbers each record (``n``), packs and writes it. Routing
+never waits for the disk: :meth:`add` puts on a bounded queue without blocking and counts a record it cannot
+put (:attr:`Recorder.dropped`); the appliers' sends are bounded the same way, and their drops are counted here
+from the gaps in each applier's numbering (:attr:`Recorder.tap_dropped`). Both counts are written in the end
+record, and ``kvrouter replay --from`` warns when a recording lost records (its decisions may then differ for
+a reason that is not the router's).
 
 The cost on the event loop is building one small dict per operation and one append; packing runs
 on the thread (the GIL is shared, so a very busy recording takes some of the front's CPU: it is a

@@ -349,7 +349,9 @@ class Stream:
         self._exact = True
         self._words[W_LAST_ID] = NO_ID
 
-    def _apply(self, unit: Unit) -> None:
+    def _apply(self, unit: Unit, *, recovered: bool = False) -> None:
+        """Apply what of ``unit`` is new; ``recovered``: it came from a replay socket or a local indexer (the
+        recording tap says so: a live replay re-publishes history only where the router had to fetch it)."""
         events = unit.events
         if self.cursor is not None and unit.first <= self.cursor:  # overlaps what is applied: keep the rest
             events = tuple(e for e in events if e.event_id > self.cursor)
@@ -365,6 +367,7 @@ class Stream:
                     unit.payload,
                     len(unit.events) - len(events),
                     started,
+                    recovered=recovered,
                 )
         self._bump(W_EVENTS, len(events))
         if unit.foreign_block_size:
@@ -475,7 +478,7 @@ class Stream:
                 self._bump(W_GAPS_DETECTED)
                 recovery.gap = True
             recovery.missing = f"the replay buffer starts at {unit.first}, after the missing {expected}"
-        self._apply(unit)
+        self._apply(unit, recovered=True)
 
     def _on_query(self, recovery: _Recovery, answer: QueryReply | BadEvent, now: float) -> None:
         if isinstance(answer, BadEvent):
@@ -505,7 +508,9 @@ class Stream:
                 started = time.monotonic_ns() if tap is not None else 0
                 self._writer.apply_batch(self.key, unit.events)
                 if tap is not None:
-                    tap.applied(self.key, self.spec.format, self.spec.block_size, unit.payload, 0, started)
+                    tap.applied(
+                        self.key, self.spec.format, self.spec.block_size, unit.payload, 0, started, recovered=True
+                    )
             self._exact = recovery.missing is None  # the dump replaces every earlier loss
             self.cursor = answer.last_event_id
             self._words[W_LAST_ID] = NO_ID if self.cursor is None else self.cursor
@@ -515,7 +520,7 @@ class Stream:
                     continue
                 if unit.first > self._expected():
                     recovery.missing = f"the reply starts at {unit.first}, after the missing {self._expected()}"
-                self._apply(unit)
+                self._apply(unit, recovered=True)
         self._finish(now)
 
     def _finish(self, now: float, why: str | None = None) -> None:

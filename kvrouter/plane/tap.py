@@ -75,8 +75,19 @@ class Tap:
             if self.dropped == 1:
                 log.warning("recording tap dropped a record shard=%d: the recorder is behind", self._shard)
 
-    def applied(self, key: WorkerKey, format: str, block_size: int, payload: bytes, skip: int, started_ns: int) -> None:
-        """``payload`` of ``key`` was applied, but for its first ``skip`` events (already applied before)."""
+    def applied(
+        self,
+        key: WorkerKey,
+        format: str,
+        block_size: int,
+        payload: bytes,
+        skip: int,
+        started_ns: int,
+        *,
+        recovered: bool = False,
+    ) -> None:
+        """``payload`` of ``key`` was applied, but for its first ``skip`` events (already applied before);
+        ``recovered``: fetched from the worker's replay socket or local indexer, not received live."""
         self._send(
             {
                 "k": "ev",
@@ -87,13 +98,17 @@ class Tap:
                 "fmt": format,
                 "bs": block_size,
                 "skip": skip,
+                "rec": recovered,
                 "p": payload,
             }
         )
 
-    def cleared(self, key: WorkerKey, why: str) -> None:
-        """Everything ``key`` held was dropped from the shard (``restart``, ``dump``, ``join``)."""
-        self._send({"k": "clr", "t": time.monotonic_ns(), "w": key[0], "r": key[1], "why": why})
+    def cleared(self, key: WorkerKey, why: str, *, at: tuple[int, int] | None = None) -> None:
+        """Everything ``key`` held was dropped from the shard (``restart``, ``dump``, ``join``; ``segment``: a
+        restarted applier's new, empty segment). ``at``: (began, done) in ``time.monotonic_ns()``, when it
+        happened before this call; default now."""
+        began, done = at if at is not None else (time.monotonic_ns(),) * 2
+        self._send({"k": "clr", "t": done, "t0": began, "w": key[0], "r": key[1], "why": why})
 
     def close(self) -> None:
         self._socket.close()

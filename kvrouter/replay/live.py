@@ -115,6 +115,11 @@ class _Rank:
     endpoint: str
     seq: int = 0
     next_id: int = 0
+    published: bool = False
+    """A batch went out since the worker's registration."""
+    rebuilding: bool = False
+    """The recorded router is rebuilding a followed worker (its applier restarted): the history it fetches
+    again was published already, so recovered batches are skipped until a live one comes."""
 
 
 class _Player:
@@ -164,6 +169,8 @@ class _Player:
         model = MODEL_PREFIX + str(record["m"])
         target = self._rank(worker, rank)
         endpoint = target.endpoint
+        target.seq = target.next_id = 0  # a registration is a new stream to the router: from 0
+        target.published = target.rebuilding = False
         with contextlib.suppress(zmq.Again):
             while True:  # subscriptions of an earlier registration
                 await target.socket.recv(zmq.NOBLOCK)
@@ -212,6 +219,11 @@ class _Player:
 
     async def _publish(self, record: Mapping[str, Any]) -> None:
         target = self._rank(int(record["w"]), int(record["r"]))
+        if record.get("rec"):
+            if target.rebuilding:
+                return
+        else:
+            target.rebuilding = False
         payload = bytes(record["p"])
         if record["fmt"] == "kvrouter":
             try:
@@ -225,12 +237,16 @@ class _Player:
             payload = kvrouter_codec.Encoder(with_tokens=True).encode(dataclasses.replace(batch, events=events))
         await target.socket.send_multipart([b"", target.seq.to_bytes(8, "big"), payload])
         target.seq += 1
+        target.published = True
         self.report.event_batches += 1
 
     def _cleared(self, record: Mapping[str, Any]) -> None:
-        if record.get("why") in ("restart", "dump"):  # the router clears the worker when ids go back to 0
-            target = self._rank(int(record["w"]), int(record["r"]))
+        target = self._rank(int(record["w"]), int(record["r"]))
+        why = record.get("why")
+        if why in ("restart", "dump"):  # the router clears the worker when ids go back to 0
             target.seq = target.next_id = 0
+        elif why in ("join", "segment") and target.published:  # not after a registration: an applier restarted
+            target.rebuilding = True
 
     # -- router calls ---------------------------------------------------------------------------
 

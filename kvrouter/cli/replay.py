@@ -51,6 +51,9 @@ EPILOG: Final = (
     "  kvrouter replay --drill gap,applier-kill --requests 100 --speed 8 --json drills.json\n\n"
     "  kvrouter replay --url http://127.0.0.1:8490 --drill gap   # attach: process drills are skipped\n\n"
     "  kvrouter replay --requests 200 --plot drills.png          # needs matplotlib (the plot extra)\n\n"
+    "  kvrouter replay --from run.kvr                            # a kvrouter up --record FILE, replayed in-process\n\n"
+    "  kvrouter replay --from run.kvr --router router-temperature=0.5 --json changed.json\n\n"
+    "  kvrouter replay --from run.kvr --live --speed 4           # played to a router started for it\n\n"
     f"Drills: {', '.join(DRILLS)}. Not built yet: {', '.join(NOT_BUILT)}."
 )
 

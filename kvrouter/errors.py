@@ -13,6 +13,7 @@ KvRouterError
 │   └── FlushTimeout         (also a TimeoutError) an applier did not reach a flush in time
 ├── StatsError               a stats segment that is not one, or whose blob does not decode (``kvrouter top``)
 ├── BadMessage               (also a ValueError) a replica-sync message or snapshot (NATS) that does not decode
+├── RecordingError           a ``--record`` file that is not one, of another version, or cut short
 └── EventError               an event could not be applied; ``kind`` names why
     ├── BadEvent             bad_event: the input does not decode into an event
     ├── ParentNotFound       parent_not_found
@@ -44,6 +45,7 @@ __all__ = [
     "KvRouterError",
     "NoWorkerAvailable",
     "ParentNotFound",
+    "RecordingError",
     "RequestFailed",
     "ServiceError",
     "StatsError",
@@ -131,6 +133,13 @@ class BadMessage(KvRouterError, ValueError):
     0..4294967295, got 'x'``. The bridge counts it as malformed, logs the first one, and applies nothing of
     it; the sync carries on. Also raised for a durable-mode index snapshot that does not decode
     (``kvrouter/bridge/snapshot.py``): the replica counts it, says so, and replays the stream instead."""
+
+
+class RecordingError(KvRouterError):
+    """A recording (``kvrouter up --record FILE``, ``kvrouter/recording/``) cannot be replayed: the file does not
+    start with the recording magic, its header names a format version this kvrouter does not read, or a
+    frame is cut short or does not decode (a writer killed mid-frame, a copy cut off). The message names the
+    file, the byte offset and what is wrong; ``kvrouter replay --from`` prints it and exits with status 2."""
 
 
 class EventError(KvRouterError):

@@ -18,6 +18,8 @@ import orjson
 import typer
 from rich.console import Console
 
+from ..errors import ConfigError, RecordingError
+from ..recording import read_recording
 from ..replay import (
     DRILLS,
     NOT_BUILT,
@@ -28,11 +30,13 @@ from ..replay import (
     replay as run_replay,
     report_json,
 )
+from ..replay.live import render_live, replay_live
+from ..replay.logical import parse_overrides, render as render_replay, replay_recording
 from ..replay.plot import write_plot
 from ..replay.report import render
 from ..sim.trace import SAMPLE_NAME, load_sample, load_trace
 
-__all__ = ["parse_drills", "replay"]
+__all__ = ["parse_drills", "replay", "replay_from"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,9 @@ EPILOG: Final = (
     "  kvrouter replay --drill gap,applier-kill --requests 100 --speed 8 --json drills.json\n\n"
     "  kvrouter replay --url http://127.0.0.1:8490 --drill gap   # attach: process drills are skipped\n\n"
     "  kvrouter replay --requests 200 --plot drills.png          # needs matplotlib (the plot extra)\n\n"
+    "  kvrouter replay --from run.kvr                            # a kvrouter up --record FILE, replayed in-process\n\n"
+    "  kvrouter replay --from run.kvr --router router-temperature=0.5 --json changed.json\n\n"
+    "  kvrouter replay --from run.kvr --live --speed 4           # played to a router started for it\n\n"
     f"Drills: {', '.join(DRILLS)}. Not built yet: {', '.join(NOT_BUILT)}."
 )
 
@@ -75,6 +82,7 @@ def parse_drills(value: str | None) -> tuple[str, ...]:
 
 
 def replay(
+    ctx: typer.Context,
     drill: Annotated[
         str | None,
         typer.Option("--drill", metavar="NAME[,NAME...]", help="Drills to run; all (default): every one built."),
@@ -116,8 +124,68 @@ def replay(
         int, typer.Option("--mock-num-gpu-blocks", min=64, help="KV blocks of each mock engine.")
     ] = 4096,
     shards: Annotated[int, typer.Option("--shards", min=1, help="Applier processes of the router started.")] = 2,
+    record: Annotated[
+        Path | None,
+        typer.Option(
+            "--record",
+            metavar="FILE",
+            dir_okay=False,
+            help="The router started records the whole run to FILE (kvrouter up --record), for --from later.",
+        ),
+    ] = None,
+    from_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--from",
+            metavar="FILE",
+            dir_okay=False,
+            help="Replay a recording in logical time, in-process: every decision again, compared with the recorded.",
+        ),
+    ] = None,
+    router: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--router",
+            metavar="KEY=VALUE",
+            help="With --from: a changed router setting (a RouterConfig field or a kvrouter up router flag, "
+            "e.g. router-temperature=0.5); repeatable. Shows what that router would have decided.",
+        ),
+    ] = None,
+    allow_cut: Annotated[
+        bool,
+        typer.Option(
+            "--allow-cut",
+            help="With --from: replay a recording whose last frame is cut short (a router killed mid-write) up "
+            "to that frame, instead of refusing it.",
+        ),
+    ] = False,
+    live: Annotated[
+        bool,
+        typer.Option(
+            "--live",
+            help="With --from: play the recording against a live router (--url, or one started) at --speed "
+            "(default 1 here): its events re-published, its calls made again; agreement and hit rate.",
+        ),
+    ] = False,
 ) -> None:
     """Run fault drills against a live stack: gaps, time to converge, wrong answers, routing quality."""
+    if from_path is not None or live or router:
+        source = ctx.get_parameter_source("speed")
+        given = source is not None and source.name != "DEFAULT"
+        raise typer.Exit(
+            replay_from(
+                from_path,
+                router or [],
+                json_path,
+                live=live,
+                url=url,
+                speed=speed if given else 1.0,
+                shards=shards,
+                allow_cut=allow_cut,
+            )
+        )
+    if record is not None and url is not None:
+        raise typer.BadParameter("records the router it starts; not with --url", param_hint="--record")
     drills = parse_drills(drill)
     if plot is not None and find_spec("matplotlib") is None:
         raise typer.BadParameter("needs matplotlib: pip install 'kvrouter[plot]'", param_hint="--plot")
@@ -133,6 +201,7 @@ def replay(
         mock_workers=mock_workers,
         shards=shards,
         num_gpu_blocks=num_gpu_blocks,
+        record=None if record is None else str(record),
     )
     console = Console()
     if not console.is_terminal:  # a pipe or a CI log: the table's full width rather than 80 wrapped columns
@@ -151,3 +220,54 @@ def replay(
         ran = [r for r in outcome.results if isinstance(r, RunResult)]
         write_plot(ran, outcome.baseline, plot)
     raise typer.Exit(exit_status(outcome.results))
+
+
+def replay_from(
+    path: Path | None,
+    overrides: list[str],
+    json_path: Path | None,
+    *,
+    live: bool = False,
+    url: str | None = None,
+    speed: float = 1.0,
+    shards: int = 2,
+    allow_cut: bool = False,
+) -> int:
+    """``--from FILE``: the recording replayed in logical time (``replay/logical.py``), or with ``live`` played
+    against a router (``replay/live.py``). Returns the exit status: 0 every decision as recorded (with
+    ``--router`` changes: the replay ran; with ``--live``: it ran without an error), 1 some decision
+    differed with the recorded router, or the live replay met errors (a registration refused, no answer);
+    2 a usage error (no file, a file that is no recording of this version, or cut short; a bad ``--router``,
+    or one with ``--live``; without ``allow_cut``, a last frame cut short)."""
+    if path is None:
+        typer.echo("kvrouter replay: --router and --live need --from FILE", err=True)
+        return 2
+    if live and overrides:
+        typer.echo(
+            "kvrouter replay: --router changes the in-process router; --live plays to a router as it runs", err=True
+        )
+        return 2
+    try:
+        recording = read_recording(path, allow_cut=allow_cut)
+        changes = parse_overrides(overrides)
+    except (RecordingError, ConfigError) as exc:
+        typer.echo(f"kvrouter replay: {exc}", err=True)
+        return 2
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    if live:
+        try:
+            played = asyncio.run(replay_live(recording, url, speed, shards=shards))
+        except ReplayError as exc:
+            typer.echo(f"kvrouter replay: {exc}", err=True)
+            return 1
+        render_live(console, played)
+        if json_path is not None:
+            json_path.write_bytes(orjson.dumps(played.as_json(), option=orjson.OPT_INDENT_2) + b"\n")
+        return 1 if played.errors or (played.decisions and not played.answered) else 0
+    report = replay_recording(recording, changes)
+    render_replay(console, report)
+    if json_path is not None:
+        json_path.write_bytes(orjson.dumps(report.as_json(), option=orjson.OPT_INDENT_2) + b"\n")
+    return 0 if changes or report.differing == 0 else 1

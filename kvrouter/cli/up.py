@@ -585,6 +585,29 @@ def up(
             rich_help_panel=_SERVER,
         ),
     ] = None,
+    record: Annotated[
+        str | None,
+        typer.Option(
+            "--record",
+            metavar="FILE",
+            envvar="KVROUTER_RECORD",
+            help="Record the run (registrations, every event batch applied, every decision) to FILE, to replay "
+            "it later with kvrouter replay --from FILE (docs/replay.md). Not with --fronts > 1 or replica sync.",
+            show_default="off",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
+    router_seed: Annotated[
+        int | None,
+        typer.Option(
+            "--router-seed",
+            envvar="KVROUTER_ROUTER_SEED",
+            help="Seed every partition's router (tie-breaks and sampling draw alike in every run); with --record "
+            "the recording's header keeps it (drawn at random when not given).",
+            show_default="a fresh seed per router",
+            rich_help_panel=_SERVER,
+        ),
+    ] = None,
     # Replica sync
     router_replica_sync: Annotated[
         bool,
@@ -774,6 +797,8 @@ def up(
         "queue_timeout_secs": router_queue_timeout_secs,
         "tokenizer": tokenizer,
         "decision_log": decision_log,
+        "record": record,
+        "router_seed": router_seed,
         "shadow_policies": tuple(p.strip() for p in (shadow_policy or "").split(",") if p.strip()),
         "active_request_expiry_secs": router_active_request_expiry_secs,
         "replica_sync": router_replica_sync,

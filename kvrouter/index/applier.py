@@ -175,6 +175,7 @@ def run_applier(
         log.warning("applier gave up waiting for the fence shard=%d: supervisor %d is gone", shard, parent)
         return
     control = Control.attach(control_name, writable=True)
+    creating_ns = time.monotonic_ns()
     writer = ShardWriter(control, shard, owner_pid, workers=workers)
     if status == STATUS_RECOVERING:
         for worker in workers:  # what they held died with the previous applier; followed ones are rebuilt
@@ -183,6 +184,7 @@ def run_applier(
                 row[W_STATE] = WORKER_PARTIAL
     control.set_pid(shard, os.getpid())
     control.set_status(shard, status)
+    created_ns = time.monotonic_ns()  # readers may answer from the new, empty segment from here on
     log.info(
         "applier up shard=%d pid=%d segment=%s workers=%d followed=%d status=%d",
         shard,
@@ -200,6 +202,9 @@ def run_applier(
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
     ingest = Ingest(context, poller, writer, config or PlaneConfig())
+    if ingest.tap is not None:  # the owned workers' blocks went with the old segment, for readers too
+        for worker in workers:
+            ingest.tap.cleared(worker, "segment", at=(creating_ns, created_ns))
     for spec, ranks in specs:
         ingest.add(WorkerSpec.from_wire(spec), ranks)
     orphaned = False

@@ -38,6 +38,9 @@ class PlaneConfig:
     max_message_bytes: int = 64 << 20
     """A message larger than this is refused (counted as a bad frame) instead of decoded."""
     subscriber_hwm: int = SUBSCRIBER_HWM
+    record_endpoint: str | None = None
+    """The recorder's PULL address (``kvrouter up --record``): every applier copies what it applies there
+    (``tap.py``). None: nothing is recorded."""
 
     def __post_init__(self) -> None:
         for name in ("recovery_timeout", "restore_retry", "stale_after"):

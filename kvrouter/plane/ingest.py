@@ -23,6 +23,7 @@ from ..index.writer import ShardWriter
 from .config import PlaneConfig
 from .registry import WorkerSpec
 from .stream import Stream
+from .tap import Tap
 
 __all__ = ["Ingest"]
 
@@ -45,6 +46,10 @@ class Ingest:
         self._config = config
         self._streams: dict[tuple[int, int], Stream] = {}
         self._owners: dict[zmq.Socket[bytes], Stream] = {}
+        self.tap: Tap | None = (
+            None if config.record_endpoint is None else Tap(context, config.record_endpoint, writer.shard)
+        )
+        """The copy of what is applied for ``kvrouter up --record`` (``tap.py``); None when not recording."""
 
     def _watch(self, socket: zmq.Socket[bytes], stream: Stream | None) -> None:
         if stream is None:
@@ -62,7 +67,9 @@ class Ingest:
             if old is not None:
                 old.close()
             try:
-                self._streams[key] = Stream(spec, rank, self._writer, self._context, self._watch, self._config)
+                self._streams[key] = Stream(
+                    spec, rank, self._writer, self._context, self._watch, self._config, self.tap
+                )
             except (BadEvent, ConfigError, zmq.ZMQError) as exc:
                 log.error("worker not followed worker=%d dp=%d: %s", spec.worker_id, rank, exc)
                 continue
@@ -103,3 +110,6 @@ class Ingest:
         for stream in self._streams.values():
             stream.close(forget=False)
         self._streams.clear()
+        if self.tap is not None:
+            self.tap.close()
+            self.tap = None

@@ -75,6 +75,7 @@ from ..index.writer import ShardWriter
 from .config import PlaneConfig
 from .recovery import QueryClient, RecoveryClient, ReplayClient
 from .registry import FORMATS, WorkerSpec
+from .tap import Tap
 
 __all__ = ["Stream", "Unit"]
 
@@ -101,6 +102,8 @@ class Unit(NamedTuple):
     """The batch's engine stamp [s] (0: none), for the index lag."""
     foreign_block_size: int = 0
     """The block size of dropped stores that were not the registered one (0: none)."""
+    payload: bytes = b""
+    """The message as received, for the recording tap (``tap.py``)."""
 
 
 GUESS_FRAMES: Final = 8
@@ -151,8 +154,11 @@ class Stream:
         context: zmq.Context[zmq.Socket[bytes]],
         watch: Watch,
         config: PlaneConfig,
+        tap: Tap | None = None,
     ) -> None:
         self.spec = spec
+        self._tap = tap
+        """Where what is applied is copied when the router records (``tap.py``); None: not recording."""
         self.rank = rank
         self.key: WorkerKey = (spec.worker_id, rank)
         self._writer = writer
@@ -196,6 +202,8 @@ class Stream:
             writer.forget(self.key)
             raise
         watch(self.socket, self)
+        if tap is not None:  # a joining worker's row starts empty (a new registration, or a new segment)
+            tap.cleared(self.key, "join")
         self._set_state(WORKER_UNKNOWN)
         self._begin_join(time.monotonic())
 
@@ -271,6 +279,7 @@ class Stream:
                 batch.skipped_events,
                 batch.timestamp or 0.0,
                 batch.foreign_block_size,
+                payload,
             )
         events = batch.events
         if not events:
@@ -279,7 +288,7 @@ class Stream:
         if len(events) > 1 and [event.event_id for event in events] != list(range(first, first + len(events))):
             self._bad(f"event ids {first}..{last} are not consecutive", "ids")
             return None
-        return Unit(first, last, events, sent_at=batch.timestamp or 0.0)
+        return Unit(first, last, events, sent_at=batch.timestamp or 0.0, payload=payload)
 
     def _guess_format(self, payload: bytes) -> None:
         """A frame the registered format refused: which format does decode it? Asked for the first bad frames
@@ -334,16 +343,32 @@ class Stream:
         self._bump(W_RESTARTS)
         log.warning("engine restart %s: %s; its blocks are cleared", self._where, why)
         self._writer.clear_worker(self.key)
+        if self._tap is not None:
+            self._tap.cleared(self.key, "restart")
         self.cursor = None
         self._exact = True
         self._words[W_LAST_ID] = NO_ID
 
-    def _apply(self, unit: Unit) -> None:
+    def _apply(self, unit: Unit, *, recovered: bool = False) -> None:
+        """Apply what of ``unit`` is new; ``recovered``: it came from a replay socket or a local indexer (the
+        recording tap says so: a live replay re-publishes history only where the router had to fetch it)."""
         events = unit.events
         if self.cursor is not None and unit.first <= self.cursor:  # overlaps what is applied: keep the rest
             events = tuple(e for e in events if e.event_id > self.cursor)
         if events:
+            tap = self._tap
+            started = time.monotonic_ns() if tap is not None else 0
             self._writer.apply_batch(self.key, events, unit.sent_at)
+            if tap is not None:
+                tap.applied(
+                    self.key,
+                    self.spec.format,
+                    self.spec.block_size,
+                    unit.payload,
+                    len(unit.events) - len(events),
+                    started,
+                    recovered=recovered,
+                )
         self._bump(W_EVENTS, len(events))
         if unit.foreign_block_size:
             self._words[W_SEEN] = seen_word(int(self._words[W_SEEN]), block_size=unit.foreign_block_size)
@@ -453,7 +478,7 @@ class Stream:
                 self._bump(W_GAPS_DETECTED)
                 recovery.gap = True
             recovery.missing = f"the replay buffer starts at {unit.first}, after the missing {expected}"
-        self._apply(unit)
+        self._apply(unit, recovered=True)
 
     def _on_query(self, recovery: _Recovery, answer: QueryReply | BadEvent, now: float) -> None:
         if isinstance(answer, BadEvent):
@@ -476,8 +501,16 @@ class Stream:
             if self.cursor is not None and answer.last_event_id is not None and answer.last_event_id < self.cursor:
                 self._bump(W_RESTARTS)  # a dump behind our cursor: the worker restarted
             self._writer.clear_worker(self.key)
+            tap = self._tap
+            if tap is not None:
+                tap.cleared(self.key, "dump")
             for unit in units:
+                started = time.monotonic_ns() if tap is not None else 0
                 self._writer.apply_batch(self.key, unit.events)
+                if tap is not None:
+                    tap.applied(
+                        self.key, self.spec.format, self.spec.block_size, unit.payload, 0, started, recovered=True
+                    )
             self._exact = recovery.missing is None  # the dump replaces every earlier loss
             self.cursor = answer.last_event_id
             self._words[W_LAST_ID] = NO_ID if self.cursor is None else self.cursor
@@ -487,7 +520,7 @@ class Stream:
                     continue
                 if unit.first > self._expected():
                     recovery.missing = f"the reply starts at {unit.first}, after the missing {self._expected()}"
-                self._apply(unit)
+                self._apply(unit, recovered=True)
         self._finish(now)
 
     def _finish(self, now: float, why: str | None = None) -> None:

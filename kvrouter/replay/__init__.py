@@ -9,6 +9,8 @@ Layout, one job per module:
 - ``run.py``: one measured run (reset, load, fault, convergence, counters).
 - ``session.py``: one invocation (stack, baseline, drills, progress).
 - ``report.py``: the table, the JSON, the exit status; ``plot.py``: ``--plot``.
+- ``logical.py``: ``--from FILE``, a recording (``kvrouter/recording/``) replayed in logical time, in-process;
+  ``live.py``: ``--from FILE --live``, the recording played to a running router.
 """
 
 from __future__ import annotations

@@ -51,6 +51,8 @@ class ReplayOptions:
     shards: int = 2
     num_gpu_blocks: int = 4096
     model_name: str = "default"
+    record: str | None = None
+    """``--record FILE``: the started router records the whole invocation (``kvrouter up --record``)."""
 
 
 @dataclass(slots=True)
@@ -96,6 +98,8 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
                 shards=options.shards,
                 speedup_ratio=options.speed,
                 model_name=options.model_name,
+                record=options.record,
+                router_seed=None if options.record is None else options.seed,
             )
         )
     workload = {

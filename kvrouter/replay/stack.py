@@ -81,6 +81,13 @@ class StackConfig:
     shards: int = 2
     speedup_ratio: float = 1.0
     model_name: str = "default"
+    record: str | None = None
+    """``--record FILE``: the router records its run there (``kvrouter up --record``); a router started
+    again (``router-restart``) records to ``FILE.1``, ``FILE.2``... so no start overwrites another's."""
+    router_seed: int | None = None
+    """``--router-seed`` of the router started (None: its routers draw their own)."""
+    router_args: tuple[str, ...] = ()
+    """More ``kvrouter up`` flags (``--from --live``: the recorded router config)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +273,8 @@ class LocalStack(Stack):
         self._dir = tempfile.TemporaryDirectory(prefix="kvrouter-replay-")
         self.log_path = Path(self._dir.name) / "up.log"
         self._drainer: asyncio.Task[None] | None = None
+        self._router_starts = 0
+        """Routers started so far (each records to its own file with ``record``)."""
 
     async def start(self) -> None:
         """Start the router, then the engines, and register them.
@@ -298,6 +307,14 @@ class LocalStack(Stack):
             sys.executable, "-m", "kvrouter", "up", "--port", str(port), "--zmq-port", "0", "--mock-workers", "0",
             "--shards", str(cfg.shards), "--model-name", cfg.model_name, "--block-size", str(cfg.block_size),
         ]  # fmt: skip
+        if cfg.record is not None:
+            starts = self._router_starts
+            path = cfg.record if not starts else f"{cfg.record}.{starts}"
+            argv += ["--record", path]
+        if cfg.router_seed is not None:
+            argv += ["--router-seed", str(cfg.router_seed)]
+        argv += cfg.router_args
+        self._router_starts += 1
         with self.log_path.open("ab") as stderr:
             self.up = await asyncio.create_subprocess_exec(
                 *argv,

@@ -47,6 +47,7 @@ from ..errors import (
 from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes_array
 from ..plane.registry import offset_endpoint
+from ..recording import Recorder
 from ..routing.config import RouterConfig
 from ..routing.router import Router, Selection
 from ..routing.slots import SlotManager
@@ -62,6 +63,7 @@ from .fronts import Fronts, FrontSpec
 from .health import Health
 from .partition import Instance, Partition
 from .queue import RouterQueue
+from .recording import ServiceRecording, tap_endpoint
 from .routes import Routes
 from .shadow import ShadowChoice, Shadows
 from .stats import EXPLAIN_INTERVAL_S, StatsPublisher
@@ -121,8 +123,15 @@ class Service:
 
     def __init__(self, config: ServiceConfig, *, front: FrontSpec | None = None) -> None:
         self.config = config
+        self.recording: ServiceRecording | None = None
+        """``--record FILE`` (recording.py): the front's records, the held clock and the seed."""
+        plane = config.plane
+        if config.record is not None and front is None:
+            endpoint = tap_endpoint(config.record)
+            plane = replace(plane, record_endpoint=endpoint)  # every applier copies what it applies there
+            self.recording = ServiceRecording(config, endpoint)
         self.engine: Engine | EngineView = (
-            Engine(shards=config.shards, plane=config.plane) if front is None else EngineView(front.handle)
+            Engine(shards=config.shards, plane=plane) if front is None else EngineView(front.handle)
         )
         """Front 0 owns the engine; another front of ``--fronts N`` maps it read-only (``fronts.py``)."""
         self.registrations: dict[WorkerKey, Registration] = {}
@@ -257,6 +266,11 @@ class Service:
         return self._stopping
 
     @property
+    def recorder(self) -> Recorder | None:
+        """The ``--record`` writer (its counters for ``/metrics``); None when not recording."""
+        return None if self.recording is None else self.recording.recorder
+
+    @property
     def router_config(self) -> RouterConfig:
         """The weights and switches every partition's router applies."""
         return self.config.router
@@ -289,6 +303,8 @@ class Service:
                 self.start()
             if self.decision_log is not None:
                 self.decision_log.open()  # after the fork: the appliers hold no handle on it
+            if self.recording is not None:
+                self.recording.open()  # after the fork too: its thread and socket are this process's
             fronts = self.fronts
             if fronts is not None and not fronts.primary:
                 await fronts.open()  # the registry first: a front takes connections only once it can route
@@ -385,6 +401,8 @@ class Service:
             if runner is not None:
                 await runner.cleanup()
             self.engine.close()
+            if self.recording is not None:
+                self.recording.close()  # after the appliers: their last records are in
             log.info("service stopped url=%s", self.url)
 
     def _publish_stats(self, tasks: list[asyncio.Task[None]]) -> None:
@@ -443,6 +461,18 @@ class Service:
             ServiceError: 409 for a duplicate, a block-size mismatch in the partition, an id known in
                 another partition or with another format; 400 for endpoints the engine cannot use.
         """
+        recording = self.recording
+        if recording is None:
+            self._register(registration, follow=follow)
+            return
+        t = recording.clock.hold()  # a new partition's router reads the clock
+        try:
+            self._register(registration, follow=follow)
+        finally:
+            recording.clock.release()
+        recording.registered(t, registration)
+
+    def _register(self, registration: Registration, *, follow: bool) -> None:
         reg = registration
         key = (reg.model_name, reg.routing_group)
         rank_query: dict[int, str] = {}
@@ -497,12 +527,15 @@ class Service:
             except EngineError as exc:
                 raise ServiceError(503, f"engine: {exc}") from exc
         if partition is None:
+            recording = self.recording
             partition = Partition(
                 reg.model_name,
                 reg.routing_group,
                 reg.block_size,
                 self.config.router,
                 expiry_secs=self.config.active_request_expiry_secs,
+                seed=self.config.router_seed if recording is None else recording.seed,
+                clock=time.monotonic if recording is None else recording.clock,
             )
             partition.trust = self.trust.states
             self.partitions[key] = partition
@@ -578,6 +611,8 @@ class Service:
             )
         if not removed:
             raise ServiceError(404, f"instance {request.instance_id} is not registered under {request.model_name!r}")
+        if self.recording is not None:
+            self.recording.unregistered(time.monotonic_ns(), request)
         return removed
 
     def _owned_engine(self) -> Engine:
@@ -653,10 +688,17 @@ class Service:
             raise ServiceError(
                 400, f"active_prefill_tokens_threshold: expected an integer >= 0 or null, got {prefill!r}"
             )
+        recording = self.recording
+        t = 0 if recording is None else recording.clock.hold()  # the new router reads the clock
         try:
             partition.set_thresholds(decode=None if decode is None else float(decode), prefill=prefill)
         except ConfigError as exc:
             raise ServiceError(400, str(exc)) from exc
+        finally:
+            if recording is not None:
+                recording.clock.release()
+        if recording is not None:
+            recording.thresholds(t, partition)
         thresholds = partition.thresholds()
         self._event("busy_threshold", **thresholds)
         self.queue.changed(partition)  # queue.py
@@ -672,6 +714,16 @@ class Service:
                 schedulable worker; ``overload_status`` every worker over a busy threshold; 400 a prompt
                 the hasher refuses.
         """
+        recording = self.recording
+        if recording is None:
+            return self._select(request, reserve=reserve, t=0)
+        t = recording.clock.hold()  # the router reads this one time throughout (recording.py)
+        try:
+            return self._select(request, reserve=reserve, t=t)
+        finally:
+            recording.clock.release()
+
+    def _select(self, request: SelectRequest, *, reserve: bool, t: int) -> SelectResult:
         partition = self.partition(request.model_name, request.routing_group)
         candidates = partition.candidates
         if not candidates:
@@ -715,6 +767,8 @@ class Service:
             shadowed = self.shadows.choose(partition, index, candidates, selection_id or "", local, isl)
         started = time.perf_counter()
         self.counters.phases["hash"].observe(started - hashing)
+        recording = self.recording
+        booked = selection_id if reserve else None
         try:
             selection = router.select(
                 index,
@@ -722,17 +776,28 @@ class Service:
                 local_hashes=local,
                 isl_tokens=isl,
                 capacities=partition.capacities,
-                request_id=selection_id if reserve else None,
+                request_id=booked,
                 explain=explain or sampled,
-                record=reserve or selection_id is not None or self.decision_log is not None or shadowed is not None,
+                record=reserve
+                or selection_id is not None
+                or self.decision_log is not None
+                or shadowed is not None
+                or recording is not None,
             )
-        except NoWorkerAvailable as exc:
-            self.counters.overloaded += 1
-            raise ServiceError(self.config.overload_status, f"overloaded: {exc}") from exc
-        except DuplicateRequest as exc:
-            raise ServiceError(409, str(exc)) from exc
-        except EngineError as exc:
+        except (NoWorkerAvailable, DuplicateRequest, EngineError) as exc:
+            if recording is not None:
+                kind = {NoWorkerAvailable: "overloaded", DuplicateRequest: "duplicate"}.get(type(exc), "engine")
+                recording.decided(
+                    t, partition, local, isl, request.lora_name, candidates, booked, request.probe, None, kind
+                )
+            if isinstance(exc, NoWorkerAvailable):
+                self.counters.overloaded += 1
+                raise ServiceError(self.config.overload_status, f"overloaded: {exc}") from exc
+            if isinstance(exc, DuplicateRequest):
+                raise ServiceError(409, str(exc)) from exc
             raise ServiceError(503, f"engine: {exc}") from exc
+        if recording is not None:
+            recording.decided(t, partition, local, isl, request.lora_name, candidates, booked, request.probe, selection)
         elapsed = time.perf_counter() - started
         if request.probe:  # where it would go: nothing counted, recorded or bound
             instance = partition.instances[selection.worker[0]]
@@ -809,7 +874,16 @@ class Service:
             if peer is None:
                 raise ServiceError(404, f"reservation {selection_id!r} not found")
             reservation = peer
-        reservation.partition.slots.mark_prefill_completed(selection_id)
+        recording = self.recording
+        if recording is None:
+            reservation.partition.slots.mark_prefill_completed(selection_id)
+        else:
+            t = recording.clock.hold()
+            try:
+                reservation.partition.slots.mark_prefill_completed(selection_id)
+            finally:
+                recording.clock.release()
+            recording.booked("pc", t, selection_id)
         if self.sync is not None:
             self.sync.prefill_completed(selection_id, reservation.worker)
         self.queue.changed(reservation.partition)  # queue.py
@@ -825,10 +899,38 @@ class Service:
             reservation = self._peer_reservation(selection_id)
             if reservation is None:
                 raise ServiceError(404, f"reservation {selection_id!r} not found")
-        reservation.partition.slots.free(selection_id)
+        self.free_booked(reservation.partition, selection_id)
         if self.sync is not None:
             self.sync.freed(selection_id, reservation.worker)
         self.queue.changed(reservation.partition)  # queue.py
+
+    def free_booked(self, partition: Partition, selection_id: str) -> None:
+        """Take a reservation's load off its partition's slot manager (recorded when recording)."""
+        recording = self.recording
+        if recording is None:
+            partition.slots.free(selection_id)
+            return
+        t = recording.clock.hold()
+        try:
+            partition.slots.free(selection_id)
+        finally:
+            recording.clock.release()
+        recording.booked("free", t, selection_id)
+
+    def sweep(self, partition: Partition) -> bool:
+        """The slot manager's sweep of requests past their expiry (the health loop's; recorded when recording).
+        Returns whether it removed any."""
+        recording = self.recording
+        if recording is None:
+            return bool(partition.slots.sweep())
+        t = recording.clock.hold()
+        try:
+            removed = bool(partition.slots.sweep())
+        finally:
+            recording.clock.release()
+        if removed:
+            recording.swept(t, partition)
+        return removed
 
     def report_reuse(self, selection_id: str, cached_tokens: int) -> str | None:
         """The engine reused ``cached_tokens`` of the reservation's prompt: compare with the prediction

@@ -46,7 +46,8 @@ class ServiceConfig:
             other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace or component
             that is not one NATS subject token, (with replica_sync or durable_kv_events) a nats_url that is not
             nats:// or tls://, durable_kv_events without KV events, a snapshot threshold below 1, or a
-            router_id that is not 1-64 letters, digits, ``_`` or ``-``.
+            router_id that is not 1-64 letters, digits, ``_`` or ``-``, or a record file in no directory
+            or with fronts > 1 or replica_sync.
     """
 
     host: str = "127.0.0.1"
@@ -124,6 +125,12 @@ class ServiceConfig:
     fronts: int = 1
     """``--fronts``: front processes serving ``port`` together (SO_REUSEPORT), each reading the index
     through shared memory, their load views kept in step by the replica sync (``fronts.py``)."""
+    record: str | None = None
+    """``--record FILE``: the run's events, registrations and decisions written to ``FILE`` for
+    ``kvrouter replay --from`` (``recording.py``)."""
+    router_seed: int | None = None
+    """``--router-seed``: every partition's router seed (with ``record``, written in the header); None: a
+    fresh seed per router (drawn once for the header when recording)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -148,6 +155,13 @@ class ServiceConfig:
             )
         if self.decision_log is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.decision_log))):
             raise ConfigError(f"ServiceConfig.decision_log: no such directory for {self.decision_log!r}")
+        if self.record is not None:
+            if not os.path.isdir(os.path.dirname(os.path.abspath(self.record))):
+                raise ConfigError(f"ServiceConfig.record: no such directory for {self.record!r}")
+            if self.fronts > 1 or self.replica_sync:
+                raise ConfigError(
+                    "ServiceConfig.record: a recording covers one router's state; not with fronts > 1 or replica_sync"
+                )
         if self.tokenizer is not None and not os.path.isfile(self.tokenizer):
             raise ConfigError(f"ServiceConfig.tokenizer: no such file {self.tokenizer!r}")
         if self.queue_threshold is not None and (type(self.queue_threshold) is not int or self.queue_threshold < 1):

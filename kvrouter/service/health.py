@@ -120,14 +120,14 @@ class Health:
             if reservation.at > expiry:
                 break
             del service._reservations[selection_id]
-            reservation.partition.slots.free(selection_id)
+            service.free_booked(reservation.partition, selection_id)
             service.counters.expired_reservations += 1
             if sync is not None:  # the peers expire it too, about now; the Free makes sure
                 sync.freed(selection_id, reservation.worker)
         for partition in service.partitions.values():
             # the router sweeps only when it decides, once a minute; requests learnt from a replica
             # that died must go at the expiry even when this replica decides nothing (O(expired))
-            if partition.slots.sweep():
+            if service.sweep(partition):
                 service.queue.changed(partition)
         if sync is not None:
             sync.sweep()

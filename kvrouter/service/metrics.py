@@ -66,6 +66,7 @@ from ..engine import Engine, EngineView
 from ..errors import EngineError
 from ..events.model import WorkerKey
 from ..index.layout import ERROR_KINDS, WORKER_STATES
+from ..recording import Recorder
 from ..routing.config import RouterConfig
 from ..routing.slots import SlotManager
 from .counters import SHADOW_FIELDS
@@ -371,6 +372,8 @@ class ServiceView(Protocol):
     def sync(self) -> ReplicaSync | None: ...
     @property
     def durable(self) -> DurableEvents | None: ...
+    @property
+    def recorder(self) -> Recorder | None: ...
 
 
 SYNC_EVENT_KINDS: Final = (
@@ -443,6 +446,21 @@ DURABLE_EVENT_KINDS: Final = (
 """``kvrouter_durable_events``' kinds: ``DurableCounters``' fields."""
 RELAY_EVENT_KINDS: Final = ("duplicates", "gaps", "restarts", "queries", "bad_queries", "malformed", "oversized")
 """The relay's counters reported beside them in durable mode (``RelayCounters``' fields)."""
+
+
+def recording_families(recorder: Recorder) -> Iterator[Metric]:
+    """``--record FILE`` (``recording/writer.py``): records written, and those dropped rather than waited for."""
+    written = CounterMetricFamily("kvrouter_recording_records", "Records written to the --record file")
+    written.add_metric([], recorder.written)
+    dropped = CounterMetricFamily(
+        "kvrouter_recording_dropped",
+        "Records dropped because the writer fell behind: the front's queue full (front), or lost on the way "
+        "from an applier (applier)",
+        labels=["source"],
+    )
+    dropped.add_metric(["front"], recorder.dropped)
+    dropped.add_metric(["applier"], recorder.tap_dropped)
+    yield from (written, dropped)
 
 
 def durable_families(durable: DurableEvents) -> Iterator[Metric]:
@@ -656,6 +674,8 @@ def install(service: ServiceView) -> CollectorRegistry:
             yield from replica_sync_families(service.sync)
         if service.durable is not None:
             yield from durable_families(service.durable)
+        if service.recorder is not None:
+            yield from recording_families(service.recorder)
 
     registry.register(ServiceCollector(service.engine, partitions=partitions, front=front))
 

@@ -18,7 +18,8 @@ a restarted service forgets its approximate index, which expires after ``router_
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
@@ -85,6 +86,8 @@ class Partition:
         config: RouterConfig,
         *,
         expiry_secs: float = DEFAULT_EXPIRY_SECS,
+        seed: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model_name = model_name
         self.routing_group = routing_group
@@ -95,8 +98,11 @@ class Partition:
             track_prefill_tokens=config.router_track_prefill_tokens,
             assume_kv_reuse=config.router_assume_kv_reuse,
             expiry_secs=expiry_secs,
+            clock=clock,
         )
-        self.router = Router(config, block_size=block_size, slots=slots)
+        self.seed = seed
+        """The routers' seed: None draws a fresh one; ``kvrouter up --record`` fixes it so a replay draws alike."""
+        self.router = Router(config, block_size=block_size, slots=slots, seed=seed, clock=clock)
         self.approx: ApproxIndex | None = (
             None if config.use_kv_events else ApproxIndex(ttl=config.router_ttl_secs, clock=self.router.slots.clock)
         )
@@ -140,7 +146,8 @@ class Partition:
         config = replace(
             self.router.config, active_decode_blocks_threshold=decode, active_prefill_tokens_threshold=prefill
         )
-        router = Router(config, block_size=self.block_size, slots=self.router.slots)
+        slots = self.router.slots
+        router = Router(config, block_size=self.block_size, slots=slots, seed=self.seed, clock=slots.clock)
         router.set_untrusted(self.router.untrusted)
         self.router = router
 

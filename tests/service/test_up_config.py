@@ -204,6 +204,9 @@ def test_a_bad_config_file_is_a_usage_error_naming_the_problem(runner, tmp_path,
         ["--fronts", "65"],
         ["--shadow-policy", "greedy_overlap,nope"],
         ["--decision-log", "/no/such/dir/decisions.jsonl"],
+        ["--record", "/no/such/dir/run.kvr"],
+        ["--record", "run.kvr", "--fronts", "2"],
+        ["--record", "run.kvr", "--router-replica-sync"],
     ],
 )
 def test_bad_values_are_usage_errors(runner, args):
@@ -225,6 +228,14 @@ def test_fronts_shadows_and_the_decision_log_come_from_flags_env_or_file(runner,
     path = write(tmp_path, 'fronts = 4\nshadow_policy = "least_loaded"\n')
     service = resolve(runner, "--config", str(path))["service"]
     assert (service["fronts"], service["shadow_policies"]) == (4, ["least_loaded"])
+
+
+def test_the_recording_and_its_seed_come_from_flags_or_env(runner, tmp_path):
+    path = str(tmp_path / "run.kvr")
+    service = resolve(runner, "--record", path, "--router-seed", "7")["service"]
+    assert (service["record"], service["router_seed"]) == (path, 7)
+    service = resolve(runner, env={"KVROUTER_RECORD": path})["service"]
+    assert (service["record"], service["router_seed"]) == (path, None)
 
 
 def test_auth_token_comes_from_the_environment_and_is_not_printed(runner):

@@ -1,0 +1,249 @@
+"""Record → replay round trip (issue 14, item 2): a real service records a short run, ``--from`` replays it.
+
+The service runs in this process with ``record`` set (its appliers are real processes, their taps real
+ZMQ sockets) and two real ``kvrouter mock-worker`` engines behind its ``/v1/completions`` proxy. Requests
+go out four at a time, so event batches and decisions interleave; six conversations grow turn by turn on
+a shared system prompt, so the index's overlaps decide. The replay in logical time must then give every
+decision the recorded outcome; a changed router replays the same calls and decides for itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import orjson
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from typer.testing import CliRunner
+
+from kvrouter.cli import app
+from kvrouter.events.codecs import kvrouter as kvrouter_codec
+from kvrouter.events.model import EngineHash, EventBatch, LocalHash, StorageTier, Stored, StoredBlock
+from kvrouter.index.reference import RadixIndex
+from kvrouter.recording import MAGIC, VERSION, Recording, frame, read_recording
+from kvrouter.replay.logical import parse_overrides, replay_recording
+from kvrouter.routing.config import RouterConfig
+from kvrouter.service import Service, ServiceConfig
+from tests.conftest import _wait_until
+from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, serving
+
+CONVERSATIONS = 6
+TURNS = 6
+SEED = 11
+
+runner = CliRunner()
+
+
+def _listening(run: Running) -> bool:
+    _, rows, _ = run.call("GET", "/workers")
+    listeners = [listener for row in rows for listener in row.get("listeners", {}).values()]
+    return len(listeners) == 2 and all(listener.get("state") == "exact" for listener in listeners)
+
+
+def _complete(url: str, tokens: list[int]) -> int:
+    body = f'{{"model": "{MODEL}", "prompt": {tokens}, "max_tokens": 2}}'.encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body, method="POST")
+    request.add_header("Content-Type", "application/json")
+    request.add_header("Authorization", f"Bearer {TOKEN}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        response.read()
+        return int(response.status)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """(the recording of a short run, the router calls it made)."""
+    folder = tmp_path_factory.mktemp("record")
+    path = folder / "run.kvr"
+    config = ServiceConfig(
+        port=0,
+        shards=2,
+        auth_token=TOKEN,
+        health_interval_secs=0.1,
+        drain_secs=2.0,
+        router=RouterConfig(),
+        record=str(path),
+        router_seed=SEED,
+    )
+    rng = random.Random(SEED)
+    system = [rng.randrange(1, 30_000) for _ in range(4 * BLOCK)]
+    turns = [[rng.randrange(1, 30_000) for _ in range(2 * BLOCK + 5)] for _ in range(CONVERSATIONS * TURNS)]
+    calls = 0
+    with serving(config, folder) as run:
+        _wait_until(lambda: _listening(run), what="both engines followed")
+        with ThreadPoolExecutor(4) as pool:
+            for turn in range(TURNS):  # each turn of every conversation at once; the next turn extends it
+                prompts = [
+                    system + [t for k in range(turn + 1) for t in turns[c * TURNS + k]] for c in range(CONVERSATIONS)
+                ]
+                assert list(pool.map(lambda p: _complete(run.url, p), prompts)) == [200] * CONVERSATIONS
+                calls += CONVERSATIONS
+        for c in range(3):  # plain selects and a probe draw from the router's RNG too
+            run.ok("POST", "/select", {"model_name": MODEL, "token_ids": system + turns[c * TURNS]})
+            calls += 1
+        run.ok("POST", "/select", {"model_name": MODEL, "token_ids": system, "probe": True})
+        calls += 1
+        request = urllib.request.Request(run.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            metrics = response.read().decode()
+    assert 'kvrouter_recording_dropped_total{source="front"} 0.0' in metrics
+    assert 'kvrouter_recording_dropped_total{source="applier"} 0.0' in metrics
+    assert "kvrouter_recording_records_total" in metrics
+    return path, calls
+
+
+def test_every_decision_of_a_recorded_run_replays_as_recorded(recorded):
+    path, calls = recorded
+    recording = read_recording(path, allow_open=False)
+    assert recording.header["seed"] == SEED
+    assert recording.count("reg") == 2
+    assert recording.count("pc") == recording.count("free") == CONVERSATIONS * TURNS
+    report = replay_recording(recording)
+    assert report.decisions == calls
+    assert report.matched == report.decisions, report.differences
+    assert report.dropped == 0
+    assert report.event_batches > 0
+    assert report.event_errors == 0
+    assert report.recorded_hit_blocks > 0  # the index mattered: later turns found their conversation's blocks
+    assert report.replayed_hit_blocks == report.recorded_hit_blocks
+
+
+def test_a_changed_router_replays_the_same_calls_and_decides_for_itself(recorded):
+    path, calls = recorded
+    report = replay_recording(read_recording(path), parse_overrides(["router-kv-overlap-score-credit=0"]))
+    assert report.overrides == {"overlap_score_credit": 0}
+    assert report.decisions == calls
+    assert report.matched + report.differing == calls
+    assert report.as_json()["hit_rate"]["recorded"] == round(report.recorded_hit_blocks / report.prompt_blocks, 4)
+
+
+def test_replay_from_prints_the_table_writes_the_json_and_exits_0(recorded, tmp_path):
+    path, calls = recorded
+    out = tmp_path / "replay.json"
+    result = runner.invoke(app, ["replay", "--from", str(path), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "matched" in result.output
+    document = orjson.loads(out.read_bytes())
+    assert document["decisions"] == document["matched"] == calls
+    assert document["version"] == VERSION
+    assert document["seed"] == SEED
+
+
+def test_a_cut_short_or_other_version_recording_and_a_bad_router_change_are_usage_errors(recorded, tmp_path):
+    path, _ = recorded
+    whole = path.read_bytes()
+    cut = tmp_path / "cut.kvr"
+    cut.write_bytes(whole[: len(whole) // 2])
+    result = runner.invoke(app, ["replay", "--from", str(cut)])
+    assert result.exit_code == 2
+    assert "truncated at byte" in result.output
+    result = runner.invoke(app, ["replay", "--from", str(cut), "--allow-cut"])
+    assert result.exit_code == 0, result.output
+    assert "cut short at byte" in result.output
+    header_length = int.from_bytes(whole[len(MAGIC) : len(MAGIC) + 4], "little")
+    header = msgpack.unpackb(whole[len(MAGIC) + 4 : len(MAGIC) + 4 + header_length])
+    other = tmp_path / "v2.kvr"
+    other.write_bytes(MAGIC + frame({**header, "version": VERSION + 1}) + whole[len(MAGIC) + 4 + header_length :])
+    result = runner.invoke(app, ["replay", "--from", str(other)])
+    assert result.exit_code == 2
+    assert f"recording format version {VERSION + 1}" in result.output
+    result = runner.invoke(app, ["replay", "--from", str(path), "--live", "--router", "router-temperature=1"])
+    assert result.exit_code == 2
+    result = runner.invoke(app, ["replay", "--from", str(path), "--router", "no-such-knob=1"])
+    assert result.exit_code == 2
+
+
+def _raced(applied_from: int) -> Recording:
+    """A decision at t 1000..2000 whose recorded overlaps saw worker 2's batch, applied from ``applied_from`` to 2500
+    (the recording of the moment a batch lands while a decision walks the index)."""
+    blocks = tuple(StoredBlock(EngineHash(100 + h), LocalHash(h)) for h in (11, 12, 13, 14))
+    payload = kvrouter_codec.Encoder().encode(EventBatch((Stored(2, None, blocks),)))
+    seen = RadixIndex()
+    seen.apply_event(2, Stored(2, None, blocks))
+    by_tier = seen.find_matches_by_tier([11, 12, 13, 14])
+    overlaps = [[by_tier.get(tier, {}).get(key, 0) for key in ((1, 0), (2, 0))] for tier in StorageTier]
+    records: list[dict[str, Any]] = [
+        {"k": "reg", "n": 0, "t": 100, "m": MODEL, "g": "default", "w": 1, "r": 0, "bs": BLOCK, "fmt": "kvrouter"},
+        {"k": "reg", "n": 1, "t": 101, "m": MODEL, "g": "default", "w": 2, "r": 0, "bs": BLOCK, "fmt": "kvrouter"},
+        {"k": "dec", "n": 2, "t": 1000, "t1": 2000, "m": MODEL, "g": "default", "id": "a", "probe": False,
+         "h": np.array([11, 12, 13, 14], dtype="<u8").tobytes(), "isl": 4 * BLOCK, "lora": None,
+         "cand": [[1, 0], [2, 0]], "cap": None, "untr": [], "w": [2, 0], "o": 4, "ov": overlaps, "err": None},
+        {"k": "ev", "n": 3, "t": 2500, "t0": applied_from, "w": 2, "r": 0, "fmt": "kvrouter", "bs": BLOCK,
+         "skip": 0, "p": payload},
+    ]  # fmt: skip
+    header = {"kind": "header", "version": VERSION, "seed": 1, "router": dataclasses.asdict(RouterConfig())}
+    return Recording(Path("raced.kvr"), header, records)
+
+
+def test_a_batch_applied_while_a_decision_walked_the_index_counts_as_seen_when_the_overlaps_say_so():
+    report = replay_recording(_raced(applied_from=1500))  # began before the decision ended: it may have been seen
+    assert report.races == 1
+    assert report.index_differs == 0
+    assert report.matched == report.decisions == 1
+    late = replay_recording(_raced(applied_from=2100))  # began after the decision ended: it cannot have been
+    assert late.races == 0
+    assert late.index_differs == 1
+
+
+def test_live_plays_the_recording_to_a_router_started_for_it(recorded, tmp_path):
+    """``--live``: a ``kvrouter up`` started with the recorded seed and config; the recorded workers' events
+    re-published from this process, every call made again. Agreement depends on live timing, so only the
+    accounting is asserted: every call answered, every batch sent, no error."""
+    path, calls = recorded
+    out = tmp_path / "live.json"
+    result = runner.invoke(app, ["replay", "--from", str(path), "--live", "--speed", "4", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    document = orjson.loads(out.read_bytes())
+    assert document["decisions"] == document["answered"] == calls
+    assert document["refused"] == 0
+    assert document["errors"] == []
+    assert document["event_batches"] == read_recording(path).count("ev")
+
+
+def test_an_approximate_mode_recording_replays_on_an_approx_index(tmp_path):
+    """No events at all: the ``ApproxIndex`` is fed by the decisions themselves, under the held clock (its TTL)."""
+    path = tmp_path / "approx.kvr"
+    config = ServiceConfig(
+        port=0, shards=1, router=RouterConfig(use_kv_events=False, router_ttl_secs=60), record=str(path), router_seed=5
+    )
+    service = Service(config)  # served without its engine: approximate mode never asks it
+    assert service.recording is not None
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(1, 30_000) for _ in range(3 * BLOCK)] for _ in range(3)]
+    steps: list[tuple[str, str, Any]] = [
+        ("POST", "/register", {"instance_id": wid, "model_name": MODEL, "block_size": BLOCK}) for wid in (1, 2, 3)
+    ]
+    for i in range(18):
+        body = {"model_name": MODEL, "token_ids": prefixes[i % 3] + [i + 1] * BLOCK, "selection_id": f"r{i}"}
+        steps.append(("POST", "/select_and_reserve", body))
+        if i % 2:
+            steps.append(("POST", f"/reservations/r{i - 1}/prefill_complete", {}))
+            steps.append(("DELETE", f"/reservations/r{i - 1}", None))
+    service.recording.open()
+    try:
+        answers = asyncio.run(_exchange(service, steps))
+    finally:
+        service.recording.close()
+    assert all(status in (200, 201) for status, _ in answers), answers
+    report = replay_recording(read_recording(path, allow_open=False))
+    assert report.decisions == 18
+    assert report.matched == 18, report.differences
+    assert report.recorded_hit_blocks > 0  # later requests followed their prefix's first decision
+    assert report.event_batches == 0
+
+
+async def _exchange(service: Service, steps: list[tuple[str, str, Any]]) -> list[tuple[int, Any]]:
+    answers = []
+    async with TestClient(TestServer(service.app, host="127.0.0.1")) as client:
+        for method, url, body in steps:
+            response = await client.request(method, url, json=body)
+            answers.append((response.status, await response.json()))
+    return answers

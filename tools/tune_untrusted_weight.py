@@ -110,7 +110,8 @@ async def measure(args: argparse.Namespace, trace: Trace) -> list[dict[str, Any]
                 await stack.restart_router()
                 result = await run(stack, requests, prompts, drill, victim, converge_timeout=SETTLE_S)
                 if not result.fault_seen:
-                    raise ReplayError(f"seed {seed} weight {weight}: the router never counted the gap lost: {result.gaps}")
+                    gaps = result.gaps
+                    raise ReplayError(f"seed {seed} weight {weight}: the router never counted the gap lost: {gaps}")
                 row = {"seed": seed, "weight": weight, "victim": victim.worker_id, **after_fault(result, victim)}
                 runs.append(row)
                 print(json.dumps(row), flush=True)

@@ -148,6 +148,7 @@ def run_applier(
     status: int,
     specs: Sequence[tuple[bytes, Sequence[int]]] = (),
     config: PlaneConfig | None = None,
+    budget: int = 0,
 ) -> None:
     """The applier's whole life, run in a process forked by the supervisor.
 
@@ -167,6 +168,7 @@ def run_applier(
         status: the status to publish once the shard is writable.
         specs: the followed workers the shard owns, as ``(WorkerSpec.to_wire(), dp ranks)``.
         config: the event plane's bounds and timers.
+        budget: the (worker, block) entries the shard may hold (its share of the index cap; 0: no cap).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when appliers stop
     parent = os.getppid()
@@ -175,7 +177,7 @@ def run_applier(
         log.warning("applier gave up waiting for the fence shard=%d: supervisor %d is gone", shard, parent)
         return
     control = Control.attach(control_name, writable=True)
-    writer = ShardWriter(control, shard, owner_pid, workers=workers)
+    writer = ShardWriter(control, shard, owner_pid, workers=workers, budget=budget)
     if status == STATUS_RECOVERING:
         for worker in workers:  # what they held died with the previous applier; followed ones are rebuilt
             row = writer.row(worker)

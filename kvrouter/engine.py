@@ -37,6 +37,7 @@ from .index.applier import EVENTS, clear_frames, flush_frames
 from .index.dense import WorkerSlots
 from .index.layout import (
     EVICT_REASONS,
+    MAX_INDEX_BLOCKS,
     NO_ID,
     STATUS_RECOVERING,
     STATUS_STARTING,
@@ -67,7 +68,6 @@ from .index.layout import (
 )
 from .index.reader import IndexReader
 from .index.supervisor import STOP_TIMEOUT, Supervisor
-from .index.writer import MAX_INDEX_BLOCKS
 from .plane.config import PlaneConfig
 from .plane.registry import FORMATS, WorkerSpec
 

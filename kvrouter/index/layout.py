@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "MAX_INDEX_BLOCKS",
     "STATUS_RECOVERING",
     "STATUS_STARTING",
     "STATUS_STOPPED",
@@ -55,6 +56,14 @@ MIN_CAPACITY: Final = 1024
 MAX_LOAD: Final = 0.5
 """Grow when used slots pass this share of capacity: linear probing stays short (``spec`` §3.1)."""
 
+MAX_INDEX_BLOCKS: Final = 1 << 23
+"""The default index cap, in (worker, block) entries over all shards and tiers (``--max-index-blocks``).
+
+An entry costs at most one table slot and one engine-map row, 48 bytes each with up to 64 workers per shard
+(``row_words(1)``, ``_kernels.MAP_ROW_WORDS``), each at a load of 0.375 to 0.5: 256 bytes at worst
+(the slot is shared by every worker holding the block, so less in a fleet with common prefixes). 8 M
+entries is then 2 GiB at most, and holds the device caches of 256 engines of 30 k blocks (an 8 B model
+on one 80 GB GPU at 16 tokens a block), or 64 such engines with a host tier four times their device."""
 # -- control segment ----------------------------------------------------------------------------
 CONTROL_MAGIC: Final = 0x6B76_7263_7472_6C00  # "kvrctrl"
 LAYOUT_VERSION: Final = 4

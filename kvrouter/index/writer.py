@@ -76,20 +76,12 @@ from .layout import (
     unlink_segment,
 )
 
-__all__ = ["EVICT_SLACK", "MAX_INDEX_BLOCKS", "ShardWriter", "pack_run", "raw_event"]
+__all__ = ["EVICT_SLACK", "ShardWriter", "pack_run", "raw_event"]
 
 Table = npt.NDArray[np.uint64]
 
 log = logging.getLogger(__name__)
 
-MAX_INDEX_BLOCKS: Final = 1 << 23
-"""The default index cap, in (worker, block) entries over all shards and tiers (``--max-index-blocks``).
-
-An entry costs at most one table slot and one engine-map row, 48 bytes each with up to 64 workers per shard
-(``layout.row_words(1)``, ``kernels.MAP_ROW_WORDS``), each at a load of 0.375 to 0.5: 256 bytes at worst
-(the slot is shared by every worker holding the block, so less in a fleet with common prefixes). 8 M
-entries is then 2 GiB at most, and holds the device caches of 256 engines of 30 k blocks (an 8 B model
-on one 80 GB GPU at 16 tokens a block), or 64 such engines with a host tier four times their device."""
 EVICT_SLACK: Final = 64
 """An eviction brings a shard to ``budget - budget // EVICT_SLACK`` entries, not to the budget: each costs
 a scan of the engine map, so it frees 1/64 of the budget at once and the next one comes that many stores

@@ -122,7 +122,9 @@ class Service:
     def __init__(self, config: ServiceConfig, *, front: FrontSpec | None = None) -> None:
         self.config = config
         self.engine: Engine | EngineView = (
-            Engine(shards=config.shards, plane=config.plane) if front is None else EngineView(front.handle)
+            Engine(shards=config.shards, plane=config.plane, max_index_blocks=config.max_index_blocks)
+            if front is None
+            else EngineView(front.handle)
         )
         """Front 0 owns the engine; another front of ``--fronts N`` maps it read-only (``fronts.py``)."""
         self.registrations: dict[WorkerKey, Registration] = {}

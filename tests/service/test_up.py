@@ -294,7 +294,7 @@ def test_the_index_cap_holds_under_a_flood_of_stores_whose_removals_are_lost(sta
         def subscribed() -> bool:  # a PUB drops what it sends before the SUB joined: publish until one lands
             pub.store([10**6], [10**8 + t for t in range(block)])
             pub.publish()
-            return listener().get("cached_blocks", 0) > 0
+            return int(listener().get("cached_blocks", 0)) > 0
 
         wait_until(subscribed, timeout=60, what="the router follows the publisher")
         for chain in range(chains):

@@ -33,7 +33,7 @@ from .errors import BadEvent, ConfigError, EngineError, FlushTimeout
 from .events.codecs.dynamo import event_from_dict
 from .events.codecs.kvrouter import Encoder
 from .events.model import EventBatch, KvEvent, StorageTier, WorkerKey
-from .index.applier import EVENTS, clear_frames, flush_frames
+from .index.applier import EVENTS, clear_frames, flush_frames, touch_frames
 from .index.dense import WorkerSlots
 from .index.layout import (
     EVICT_REASONS,
@@ -413,6 +413,19 @@ class Engine:
         supervisor = self._running()
         supervisor.send(supervisor.shard_for(worker), [EVENTS, payload])
 
+    def touch(self, worker: WorkerKey, seq_hashes: npt.NDArray[np.uint64]) -> None:
+        """Tell the shard owning ``worker`` that a decision matched these blocks (sequence hashes): they
+        become the most recently used in the index cap's order (``ShardWriter.touch``), asynchronously.
+        Nothing without a cap, or for a worker no shard owns.
+
+        Raises:
+            EngineError: the engine is not running.
+        """
+        supervisor = self._running()
+        shard = supervisor.owner(worker)
+        if self.max_index_blocks and shard is not None and len(seq_hashes):
+            supervisor.send(shard, touch_frames(seq_hashes))
+
     def add_worker(self, spec: WorkerSpec) -> None:
         """Follow a worker's KV events over ZMQ: each dp rank's applier subscribes to it, restores it from its
         replay socket or local indexer, and tracks its gaps (``plane/stream.py``). The worker is routable at
@@ -555,6 +568,10 @@ class EngineView:
 
     Not thread-safe (one reader, no lock): one event loop uses it.
     """
+
+    def touch(self, worker: WorkerKey, seq_hashes: npt.NDArray[np.uint64]) -> None:
+        """Nothing: only the engine's owner talks to its appliers; this front's matches do not reach the
+        index cap's order (``docs/insight.md`` "Bounded memory")."""
 
     def __init__(self, handle: ReaderHandle) -> None:
         self.handle = handle

@@ -126,6 +126,7 @@ __all__ = [
     "STUCK_SPINS",
     "apply_run",
     "begin_rows_change",
+    "carry_matched",
     "clear_holder",
     "copy_live",
     "end_rows_change",
@@ -142,6 +143,7 @@ __all__ = [
     "remove",
     "scratch_words",
     "store",
+    "touch",
     "walk",
 ]
 
@@ -814,6 +816,44 @@ def _heap_pop(keys: Counts, rows: Counts, n: int) -> int:
     return n
 
 
+@_inlined
+def _recency(table: Table, emap: Map, matched: Table, row: int) -> int:
+    """When the row was last stored (or stored under), or its block last matched, whichever is later."""
+    stamp = emap[row, MAP_STAMP]
+    slot = _find(table, _table_key(emap[row, 2]))
+    if slot >= 0 and matched[slot] > stamp:
+        stamp = matched[slot]
+    return _i64(stamp)
+
+
+@_kernel
+def touch(table: Table, matched: Table, seqs: npt.NDArray[np.uint64], stamp: np.uint64) -> int:
+    """Blocks a decision matched: each sequence hash's slot gets ``stamp`` in ``matched`` (the writer's
+    private array beside the table, one word per slot). Returns how many were found."""
+    found = 0
+    for i in range(seqs.size):  # hot path: one probe per block
+        slot = _find(table, _table_key(seqs[i]))
+        if slot >= 0:
+            matched[slot] = stamp
+            found += 1
+    return found
+
+
+@_kernel
+def carry_matched(old: Table, new: Table, old_matched: Table, new_matched: Table) -> None:
+    """After ``copy_live`` into ``new``: every live key's match stamp moves to its slot there."""
+    width = _row_words(old)
+    for slot in range(_i64(old[H_CAPACITY])):
+        if old_matched[slot] == _ZERO:
+            continue
+        key = old[HEADER_WORDS + slot * width]
+        if key == _ZERO or _is_tomb(old, HEADER_WORDS + slot * width, width):
+            continue
+        moved = _find(new, key)
+        if moved >= 0:
+            new_matched[moved] = old_matched[slot]
+
+
 @_kernel
 def evict(
     table: Table,
@@ -822,6 +862,7 @@ def evict(
     refs: Map,
     rmeta: Meta,
     cached: TierCounts,
+    matched: Table,
     untrusted: npt.NDArray[np.uint8],
     entries: int,
     target: int,
@@ -829,7 +870,8 @@ def evict(
 ) -> int:
     """Drop (holder, block) entries until at most ``target`` remain of ``entries``, as a Removed event would
     (under the slots' seqlock, ``_release``): leaves first (rows no other row of the holder was stored
-    under), of holders with ``untrusted[bit]`` set first, then the least recently stored. A leaf's parent
+    under), of holders with ``untrusted[bit]`` set first, then the least recently stored or matched (the
+    later of the row's stamp and ``matched[slot]``, its block's slot's last match, ``touch``). A leaf's parent
     becomes a candidate once its last child goes, so chains shrink from the tip and a prefix stays
     matchable to the end. Should a class's leaves run out first (only possible when moved hashes made
     the links circular), a second pass takes its oldest rows whatever their links: the bound always holds.
@@ -861,7 +903,7 @@ def evict(
             if (untrusted[(_i64(owner) - 1) // TIERS] == 0) != (trusted == 1):
                 continue
             if not (leaves_only and emap[row, MAP_LINKS] & CHILDREN != _ZERO):
-                n = _heap_push(keys, rows, n, _i64(emap[row, MAP_STAMP]), row)
+                n = _heap_push(keys, rows, n, _recency(table, emap, matched, row), row)
         while n > 0 and entries > target:  # hot path: one heap pop and one release per entry
             row = rows[0]
             n = _heap_pop(keys, rows, n)
@@ -869,7 +911,7 @@ def evict(
             bit, tier = holder // TIERS, holder % TIERS
             above = _unlink(emap, emeta, row, holder)
             if leaves_only and above >= 0:
-                n = _heap_push(keys, rows, n, _i64(emap[above, MAP_STAMP]), above)
+                n = _heap_push(keys, rows, n, _recency(table, emap, matched, above), above)
             seq = emap[row, 2]
             _map_delete(emap, emeta, row)
             before = cached[tier, bit]

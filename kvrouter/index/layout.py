@@ -70,7 +70,7 @@ LAYOUT_VERSION: Final = 4
 """2: worker rows grew to 16 words (event-plane cursor, gap counters, trust state); shards got a rows generation.
 3: worker rows grew to 20 words: cached blocks in the host, disk and shared tiers beside the device count.
 4: the index cap: worker rows grew to 22 words (entries evicted, by reason), shard blocks to 32 (entries,
-budget, evictions by reason, events about evicted blocks)."""
+budget, evictions by reason, events about evicted blocks, matched blocks stamped)."""
 C_MAGIC, C_VERSION, C_SHARDS, C_ROWS = range(4)
 """Control header words: magic, layout version, shard count, worker rows per shard."""
 SHARD_BLOCK_WORDS: Final = 32
@@ -103,6 +103,9 @@ S_AFTER_EVICTION: Final = S_EVICTED + len(EVICT_REASONS)
 """Events naming a block the cap had evicted from their worker (a Removed of it, a Stored under it): the
 index's doing, not the engine's, so they are counted here and not as ``block_not_found`` /
 ``parent_not_found``."""
+S_TOUCHED: Final = S_AFTER_EVICTION + 1
+"""Blocks the front reported matched by its decisions and the applier found in the table (``touch``): the
+"matched" half of the cap's least-recently-used order."""
 WORKER_ROWS: Final = 4096
 """Worker rows per shard: row b describes mask bit b. 4096 leaves room for any fleet one router serves."""
 (
@@ -381,6 +384,10 @@ class Control:
         block = self._blocks[shard]
         evicted = {reason: int(block[S_EVICTED + i]) for i, reason in enumerate(EVICT_REASONS)}
         return int(block[S_ENTRIES]), int(block[S_BUDGET]), evicted, int(block[S_AFTER_EVICTION])
+
+    def touched(self, shard: int) -> int:
+        """Matched blocks the shard's applier stamped (``S_TOUCHED``)."""
+        return int(self._blocks[shard, S_TOUCHED])
 
     def workers(self, shard: int) -> dict[int, tuple[int, int, int]]:
         """Rows in use: mask bit → (worker_id, dp_rank, cached device blocks)."""

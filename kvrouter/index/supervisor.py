@@ -212,6 +212,10 @@ class Supervisor:
                     self._known[shard].add(worker)
         return shard
 
+    def owner(self, worker: WorkerKey) -> int | None:
+        """The shard ``worker`` was assigned to, None if none was (nothing is assigned here)."""
+        return self._assignment.get(worker)
+
     def shards_of(self, worker_id: int) -> list[int]:
         """The shards holding some dp rank of ``worker_id``, in order."""
         with self._lock:

@@ -47,6 +47,7 @@ from .layout import (
     S_BUDGET,
     S_ENTRIES,
     S_EVICTED,
+    S_TOUCHED,
     SHARD_MAGIC,
     TIERS,
     W_BAD_FRAMES,
@@ -215,6 +216,9 @@ class ShardWriter:
         control.worker_rows(shard)[:] = 0  # a dead predecessor's rows: this writer registers its own
         kernels.end_rows_change(control.block(shard))
         self._segment = self._publish(capacity, nwords=1)
+        self._matched = np.zeros(int(self.table[H_CAPACITY]), dtype=np.uint64)
+        """When each table slot's block was last matched (``touch``; 0: never), in the engine map's stamps:
+        private, beside the shared table, carried through every rebuild (``kernels.carry_matched``)."""
         for worker in workers:
             self._bit(worker)
 
@@ -282,6 +286,17 @@ class ShardWriter:
                 errors = self._excuse(bit, errors)
         self._count(len(events), errors, sent_at)
         return errors
+
+    def touch(self, seqs: npt.NDArray[np.uint64]) -> int:
+        """Blocks the front's decisions matched (sequence hashes): each is now the most recently used for
+        the cap's order, for every worker of this shard holding it. Nothing without a cap. Returns how
+        many were in the table, counted in the shard's ``S_TOUCHED``."""
+        if not self.budget:
+            return 0
+        self._emeta[kernels.M_STAMP] += 1
+        found = int(kernels.touch(self.table, self._matched, seqs, np.uint64(self._emeta[kernels.M_STAMP])))
+        self._block[S_TOUCHED] += np.uint64(found)
+        return found
 
     def count_bad_batch(self) -> None:
         """A message for this shard did not decode: one ``bad_event``, no event applied."""
@@ -435,7 +450,7 @@ class ShardWriter:
         untrusted = (rows[:, W_STATE] != WORKER_EXACT).astype(np.uint8)
         evicted = np.zeros((len(rows), len(EVICT_REASONS)), dtype=np.int64)
         before = self._entries
-        kernels.evict(*self._maps(), untrusted, before, self._target, evicted)
+        kernels.evict(*self._maps(), self._matched, untrusted, before, self._target, evicted)
         for bit in np.flatnonzero(evicted.any(axis=1)).tolist():
             for reason, word in enumerate(W_EVICTED_BY_REASON):
                 rows[bit, word] += np.uint64(evicted[bit, reason])
@@ -516,6 +531,9 @@ class ShardWriter:
             capacity = max(capacity, int(old.words[H_CAPACITY]))
         new = self._publish(capacity, nwords=nwords, before=old)
         self._segment = new
+        matched = np.zeros(int(new.words[H_CAPACITY]), dtype=np.uint64)
+        kernels.carry_matched(old.words, new.words, self._matched, matched)
+        self._matched = matched
         old.close()
         unlink_segment(old.name)
         log.info(

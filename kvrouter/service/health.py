@@ -80,6 +80,7 @@ class Health:
         if not self.service._started or self.service._stopping:
             return
         self.refresh_index()
+        self.service.feed_matches()
         streams = self.service.engine.workers() if self.service.config.router.use_kv_events else {}
         for key, stats in streams.items():
             before = self.service._streams.get(key)

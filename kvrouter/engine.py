@@ -162,6 +162,8 @@ class ShardStats:
     """Entries the cap evicted, by reason (``untrusted``, ``lru``), since the engine started."""
     after_eviction: int = 0
     """Events naming a block the cap had evicted (not counted as errors)."""
+    touched: int = 0
+    """Blocks the front's decisions matched that the applier stamped for the cap's order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -670,6 +672,7 @@ def read_shards(control: Control) -> list[ShardStats]:
                 budget=budget,
                 evicted=evicted,
                 after_eviction=after_eviction,
+                touched=control.touched(shard),
             )
         )
     return shards

@@ -186,6 +186,10 @@ class ServiceCollector(Collector):
             "kvrouter_index_events_after_eviction",
             "Events naming a block the cap had evicted from their worker (a Removed of it, a Stored under it)",
         )
+        touched = CounterMetricFamily(
+            "kvrouter_index_matched_blocks",
+            "Blocks the decisions matched, fed back to the appliers for the cap's least recently used order",
+        )
         evicted_by_reason = dict.fromkeys(EVICT_REASONS, 0)
         errors = dict.fromkeys(ERROR_KINDS, 0)
         for shard in shards:
@@ -211,7 +215,9 @@ class ServiceCollector(Collector):
         for reason, count in evicted_by_reason.items():
             evictions.add_metric([reason], count)
         after_eviction.add_metric([], sum(shard.after_eviction for shard in shards))
-        yield from (up, status, restarts, epoch, applied, rejected, age, lag, cap, used, evictions, after_eviction)
+        touched.add_metric([], sum(shard.touched for shard in shards))
+        yield from (up, status, restarts, epoch, applied, rejected, age, lag)
+        yield from (cap, used, evictions, after_eviction, touched)
 
         labels = ["worker_id", "dp_rank"]
         cached = GaugeMetricFamily("kvrouter_worker_cached_blocks", "Device blocks the index holds", labels=labels)

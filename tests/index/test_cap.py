@@ -143,6 +143,18 @@ class CappedAgreesWithMirror(RuleBasedStateMachine):
         if lru > lru_before:  # the least recently stored of exact workers go only once no other is left
             assert not any(key not in self.exact for (key, _), seqs in table.items() if seqs)
 
+    @rule(data=st.data())
+    def match(self, data: st.DataObject) -> None:
+        """The front reports a prefix its decision matched: it only reorders what the cap evicts next."""
+        assert self.index is not None
+        paths = sorted({p for held in self.oracle.holdings().values() for p in held.values()})
+        path = data.draw(st.sampled_from(paths), label="path") if paths else (1,)
+        seqs = np.array(sequence_hashes(list(path)), dtype=np.uint64)
+        (shard,) = read_shards(self.index.control)
+        found = self.index.writers[0].touch(seqs)
+        assert found <= len(seqs)
+        assert read_shards(self.index.control)[0].touched == shard.touched + found
+
     @rule(query=st.lists(CONTENT, min_size=1, max_size=7))
     def remember_query(self, query: list[int]) -> None:
         self.queries.add(tuple(query))
@@ -256,3 +268,40 @@ def test_events_about_evicted_blocks_are_not_errors(capped: InProcessShards):
     assert shard.after_eviction == 2
     assert shard.errors["block_not_found"] == shard.errors["parent_not_found"] == 0
     assert capped.find_matches([*range(79), 5])[1, 0] == shard.entries
+
+
+def test_a_matched_chain_outlives_a_newer_one_across_growth():
+    """A (stored first) and B (stored later) of 100 blocks each; a decision matches A; then 850 blocks of
+    other chains grow the table past its first size and the shard past its budget of 1,000: the 65 entries
+    evicted are B's tip, not A's, which was matched after B was stored (its stamps moved with the growth)."""
+    index = InProcessShards(1, budget=1000)
+    try:
+        writer = index.writers[0]
+        first_segment = writer.segment_name
+        for base in (0, 1000):
+            blocks = tuple(StoredBlock(EngineHash(base + i), LocalHash(base + i)) for i in range(100))
+            index.apply_event(1, Stored(1, None, blocks))
+        chain_a = list(range(100))
+        assert writer.touch(np.array(sequence_hashes(chain_a), dtype=np.uint64)) == 100
+        for doc in range(17):
+            base = 10_000 + doc * 100
+            blocks = tuple(StoredBlock(EngineHash(base + i), LocalHash(base + i)) for i in range(50))
+            index.apply_event(1, Stored(1, None, blocks))
+        assert writer.segment_name != first_segment  # grown: the match stamps were carried over
+        (shard,) = read_shards(index.control)
+        assert shard.entries == 1000 - 1000 // 64
+        assert index.find_matches(chain_a) == {(1, 0): 100}
+        assert index.find_matches(list(range(1000, 1100))) == {(1, 0): 100 - 65}
+        assert shard.touched == 100
+    finally:
+        index.close()
+
+
+def test_matches_change_nothing_without_a_cap():
+    index = InProcessShards(1)
+    try:
+        index.apply_event(1, Stored(1, None, (StoredBlock(EngineHash(1), LocalHash(1)),)))
+        assert index.writers[0].touch(np.array(sequence_hashes([1]), dtype=np.uint64)) == 0
+        assert read_shards(index.control)[0].touched == 0
+    finally:
+        index.close()

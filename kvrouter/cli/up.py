@@ -293,7 +293,7 @@ def up(
             envvar="KVROUTER_MAX_INDEX_BLOCKS",
             min=0,
             help="Cap on the index's (worker, block) entries, all workers and tiers, split evenly over the shards; "
-            "past it, blocks of workers not exact go first, then the least recently stored. 0: no cap. "
+            "past it, blocks of workers not exact go first, then the least recently stored or matched. 0: no cap. "
             "The default holds at most about 2 GiB.",
             rich_help_panel=_WORKERS,
         ),

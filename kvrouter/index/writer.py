@@ -12,8 +12,22 @@ map 64k -> 2M rows) growth was ~18 µs of the ~48 µs per 80-block message: new 
 maps ~10 (the kernel zeroing pages; the maps are no longer zeroed a second time by ``init_map``),
 ``copy_live`` ~4.5, ``rehash_map`` ~3. Growing by 4x while small would save the copy into every other
 size (about a third of that), at the cost of tables and maps up to twice the size they need (the engine
-map alone is 32 bytes a held block); not done: a long-running applier reaches its working set once, and a
+map alone is 48 bytes a held block); not done: a long-running applier reaches its working set once, and a
 bigger first size is the knob for that (``INITIAL_CAPACITY``).
+
+The index cap (``--max-index-blocks``; ``docs/shm-engine.md`` "The index cap") is kept here, by the shard's
+one writer, so an eviction is a release like a Removed event's, under the slot seqlock, and readers need
+no change. Each shard keeps ``cap // shards`` (word ``S_BUDGET``), so no applier waits on another. After a
+batch leaves the shard above its budget, ``_evict`` brings it to ``budget - budget // EVICT_SLACK`` with
+``kernels.evict``: leaves first, workers not ``exact`` first, then the least recently stored or matched
+(``touch``, fed by the front). Cost: two words of links and one stamp per engine-map row, a word per table
+slot for matches, and one scan of the engine map plus a heap per eviction, amortised over 1/64 of the
+budget. Rejected: a global budget (appliers would have to agree on one order across processes); an exact
+LRU list per worker (a linked list through the map is two more words a row and a pointer chase per store,
+for an order the cap needs only when it evicts); sampled eviction, Redis style (cheaper per eviction, but
+it cannot keep the leaf rule, and the bound must hold at every batch's end); remembering evicted blocks to
+excuse the engine's later events about them exactly (that memory would grow with the very losses the cap
+bounds: ``_excuse`` approximates it per worker instead).
 """
 
 from __future__ import annotations

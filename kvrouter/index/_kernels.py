@@ -110,6 +110,7 @@ __all__ = [
     "MAX_READ_RETRIES",
     "MAX_STUCK_READS",
     "META_WORDS",
+    "M_ENTRIES",
     "M_STAMP",
     "NEED_ROOM",
     "OK",
@@ -206,9 +207,11 @@ MAX_READ_RETRIES: Final = 1 << 28
 """Retries of one slot whose version keeps moving (a live writer rewriting it flat out) before the reader
 gives up anyway: seconds of starvation, a bound rather than an expectation."""
 
-M_CAPACITY, M_USED, M_TOMBS, M_PREFETCH_SINK, M_STAMP = 0, 1, 2, 3, 4
+M_CAPACITY, M_USED, M_TOMBS, M_PREFETCH_SINK, M_STAMP, M_ENTRIES = 0, 1, 2, 3, 4, 5
 """Private map meta words: capacity, used rows (live + deleted), deleted rows, a word the prefetch pass
-stores into so its loads are not optimised away, and (engine map) the stamp stores write into rows."""
+stores into so its loads are not optimised away, (engine map) the stamp stores write into rows, and (the
+refs' meta, which ``_hold`` and ``_release`` take anyway) the shard's (holder, block) entries, the sum of
+``cached``: counted where a mask bit flips, so the writer never sums it in Python."""
 META_WORDS: Final = 6
 MAP_KEY, MAP_HOLDER, MAP_VALUE, MAP_STAMP, MAP_PARENT, MAP_LINKS = range(6)
 """Private map row words (see the module docstring)."""
@@ -490,6 +493,7 @@ def _hold(table: Table, refs: Map, rmeta: Meta, cached: TierCounts, seq: np.uint
     if not _holds(table, slot, tier, bit):
         _set_bit(table, slot, tier, bit)
         cached[tier, bit] += 1
+        rmeta[M_ENTRIES] += 1
         return
     holder = bit * TIERS + tier
     row = _map_find(refs, rmeta, seq, holder)
@@ -515,6 +519,7 @@ def _release(table: Table, refs: Map, rmeta: Meta, cached: TierCounts, seq: np.u
     if slot >= 0 and _holds(table, slot, tier, bit):
         _clear_bit(table, slot, tier, bit)
         cached[tier, bit] -= 1
+        rmeta[M_ENTRIES] -= 1
 
 
 # -- events -----------------------------------------------------------------------------------

@@ -212,8 +212,6 @@ class ShardWriter:
         """The (worker, block) entries this shard may hold at a batch's end; 0: no cap."""
         self._target = budget - budget // EVICT_SLACK
         """What an eviction brings the entries down to (``EVICT_SLACK``)."""
-        self._entries = 0
-        """(worker, block) entries in the table, every tier: the sum of ``_cached``, kept by ``_sync_cached``."""
         self._block = control.block(shard)
         self._block[S_BUDGET] = budget
         self._block[S_ENTRIES] = 0
@@ -333,8 +331,11 @@ class ShardWriter:
     def _count(self, events: int, errors: list[str], sent_at: float = 0.0) -> None:
         """Bump the shard's counters once per call, not per event: they are shared-memory words. Past
         the shard's budget, evict first (``_evict``): the cap holds at every batch's end."""
-        if self.budget and self._entries > self.budget:
+        entries = self._rmeta[kernels.M_ENTRIES]
+        if self.budget and entries > self.budget:
             self._evict()
+            entries = self._rmeta[kernels.M_ENTRIES]
+        self._block[S_ENTRIES] = entries
         self.control.count_events(self.shard, events, time.time_ns(), sent_at)
         for kind in errors:
             self.control.count_error(self.shard, kind)
@@ -442,20 +443,14 @@ class ShardWriter:
         for tier in range(TIERS):
             kernels.clear_holder(self.table, self._emap, self._emeta, self._refs, self._rmeta, self._cached, bit, tier)
         self._sync_cached(bit)
+        self._block[S_ENTRIES] = self._rmeta[kernels.M_ENTRIES]
 
     def _sync_cached(self, bit: int) -> None:
         """Copy the worker's per-tier counts into its row: four scalar stores (a fancy-indexed store of the
-        column costs a few times more, once per batch); the change from what the row held moves the
-        shard's entries."""
+        column costs a few times more, once per batch)."""
         row, cached = self._rows[bit], self._cached
-        change = 0
         for tier, word in enumerate(W_CACHED_BY_TIER):
-            value = int(cached[tier, bit])
-            change += value - int(row[word])
-            row[word] = value
-        if change:
-            self._entries += change
-            self._block[S_ENTRIES] = self._entries
+            row[word] = cached[tier, bit]
 
     def _evict(self) -> None:
         """Bring the entries down to ``_target`` (``kernels.evict``): workers that are not ``exact`` first,
@@ -463,7 +458,7 @@ class ShardWriter:
         rows = self._rows
         untrusted = (rows[:, W_STATE] != WORKER_EXACT).astype(np.uint8)
         evicted = np.zeros((len(rows), len(EVICT_REASONS)), dtype=np.int64)
-        before = self._entries
+        before = int(self._rmeta[kernels.M_ENTRIES])
         kernels.evict(*self._maps(), self._matched, untrusted, before, self._target, evicted)
         for bit in np.flatnonzero(evicted.any(axis=1)).tolist():
             for reason, word in enumerate(W_EVICTED_BY_REASON):
@@ -479,7 +474,7 @@ class ShardWriter:
                 self.shard,
                 self.budget,
                 before,
-                self._entries,
+                int(self._rmeta[kernels.M_ENTRIES]),
             )
 
     # -- workers ------------------------------------------------------------------------------
@@ -533,7 +528,7 @@ class ShardWriter:
             return rows, meta
         bigger, bigger_meta = _map(_capacity_for(used - tombs + new_keys, MIN_MAP_ROWS))
         kernels.rehash_map(rows, bigger, bigger_meta)
-        bigger_meta[kernels.M_STAMP] = meta[kernels.M_STAMP]
+        bigger_meta[kernels.M_STAMP :] = meta[kernels.M_STAMP :]  # the stamp clock and the entries go on
         return bigger, bigger_meta
 
     def _rebuild(self, keys: int, *, nwords: int, keep_capacity: bool = False) -> None:

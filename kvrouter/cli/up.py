@@ -294,7 +294,7 @@ def up(
             min=0,
             help="Cap on the index's (worker, block) entries, all workers and tiers, split evenly over the shards; "
             "past it, blocks of workers not exact go first, then the least recently stored or matched. 0: no cap. "
-            "The default holds at most about 2 GiB.",
+            "The default is about 2.2 GiB of index (4.4 at worst).",
             rich_help_panel=_WORKERS,
         ),
     ] = MAX_INDEX_BLOCKS,

@@ -59,11 +59,13 @@ MAX_LOAD: Final = 0.5
 MAX_INDEX_BLOCKS: Final = 1 << 23
 """The default index cap, in (worker, block) entries over all shards and tiers (``--max-index-blocks``).
 
-An entry costs at most one table slot and one engine-map row, 48 bytes each with up to 64 workers per shard
-(``row_words(1)``, ``_kernels.MAP_ROW_WORDS``), each at a load of 0.375 to 0.5: 256 bytes at worst
-(the slot is shared by every worker holding the block, so less in a fleet with common prefixes). 8 M
-entries is then 2 GiB at most, and holds the device caches of 256 engines of 30 k blocks (an 8 B model
-on one 80 GB GPU at 16 tokens a block), or 64 such engines with a host tier four times their device."""
+An entry costs at most one table slot (48 bytes with up to 64 workers per shard, ``row_words(1)``, plus
+the writer's 8-byte match stamp) and one engine-map row (48 bytes, ``_kernels.MAP_ROW_WORDS``). Tables and
+maps run at a load of 0.375 to 0.5, and down to 0.19 just after one doubled: about 280 bytes an entry,
+550 at worst. 8 M entries is then about 2.2 GiB, 4.4 at worst (less in a fleet with common prefixes: the
+slot is shared by every worker holding the block), and holds the device caches of 256 engines of 30 k
+blocks (an 8 B model on one 80 GB GPU at 16 tokens a block), or 64 such engines with a host tier four times
+their device. An eviction adds a transient 16 bytes per engine-map row (its heap)."""
 # -- control segment ----------------------------------------------------------------------------
 CONTROL_MAGIC: Final = 0x6B76_7263_7472_6C00  # "kvrctrl"
 LAYOUT_VERSION: Final = 4

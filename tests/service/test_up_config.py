@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from kvrouter.cli import app
 from kvrouter.cli.up import ROUTER_FLAGS
+from kvrouter.index.layout import MAX_INDEX_BLOCKS
 from kvrouter.routing.config import KVROUTER_CONFIG
 
 ENV_PREFIX = "KVROUTER_"
@@ -225,6 +226,16 @@ def test_fronts_shadows_and_the_decision_log_come_from_flags_env_or_file(runner,
     path = write(tmp_path, 'fronts = 4\nshadow_policy = "least_loaded"\n')
     service = resolve(runner, "--config", str(path))["service"]
     assert (service["fronts"], service["shadow_policies"]) == (4, ["least_loaded"])
+
+
+def test_the_index_cap_comes_from_a_flag_env_or_file_and_is_bounded_by_default(runner, tmp_path):
+    assert resolve(runner)["service"]["max_index_blocks"] == MAX_INDEX_BLOCKS > 0  # never unbounded by default
+    assert resolve(runner, "--max-index-blocks", "0")["service"]["max_index_blocks"] == 0  # off, on request
+    resolved = resolve(runner, env={"KVROUTER_MAX_INDEX_BLOCKS": "9000"})
+    assert (resolved["service"]["max_index_blocks"], resolved["sources"]["max_index_blocks"]) == (9000, "env")
+    resolved = resolve(runner, "--config", str(write(tmp_path, "max_index_blocks = 77\n")))
+    assert (resolved["service"]["max_index_blocks"], resolved["sources"]["max_index_blocks"]) == (77, "config file")
+    assert runner.invoke(app, ["up", "--max-index-blocks", "-1", "--print-config"]).exit_code == 2
 
 
 def test_auth_token_comes_from_the_environment_and_is_not_printed(runner):

@@ -231,6 +231,7 @@ class ShardWriter:
         self._matched = np.zeros(int(self.table[H_CAPACITY]), dtype=np.uint64)
         """When each table slot's block was last matched (``touch``; 0: never), in the engine map's stamps:
         private, beside the shared table, carried through every rebuild (``kernels.carry_matched``)."""
+        self._matched_any = False
         for worker in workers:
             self._bit(worker)
 
@@ -306,6 +307,7 @@ class ShardWriter:
         if not self.budget:
             return 0
         self._emeta[kernels.M_STAMP] += 1
+        self._matched_any = True
         found = int(kernels.touch(self.table, self._matched, seqs, np.uint64(self._emeta[kernels.M_STAMP])))
         self._block[S_TOUCHED] += np.uint64(found)
         return found
@@ -541,7 +543,8 @@ class ShardWriter:
         new = self._publish(capacity, nwords=nwords, before=old)
         self._segment = new
         matched = np.zeros(int(new.words[H_CAPACITY]), dtype=np.uint64)
-        kernels.carry_matched(old.words, new.words, self._matched, matched)
+        if self._matched_any:  # a scan of the old table: skipped until a match was ever reported
+            kernels.carry_matched(old.words, new.words, self._matched, matched)
         self._matched = matched
         old.close()
         unlink_segment(old.name)

@@ -33,9 +33,11 @@ from .errors import BadEvent, ConfigError, EngineError, FlushTimeout
 from .events.codecs.dynamo import event_from_dict
 from .events.codecs.kvrouter import Encoder
 from .events.model import EventBatch, KvEvent, StorageTier, WorkerKey
-from .index.applier import EVENTS, clear_frames, flush_frames
+from .index.applier import EVENTS, clear_frames, flush_frames, touch_frames
 from .index.dense import WorkerSlots
 from .index.layout import (
+    EVICT_REASONS,
+    MAX_INDEX_BLOCKS,
     NO_ID,
     STATUS_RECOVERING,
     STATUS_STARTING,
@@ -47,6 +49,7 @@ from .index.layout import (
     W_DP_RANK,
     W_DROPPED_BLOCKS,
     W_EVENTS,
+    W_EVICTED_BY_REASON,
     W_GAPS_DETECTED,
     W_GAPS_LOST,
     W_GAPS_RECOVERED,
@@ -151,6 +154,16 @@ class ShardStats:
     """Events rejected, by kind (``bad_event``, ``parent_not_found``, ...)."""
     workers: Mapping[WorkerKey, int] = field(default_factory=dict)
     """The (worker_id, dp_rank) the shard holds, with their cached device blocks."""
+    entries: int = 0
+    """(worker, block) entries in the shard, every tier: what the index cap counts."""
+    budget: int = 0
+    """The shard's share of the index cap (``Engine(max_index_blocks=)`` // shards); 0: no cap."""
+    evicted: Mapping[str, int] = field(default_factory=dict)
+    """Entries the cap evicted, by reason (``untrusted``, ``lru``), since the engine started."""
+    after_eviction: int = 0
+    """Events naming a block the cap had evicted (not counted as errors)."""
+    touched: int = 0
+    """Blocks the front's decisions matched that the applier stamped for the cap's order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +203,9 @@ class WorkerStats:
     """A format that decodes frames the registered one refused (None: none found)."""
     foreign_rank: int | None = None
     """A dp rank whose batches arrived on this rank's port (None: none did)."""
+    evicted: Mapping[str, int] = field(default_factory=dict)
+    """Its entries the index cap evicted, by reason (``untrusted``, ``lru``). Not a trust state: every event
+    of the worker is still accounted; the index holds less than its cache on purpose."""
 
     @classmethod
     def of_row(cls, shard: int, row: Sequence[int]) -> WorkerStats:
@@ -210,6 +226,7 @@ class WorkerStats:
             restarts=row[W_RESTARTS],
             events=row[W_EVENTS],
             **_seen(row[W_SEEN]),
+            evicted={reason: row[word] for reason, word in zip(EVICT_REASONS, W_EVICTED_BY_REASON, strict=True)},
         )
 
 
@@ -227,9 +244,12 @@ class Engine:
         start_timeout: seconds :meth:`start` waits for every applier to come up.
         stop_timeout: seconds :meth:`close` gives the appliers before killing them.
         plane: the event plane's timeouts and bounds for workers given to :meth:`add_worker`.
+        max_index_blocks: the index cap, in (worker, block) entries over every shard and tier; each
+            shard's applier keeps its share (``max_index_blocks // shards``) by evicting (``evict`` in
+            ``index/_kernels.py``). 0: no cap.
 
     Raises:
-        ConfigError: ``shards`` below 1.
+        ConfigError: ``shards`` below 1, ``max_index_blocks`` below 0.
     """
 
     def __init__(
@@ -240,12 +260,17 @@ class Engine:
         start_timeout: float = START_TIMEOUT,
         stop_timeout: float = STOP_TIMEOUT,
         plane: PlaneConfig | None = None,
+        max_index_blocks: int = MAX_INDEX_BLOCKS,
     ) -> None:
         shards = default_shards() if shards is None else shards
         if shards < 1:
             raise ConfigError(f"Engine shards: expected at least 1, got {shards}")
+        if max_index_blocks < 0:
+            raise ConfigError(f"Engine max_index_blocks: expected 0 (no cap) or more, got {max_index_blocks}")
         self.shards = shards
         """Number of shards (applier processes)."""
+        self.max_index_blocks = max_index_blocks
+        """The index cap in (worker, block) entries, 0 for none."""
         self.flush_timeout = flush_timeout
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
@@ -278,7 +303,13 @@ class Engine:
         if self._supervisor is not None:
             raise EngineError("the engine is already started")
         self._creator_pid = os.getpid()
-        self._supervisor = Supervisor(self.shards, stop_timeout=self.stop_timeout, plane=self.plane, defer=True)
+        self._supervisor = Supervisor(
+            self.shards,
+            stop_timeout=self.stop_timeout,
+            plane=self.plane,
+            defer=True,
+            max_index_blocks=self.max_index_blocks,
+        )
         if wait:
             self.finish_start()
         return self
@@ -383,6 +414,19 @@ class Engine:
         """
         supervisor = self._running()
         supervisor.send(supervisor.shard_for(worker), [EVENTS, payload])
+
+    def touch(self, worker: WorkerKey, seq_hashes: npt.NDArray[np.uint64]) -> None:
+        """Tell the shard owning ``worker`` that a decision matched these blocks (sequence hashes): they
+        become the most recently used in the index cap's order (``ShardWriter.touch``), asynchronously.
+        Nothing without a cap, or for a worker no shard owns.
+
+        Raises:
+            EngineError: the engine is not running.
+        """
+        supervisor = self._running()
+        shard = supervisor.owner(worker)
+        if self.max_index_blocks and shard is not None and len(seq_hashes):
+            supervisor.send(shard, touch_frames(seq_hashes))
 
     def add_worker(self, spec: WorkerSpec) -> None:
         """Follow a worker's KV events over ZMQ: each dp rank's applier subscribes to it, restores it from its
@@ -527,6 +571,10 @@ class EngineView:
     Not thread-safe (one reader, no lock): one event loop uses it.
     """
 
+    def touch(self, worker: WorkerKey, seq_hashes: npt.NDArray[np.uint64]) -> None:
+        """Nothing: only the engine's owner talks to its appliers; this front's matches do not reach the
+        index cap's order (``docs/insight.md`` "Bounded memory")."""
+
     def __init__(self, handle: ReaderHandle) -> None:
         self.handle = handle
         self._control = Control.attach(handle.control_name)
@@ -605,6 +653,7 @@ def read_shards(control: Control) -> list[ShardStats]:
         events_applied = counters.pop("events_applied")
         last_event_ns = counters.pop("last_event_ns")
         lag_us = counters.pop("lag_us")
+        entries, budget, evicted, after_eviction = control.cap(shard)
         shards.append(
             ShardStats(
                 shard=shard,
@@ -619,6 +668,11 @@ def read_shards(control: Control) -> list[ShardStats]:
                 lag_us=lag_us,
                 errors=counters,
                 workers={(wid, rank): cached for wid, rank, cached in control.workers(shard).values()},
+                entries=entries,
+                budget=budget,
+                evicted=evicted,
+                after_eviction=after_eviction,
+                touched=control.touched(shard),
             )
         )
     return shards

@@ -392,6 +392,9 @@ class ShmFeed:
             sync_lag_ms=_opt_float(blob.get("sync_lag_ms")),
             extra=_extra(blob),
             shadows=_blob_shadows(blob.get("shadows")),
+            index_blocks=sum(s.entries for s in shards),
+            index_blocks_cap=sum(s.budget for s in shards),
+            index_evicted=sum(sum(s.evicted.values()) for s in shards),
         )
 
     def probe(self, tokens: Sequence[int]) -> tuple[ProbeRow, ...]:
@@ -570,6 +573,9 @@ class HttpFeed:
             sync_lag_ms=_lag_ms(metrics.get("kvrouter_replica_sync_lag_seconds", {}).values(), 1e3),
             extra={"url": self.url},
             shadows=_metric_shadows(metrics),
+            index_blocks=_int(_where(metrics, "kvrouter_index_blocks")) if "kvrouter_index_blocks" in metrics else None,
+            index_blocks_cap=_int(_where(metrics, "kvrouter_index_blocks_cap")),
+            index_evicted=_int(_where(metrics, "kvrouter_index_evictions_total")),
         )
 
     def probe(self, tokens: Sequence[int]) -> tuple[ProbeRow, ...]:

@@ -173,6 +173,12 @@ class Snapshot:
     """Anything else the source wants in the header (``model``, ``policy``, ...)."""
     shadows: dict[str, Shadow] = field(default_factory=dict)
     """``--shadow-policy``: each shadow policy's picks against the live ones, by policy name."""
+    index_blocks: int | None = None
+    """(worker, block) entries in the index, every tier (None where the source does not say)."""
+    index_blocks_cap: int = 0
+    """The index cap (``--max-index-blocks``) as the shards keep it; 0: no cap."""
+    index_evicted: int = 0
+    """Entries the cap evicted since the router started, every reason."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final
 import typer
 
 from ..errors import ConfigError, KvRouterError
+from ..index.layout import MAX_INDEX_BLOCKS
 from ..plane.registry import WorkerSpec, parse_workers
 from ..routing.config import KVROUTER_CONFIG
 
@@ -285,6 +286,18 @@ def up(
             rich_help_panel=_WORKERS,
         ),
     ] = 4,
+    max_index_blocks: Annotated[
+        int,
+        typer.Option(
+            "--max-index-blocks",
+            envvar="KVROUTER_MAX_INDEX_BLOCKS",
+            min=0,
+            help="Cap on the index's (worker, block) entries, all workers and tiers, split evenly over the shards; "
+            "past it, blocks of workers not exact go first, then the least recently stored or matched. 0: no cap. "
+            "The default is about 2.2 GiB of index (4.4 at worst).",
+            rich_help_panel=_WORKERS,
+        ),
+    ] = MAX_INDEX_BLOCKS,
     workers: Annotated[
         str | None,
         typer.Option(
@@ -781,6 +794,7 @@ def up(
         # --zmq-port 0 turns the fast path off; unset, it is port + 1 (a free port with --port 0)
         "zmq_port": None if zmq_port == 0 else zmq_port if zmq_port is not None else port + 1 if port else 0,
         "shards": shards,
+        "max_index_blocks": max_index_blocks,
         "fronts": fronts,
         "block_size": block_size,
         "model_name": model_name,

@@ -32,10 +32,13 @@ The fences compile to no instruction on x86-64 (TSO keeps loads with loads and s
 order); they stop LLVM from moving the data accesses across the version accesses, and emit the needed
 barriers on AArch64 (``spec/shm-engine.md`` §3.5).
 
-The applier's private maps are open addressing tables of ``[key, holder + 1, value, 0]`` rows (holder
-word 0 empty, ``TOMB`` deleted): the engine map, engine hash → sequence hash, and ``refs``, the count of
-a holder's engine hashes naming one sequence, kept only where that count is 2 or more (a set mask bit
-is the count of 1). A holder is ``bit * TIERS + tier``: one worker in one tier of this shard.
+The applier's private maps are open addressing tables of ``[key, holder + 1, value, stamp, parent,
+links]`` rows (holder word 0 empty, ``TOMB`` deleted): the engine map, engine hash → sequence hash, and
+``refs``, the count of a holder's engine hashes naming one sequence, kept only where that count is 2 or
+more (a set mask bit is the count of 1). A holder is ``bit * TIERS + tier``: one worker in one tier of
+this shard. The last three words serve the index cap (``evict``) and only in the engine map: when the
+row was last stored (``emeta[M_STAMP]``, the writer's batch count), the engine hash it was stored under,
+and its links (bit 63: it has a parent; the rest: how many of the holder's rows name it as parent).
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ from .layout import (
 __all__ = [
     "ASK",
     "BLOCK_NOT_FOUND",
+    "CHILDREN",
     "CTX_ANSWER",
     "CTX_BIT_KEYS",
     "CTX_BIT_SLOTS",
@@ -96,11 +100,18 @@ __all__ = [
     "CTX_STATE",
     "CTX_TABLES",
     "CTX_WORK",
+    "EVICT_LRU",
+    "EVICT_UNTRUSTED",
     "GENERATION",
+    "HAS_PARENT",
     "INVALID_SEQUENCE",
     "LIST_REFUSED",
+    "MAP_ROW_WORDS",
     "MAX_READ_RETRIES",
     "MAX_STUCK_READS",
+    "META_WORDS",
+    "M_ENTRIES",
+    "M_STAMP",
     "NEED_ROOM",
     "OK",
     "PARENT_NOT_FOUND",
@@ -116,9 +127,11 @@ __all__ = [
     "STUCK_SPINS",
     "apply_run",
     "begin_rows_change",
+    "carry_matched",
     "clear_holder",
     "copy_live",
     "end_rows_change",
+    "evict",
     "init_map",
     "lookup",
     "match_list",
@@ -131,6 +144,7 @@ __all__ = [
     "remove",
     "scratch_words",
     "store",
+    "touch",
     "walk",
 ]
 
@@ -193,9 +207,19 @@ MAX_READ_RETRIES: Final = 1 << 28
 """Retries of one slot whose version keeps moving (a live writer rewriting it flat out) before the reader
 gives up anyway: seconds of starvation, a bound rather than an expectation."""
 
-M_CAPACITY, M_USED, M_TOMBS, M_PREFETCH_SINK = 0, 1, 2, 3
-"""Private map meta words: capacity, used rows (live + deleted), deleted rows, and a word the prefetch
-pass stores into so its loads are not optimised away."""
+M_CAPACITY, M_USED, M_TOMBS, M_PREFETCH_SINK, M_STAMP, M_ENTRIES = 0, 1, 2, 3, 4, 5
+"""Private map meta words: capacity, used rows (live + deleted), deleted rows, a word the prefetch pass
+stores into so its loads are not optimised away, (engine map) the stamp stores write into rows, and (the
+refs' meta, which ``_hold`` and ``_release`` take anyway) the shard's (holder, block) entries, the sum of
+``cached``: counted where a mask bit flips, so the writer never sums it in Python."""
+META_WORDS: Final = 6
+MAP_KEY, MAP_HOLDER, MAP_VALUE, MAP_STAMP, MAP_PARENT, MAP_LINKS = range(6)
+"""Private map row words (see the module docstring)."""
+MAP_ROW_WORDS: Final = 6
+HAS_PARENT: Final = np.uint64(1 << 63)
+"""``MAP_LINKS`` flag: ``MAP_PARENT`` names the engine hash the row was stored under."""
+CHILDREN: Final = np.uint64((1 << 63) - 1)
+"""``MAP_LINKS`` mask: rows of the holder stored under this one; 0 makes the row a leaf, evicted first."""
 TOMB: Final = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 _ONE: Final = np.uint64(1)
 _ZERO: Final = np.uint64(0)
@@ -444,7 +468,10 @@ def rehash_map(old: Map, new: Map, new_meta: Meta) -> None:
     for row in range(old.shape[0]):
         owner = old[row, 1]
         if owner != _ZERO and owner != TOMB:
-            _map_insert(new, new_meta, old[row, 0], _i64(owner) - 1, old[row, 2])
+            moved = _map_insert(new, new_meta, old[row, 0], _i64(owner) - 1, old[row, 2])
+            new[moved, MAP_STAMP] = old[row, MAP_STAMP]
+            new[moved, MAP_PARENT] = old[row, MAP_PARENT]
+            new[moved, MAP_LINKS] = old[row, MAP_LINKS]
 
 
 @_inlined
@@ -466,6 +493,7 @@ def _hold(table: Table, refs: Map, rmeta: Meta, cached: TierCounts, seq: np.uint
     if not _holds(table, slot, tier, bit):
         _set_bit(table, slot, tier, bit)
         cached[tier, bit] += 1
+        rmeta[M_ENTRIES] += 1
         return
     holder = bit * TIERS + tier
     row = _map_find(refs, rmeta, seq, holder)
@@ -491,6 +519,7 @@ def _release(table: Table, refs: Map, rmeta: Meta, cached: TierCounts, seq: np.u
     if slot >= 0 and _holds(table, slot, tier, bit):
         _clear_bit(table, slot, tier, bit)
         cached[tier, bit] -= 1
+        rmeta[M_ENTRIES] -= 1
 
 
 # -- events -----------------------------------------------------------------------------------
@@ -548,30 +577,66 @@ def _store_event(
         if (has_parent and engine[i] == parent) or (i > 0 and ordered[i] == ordered[i - 1]):
             return INVALID_SEQUENCE
     seq = _ZERO
+    stamp = np.uint64(emeta[M_STAMP])
+    above = -1  # the row the next block is stored under
     if has_parent:
-        row = _map_find(emap, emeta, parent, holder)
-        if row < 0:
+        above = _map_find(emap, emeta, parent, holder)
+        if above < 0:
             return PARENT_NOT_FOUND
-        seq = emap[row, 2]
+        seq = emap[above, 2]
+        emap[above, MAP_STAMP] = stamp  # a store under it: the engine just used its prefix
     seqs = np.empty(n, dtype=np.uint64)
     for i in range(n):
         seq = chain_step(seq, local[i], _SEED) if (has_parent or i > 0) else local[i]
         seqs[i] = seq
     _prefetch(table, emap, emeta, engine, seqs, holder)
+    linked, above_hash = has_parent, parent
     for i in range(n):  # hot path: a few probes per block, their cache lines already on their way
         seq = seqs[i]
         row = _map_find(emap, emeta, engine[i], holder)
         if row >= 0:
+            emap[row, MAP_STAMP] = stamp
             previous = emap[row, 2]
-            if previous == seq:
-                continue  # re-stored where it already is
-            emap[row, 2] = seq
-            _hold(table, refs, rmeta, cached, seq, bit, tier)
-            _release(table, refs, rmeta, cached, previous, bit, tier)  # the engine re-used the hash: it moved
+            if previous != seq:  # the engine re-used the hash: it moved
+                emap[row, 2] = seq
+                _hold(table, refs, rmeta, cached, seq, bit, tier)
+                _release(table, refs, rmeta, cached, previous, bit, tier)
+                _unlink(emap, emeta, row, holder)
+                _link(emap, row, linked, above_hash, above)
         else:
-            _map_insert(emap, emeta, engine[i], holder, seq)
+            row = _map_insert(emap, emeta, engine[i], holder, seq)
+            emap[row, MAP_STAMP] = stamp
+            emap[row, MAP_LINKS] = _ZERO
+            _link(emap, row, linked, above_hash, above)
             _hold(table, refs, rmeta, cached, seq, bit, tier)
+        linked, above_hash, above = True, engine[i], row
     return OK
+
+
+@_inlined
+def _link(emap: Map, row: int, linked: bool, above_hash: np.uint64, above: int) -> None:
+    """Record that ``row`` was stored under ``above_hash`` (at ``above``, -1 if absent), or under no parent."""
+    if linked:
+        emap[row, MAP_PARENT] = above_hash
+        emap[row, MAP_LINKS] |= HAS_PARENT
+        if above >= 0:
+            emap[above, MAP_LINKS] += _ONE
+    else:
+        emap[row, MAP_LINKS] &= CHILDREN
+
+
+@_inlined
+def _unlink(emap: Map, emeta: Meta, row: int, holder: int) -> int:
+    """``row`` leaves its parent (removed, evicted or moved): one child fewer there. Returns the parent's row
+    if that made it a leaf, else -1. A parent removed and stored again starts at 0 children while older
+    children still name it, so a count never goes below 0 (it may read low: a row taken for a leaf early)."""
+    if emap[row, MAP_LINKS] & HAS_PARENT == _ZERO:
+        return -1
+    above = _map_find(emap, emeta, emap[row, MAP_PARENT], holder)
+    if above < 0 or emap[above, MAP_LINKS] & CHILDREN == _ZERO:
+        return -1
+    emap[above, MAP_LINKS] -= _ONE
+    return above if emap[above, MAP_LINKS] & CHILDREN == _ZERO else -1
 
 
 @_inlined
@@ -630,6 +695,7 @@ def _remove_event(
                 first_missing = i
             continue
         seq = emap[row, 2]
+        _unlink(emap, emeta, row, holder)
         _map_delete(emap, emeta, row)
         _release(table, refs, rmeta, cached, seq, bit, tier)
     return first_missing
@@ -714,6 +780,151 @@ def clear_holder(
         if emap[row, 1] == tag:
             _map_delete(emap, emeta, row)
             _release(table, refs, rmeta, cached, emap[row, 2], bit, tier)
+
+
+EVICT_UNTRUSTED, EVICT_LRU = 0, 1
+"""Columns of ``evict``'s per-row counts: the entry went because its worker was not ``exact``, or because
+it was the least recently stored among the rest."""
+
+
+@_inlined
+def _heap_push(keys: Counts, rows: Counts, n: int, key: int, row: int) -> int:
+    """Push onto the binary min-heap of ``n`` entries in ``keys`` / ``rows``; returns the new size."""
+    i = n
+    while i > 0:
+        up = (i - 1) >> 1
+        if keys[up] <= key:
+            break
+        keys[i], rows[i] = keys[up], rows[up]
+        i = up
+    keys[i], rows[i] = key, row
+    return n + 1
+
+
+@_inlined
+def _heap_pop(keys: Counts, rows: Counts, n: int) -> int:
+    """Drop the heap's top (the caller read ``rows[0]``); returns the new size."""
+    n -= 1
+    key, row = keys[n], rows[n]
+    i = 0
+    while True:
+        child = 2 * i + 1
+        if child >= n:
+            break
+        if child + 1 < n and keys[child + 1] < keys[child]:
+            child += 1
+        if keys[child] >= key:
+            break
+        keys[i], rows[i] = keys[child], rows[child]
+        i = child
+    keys[i], rows[i] = key, row
+    return n
+
+
+@_inlined
+def _recency(table: Table, emap: Map, matched: Table, row: int) -> int:
+    """When the row was last stored (or stored under), or its block last matched, whichever is later."""
+    stamp = emap[row, MAP_STAMP]
+    slot = _find(table, _table_key(emap[row, 2]))
+    if slot >= 0 and matched[slot] > stamp:
+        stamp = matched[slot]
+    return _i64(stamp)
+
+
+@_kernel
+def touch(table: Table, matched: Table, seqs: npt.NDArray[np.uint64], stamp: np.uint64) -> int:
+    """Blocks a decision matched: each sequence hash's slot gets ``stamp`` in ``matched`` (the writer's
+    private array beside the table, one word per slot). Returns how many were found."""
+    found = 0
+    for i in range(seqs.size):  # hot path: one probe per block
+        slot = _find(table, _table_key(seqs[i]))
+        if slot >= 0:
+            matched[slot] = stamp
+            found += 1
+    return found
+
+
+@_kernel
+def carry_matched(old: Table, new: Table, old_matched: Table, new_matched: Table) -> None:
+    """After ``copy_live`` into ``new``: every live key's match stamp moves to its slot there."""
+    width = _row_words(old)
+    for slot in range(_i64(old[H_CAPACITY])):
+        if old_matched[slot] == _ZERO:
+            continue
+        key = old[HEADER_WORDS + slot * width]
+        if key == _ZERO or _is_tomb(old, HEADER_WORDS + slot * width, width):
+            continue
+        moved = _find(new, key)
+        if moved >= 0:
+            new_matched[moved] = old_matched[slot]
+
+
+@_kernel
+def evict(
+    table: Table,
+    emap: Map,
+    emeta: Meta,
+    refs: Map,
+    rmeta: Meta,
+    cached: TierCounts,
+    matched: Table,
+    untrusted: npt.NDArray[np.uint8],
+    entries: int,
+    target: int,
+    evicted: Counts,
+) -> int:
+    """Drop (holder, block) entries until at most ``target`` remain of ``entries``, as a Removed event would
+    (under the slots' seqlock, ``_release``): leaves first (rows no other row of the holder was stored
+    under), of holders with ``untrusted[bit]`` set first, then the least recently stored or matched (the
+    later of the row's stamp and ``matched[slot]``, its block's slot's last match, ``touch``). A leaf's parent
+    becomes a candidate once its last child goes, so chains shrink from the tip and a prefix stays
+    matchable to the end. Should a class's leaves run out first (only possible when moved hashes made
+    the links circular), a second pass takes its oldest rows whatever their links: the bound always holds.
+
+    ``evicted[bit, EVICT_UNTRUSTED | EVICT_LRU]`` counts the entries dropped (a row whose sequence another
+    engine hash of the holder still names drops none). Up to four scans of the engine map (untrusted
+    leaves, untrusted rows, trusted leaves, trusted rows; a class with no entries is skipped) and one
+    heap, allocated per call, not per block. Returns the entries left.
+    """
+    size = emap.shape[0]
+    keys = np.empty(size, dtype=np.int64)
+    rows = np.empty(size, dtype=np.int64)
+    present = np.zeros(2, dtype=np.bool_)
+    for bit in range(cached.shape[1]):
+        for tier in range(TIERS):
+            if cached[tier, bit] > 0:
+                present[0 if untrusted[bit] else 1] = True
+    for phase in range(4):
+        trusted, leaves_only = phase // 2, phase % 2 == 0
+        if entries <= target:
+            break
+        if not present[trusted]:
+            continue
+        n = 0
+        for row in range(size):
+            owner = emap[row, 1]
+            if owner == _ZERO or owner == TOMB:  # noqa: SIM109 (numba)
+                continue
+            if (untrusted[(_i64(owner) - 1) // TIERS] == 0) != (trusted == 1):
+                continue
+            if not (leaves_only and emap[row, MAP_LINKS] & CHILDREN != _ZERO):
+                n = _heap_push(keys, rows, n, _recency(table, emap, matched, row), row)
+        while n > 0 and entries > target:  # hot path: one heap pop and one release per entry
+            row = rows[0]
+            n = _heap_pop(keys, rows, n)
+            holder = _i64(emap[row, 1]) - 1
+            bit, tier = holder // TIERS, holder % TIERS
+            above = _unlink(emap, emeta, row, holder)
+            if leaves_only and above >= 0:
+                n = _heap_push(keys, rows, n, _recency(table, emap, matched, above), above)
+            seq = emap[row, 2]
+            _map_delete(emap, emeta, row)
+            before = cached[tier, bit]
+            _release(table, refs, rmeta, cached, seq, bit, tier)
+            if cached[tier, bit] != before:
+                entries -= 1
+                evicted[bit, EVICT_LRU if trusted else EVICT_UNTRUSTED] += 1
+    return entries
 
 
 @_kernel

@@ -17,6 +17,7 @@ Every message is a multipart frame list whose first frame is a one-byte tag:
 | ``R`` | worker id (u64 LE) | remove every dp rank of the worker from this shard |
 | ``C`` | worker id (u64 LE) | release every block of every dp rank of the worker; it stays known |
 | ``W`` | spec, ranks (u64 LE) | follow these dp ranks of a worker (``plane/registry.py``) |
+| ``T`` | sequence hashes (u64 LE) | blocks the front's decisions matched: the cap's recency (``ShardWriter.touch``) |
 | ``Q`` | (none) | stop: unlink the shard segment, status stopped, exit 0 |
 
 The socket orders messages, so a flush token is a barrier for everything sent before it, and worker
@@ -43,6 +44,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
+import numpy as np
+import numpy.typing as npt
 import zmq
 
 from ..errors import BadEvent, ConfigError
@@ -72,6 +75,7 @@ __all__ = [
     "QUEUE_LIMIT",
     "REMOVE_WORKER",
     "STOP",
+    "TOUCH",
     "WORKER",
     "assign_frames",
     "clear_frames",
@@ -79,6 +83,7 @@ __all__ = [
     "remove_frames",
     "run_applier",
     "stop_frames",
+    "touch_frames",
     "worker_frames",
 ]
 
@@ -91,6 +96,7 @@ REMOVE_WORKER: Final = b"R"
 CLEAR_WORKER: Final = b"C"
 STOP: Final = b"Q"
 WORKER: Final = b"W"
+TOUCH: Final = b"T"
 
 QUEUE_LIMIT: Final = 1 << 20
 """Messages a shard's queue holds (sender and receiver high-water marks). Deep enough to absorb a
@@ -131,6 +137,10 @@ def clear_frames(worker_id: int) -> list[bytes]:
     return [CLEAR_WORKER, _U64.pack(worker_id)]
 
 
+def touch_frames(seqs: npt.NDArray[np.uint64]) -> list[bytes]:
+    return [TOUCH, seqs.astype("<u8", copy=False).tobytes()]
+
+
 def stop_frames() -> list[bytes]:
     return [STOP]
 
@@ -148,6 +158,7 @@ def run_applier(
     status: int,
     specs: Sequence[tuple[bytes, Sequence[int]]] = (),
     config: PlaneConfig | None = None,
+    budget: int = 0,
 ) -> None:
     """The applier's whole life, run in a process forked by the supervisor.
 
@@ -167,6 +178,7 @@ def run_applier(
         status: the status to publish once the shard is writable.
         specs: the followed workers the shard owns, as ``(WorkerSpec.to_wire(), dp ranks)``.
         config: the event plane's bounds and timers.
+        budget: the (worker, block) entries the shard may hold (its share of the index cap; 0: no cap).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when appliers stop
     parent = os.getppid()
@@ -176,7 +188,7 @@ def run_applier(
         return
     control = Control.attach(control_name, writable=True)
     creating_ns = time.monotonic_ns()
-    writer = ShardWriter(control, shard, owner_pid, workers=workers)
+    writer = ShardWriter(control, shard, owner_pid, workers=workers, budget=budget)
     if status == STATUS_RECOVERING:
         for worker in workers:  # what they held died with the previous applier; followed ones are rebuilt
             row = writer.row(worker)
@@ -271,6 +283,9 @@ def _serve(
                     return False
                 if tag == ASSIGN_WORKER and len(frames) == 2 and len(frames[1]) == _WORKER.size:
                     writer.register(_WORKER.unpack(frames[1]))
+                    continue
+                if tag == TOUCH and len(frames) == 2 and len(frames[1]) % 8 == 0:
+                    writer.touch(np.frombuffer(frames[1], dtype="<u8").astype(np.uint64, copy=False))
                     continue
                 if tag == WORKER and len(frames) == 3:
                     try:

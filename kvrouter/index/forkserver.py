@@ -58,8 +58,9 @@ within ``PARENT_CHECK_S`` when idle, never while it compiles."""
 def warm_up() -> None:
     """Compile, or load from numba's cache, every kernel an applier runs, with the argument types it runs
     them with: a tiny shard in private memory through the table kernels (store, a re-store that moves a
-    hash, a run of events, a store that needs room, remove, clear), the private-map rehash, the live-copy of a growth,
-    and block and chain hashing from every token form an engine decoder hands over."""
+    hash, a run of events, a store that needs room, remove, a match, an eviction, clear), the private-map
+    rehash, the live-copy of a growth with its match stamps, and block and chain hashing from every token
+    form an engine decoder hands over."""
     from array import array
 
     from ..events.codecs import sglang, vllm
@@ -76,7 +77,8 @@ def warm_up() -> None:
         return words
 
     def private_map() -> tuple[Any, Any]:
-        rows, meta = np.zeros((1024, 4), dtype=np.uint64), np.zeros(4, dtype=np.int64)
+        rows = np.zeros((1024, kernels.MAP_ROW_WORDS), dtype=np.uint64)
+        meta = np.zeros(kernels.META_WORDS, dtype=np.int64)
         kernels.init_map(rows, meta)
         return rows, meta
 
@@ -106,10 +108,17 @@ def warm_up() -> None:
     kernels.apply_run(shard, emap, emeta, refs, rmeta, cached, 0, 0, *pack_run(run), 0, statuses)
     for engine, local in ((np.arange(3, dtype=np.uint64), np.arange(3, dtype=np.uint64)),):  # ShardWriter.apply
         kernels.store(shard, emap, emeta, refs, rmeta, cached, 0, 0, True, np.uint64(10), engine, local)
+    matched = np.zeros(MIN_CAPACITY, dtype=np.uint64)
+    touched = np.frombuffer(np.arange(3, dtype="<u8").tobytes(), dtype="<u8")  # read-only, as the applier's
+    kernels.touch(shard, matched, touched, np.uint64(1))
+    evicted = np.zeros((8, 2), dtype=np.int64)
+    kernels.evict(shard, emap, emeta, refs, rmeta, cached, matched, np.zeros(8, dtype=np.uint8), 4, 2, evicted)
     kernels.clear_holder(shard, emap, emeta, refs, rmeta, cached, 0, 0)
     bigger, bigger_meta = private_map()
     kernels.rehash_map(emap, bigger, bigger_meta)
-    kernels.copy_live(shard, table())
+    grown = table()
+    kernels.copy_live(shard, grown)
+    kernels.carry_matched(shard, grown, matched, np.zeros(MIN_CAPACITY, dtype=np.uint64))
     for tokens in ([1, 2, 3, 4], array("I", [1, 2, 3, 4]), np.arange(4, dtype=np.uint32)):
         block_hashes_array(tokens, 2)
     sequence_hashes_array([1, 2])

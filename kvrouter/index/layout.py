@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "MAX_INDEX_BLOCKS",
     "STATUS_RECOVERING",
     "STATUS_STARTING",
     "STATUS_STOPPED",
@@ -55,14 +56,26 @@ MIN_CAPACITY: Final = 1024
 MAX_LOAD: Final = 0.5
 """Grow when used slots pass this share of capacity: linear probing stays short (``spec`` §3.1)."""
 
+MAX_INDEX_BLOCKS: Final = 1 << 23
+"""The default index cap, in (worker, block) entries over all shards and tiers (``--max-index-blocks``).
+
+An entry costs at most one table slot (48 bytes with up to 64 workers per shard, ``row_words(1)``, plus
+the writer's 8-byte match stamp) and one engine-map row (48 bytes, ``_kernels.MAP_ROW_WORDS``). Tables and
+maps run at a load of 0.375 to 0.5, and down to 0.19 just after one doubled: about 280 bytes an entry,
+550 at worst. 8 M entries is then about 2.2 GiB, 4.4 at worst (less in a fleet with common prefixes: the
+slot is shared by every worker holding the block), and holds the device caches of 256 engines of 30 k
+blocks (an 8 B model on one 80 GB GPU at 16 tokens a block), or 64 such engines with a host tier four times
+their device. An eviction adds a transient 16 bytes per engine-map row (its heap)."""
 # -- control segment ----------------------------------------------------------------------------
 CONTROL_MAGIC: Final = 0x6B76_7263_7472_6C00  # "kvrctrl"
-LAYOUT_VERSION: Final = 3
+LAYOUT_VERSION: Final = 4
 """2: worker rows grew to 16 words (event-plane cursor, gap counters, trust state); shards got a rows generation.
-3: worker rows grew to 20 words: cached blocks in the host, disk and shared tiers beside the device count."""
+3: worker rows grew to 20 words: cached blocks in the host, disk and shared tiers beside the device count.
+4: the index cap: worker rows grew to 22 words (entries evicted, by reason), shard blocks to 32 (entries,
+budget, evictions by reason, events about evicted blocks, matched blocks stamped)."""
 C_MAGIC, C_VERSION, C_SHARDS, C_ROWS = range(4)
 """Control header words: magic, layout version, shard count, worker rows per shard."""
-SHARD_BLOCK_WORDS: Final = 24
+SHARD_BLOCK_WORDS: Final = 32
 S_EPOCH, S_STATUS, S_PID, S_NWORDS, S_EVENTS, S_ERRORS = range(6)
 ERROR_KINDS: Final = ("bad_event", "parent_not_found", "block_not_found", "invalid_block_sequence")
 """Per-shard error counters, in this order from word ``S_ERRORS``."""
@@ -77,8 +90,24 @@ S_LAG: Final = S_ROWS_GEN + 1
 smoothed over batches (each moves it an eighth of the way; 0 until a stamped batch came). Engine
 stamps are the engine host's clock: across hosts the figure includes their clock offset (never below 1)."""
 LAG_SMOOTHING: Final = 8
+S_ENTRIES: Final = S_LAG + 1
+"""(worker, block) entries in the shard's table, every tier: the sum of its rows' cached counts."""
+S_BUDGET: Final = S_ENTRIES + 1
+"""The shard's share of ``--max-index-blocks`` (0: no cap); past it the applier evicts (``ShardWriter``)."""
 S_NAME: Final = 16
 NAME_BYTES: Final = 64
+S_EVICTED: Final = S_NAME + NAME_BYTES // 8
+"""Entries evicted by the cap, by reason (``EVICT_REASONS``), from this word: never reset, not even by a
+restart, so ``/metrics`` can show them as counters."""
+EVICT_REASONS: Final = ("untrusted", "lru")
+"""Why the cap evicted an entry: its worker was not ``exact``, or it was the least recently stored."""
+S_AFTER_EVICTION: Final = S_EVICTED + len(EVICT_REASONS)
+"""Events naming a block the cap had evicted from their worker (a Removed of it, a Stored under it): the
+index's doing, not the engine's, so they are counted here and not as ``block_not_found`` /
+``parent_not_found``."""
+S_TOUCHED: Final = S_AFTER_EVICTION + 1
+"""Blocks the front reported matched by its decisions and the applier found in the table (``touch``): the
+"matched" half of the cap's least-recently-used order."""
 WORKER_ROWS: Final = 4096
 """Worker rows per shard: row b describes mask bit b. 4096 leaves room for any fleet one router serves."""
 (
@@ -102,7 +131,9 @@ WORKER_ROWS: Final = 4096
     W_CACHED_DISK,
     W_CACHED_SHARED,
     W_SEEN,
-) = range(20)
+    W_EVICTED_UNTRUSTED,
+    W_EVICTED_LRU,
+) = range(22)
 """Worker row words: identity and cached device blocks (the writer), then the event plane's view of the
 worker: the last sequence number or event id applied (``NO_ID`` before the first), when its last message
 arrived, gaps detected / recovered / lost, the trust state (``WORKER_*``), the stale flag, blocks dropped
@@ -110,10 +141,12 @@ for a wrong block size, events skipped (another attention group), undecodable fr
 seen, and events applied; then cached blocks in the host, disk and shared tiers (the writer). The other
 tiers' counts come after the rest, not beside ``W_CACHED``, so every word of layout 2 kept its place;
 word 19, ``W_SEEN``, is what the plane saw that contradicts the registration (:func:`seen_word`; zero
-while nothing did), for the service's misconfiguration checks."""
+while nothing did), for the service's misconfiguration checks; words 20-21, the worker's entries the index
+cap evicted, by reason (``EVICT_REASONS``)."""
+W_EVICTED_BY_REASON: Final = (W_EVICTED_UNTRUSTED, W_EVICTED_LRU)
 W_CACHED_BY_TIER: Final = (W_CACHED, W_CACHED_HOST, W_CACHED_DISK, W_CACHED_SHARED)
 """Each tier's cached-blocks word, in ``StorageTier`` order (device, host, disk, shared)."""
-WORKER_ROW_WORDS: Final = 20
+WORKER_ROW_WORDS: Final = 22
 SEEN_FORMAT_SHIFT: Final = 32
 SEEN_RANK_SHIFT: Final = 40
 
@@ -346,6 +379,17 @@ class Control:
             "last_event_ns": int(block[S_LAST_EVENT]),
             "lag_us": int(block[S_LAG]),
         }
+
+    def cap(self, shard: int) -> tuple[int, int, dict[str, int], int]:
+        """The index cap as the shard's applier applies it: (entries, budget or 0, evictions by reason,
+        events about evicted blocks)."""
+        block = self._blocks[shard]
+        evicted = {reason: int(block[S_EVICTED + i]) for i, reason in enumerate(EVICT_REASONS)}
+        return int(block[S_ENTRIES]), int(block[S_BUDGET]), evicted, int(block[S_AFTER_EVICTION])
+
+    def touched(self, shard: int) -> int:
+        """Matched blocks the shard's applier stamped (``S_TOUCHED``)."""
+        return int(self._blocks[shard, S_TOUCHED])
 
     def workers(self, shard: int) -> dict[int, tuple[int, int, int]]:
         """Rows in use: mask bit → (worker_id, dp_rank, cached device blocks)."""

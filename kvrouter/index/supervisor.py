@@ -81,6 +81,7 @@ class Supervisor:
         shards: how many appliers (and shard tables) to run.
         owner_pid: the pid every segment, lock and socket name carries; this process's by default.
         stop_timeout: seconds ``close`` gives the appliers to stop before killing them.
+        max_index_blocks: the index cap over every shard (0: none); each applier keeps ``cap // shards``.
 
     Raises:
         EngineError: another engine of this process owns the segment names, or an applier cannot be forked.
@@ -94,6 +95,7 @@ class Supervisor:
         stop_timeout: float = STOP_TIMEOUT,
         plane: PlaneConfig | None = None,
         defer: bool = False,
+        max_index_blocks: int = 0,
     ) -> None:
         """``defer``: fork the fork server, create the control segment and the sockets, and stop there:
         :meth:`complete_start` forks the appliers (through the fork server, which compiles their kernels
@@ -106,6 +108,9 @@ class Supervisor:
         self.stop_timeout = stop_timeout
         self.plane = plane or PlaneConfig()
         """The event plane's bounds and timers, handed to every applier."""
+        self.budget = max(1, max_index_blocks // shards) if max_index_blocks > 0 else 0
+        """Each shard's share of the index cap, in (worker, block) entries (0: no cap): the cap is split
+        evenly rather than shared, so no applier ever waits on another to decide what to evict."""
         self._specs: dict[int, WorkerSpec] = {}
         """The registry: every followed worker, by id. A restarted applier is handed its part of it."""
         self.creator_pid = os.getpid()
@@ -207,6 +212,10 @@ class Supervisor:
                     self._known[shard].add(worker)
         return shard
 
+    def owner(self, worker: WorkerKey) -> int | None:
+        """The shard ``worker`` was assigned to, None if none was (nothing is assigned here)."""
+        return self._assignment.get(worker)
+
     def shards_of(self, worker_id: int) -> list[int]:
         """The shards holding some dp rank of ``worker_id``, in order."""
         with self._lock:
@@ -300,6 +309,7 @@ class Supervisor:
             status,
             self._followed(shard),
             self.plane,
+            self.budget,
         )
         self._pids[shard] = self._forkserver.spawn(args)
 

@@ -12,8 +12,22 @@ map 64k -> 2M rows) growth was ~18 µs of the ~48 µs per 80-block message: new 
 maps ~10 (the kernel zeroing pages; the maps are no longer zeroed a second time by ``init_map``),
 ``copy_live`` ~4.5, ``rehash_map`` ~3. Growing by 4x while small would save the copy into every other
 size (about a third of that), at the cost of tables and maps up to twice the size they need (the engine
-map alone is 32 bytes a held block); not done: a long-running applier reaches its working set once, and a
+map alone is 48 bytes a held block); not done: a long-running applier reaches its working set once, and a
 bigger first size is the knob for that (``INITIAL_CAPACITY``).
+
+The index cap (``--max-index-blocks``; ``docs/shm-engine.md`` "The index cap") is kept here, by the shard's
+one writer, so an eviction is a release like a Removed event's, under the slot seqlock, and readers need
+no change. Each shard keeps ``cap // shards`` (word ``S_BUDGET``), so no applier waits on another. After a
+batch leaves the shard above its budget, ``_evict`` brings it to ``budget - budget // EVICT_SLACK`` with
+``kernels.evict``: leaves first, workers not ``exact`` first, then the least recently stored or matched
+(``touch``, fed by the front). Cost: two words of links and one stamp per engine-map row, a word per table
+slot for matches, and one scan of the engine map plus a heap per eviction, amortised over 1/64 of the
+budget. Rejected: a global budget (appliers would have to agree on one order across processes); an exact
+LRU list per worker (a linked list through the map is two more words a row and a pointer chase per store,
+for an order the cap needs only when it evicts); sampled eviction, Redis style (cheaper per eviction, but
+it cannot keep the leaf rule, and the bound must hold at every batch's end); remembering evicted blocks to
+excuse the engine's later events about them exactly (that memory would grow with the very losses the cap
+bounds: ``_excuse`` approximates it per worker instead).
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ from ..events.codecs.kvrouter import RawEvent
 from ..events.model import Cleared, KvEvent, Removed, Stored, WorkerKey
 from . import _kernels as kernels
 from .layout import (
+    EVICT_REASONS,
     H_CAPACITY,
     H_EPOCH,
     H_LIVE,
@@ -42,6 +57,11 @@ from .layout import (
     MAX_LOAD,
     MIN_CAPACITY,
     NO_ID,
+    S_AFTER_EVICTION,
+    S_BUDGET,
+    S_ENTRIES,
+    S_EVICTED,
+    S_TOUCHED,
     SHARD_MAGIC,
     TIERS,
     W_BAD_FRAMES,
@@ -49,6 +69,9 @@ from .layout import (
     W_DP_RANK,
     W_DROPPED_BLOCKS,
     W_EVENTS,
+    W_EVICTED_BY_REASON,
+    W_EVICTED_LRU,
+    W_EVICTED_UNTRUSTED,
     W_GAPS_DETECTED,
     W_GAPS_LOST,
     W_GAPS_RECOVERED,
@@ -57,8 +80,10 @@ from .layout import (
     W_LAST_ID,
     W_RESTARTS,
     W_SKIPPED_EVENTS,
+    W_STATE,
     W_WORKER_ID,
     WORD_BITS,
+    WORKER_EXACT,
     Control,
     Segment,
     shard_name,
@@ -66,13 +91,16 @@ from .layout import (
     unlink_segment,
 )
 
-__all__ = ["ShardWriter", "pack_run", "raw_event"]
+__all__ = ["EVICT_SLACK", "ShardWriter", "pack_run", "raw_event"]
 
 Table = npt.NDArray[np.uint64]
 
 log = logging.getLogger(__name__)
 
-MAP_ROW_WORDS: Final = 4
+EVICT_SLACK: Final = 64
+"""An eviction brings a shard to ``budget - budget // EVICT_SLACK`` entries, not to the budget: each costs
+a scan of the engine map, so it frees 1/64 of the budget at once and the next one comes that many stores
+later. The cap is a bound, so the index keeps 98.4% of what it may hold at worst."""
 MIN_MAP_ROWS: Final = 1024
 GROWN_LOAD: Final = MAX_LOAD * 0.75
 """The load a rebuilt table may start at: room for a third more keys before the next rebuild."""
@@ -80,6 +108,8 @@ INITIAL_CAPACITY: Final = 1 << 16
 """Slots of a new shard table (3 MiB at 64 workers): a fleet's working set fills it in seconds, and
 starting there skips six doublings (each a copy and fresh page faults). Tests start smaller."""
 _NONE: Final = np.empty(0, dtype=np.uint64)
+_AFTER_EVICTION: Final = frozenset({BlockNotFound.kind, ParentNotFound.kind})
+"""Error kinds an evicted block can cause (see ``ShardWriter._excuse``)."""
 _ERRORS: Final = {
     kernels.PARENT_NOT_FOUND: ParentNotFound.kind,
     kernels.INVALID_SEQUENCE: InvalidBlockSequence.kind,
@@ -126,9 +156,10 @@ def _run_kind(event: RawEvent) -> int:
 
 def _map(rows: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
     """An empty private map in pre-faulted memory (see ``layout.Segment.create`` for why), zero from the kernel."""
-    memory = mmap.mmap(-1, rows * MAP_ROW_WORDS * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
-    table = np.frombuffer(memory, dtype=np.uint64).reshape(rows, MAP_ROW_WORDS)
-    meta = np.zeros(4, dtype=np.int64)
+    width = kernels.MAP_ROW_WORDS
+    memory = mmap.mmap(-1, rows * width * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    table = np.frombuffer(memory, dtype=np.uint64).reshape(rows, width)
+    meta = np.zeros(kernels.META_WORDS, dtype=np.int64)
     kernels.init_map(table, meta)
     return table, meta
 
@@ -142,6 +173,8 @@ HISTORY_WORDS: Final = [
     W_BAD_FRAMES,
     W_RESTARTS,
     W_EVENTS,
+    W_EVICTED_UNTRUSTED,
+    W_EVICTED_LRU,
 ]
 """Row words that describe a worker's history rather than the table: a restarted applier keeps them, so a
 gap counted before an applier crash is still accounted after it (``detected = recovered + lost``)."""
@@ -170,11 +203,20 @@ class ShardWriter:
         *,
         workers: Iterable[WorkerKey] = (),
         capacity: int = INITIAL_CAPACITY,
+        budget: int = 0,
     ) -> None:
         self.control = control
         self.shard = shard
         self.owner_pid = owner_pid
+        self.budget = budget
+        """The (worker, block) entries this shard may hold at a batch's end; 0: no cap."""
+        self._target = budget - budget // EVICT_SLACK
+        """What an eviction brings the entries down to (``EVICT_SLACK``)."""
+        self._block = control.block(shard)
+        self._block[S_BUDGET] = budget
+        self._block[S_ENTRIES] = 0
         self._bits: dict[WorkerKey, int] = {}
+        self._evicted_once = False
         self._cached = np.zeros((TIERS, control.rows), dtype=np.int64)
         """Cached blocks per tier and row (``kernels.TierCounts``), copied into the rows by ``_sync_cached``."""
         self._emap, self._emeta = _map(capacity)
@@ -186,6 +228,10 @@ class ShardWriter:
         control.worker_rows(shard)[:] = 0  # a dead predecessor's rows: this writer registers its own
         kernels.end_rows_change(control.block(shard))
         self._segment = self._publish(capacity, nwords=1)
+        self._matched = np.zeros(int(self.table[H_CAPACITY]), dtype=np.uint64)
+        """When each table slot's block was last matched (``touch``; 0: never), in the engine map's stamps:
+        private, beside the shared table, carried through every rebuild (``kernels.carry_matched``)."""
+        self._matched_any = False
         for worker in workers:
             self._bit(worker)
 
@@ -210,9 +256,15 @@ class ShardWriter:
         """Apply one event under the index contract; count it, and its error kind if any, in the control
         segment. Returns the error kind (``parent_not_found``, ``block_not_found``,
         ``invalid_block_sequence``, ``bad_event``) or None."""
-        kind = self._apply((event.worker_id, event.dp_rank), raw_event(event))
-        self._count(1, [kind] if kind else [])
-        return kind
+        self._emeta[kernels.M_STAMP] += 1
+        worker = (event.worker_id, event.dp_rank)
+        kind = self._apply(worker, raw_event(event))
+        errors = [kind] if kind else []
+        bit = self._bits.get(worker, -1)
+        if bit >= 0:
+            errors = self._excuse(bit, errors)
+        self._count(1, errors)
+        return errors[0] if errors else None
 
     def apply_batch(self, worker: WorkerKey, events: Sequence[RawEvent], sent_at: float = 0.0) -> list[str]:
         """Apply one worker's events, already decoded into packed arrays (no object per block), in order;
@@ -222,6 +274,7 @@ class ShardWriter:
         A lone event goes to its kernel as is; consecutive Stored and Removed events of one tier go to
         ``apply_run`` in one call (their arrays concatenated), a Cleared event on its own."""
         bit = self._bit(worker)
+        self._emeta[kernels.M_STAMP] += 1  # the stamp stores give rows: one tick per batch
         if bit < 0:
             errors = [BadEvent.kind] * len(events)
         else:
@@ -242,15 +295,49 @@ class ShardWriter:
                     errors.extend(self._apply_run(bit, events[first:end]))
                 first = end
             self._sync_cached(bit)
+            if errors:
+                errors = self._excuse(bit, errors)
         self._count(len(events), errors, sent_at)
         return errors
+
+    def touch(self, seqs: npt.NDArray[np.uint64]) -> int:
+        """Blocks the front's decisions matched (sequence hashes): each is now the most recently used for
+        the cap's order, for every worker of this shard holding it. Nothing without a cap. Returns how
+        many were in the table, counted in the shard's ``S_TOUCHED``."""
+        if not self.budget:
+            return 0
+        self._emeta[kernels.M_STAMP] += 1
+        self._matched_any = True
+        found = int(kernels.touch(self.table, self._matched, seqs, np.uint64(self._emeta[kernels.M_STAMP])))
+        self._block[S_TOUCHED] += np.uint64(found)
+        return found
 
     def count_bad_batch(self) -> None:
         """A message for this shard did not decode: one ``bad_event``, no event applied."""
         self._count(0, [BadEvent.kind])
 
+    def _excuse(self, bit: int, errors: list[str]) -> list[str]:
+        """``errors`` without the ones the cap caused: a worker some of whose entries were evicted may name
+        an evicted block (its Removed, a Stored under it), which is counted in ``S_AFTER_EVICTION``.
+
+        Approximate on purpose: the writer does not remember what it evicted (that memory would grow with
+        the losses the cap exists to bound), so once a worker had an eviction, every unknown block it names
+        is taken for an evicted one; a real ``block_not_found`` of that worker then goes uncounted."""
+        row = self._rows[bit]
+        if not any(row[word] for word in W_EVICTED_BY_REASON):
+            return errors
+        kept = [kind for kind in errors if kind not in _AFTER_EVICTION]
+        self._block[S_AFTER_EVICTION] += len(errors) - len(kept)
+        return kept
+
     def _count(self, events: int, errors: list[str], sent_at: float = 0.0) -> None:
-        """Bump the shard's counters once per call, not per event: they are shared-memory words."""
+        """Bump the shard's counters once per call, not per event: they are shared-memory words. Past
+        the shard's budget, evict first (``_evict``): the cap holds at every batch's end."""
+        entries = self._rmeta[kernels.M_ENTRIES]
+        if self.budget and entries > self.budget:
+            self._evict()
+            entries = self._rmeta[kernels.M_ENTRIES]
+        self._block[S_ENTRIES] = entries
         self.control.count_events(self.shard, events, time.time_ns(), sent_at)
         for kind in errors:
             self.control.count_error(self.shard, kind)
@@ -332,6 +419,17 @@ class ShardWriter:
         mask bit, or -1 when every row is taken."""
         return self._bit(worker)
 
+    def engine_hashes(self) -> dict[tuple[WorkerKey, int], set[int]]:
+        """Every engine hash the writer's engine map holds, by (worker, tier rank): for tests and debugging
+        (the index cap evicts by engine hash; the table shows only what that leaves)."""
+        workers = {bit: worker for worker, bit in self._bits.items()}
+        held: dict[tuple[WorkerKey, int], set[int]] = {}
+        emap = self._emap
+        for row in np.flatnonzero((emap[:, 1] != 0) & (emap[:, 1] != kernels.TOMB)).tolist():
+            holder = int(emap[row, 1]) - 1
+            held.setdefault((workers[holder // TIERS], holder % TIERS), set()).add(int(emap[row, 0]))
+        return held
+
     def row(self, worker: WorkerKey) -> npt.NDArray[np.uint64] | None:
         """The worker's row of the control segment (the event plane writes its cursor and counters there)."""
         bit = self._bits.get(worker)
@@ -347,6 +445,7 @@ class ShardWriter:
         for tier in range(TIERS):
             kernels.clear_holder(self.table, self._emap, self._emeta, self._refs, self._rmeta, self._cached, bit, tier)
         self._sync_cached(bit)
+        self._block[S_ENTRIES] = self._rmeta[kernels.M_ENTRIES]
 
     def _sync_cached(self, bit: int) -> None:
         """Copy the worker's per-tier counts into its row: four scalar stores (a fancy-indexed store of the
@@ -354,6 +453,31 @@ class ShardWriter:
         row, cached = self._rows[bit], self._cached
         for tier, word in enumerate(W_CACHED_BY_TIER):
             row[word] = cached[tier, bit]
+
+    def _evict(self) -> None:
+        """Bring the entries down to ``_target`` (``kernels.evict``): workers that are not ``exact`` first,
+        then the least recently stored, leaves first; count them per worker and per reason."""
+        rows = self._rows
+        untrusted = (rows[:, W_STATE] != WORKER_EXACT).astype(np.uint8)
+        evicted = np.zeros((len(rows), len(EVICT_REASONS)), dtype=np.int64)
+        before = int(self._rmeta[kernels.M_ENTRIES])
+        kernels.evict(*self._maps(), self._matched, untrusted, before, self._target, evicted)
+        for bit in np.flatnonzero(evicted.any(axis=1)).tolist():
+            for reason, word in enumerate(W_EVICTED_BY_REASON):
+                rows[bit, word] += np.uint64(evicted[bit, reason])
+            self._sync_cached(bit)
+        totals = evicted.sum(axis=0)
+        for reason in range(len(EVICT_REASONS)):
+            self._block[S_EVICTED + reason] += np.uint64(totals[reason])
+        if not self._evicted_once:
+            self._evicted_once = True
+            log.info(
+                "index cap reached shard=%d budget=%d entries=%d evicted_to=%d",
+                self.shard,
+                self.budget,
+                before,
+                int(self._rmeta[kernels.M_ENTRIES]),
+            )
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -406,6 +530,7 @@ class ShardWriter:
             return rows, meta
         bigger, bigger_meta = _map(_capacity_for(used - tombs + new_keys, MIN_MAP_ROWS))
         kernels.rehash_map(rows, bigger, bigger_meta)
+        bigger_meta[kernels.M_STAMP :] = meta[kernels.M_STAMP :]  # the stamp clock and the entries go on
         return bigger, bigger_meta
 
     def _rebuild(self, keys: int, *, nwords: int, keep_capacity: bool = False) -> None:
@@ -417,6 +542,10 @@ class ShardWriter:
             capacity = max(capacity, int(old.words[H_CAPACITY]))
         new = self._publish(capacity, nwords=nwords, before=old)
         self._segment = new
+        matched = np.zeros(int(new.words[H_CAPACITY]), dtype=np.uint64)
+        if self._matched_any:  # a scan of the old table: skipped until a match was ever reported
+            kernels.carry_matched(old.words, new.words, self._matched, matched)
+        self._matched = matched
         old.close()
         unlink_segment(old.name)
         log.info(

@@ -25,7 +25,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -45,7 +45,7 @@ from ..errors import (
     ServiceError,
 )
 from ..events.model import StorageTier, WorkerKey
-from ..hashing import block_hashes_array
+from ..hashing import block_hashes_array, sequence_hashes_array
 from ..plane.registry import offset_endpoint
 from ..recording import Recorder
 from ..routing.config import RouterConfig
@@ -73,6 +73,11 @@ from .validation import Registration, SelectRequest, Unregistration, parse_regis
 __all__ = ["PHASES", "SelectResult", "Service", "ServiceCounters"]
 
 log = logging.getLogger(__name__)
+
+MATCHED_LIMIT: Final = 4096
+"""Decisions whose matched blocks one health tick feeds to the index cap's order (``Service.feed_matches``):
+past it a tick's further decisions are left out (a busy router's recency is then a sample, which is all an
+order among millions of blocks needs), so the list never grows with the decision rate."""
 
 
 @dataclass(slots=True)
@@ -131,7 +136,9 @@ class Service:
             plane = replace(plane, record_endpoint=endpoint)  # every applier copies what it applies there
             self.recording = ServiceRecording(config, endpoint)
         self.engine: Engine | EngineView = (
-            Engine(shards=config.shards, plane=plane) if front is None else EngineView(front.handle)
+            Engine(shards=config.shards, plane=plane, max_index_blocks=config.max_index_blocks)
+            if front is None
+            else EngineView(front.handle)
         )
         """Front 0 owns the engine; another front of ``--fronts N`` maps it read-only (``fronts.py``)."""
         self.registrations: dict[WorkerKey, Registration] = {}
@@ -167,6 +174,9 @@ class Service:
         self.last_explained: dict[str, Any] | None = None
         """The most recent decisions-ring entry that carries its candidates (``explain``)."""
         self._explain_after = 0.0
+        self._matched: list[tuple[WorkerKey, npt.NDArray[np.uint64], int]] = []
+        """Decisions' (chosen worker, prompt local hashes, device overlap) since the last health tick, at most
+        ``MATCHED_LIMIT``: fed to the index cap's order by ``feed_matches``."""
         """``perf_counter`` time after which the next decision is explained for the ring (``stats.py``)."""
         self.stats: StatsPublisher | None = None
         """The stats segment's publisher while the service serves (``stats.py``); None before and after."""
@@ -813,6 +823,8 @@ class Service:
         counters.selections[selection.worker] = counters.selections.get(selection.worker, 0) + 1
         counters.overlap_blocks += selection.overlap_blocks
         counters.prompt_blocks += len(local)
+        if selection.overlap_blocks and partition.approx is None and len(self._matched) < MATCHED_LIMIT:
+            self._matched.append((selection.worker, local, selection.overlap_blocks))  # for feed_matches
         if reserve:
             assert selection_id is not None
             counters.reservations += 1
@@ -1052,6 +1064,18 @@ class Service:
     def _event(self, kind: str, **fields: Any) -> None:
         self._event_seq += 1
         self.events.append({"seq": self._event_seq, "at": time.time(), "kind": kind, **fields})
+
+    def feed_matches(self) -> None:
+        """Send the blocks the decisions since the last call matched to their workers' appliers, one message
+        per worker (the health loop calls it on every tick): the "matched" half of the index cap's least
+        recently used order. Off the decision path, which only appends one tuple; the chains are hashed
+        here, deduplicated per worker. A front that does not own the engine sends nothing."""
+        matched, self._matched = self._matched, []
+        by_worker: dict[WorkerKey, list[npt.NDArray[np.uint64]]] = {}
+        for worker, local, overlap in matched:
+            by_worker.setdefault(worker, []).append(sequence_hashes_array(local[:overlap]))
+        for worker, chains in by_worker.items():
+            self.engine.touch(worker, np.unique(np.concatenate(chains)))
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
         """``GET /ready``'s answer: ready only with every shard up, nothing recovering, a schedulable

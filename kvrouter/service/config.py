@@ -14,6 +14,7 @@ from typing import Final, Literal
 
 from ..bridge.subjects import Subjects
 from ..errors import ConfigError
+from ..index.layout import MAX_INDEX_BLOCKS
 from ..plane.config import PlaneConfig
 from ..plane.registry import WorkerSpec
 from ..routing.config import KVROUTER_CONFIG, RouterConfig
@@ -39,15 +40,15 @@ class ServiceConfig:
     """How the service binds, which workers it starts with, how it routes and protects itself.
 
     Raises:
-        ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, fronts outside 1..64, a block size
-            below 1, an overload status that is not 429 or 5xx, a body limit below 1 KiB, a negative drain time,
-            a session affinity TTL not above 0, a tokenizer path that names no file, a decision log in no
-            directory, a shadow policy the simulator does not have, a queue threshold below 1, a queue policy
-            other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace or component
-            that is not one NATS subject token, (with replica_sync or durable_kv_events) a nats_url that is not
-            nats:// or tls://, durable_kv_events without KV events, a snapshot threshold below 1, or a
-            router_id that is not 1-64 letters, digits, ``_`` or ``-``, or a record file in no directory
-            or with fronts > 1 or replica_sync.
+        ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, a negative max_index_blocks, fronts
+            outside 1..64, a block size below 1, an overload status that is not 429 or 5xx, a body limit below 1 KiB,
+            a negative drain time, a session affinity TTL not above 0, a tokenizer path that names no file, a
+            decision log in no directory, a shadow policy the simulator does not have, a queue threshold below 1, a
+            queue policy other than fcfs / wspt, a queue timeout or a request expiry not above 0, a namespace or
+            component that is not one NATS subject token, (with replica_sync or durable_kv_events) a nats_url that
+            is not nats:// or tls://, durable_kv_events without KV events, a snapshot threshold below 1, a
+            router_id that is not 1-64 letters, digits, ``_`` or ``-``, or a record file in no directory or with
+            fronts > 1 or replica_sync.
     """
 
     host: str = "127.0.0.1"
@@ -55,6 +56,9 @@ class ServiceConfig:
     """0 picks a free port (tests); ``Service.url`` tells which."""
     shards: int = 4
     """Applier processes of the one engine every partition shares."""
+    max_index_blocks: int = MAX_INDEX_BLOCKS
+    """``--max-index-blocks``: the index cap in (worker, block) entries over every shard and tier, each
+    shard keeping ``max_index_blocks // shards`` (``index/writer.py``); 0: no cap."""
     block_size: int = 16
     """Block size of the partition of the workers given on the command line."""
     model_name: str = "default"
@@ -137,6 +141,8 @@ class ServiceConfig:
             raise ConfigError(f"ServiceConfig.port must be in 0..65535, got {self.port}")
         if self.shards < 1:
             raise ConfigError(f"ServiceConfig.shards must be >= 1, got {self.shards}")
+        if self.max_index_blocks < 0:
+            raise ConfigError(f"ServiceConfig.max_index_blocks must be >= 0 (0: no cap), got {self.max_index_blocks}")
         if not 1 <= self.fronts <= MAX_FRONTS:
             raise ConfigError(f"ServiceConfig.fronts must be in 1..{MAX_FRONTS}, got {self.fronts}")
         if self.block_size < 1:

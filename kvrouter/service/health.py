@@ -80,6 +80,7 @@ class Health:
         if not self.service._started or self.service._stopping:
             return
         self.refresh_index()
+        self.service.feed_matches()
         streams = self.service.engine.workers() if self.service.config.router.use_kv_events else {}
         for key, stats in streams.items():
             before = self.service._streams.get(key)
@@ -183,6 +184,7 @@ class Health:
         worker, and not stopping."""
         reasons: list[str] = []
         shards: dict[str, str] = {}
+        index: dict[str, Any] = {"blocks": 0, "blocks_cap": 0, "evicted": {}}
         if self.service._stopping:
             reasons.append("stopping")
         if not self.service._started:
@@ -191,6 +193,10 @@ class Health:
             try:
                 for shard in self.service.engine.stats():
                     shards[str(shard.shard)] = shard.status
+                    index["blocks"] += shard.entries  # the cap (--max-index-blocks), its use and evictions
+                    index["blocks_cap"] += shard.budget
+                    for reason, count in shard.evicted.items():
+                        index["evicted"][reason] = index["evicted"].get(reason, 0) + count
                     if shard.status != "up":
                         reasons.append(f"shard {shard.shard} {shard.status}")
             except EngineError as exc:
@@ -233,5 +239,6 @@ class Health:
             "workers": workers,
             "reasons": reasons,
             "shards": shards,
+            "index": index,
             **answer,
         }

@@ -65,7 +65,7 @@ from ..bridge.durable import DurableEvents
 from ..engine import Engine, EngineView
 from ..errors import EngineError
 from ..events.model import WorkerKey
-from ..index.layout import ERROR_KINDS, WORKER_STATES
+from ..index.layout import ERROR_KINDS, EVICT_REASONS, WORKER_STATES
 from ..recording import Recorder
 from ..routing.config import RouterConfig
 from ..routing.slots import SlotManager
@@ -170,6 +170,28 @@ class ServiceCollector(Collector):
             "Engine stamp to applied in the index, smoothed over the shard's batches (absent before the first)",
             labels=["shard"],
         )
+        cap = GaugeMetricFamily(
+            "kvrouter_index_blocks_cap",
+            "The index cap (--max-index-blocks) as the shards keep it: the sum of their budgets (0: no cap)",
+        )
+        used = GaugeMetricFamily(
+            "kvrouter_index_blocks", "(worker, block) entries in the index, every tier: what the cap counts"
+        )
+        evictions = CounterMetricFamily(
+            "kvrouter_index_evictions",
+            "Entries the index cap evicted, by reason (untrusted: its worker was not exact; lru: least recently"
+            " stored)",
+            labels=["reason"],
+        )
+        after_eviction = CounterMetricFamily(
+            "kvrouter_index_events_after_eviction",
+            "Events naming a block the cap had evicted from their worker (a Removed of it, a Stored under it)",
+        )
+        touched = CounterMetricFamily(
+            "kvrouter_index_matched_blocks",
+            "Blocks the decisions matched, fed back to the appliers for the cap's least recently used order",
+        )
+        evicted_by_reason = dict.fromkeys(EVICT_REASONS, 0)
         errors = dict.fromkeys(ERROR_KINDS, 0)
         for shard in shards:
             label = str(shard.shard)
@@ -185,9 +207,18 @@ class ServiceCollector(Collector):
                 lag.add_metric([label], shard.lag_us / 1e6)
             for kind, count in shard.errors.items():
                 errors[kind] = errors.get(kind, 0) + count
+            for reason, count in shard.evicted.items():
+                evicted_by_reason[reason] = evicted_by_reason.get(reason, 0) + count
         for kind, count in errors.items():
             rejected.add_metric([kind], count)
+        cap.add_metric([], sum(shard.budget for shard in shards))
+        used.add_metric([], sum(shard.entries for shard in shards))
+        for reason, count in evicted_by_reason.items():
+            evictions.add_metric([reason], count)
+        after_eviction.add_metric([], sum(shard.after_eviction for shard in shards))
+        touched.add_metric([], sum(shard.touched for shard in shards))
         yield from (up, status, restarts, epoch, applied, rejected, age, lag)
+        yield from (cap, used, evictions, after_eviction, touched)
 
         labels = ["worker_id", "dp_rank"]
         cached = GaugeMetricFamily("kvrouter_worker_cached_blocks", "Device blocks the index holds", labels=labels)
@@ -215,6 +246,11 @@ class ServiceCollector(Collector):
         )
         engine_restarts = CounterMetricFamily(
             "kvrouter_worker_restarts", "Engine restarts seen in the stream (ids back to 0)", labels=labels
+        )
+        worker_evicted = CounterMetricFamily(
+            "kvrouter_worker_evicted_blocks",
+            "The worker's entries the index cap evicted, by reason (untrusted, lru)",
+            labels=[*labels, "reason"],
         )
         state = GaugeMetricFamily(
             "kvrouter_worker_state",
@@ -245,6 +281,8 @@ class ServiceCollector(Collector):
             dropped.add_metric(values, row.dropped_blocks)
             skipped.add_metric(values, row.skipped_events)
             engine_restarts.add_metric(values, row.restarts)
+            for reason, count in row.evicted.items():
+                worker_evicted.add_metric([*values, reason], count)
             for name in WORKER_STATES.values():
                 state.add_metric([*values, name], 1.0 if row.state == name else 0.0)
             stale.add_metric(values, 1.0 if row.stale else 0.0)
@@ -253,7 +291,8 @@ class ServiceCollector(Collector):
             by_state[row.state] = by_state.get(row.state, 0) + 1
         for name, count in by_state.items():
             listeners.add_metric([name], count)
-        yield from (cached, by_tier, gaps, events, bad_frames, dropped, skipped, engine_restarts, state, stale, last)
+        yield from (cached, by_tier, gaps, events, bad_frames, dropped, skipped, engine_restarts, worker_evicted)
+        yield from (state, stale, last)
         yield listeners
 
     # -- the load the front booked (slot managers) --------------------------------------------

@@ -224,7 +224,13 @@ class Routes:
                 "restarts": stats.restarts,
                 "events": stats.events,
                 "last_event_at": stats.last_event_ns / 1e9 if stats.last_event_ns else None,
+                "evicted": dict(stats.evicted),
             }
+            if evicted := sum(stats.evicted.values()):
+                listeners[str(rank)]["note"] = (
+                    f"{evicted} blocks evicted by --max-index-blocks: the index holds less than this worker's "
+                    "cache on purpose (every event is still accounted; the trust state is unchanged)"
+                )
         status = "active"
         if skipped:
             status = "unhealthy" if len(skipped) == len(instance.ranks) else "degraded"

@@ -20,11 +20,14 @@ _owners = itertools.count((os.getpid() << 20) + 1)
 
 
 class InProcessShards:
-    def __init__(self, shards: int, *, capacity: int = MIN_CAPACITY) -> None:
-        """Tables start at the smallest capacity, so the tests grow them often."""
+    def __init__(self, shards: int, *, capacity: int = MIN_CAPACITY, budget: int = 0) -> None:
+        """Tables start at the smallest capacity, so the tests grow them often; ``budget`` is each shard's
+        share of an index cap (0: none)."""
         self.owner = next(_owners)
         self.control = Control.create(control_name(self.owner), shards)
-        self.writers = [ShardWriter(self.control, k, self.owner, capacity=capacity) for k in range(shards)]
+        self.writers = [
+            ShardWriter(self.control, k, self.owner, capacity=capacity, budget=budget) for k in range(shards)
+        ]
         self.assignment: dict[WorkerKey, int] = {}
         self.reader = IndexReader(self.control.name)
 

@@ -27,6 +27,7 @@ import numpy.typing as npt
 import pytest
 from numba import njit
 
+from kvrouter.engine import read_shards
 from kvrouter.events.model import EngineHash, LocalHash, Removed, Stored, StoredBlock
 from kvrouter.index import _kernels as kernels
 from kvrouter.index.dense import WorkerSlots
@@ -39,6 +40,8 @@ from kvrouter.index.layout import (
     SLOT_VERSION,
     STATUS_UP,
     TIERS,
+    W_STATE,
+    WORKER_EXACT,
     Control,
     Segment,
     control_name,
@@ -213,6 +216,72 @@ def test_queries_under_churn_growth_and_clear_see_only_states_the_index_held(wai
         control.unlink()
     assert writer.exitcode == 0
     assert queries > 100
+
+
+def _evict_under_cap(control_name_: str, owner: int, rounds: int) -> None:
+    """Writer process with a budget of 300 entries: worker 1 (``exact``) holds chain A; worker 2 (not exact)
+    stores chain Q, then a new 64-block document every round, so the cap evicts worker 2's blocks, Q's tip
+    first, every few rounds."""
+    control = Control.attach(control_name_, writable=True)
+    control.set_pid(0, os.getpid())
+    writer = ShardWriter(control, 0, owner, capacity=MIN_CAPACITY, budget=300)
+    chain = tuple(StoredBlock(EngineHash(100 + i), LocalHash(i + 1)) for i in range(32))
+    writer.apply(Stored(1, None, chain))
+    row = writer.row((1, 0))
+    assert row is not None
+    row[W_STATE] = WORKER_EXACT
+    query = tuple(StoredBlock(EngineHash(200 + i), LocalHash(3000 + i)) for i in range(64))
+    writer.apply(Stored(2, None, query))
+    control.set_flushed(0, 1)
+    while control.flushed(0) != 2:  # the reader compiles its query first
+        time.sleep(0.001)
+    for round_ in range(rounds):
+        doc = tuple(
+            StoredBlock(EngineHash(10_000 + round_ * 64 + i), LocalHash(5000 + round_ * 64 + i)) for i in range(64)
+        )
+        writer.apply(Stored(2, None, doc))
+    control.set_flushed(0, 3)
+    writer.close(unlink=False)
+    control.close()
+
+
+@pytest.mark.timeout(120)
+def test_queries_while_the_cap_evicts_see_chains_shrink_from_the_tip(wait_until: Callable[..., None]):
+    """Every answer while the writer evicts is a state the index held: the exact worker's chain whole, the
+    untrusted one's first chain a prefix that only ever shrinks (its tip goes first), never a torn slot."""
+    owner = (os.getpid() << 20) + 950_000 + next(_names)
+    control = Control.create(control_name(owner), 1)
+    writer = FORK.Process(target=_evict_under_cap, args=(control.name, owner, 40))
+    writer.start()
+    reader = IndexReader(control.name)
+    chain, query = list(range(1, 33)), list(range(3000, 3064))
+    answers: list[int] = []
+    try:
+        wait_until(lambda: control.flushed(0) >= 1, what="the writer's first chains")
+        answers.append(reader.find_matches(query).get((2, 0), 0))  # whole before the race (and compiled)
+        assert answers == [64]
+        control.set_flushed(0, 2)
+        while control.flushed(0) < 3:
+            scores = reader.find_matches(chain)
+            assert scores.get((1, 0)) == 32, scores  # untrusted blocks go first: the exact worker keeps its own
+            answers.append(reader.find_matches(query).get((2, 0), 0))
+        answers.append(reader.find_matches(query).get((2, 0), 0))
+        assert answers == sorted(answers, reverse=True)
+        assert answers[-1] == 0
+        (shard,) = read_shards(control)
+        assert shard.entries <= 300
+        assert shard.evicted["untrusted"] > 0
+        assert shard.evicted["lru"] == 0
+    finally:
+        writer.join(timeout=60)
+        reader.close()
+        for name in {control.segment_name(0)}:
+            if name:
+                Segment.attach(name, writable=False).close()
+                os.unlink(f"/dev/shm/{name}")
+        control.close()
+        control.unlink()
+    assert writer.exitcode == 0
 
 
 ID_ROUNDS = 10_000

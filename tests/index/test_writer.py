@@ -327,15 +327,27 @@ def test_the_per_tier_counts_round_trip_through_a_read_only_attachment():
 def test_the_row_words_are_distinct_and_fit_the_row():
     words = {name: getattr(layout, name) for name in dir(layout) if name.startswith("W_") and name.isupper()}
     words.pop("W_CACHED_BY_TIER")
+    words.pop("W_EVICTED_BY_REASON")
     assert sorted(words.values()) == list(range(len(words)))
-    assert len(words) == layout.WORKER_ROW_WORDS == 20  # full since W_SEEN took the spare word
+    assert len(words) == layout.WORKER_ROW_WORDS == 22  # the cap's evictions, by reason, took two more
+    assert layout.W_EVICTED_BY_REASON == (layout.W_EVICTED_UNTRUSTED, layout.W_EVICTED_LRU)
     assert layout.W_CACHED_BY_TIER == (
         layout.W_CACHED,
         layout.W_CACHED_HOST,
         layout.W_CACHED_DISK,
         layout.W_CACHED_SHARED,
     )
-    assert layout.LAYOUT_VERSION == 3
+    assert layout.LAYOUT_VERSION == 4
+
+
+def test_the_shard_block_words_are_distinct_and_fit_the_block():
+    single = {name: getattr(layout, name) for name in dir(layout) if name.startswith("S_") and name.isupper()}
+    taken = [word for name, word in single.items() if name not in ("S_ERRORS", "S_NAME", "S_EVICTED")]
+    taken += [layout.S_ERRORS + i for i in range(len(layout.ERROR_KINDS))]
+    taken += [layout.S_NAME + i for i in range(layout.NAME_BYTES // 8)]
+    taken += [layout.S_EVICTED + i for i in range(len(layout.EVICT_REASONS))]
+    assert len(set(taken)) == len(taken)
+    assert max(taken) < layout.SHARD_BLOCK_WORDS
 
 
 def test_the_shard_block_keeps_a_smoothed_index_lag_of_stamped_batches():

@@ -248,3 +248,123 @@ def test_health_answers_while_a_cold_cache_compiles_and_a_stop_then_ends_the_sta
     assert "engine starting" in json.loads(refused.value.read())["reasons"]
     assert not any("the index is up" in line for line in up.seen)
     stop_and_check(up, signal.SIGTERM, shm_entries)
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.status, json.loads(response.read())
+
+
+def scrape(url: str) -> dict[str, float]:
+    """``GET /metrics`` as ``{"name{labels}": value}`` (labels as written)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def follow(start_up: Callable[..., Up], pub: Any, cap: int, wait_until: Any) -> tuple[Up, str]:
+    """``kvrouter up`` with ``--max-index-blocks cap``, following ``pub`` (kvrouter format, no query endpoint)
+    once one of its batches landed (a PUB drops what it sends before the SUB joined)."""
+    up = start_up("--mock-workers", "0", "--shards", "1", "--max-index-blocks", str(cap))
+    url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
+    up.expect(re.compile(r"curl -s http://\S+/metrics"), START_TIMEOUT_S)  # the banner: the engine is up
+    registration = {"instance_id": pub.worker_id, "endpoint": pub.endpoint, "format": "kvrouter"}
+    assert post(url + "/register", {**registration, "block_size": pub.block_size})[0] == 201
+
+    def subscribed() -> bool:
+        pub.store([10**6], [10**8 + t for t in range(pub.block_size)])
+        pub.publish()
+        return int(listener(url).get("cached_blocks", 0)) > 0
+
+    wait_until(subscribed, timeout=60, what="the router follows the publisher")
+    return up, url
+
+
+def listener(url: str) -> dict[str, Any]:
+    rows = get(url + "/workers")[1]
+    return dict(rows[0]["listeners"]["0"]) if rows else {}
+
+
+def test_the_index_cap_holds_under_a_flood_of_stores_whose_removals_are_lost(start_up, shm_entries, wait_until):
+    """An engine (a ``KvPublisher`` in this process, no query endpoint) stores 30 chains of 40 blocks; after
+    each chain it evicts its oldest one, and that Removed batch is lost on the wire (``send=False``), so the
+    router sees a gap it cannot recover and 1,200 blocks that never leave. With ``--max-index-blocks 400``
+    the index holds at most 400 entries; every entry beyond is evicted and counted (the worker is not
+    ``exact`` once its gap is lost, hence ``untrusted``) in ``/metrics``, ``/workers`` and ``/ready``, and no
+    event is counted as an error."""
+    from kvrouter import KvPublisher
+
+    block, chains, length, cap = 4, 30, 40, 400
+    with KvPublisher(7, block_size=block, endpoint="tcp://127.0.0.1:*") as pub:
+        up, url = follow(start_up, pub, cap, wait_until)
+        for chain in range(chains):
+            hashes = [chain * 1000 + i for i in range(length)]
+            pub.store(hashes, [chain * 100_000 + t for t in range(length * block)])
+            pub.publish()
+            if chain >= 2:
+                pub.remove([(chain - 2) * 1000 + i for i in range(length)])
+                pub.publish(send=False)  # the engine evicted; the router never hears of it
+        pub.store([10**6 + 1], [10**9 + t for t in range(block)])
+        pub.publish()  # a last batch after the lost one: the router sees the gap
+        wait_until(lambda: listener(url).get("last_id") == pub.last_event_id, timeout=60, what="the last batch")
+
+        metrics = scrape(url)
+        held = metrics["kvrouter_index_blocks"]
+        evicted = metrics['kvrouter_index_evictions_total{reason="untrusted"}']
+        assert held <= cap
+        assert metrics["kvrouter_index_blocks_cap"] == cap
+        assert evicted + metrics['kvrouter_index_evictions_total{reason="lru"}'] == 2 + chains * length - held
+        assert evicted > 0
+        assert metrics['kvrouter_kv_events_rejected_total{kind="block_not_found"}'] == 0
+        assert metrics['kvrouter_kv_events_rejected_total{kind="parent_not_found"}'] == 0
+        row = listener(url)
+        assert row["state"] == "partial"
+        assert row["cached_blocks"] == held
+        assert row["evicted"]["untrusted"] == evicted
+        assert "--max-index-blocks" in row["note"]
+        ready = get(url + "/ready")[1]["index"]
+        assert ready["blocks_cap"] == cap
+        assert ready["blocks"] == held
+        stop_and_check(up, signal.SIGTERM, shm_entries)
+
+
+def test_the_index_cap_keeps_what_decisions_matched(start_up, shm_entries, wait_until):
+    """Chains A and B of 40 blocks, A stored first; a ``/select`` whose prompt is A matches all of it on the
+    one worker, and the front feeds that match to the applier (``kvrouter_index_matched_blocks_total``).
+    A third chain then takes the index past its cap of 100 (121 entries, brought down to 99): the oldest
+    leaves go, the first block and 21 of B's, while A, stored before B but matched after it, stays whole."""
+    from kvrouter import KvPublisher
+
+    block, length, cap = 4, 40, 100
+    tokens = {
+        name: [base + t for t in range(length * block)] for name, base in (("a", 0), ("b", 10**5), ("c", 2 * 10**5))
+    }
+    with KvPublisher(7, block_size=block, endpoint="tcp://127.0.0.1:*") as pub:
+        up, url = follow(start_up, pub, cap, wait_until)
+        for chain, name in enumerate("ab"):
+            pub.store([chain * 1000 + i for i in range(length)], tokens[name])
+            pub.publish()
+        wait_until(lambda: listener(url).get("last_id") == pub.last_event_id, timeout=60, what="A and B applied")
+        status, answer = post(url + "/select", {"token_ids": tokens["a"]})
+        assert status == 200
+        assert answer["worker_id"] == 7
+        wait_until(lambda: scrape(url)["kvrouter_index_matched_blocks_total"] >= length, what="the match fed back")
+        pub.store([2000 + i for i in range(length)], tokens["c"])
+        pub.publish()
+        wait_until(lambda: listener(url).get("last_id") == pub.last_event_id, timeout=60, what="C applied")
+
+        def matched(name: str) -> int:
+            scores = post(url + "/query", {"token_ids": tokens[name]})[1]["scores"]
+            return int(scores.get("7", {}).get("0", 0)) // block
+
+        assert scrape(url)["kvrouter_index_blocks"] == cap - cap // 64
+        assert (matched("a"), matched("b"), matched("c")) == (length, length - 21, length)
+        stop_and_check(up, signal.SIGTERM, shm_entries)

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from kvrouter.cli import app
 from kvrouter.cli.up import ROUTER_FLAGS
+from kvrouter.index.layout import MAX_INDEX_BLOCKS
 from kvrouter.routing.config import KVROUTER_CONFIG
 
 ENV_PREFIX = "KVROUTER_"
@@ -236,6 +237,16 @@ def test_the_recording_and_its_seed_come_from_flags_or_env(runner, tmp_path):
     assert (service["record"], service["router_seed"]) == (path, 7)
     service = resolve(runner, env={"KVROUTER_RECORD": path})["service"]
     assert (service["record"], service["router_seed"]) == (path, None)
+
+
+def test_the_index_cap_comes_from_a_flag_env_or_file_and_is_bounded_by_default(runner, tmp_path):
+    assert resolve(runner)["service"]["max_index_blocks"] == MAX_INDEX_BLOCKS > 0  # never unbounded by default
+    assert resolve(runner, "--max-index-blocks", "0")["service"]["max_index_blocks"] == 0  # off, on request
+    resolved = resolve(runner, env={"KVROUTER_MAX_INDEX_BLOCKS": "9000"})
+    assert (resolved["service"]["max_index_blocks"], resolved["sources"]["max_index_blocks"]) == (9000, "env")
+    resolved = resolve(runner, "--config", str(write(tmp_path, "max_index_blocks = 77\n")))
+    assert (resolved["service"]["max_index_blocks"], resolved["sources"]["max_index_blocks"]) == (77, "config file")
+    assert runner.invoke(app, ["up", "--max-index-blocks", "-1", "--print-config"]).exit_code == 2
 
 
 def test_auth_token_comes_from_the_environment_and_is_not_printed(runner):

@@ -31,6 +31,8 @@ class FakeFeed:
         """(peers, sync lag ms) the snapshots carry, as a replica-synced router's do; None without the bridge."""
         self.shadows: dict[str, Shadow] = {}
         """What the snapshots say of shadow policies (``--shadow-policy``)."""
+        self.index: tuple[int, int, int] | None = None
+        """(entries, cap, evicted) the snapshots carry (``--max-index-blocks``); None where the source does not say."""
         self.gone: Exception | None = None
         """When set, ``poll`` and ``probe`` raise it."""
         self.polls = 0
@@ -190,6 +192,9 @@ class FakeFeed:
             sync_lag_ms=None if self.replicas is None else self.replicas[1],
             extra={"model": "llama-3-8b"},
             shadows=dict(self.shadows),
+            index_blocks=None if self.index is None else self.index[0],
+            index_blocks_cap=0 if self.index is None else self.index[1],
+            index_evicted=0 if self.index is None else self.index[2],
         )
 
     def probe(self, tokens: Sequence[int]) -> tuple[ProbeRow, ...]:

@@ -147,6 +147,26 @@ async def test_the_header_shows_replicas_and_sync_lag_only_with_the_bridge(fake_
         assert "replicas 2, sync lag 3 ms" in app.meters.text
 
 
+async def test_the_header_shows_the_index_use_against_its_cap_and_the_evictions(fake_feed: FakeFeed) -> None:
+    app = make_app(fake_feed)
+    async with app.run_test(size=SIZE):
+        await app.tick()
+        assert " blocks" not in app.meters.text
+        fake_feed.index = (394, 400, 0)
+        fake_feed.step()
+        await app.tick()
+        assert "index 394/400 blocks" in app.meters.text
+        assert "evicted" not in app.meters.text
+        fake_feed.index = (1_200_000, 8_388_608, 806)
+        fake_feed.step()
+        await app.tick()
+        assert "index 1.2M/8.4M blocks, 806 evicted" in app.meters.text
+        fake_feed.index = (52, 0, 0)  # no cap
+        fake_feed.step()
+        await app.tick()
+        assert "index 52 blocks" in app.meters.text
+
+
 async def test_the_header_compares_each_shadow_policy_with_the_live_one(fake_feed: FakeFeed) -> None:
     app = make_app(fake_feed)
     async with app.run_test(size=SIZE):

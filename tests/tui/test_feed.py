@@ -143,6 +143,9 @@ def test_shm_feed_sees_workers_blocks_decisions_and_events(warm: Running, shm: S
     assert snap.started_at <= snap.taken_at
     assert snap.index_lag_ms is not None  # the mocks stamp their batches on this host's clock
     assert 0 < snap.index_lag_ms < 60_000
+    assert snap.index_blocks_cap > 0  # the service's default cap: the index is never unbounded
+    assert snap.index_blocks is not None
+    assert 0 < snap.index_blocks <= snap.index_blocks_cap
     assert list(snap.weights) == ["credit", "scale", "decode", "work", "T"]
     assert snap.extra["url"] == warm.url
     explained = next(d for d in reversed(snap.decisions) if d.candidates)
@@ -171,6 +174,8 @@ def test_the_http_feed_agrees_with_the_shm_feed(warm: Running, shm: ShmFeed, wai
             and [e.seq for e in a.events] == [e.seq for e in b.events]
             and a.weights == b.weights
             and a.started_at == pytest.approx(b.started_at)
+            and (a.index_blocks, a.index_blocks_cap, a.index_evicted)
+            == (b.index_blocks, b.index_blocks_cap, b.index_evicted)
         )
 
     wait_until(same, what="both feeds say the same")
@@ -179,6 +184,9 @@ def test_the_http_feed_agrees_with_the_shm_feed(warm: Running, shm: ShmFeed, wai
     assert snap.route_p50_us is not None
     assert snap.index_lag_ms is not None
     assert 0 < snap.index_lag_ms < 60_000
+    assert snap.index_blocks_cap > 0  # the service's default cap: the index is never unbounded
+    assert snap.index_blocks is not None
+    assert 0 < snap.index_blocks <= snap.index_blocks_cap
     assert any(d.candidates for d in snap.decisions)
 
 

@@ -57,6 +57,20 @@ def _shadow(name: str, shadow: Shadow) -> Text:
     return Text(text)
 
 
+def _index_use(snapshot: Snapshot) -> Text:
+    """``index 1.2M/8.4M blocks, 3.1k evicted``: the cap's use, yellow once it evicts (the index then
+    holds less than the caches)."""
+    blocks = cells.count(snapshot.index_blocks or 0)
+    text = Text(
+        f"index {blocks}/{cells.count(snapshot.index_blocks_cap)} blocks"
+        if snapshot.index_blocks_cap
+        else f"index {blocks} blocks"
+    )
+    if snapshot.index_evicted:
+        text.append(f", {cells.count(snapshot.index_evicted)} evicted", style="yellow")
+    return text
+
+
 def header_groups(snapshot: Snapshot, rates: Rates, status: Status) -> list[Text]:
     """The meters, in reading order; each is kept whole on one line."""
     view = status.view
@@ -94,6 +108,8 @@ def header_groups(snapshot: Snapshot, rates: Rates, status: Status) -> list[Text
     )
     if snapshot.index_lag_ms is not None:
         groups.append(Text(f"index lag {snapshot.index_lag_ms:.0f} ms"))
+    if snapshot.index_blocks is not None:
+        groups.append(_index_use(snapshot))
 
     gaps = Text(f"gaps {snapshot.gaps_detected}")
     if snapshot.gaps_detected:

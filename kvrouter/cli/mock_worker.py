@@ -23,6 +23,7 @@ from typing import Annotated, Final
 import typer
 
 from ..errors import ConfigError
+from ..worker.engine_publisher import DEFAULT_HWM
 from ..worker.mock_engine import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_GPU_BLOCKS, FORMATS, MockEngine, MockEngineConfig
 from ..worker.mock_http import MockHttpServer
 
@@ -92,6 +93,26 @@ def mock_worker(
             "--topic", help="Topic frame of every event message (vLLM's default is empty).", rich_help_panel=_WIRE
         ),
     ] = "",
+    kv_events_hwm: Annotated[
+        int,
+        typer.Option(
+            "--kv-events-hwm",
+            min=1,
+            help="Messages the KV-event PUB queues per subscriber before it drops (vLLM's KVEventsConfig.hwm; "
+            "vllm format).",
+            rich_help_panel=_WIRE,
+        ),
+    ] = DEFAULT_HWM,
+    kv_events_sndbuf: Annotated[
+        int,
+        typer.Option(
+            "--kv-events-sndbuf",
+            min=0,
+            help="\\[bytes] Kernel send buffer of each subscriber's connection (SO_SNDBUF; vllm format); "
+            "0 = the OS's default. Small, with a small --kv-events-hwm, a stalled subscriber overflows in seconds.",
+            rich_help_panel=_WIRE,
+        ),
+    ] = 0,
     block_size: Annotated[
         int, typer.Option("--block-size", min=1, help="Tokens per KV block.", rich_help_panel=_ENGINE)
     ] = DEFAULT_BLOCK_SIZE,
@@ -128,6 +149,8 @@ def mock_worker(
         zmq_kv_events_port=zmq_kv_events_port,
         zmq_replay_port=zmq_replay_port,
         topic=topic.encode(),
+        kv_events_hwm=kv_events_hwm,
+        kv_events_sndbuf=kv_events_sndbuf,
     )
     stop = threading.Event()
 

@@ -85,10 +85,15 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
     rng = random.Random(options.seed)
     prompts = probe_prompts(requests, rng)
     stack: Stack
+    victim_index: int | None = None
     if options.url is not None:
         attached = AttachedStack(options.url, options.model_name)
         stack = attached
     else:
+        # the victim is known before the start (the same draw as choosing among the started engines), so
+        # the engine a drill needs configured (slow-consumer: small queues) is started so
+        victim_index = rng.randrange(options.mock_workers)
+        asked = [DRILLS[name] for name in options.drills if name in DRILLS]
         stack = LocalStack(
             StackConfig(
                 mock_workers=options.mock_workers,
@@ -96,6 +101,8 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
                 shards=options.shards,
                 speedup_ratio=options.speed,
                 model_name=options.model_name,
+                router_args=tuple(arg for drill in asked for arg in drill.router_args),
+                mock_args=((victim_index + 1, tuple(arg for drill in asked for arg in drill.victim_args)),),
             )
         )
     workload = {
@@ -120,7 +127,7 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
         workload["url"] = stack.url
         if isinstance(stack, LocalStack) and stack.up is not None:
             workload["router_pid"] = stack.up.pid
-        victim = rng.choice(stack.mocks)
+        victim = stack.mocks[victim_index] if victim_index is not None else rng.choice(stack.mocks)
         runnable = [name for name in options.drills if stack.local or not DRILLS[name].needs_local]
         for name in options.drills:
             if name not in runnable:

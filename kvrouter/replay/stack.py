@@ -81,6 +81,10 @@ class StackConfig:
     shards: int = 2
     speedup_ratio: float = 1.0
     model_name: str = "default"
+    router_args: tuple[str, ...] = ()
+    """More ``kvrouter up`` flags (the slow-consumer drill's small subscriber queues)."""
+    mock_args: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    """(worker id, more ``kvrouter mock-worker`` flags) for the engines started with them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +283,13 @@ class LocalStack(Stack):
         try:
             await asyncio.gather(
                 *(
-                    start_mock(worker_id, embedded, self.processes, speedup_ratio=cfg.speedup_ratio)
+                    start_mock(
+                        worker_id,
+                        embedded,
+                        self.processes,
+                        speedup_ratio=cfg.speedup_ratio,
+                        extra_args=dict(cfg.mock_args).get(worker_id, ()),
+                    )
                     for worker_id in range(1, cfg.mock_workers + 1)
                 )
             )
@@ -297,6 +307,7 @@ class LocalStack(Stack):
         argv = [
             sys.executable, "-m", "kvrouter", "up", "--port", str(port), "--zmq-port", "0", "--mock-workers", "0",
             "--shards", str(cfg.shards), "--model-name", cfg.model_name, "--block-size", str(cfg.block_size),
+            *cfg.router_args,
         ]  # fmt: skip
         with self.log_path.open("ab") as stderr:
             self.up = await asyncio.create_subprocess_exec(

@@ -196,6 +196,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "worker_id": cfg.worker_id,
                 "dp_size": cfg.dp_size,
                 "format": cfg.format,
+                "published": engine.positions(),
             },
         )
 

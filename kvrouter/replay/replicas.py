@@ -172,7 +172,9 @@ class ReplicaStack(LocalStack):
         killed_at = time.monotonic()
         log.info("replica killed index=%d pid=%d", index, old)
         survivors = [r.url for i, r in enumerate(self.routers) if i != index]
-        held = sum(load[2] for url in survivors for load in (await self.loads(url)).values())
+        held = 0
+        for url in survivors:
+            held += sum(load[2] for load in (await self.loads(url)).values())
         for attempt in range(RESTART_PORT_TRIES):
             try:
                 await self._start_router(port)

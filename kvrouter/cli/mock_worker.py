@@ -55,6 +55,20 @@ def ready_line(http: str, endpoints: list[tuple[str, str | None]]) -> str:
     return f"{READY} http={http} events={events} replay={replay}"
 
 
+def _kv_events_subject(namespace: str, component: str) -> str:
+    """The reference's ``kv-events`` subject (``bridge/subjects.py``).
+
+    Raises:
+        typer.BadParameter: a namespace or component NATS cannot carry.
+    """
+    from ..bridge.subjects import Subjects  # here: the bridge package loads nats-py
+
+    try:
+        return Subjects(namespace, component).kv_events
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--namespace/--component") from exc
+
+
 def mock_worker(
     worker_id: Annotated[
         int, typer.Option("--worker-id", min=0, help="The worker id in /cache and kvrouter-format events.")
@@ -113,6 +127,25 @@ def mock_worker(
             rich_help_panel=_WIRE,
         ),
     ] = 0,
+    nats_url: Annotated[
+        str | None,
+        typer.Option(
+            "--nats-url",
+            metavar="URL",
+            help="Also publish every KV event on NATS core, as the reference's workers do (kvrouter format; "
+            "register the worker with transport nats).",
+            show_default="ZMQ only",
+            rich_help_panel=_WIRE,
+        ),
+    ] = None,
+    namespace: Annotated[
+        str,
+        typer.Option("--namespace", help="The kv-events subject's namespace (with --nats-url).", rich_help_panel=_WIRE),
+    ] = "dynamo",  # bridge/subjects.py's defaults, as kvrouter up's: importing it here would load nats-py
+    component: Annotated[
+        str,
+        typer.Option("--component", help="The kv-events subject's component (with --nats-url).", rich_help_panel=_WIRE),
+    ] = "backend",
     block_size: Annotated[
         int, typer.Option("--block-size", min=1, help="Tokens per KV block.", rich_help_panel=_ENGINE)
     ] = DEFAULT_BLOCK_SIZE,
@@ -151,6 +184,8 @@ def mock_worker(
         topic=topic.encode(),
         kv_events_hwm=kv_events_hwm,
         kv_events_sndbuf=kv_events_sndbuf,
+        nats_url=nats_url,
+        nats_subject=_kv_events_subject(namespace, component) if nats_url is not None else "",
     )
     stop = threading.Event()
 

@@ -2,10 +2,14 @@
 
 :class:`ReplicaStack` is a :class:`~kvrouter.replay.stack.LocalStack` with :data:`REPLICAS` routers instead
 of one, each started with ``--router-replica-sync --nats-url URL --namespace kvreplay<pid>`` (a namespace of
-this run's own, so a shared NATS server carries nothing else to them), each following every mock engine
-itself (ZMQ events, as one machine's routers do), and the workload's requests going to each in turn
-(:meth:`request_url`), as a load balancer without stickiness sends them. What the replicas share over
-NATS is their load view: every decision, prefill completion and free (``docs/nats-bridge.md``).
+this run's own, so a shared NATS server carries nothing else to them), and the workload's requests going
+to each in turn (:meth:`request_url`), as a load balancer without stickiness sends them. NATS carries
+both things the bridge carries (``docs/nats-bridge.md``): the replicas' load view (every decision,
+prefill completion and free) and the engines' KV events: the mocks run ``--format kvrouter --nats-url``
+and are registered with ``transport: nats`` and their query endpoint, so every replica's relay follows
+the ``kv-events`` subject and a NATS outage costs the index events too (found as event-id gaps at each
+engine's next event and recovered from its local indexer). Rejected: engines on ZMQ (the outage would
+then touch the load view only, not the index the drill checks against the engines).
 
 The NATS server is this run's own (:class:`~kvrouter.replay.natsd.NatsServer`) unless ``--nats-url`` names
 one. Each replica has one shard (two replicas with two appliers each and four engines would be eleven busy
@@ -33,7 +37,7 @@ from typing import Any, Final
 
 from ..index.sweep import sweep_leftovers
 from .natsd import NatsServer, nats_server_binary
-from .stack import RESTART_PORT_TRIES, LocalStack, ReplayError, StackConfig
+from .stack import RESTART_PORT_TRIES, LocalStack, Mock, ReplayError, StackConfig
 
 __all__ = ["EXPIRY_S", "REPLICAS", "ReplicaStack", "Router"]
 
@@ -115,13 +119,30 @@ class ReplicaStack(LocalStack):
             self.nats_url = self.nats.url
         sync = ("--router-replica-sync", "--nats-url", self.nats_url, "--namespace", self.namespace,
                 "--router-active-request-expiry-secs", repr(EXPIRY_S))  # fmt: skip
-        self.config = replace(self.config, router_args=(*self.config.router_args, *sync))
+        events = ("--format", "kvrouter", "--nats-url", self.nats_url, "--namespace", self.namespace)
+        extra = dict(self.config.mock_args)
+        mock_args = tuple((wid, (*extra.get(wid, ()), *events)) for wid in range(1, self.config.mock_workers + 1))
+        self.config = replace(self.config, router_args=(*self.config.router_args, *sync), mock_args=mock_args)
         for _ in range(self.replicas):
             await self._start_router(0)
             assert self.up is not None
             self.routers.append(Router(self.up, self.url, self._drainer))
         self._primary()
         await self._start_mocks()
+
+    def registration(self, mock: Mock) -> dict[str, Any]:
+        """The engines publish on NATS (``transport: nats``, kvrouter format), their local indexer answering
+        on the query endpoint: the replicas' relays follow the ``kv-events`` subject."""
+        return {
+            "instance_id": mock.worker_id,
+            "transport": "nats",
+            "query_endpoint": mock.replay,
+            "http_endpoint": mock.http,
+            "format": "kvrouter",
+            "model_name": self.model_name,
+            "block_size": self.block_size,
+            "dp_rank": 0,
+        }
 
     def _primary(self) -> None:
         """The first replica is the stack's :attr:`url` (``/workers``, ``/query`` probes, the control segment)."""

@@ -157,14 +157,9 @@ class Stack:
             raise ReplayError(f"GET {base}/workers answered {status}: {str(rows)[:200]}")
         return rows
 
-    async def register(self, mock: Mock, url: str | None = None) -> None:
-        """``POST /register`` of one mock on ``url`` (default: every router of :attr:`urls`), retried while
-        the router's engine is still starting (503).
-
-        Raises:
-            ReplayError: refused, or still 503 after :data:`START_TIMEOUT_S`.
-        """
-        body = {
+    def registration(self, mock: Mock) -> dict[str, Any]:
+        """The ``POST /register`` body of ``mock``: a vLLM-format engine with a replay socket."""
+        return {
             "instance_id": mock.worker_id,
             "endpoint": mock.events,
             "replay_endpoint": mock.replay,
@@ -174,6 +169,15 @@ class Stack:
             "block_size": self.block_size,
             "dp_rank": 0,
         }
+
+    async def register(self, mock: Mock, url: str | None = None) -> None:
+        """``POST /register`` of one mock on ``url`` (default: every router of :attr:`urls`), retried while
+        the router's engine is still starting (503).
+
+        Raises:
+            ReplayError: refused, or still 503 after :data:`START_TIMEOUT_S`.
+        """
+        body = self.registration(mock)
         for base in self.urls if url is None else [url]:
             deadline = time.monotonic() + START_TIMEOUT_S
             while True:

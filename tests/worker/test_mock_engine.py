@@ -434,3 +434,13 @@ def test_a_subscriber_that_stops_reading_loses_what_the_small_queues_cannot_hold
     finally:
         sub.close(linger=0)
         context.term()
+
+
+def test_nats_events_need_the_kvrouter_format():
+    from typer.testing import CliRunner
+
+    from kvrouter.cli import app
+
+    result = CliRunner().invoke(app, ["mock-worker", "--nats-url", "nats://127.0.0.1:1", "--format", "vllm"])
+    assert result.exit_code == 2
+    assert "'kvrouter' to publish on NATS" in result.output

@@ -32,8 +32,10 @@ class Skipped:
 
 
 def ok(result: RunResult) -> bool:
-    """Converged, every gap accounted, and the fault was seen (a fault never seen tested nothing)."""
-    return result.converged and result.accounted and result.fault_seen
+    """Converged, every gap accounted, and the fault was seen (a fault never seen tested nothing); with
+    replicas, also their loads agreeing and every loss of the sync counted."""
+    agree = result.replicas is None or bool(result.replicas["loads_agree"])
+    return result.converged and result.accounted and result.fault_seen and agree
 
 
 def quality(result: RunResult) -> dict[str, Any]:
@@ -96,6 +98,23 @@ def exit_status(results: Sequence[RunResult | Skipped]) -> int:
     return 0 if all(ok(r) for r in results if isinstance(r, RunResult)) else 1
 
 
+def replicas_line(replicas: dict[str, Any]) -> str:
+    """One line on the replicas' end state: loads, losses, and per replica what its sync counted."""
+    parts = [
+        f"{replicas['count']} replicas",
+        "loads agree" if replicas["loads_agree"] else "[red]loads DIFFER[/red]",
+        "every loss counted" if replicas["lost_counted"] else "[red]a loss NOT counted[/red]",
+    ]
+    for i, replica in enumerate(replicas["sync"]):
+        counters = replica["counters"]
+        fixed = sum(counters[k] for k in ("resync_added", "resync_freed", "resync_updated", "resync_republished"))
+        parts.append(
+            f"replica {i}: disconnects {counters['disconnects']}, reconnects {counters['reconnects']}, "
+            f"resyncs {counters['resyncs']} ({fixed} corrected), dropped {counters['dropped']}"
+        )
+    return "; ".join(parts)
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
@@ -134,6 +153,9 @@ def render(console: Console, results: Sequence[RunResult | Skipped], baseline: R
     for result in results:
         if isinstance(result, Skipped):
             console.print(f"[yellow]{result.drill}[/yellow] skipped: {result.reason}")
+    for result in results:
+        if isinstance(result, RunResult) and result.replicas is not None:
+            console.print(f"{result.drill}: {replicas_line(result.replicas)}")
     for result in results:
         if isinstance(result, RunResult) and not result.converged and result.mismatch:
             console.print(f"[red]{result.drill}[/red]: the index differs from the engines: {result.mismatch}")

@@ -149,7 +149,7 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
         console=console,
         transient=False,
     ) as progress:
-        if runnable or not on_stack:
+        if runnable or (isinstance(stack, AttachedStack) and not on_stack):  # attached: checked even if all skip
             try:
                 with console.status("starting the stack (kvrouter up and mock engines)..."):
                     if isinstance(stack, AttachedStack):

@@ -5,6 +5,13 @@ drill: each run starts from the same reset fleet and sends the same requests, so
 TTFT differ from the baseline's only by its fault (and by the timing noise of a shared machine, which one
 run cannot remove; ``docs/replay.md`` says so). The seed picks the probe prompts among the workload's
 prompts and the victim engine; the workload itself is the trace's.
+
+Two stacks, one after the other: the single-node drills on a :class:`LocalStack` (started with the flags
+its drills need, e.g. the slow consumer's small queues), then the NATS drills on a
+:class:`~kvrouter.replay.replicas.ReplicaStack` with its own warm-up and baseline (a replica stack routes
+differently: two views, requests alternating). Each stack is stopped before the next starts, so the two
+never share the 2 cores. The NATS drills are ``skipped`` with the reason when no ``nats-server`` can be
+found (nor ``--nats-url`` given), with ``--url``, and for ``nats-outage`` with ``--nats-url``.
 """
 
 from __future__ import annotations

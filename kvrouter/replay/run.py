@@ -186,8 +186,10 @@ async def run(
     victim: Mock | None = None,
     *,
     on_done: Callable[[Outcome], None] | None = None,
+    converge_timeout: float = CONVERGE_TIMEOUT_S,
 ) -> RunResult:
-    """Run the workload once (with ``drill``'s fault on ``victim`` when given) and measure it.
+    """Run the workload once (with ``drill``'s fault on ``victim`` when given) and measure it;
+    ``converge_timeout``: how long to wait after the load for the index to equal the engines.
 
     Raises:
         ReplayError: the stack could not be reset, or the fault could not be injected.
@@ -241,7 +243,7 @@ async def run(
         if inject_task:
             await inject_task[0]
         await asyncio.sleep(SETTLE_S)
-        deadline = time.monotonic() + CONVERGE_TIMEOUT_S
+        deadline = time.monotonic() + converge_timeout
         while True:
             settled = True
             try:

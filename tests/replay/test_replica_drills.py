@@ -35,12 +35,13 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("replay") / "replicas.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_") and k != "NATS_SERVER"}
     command = [sys.executable, "-m", "kvrouter", "replay", "--drill", ",".join(DRILLS), "--requests", "100",
-               "--speed", "8", "--json", str(out)]  # fmt: skip
+               "--speed", "8", "--json", str(out), "--plot", str(out.with_suffix(".png"))]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert out.exists(), done.stdout + done.stderr
     document: dict[str, Any] = json.loads(out.read_text())
     document["exit_code"] = done.returncode
     document["output"] = done.stdout + done.stderr
+    document["plot"] = out.with_suffix(".png")
     return document
 
 
@@ -104,3 +105,9 @@ def test_the_killed_replica_came_back_on_its_port(report):
     assert fault["pid"] != fault["old_pid"]
     urls = [replica["url"] for replica in drill["replicas"]["sync"]]
     assert urls == report["workload"]["replicas"]["urls"]  # the same port: the balancer's list holds
+
+
+def test_the_table_says_what_each_replica_counted_and_the_plot_is_a_png(report):
+    for name in DRILLS:
+        assert f"{name}: 2 replicas, loads agree, every loss counted; replica 0: disconnects" in report["output"]
+    assert report["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -109,5 +109,5 @@ def test_the_killed_replica_came_back_on_its_port(report):
 
 def test_the_table_says_what_each_replica_counted_and_the_plot_is_a_png(report):
     for name in DRILLS:
-        assert f"{name}: 2 replicas, loads agree, every loss counted; replica 0: disconnects" in report["output"]
+        assert f"{name}: 2 replicas; loads agree; every loss counted; replica 0: disconnects" in report["output"]
     assert report["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

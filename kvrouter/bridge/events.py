@@ -519,12 +519,16 @@ class NatsEventSink:
     """Payloads handed to nats-py."""
     failed: int
     """Payloads nats-py refused (connection closed, outbound buffer full while disconnected)."""
+    errors: int
+    """Errors nats-py reported (a failed reconnect attempt, a protocol error); each kind logged once."""
 
     def __init__(self, url: str, subject: str, *, connect_timeout: float = SINK_CONNECT_TIMEOUT_S) -> None:
         self.url = url
         self.subject = subject
         self.sent = 0
         self.failed = 0
+        self.errors = 0
+        self._logged: set[str] = set()
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._queue: asyncio.Queue[bytes | None] | None = None
@@ -547,7 +551,14 @@ class NatsEventSink:
     async def _serve(self) -> None:
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         try:
-            nc = await nats.connect(self.url, name="kvrouter-kv-publisher", max_reconnect_attempts=-1)
+            nc = await nats.connect(
+                self.url,
+                name="kvrouter-kv-publisher",
+                max_reconnect_attempts=-1,
+                error_cb=self._on_error,
+                disconnected_cb=self._on_disconnected,
+                reconnected_cb=self._on_reconnected,
+            )
         except Exception as exc:  # nats-py raises OSError, NoServersError, TimeoutError ...
             self._error = exc
             self._ready.set()
@@ -568,6 +579,21 @@ class NatsEventSink:
         finally:
             with contextlib.suppress(Exception):
                 await nc.close()
+
+    async def _on_error(self, exc: Exception) -> None:
+        """nats-py's errors (each failed reconnect attempt while the server is down, ...): counted, each kind
+        logged once, instead of nats-py's default of a traceback per attempt."""
+        self.errors += 1
+        kind = type(exc).__name__
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("nats sink error subject=%s error=%r (each kind logged once, then counted)", self.subject, exc)
+
+    async def _on_disconnected(self) -> None:
+        log.warning("nats sink disconnected url=%s: publishes wait in nats-py's reconnect buffer", self.url)
+
+    async def _on_reconnected(self) -> None:
+        log.info("nats sink reconnected url=%s errors=%d", self.url, self.errors)
 
     def send(self, payload: bytes) -> None:
         """Queue one payload for publishing (thread-safe; returns at once)."""

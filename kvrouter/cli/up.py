@@ -44,6 +44,7 @@ import typer
 
 from ..errors import ConfigError, KvRouterError
 from ..index.layout import MAX_INDEX_BLOCKS
+from ..plane.config import SUBSCRIBER_HWM, PlaneConfig
 from ..plane.registry import WorkerSpec, parse_workers
 from ..routing.config import KVROUTER_CONFIG
 
@@ -488,6 +489,27 @@ def up(
             rich_help_panel=_EVENTS,
         ),
     ] = KVROUTER_CONFIG.router_ttl_secs,
+    subscriber_hwm: Annotated[
+        int,
+        typer.Option(
+            "--subscriber-hwm",
+            envvar="KVROUTER_SUBSCRIBER_HWM",
+            min=1,
+            help="\\[messages] Events a worker's SUB queues unread before the worker's publisher must hold or drop "
+            "them (a drop shows as a gap, recovered by replay or counted lost).",
+            rich_help_panel=_EVENTS,
+        ),
+    ] = SUBSCRIBER_HWM,
+    subscriber_rcvbuf: Annotated[
+        int,
+        typer.Option(
+            "--subscriber-rcvbuf",
+            envvar="KVROUTER_SUBSCRIBER_RCVBUF",
+            min=0,
+            help="\\[bytes] Kernel receive buffer of each SUB connection (SO_RCVBUF); 0 = the OS's default.",
+            rich_help_panel=_EVENTS,
+        ),
+    ] = 0,
     # Overload
     active_decode_blocks_threshold: Annotated[
         float | None,
@@ -823,6 +845,7 @@ def up(
         "snapshot_threshold": router_snapshot_threshold,
         "reset_states": router_reset_states,
         "router_id": router_id,
+        "plane": PlaneConfig(subscriber_hwm=subscriber_hwm, subscriber_rcvbuf=subscriber_rcvbuf),
     }
     demo: dict[str, Any] = {
         "mock_workers": mocks,
@@ -861,6 +884,7 @@ def _resolved(ctx: typer.Context, service: dict[str, Any], demo: dict[str, Any])
     """What ``--print-config`` prints: the service's and the demo's values, and each option's source."""
     values = dict(service)
     values["router"] = dataclasses.asdict(service["router"])
+    values["plane"] = dataclasses.asdict(service["plane"])
     values["workers"] = [
         {**dataclasses.asdict(w), "topic": w.topic.decode(errors="replace"), "rank_endpoints": dict(w.rank_endpoints)}
         for w in service["workers"]

@@ -41,6 +41,10 @@ class PlaneConfig:
     record_endpoint: str | None = None
     """The recorder's PULL address (``kvrouter up --record``): every applier copies what it applies there
     (``tap.py``). None: nothing is recorded."""
+    subscriber_rcvbuf: int = 0
+    """Kernel receive buffer of each SUB connection in bytes (``SO_RCVBUF``); 0 keeps the OS's autotuned
+    default. With ``subscriber_hwm`` it bounds what a stalled applier holds unread before the publisher's
+    own queue fills and drops (``kvrouter up --subscriber-rcvbuf``; the ``slow-consumer`` drill sets both small)."""
 
     def __post_init__(self) -> None:
         for name in ("recovery_timeout", "restore_retry", "stale_after"):
@@ -51,3 +55,5 @@ class PlaneConfig:
         for name in ("max_buffered", "max_message_bytes", "subscriber_hwm"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"PlaneConfig.{name}: expected at least 1, got {getattr(self, name)}")
+        if self.subscriber_rcvbuf < 0:
+            raise ConfigError(f"PlaneConfig.subscriber_rcvbuf: expected bytes >= 0, got {self.subscriber_rcvbuf}")

@@ -193,6 +193,8 @@ class Stream:
         self.socket: zmq.Socket[bytes] = context.socket(zmq.SUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, config.subscriber_hwm)
+        if config.subscriber_rcvbuf > 0:
+            self.socket.setsockopt(zmq.RCVBUF, config.subscriber_rcvbuf)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MEMORY_GUARD * config.max_message_bytes)
         self.socket.setsockopt(zmq.SUBSCRIBE, spec.topic)
         try:

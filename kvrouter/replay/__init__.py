@@ -4,8 +4,10 @@ Layout, one job per module:
 
 - ``workload.py``: a Mooncake trace as scaled token prompts; the driver (streamed ``/v1/completions``).
 - ``stack.py``: ``kvrouter up`` and mock-engine processes (``LocalStack``) or a running router (``AttachedStack``).
+- ``replicas.py``: two ``kvrouter up --router-replica-sync`` and the engines on NATS (``ReplicaStack``), for the
+  NATS drills; ``natsd.py``: the run's own ``nats-server``.
 - ``truth.py``: the probes (wrong answers against the engines' own caches) and the end equality check.
-- ``drills.py``: each fault, how it is injected and how its being seen is told; the drills not built yet.
+- ``drills.py``: each fault, how it is injected, how its being seen is told, what its stack needs.
 - ``run.py``: one measured run (reset, load, fault, convergence, counters).
 - ``session.py``: one invocation (stack, baseline, drills, progress).
 - ``report.py``: the table, the JSON, the exit status; ``plot.py``: ``--plot``.
@@ -16,6 +18,7 @@ Layout, one job per module:
 from __future__ import annotations
 
 from .drills import DRILLS, NOT_BUILT, Drill
+from .replicas import ReplicaStack
 from .report import JSON_VERSION, exit_status, report_json
 from .run import RunResult, run
 from .session import Outcomes, ReplayOptions, replay
@@ -31,6 +34,7 @@ __all__ = [
     "Outcomes",
     "ReplayError",
     "ReplayOptions",
+    "ReplicaStack",
     "RunResult",
     "StackConfig",
     "exit_status",

@@ -15,34 +15,101 @@
   ``/ready`` 200. The new router's counters start from 0, so its gaps are the run's.
 - ``applier-kill``: SIGKILL to the applier writing the victim's shard (its pid from the control
   segment), under load, so most likely mid-write. Seen when the shard's applier pid changed.
+- ``slow-consumer``: the applier following the victim stops reading (SIGSTOP, as a process starved of
+  CPU or stalled on a table growth would) while :data:`BURST_REQUESTS` prompts go straight to the victim,
+  until the victim has published :data:`STALL_BATCHES` batches; then it resumes (SIGCONT). The victim and
+  the router are started with small queues on that connection (:data:`SLOW_HWM` messages at the publisher
+  and at the SUB, :data:`SLOW_BUFFER_BYTES` of kernel buffer on each end: ``kvrouter mock-worker
+  --kv-events-hwm/--kv-events-sndbuf``, ``kvrouter up --subscriber-hwm/--subscriber-rcvbuf``), so the
+  victim's PUB overflows and drops silently, as ZMQ does. Seen when the victim's ``gaps_detected``
+  moved: the router found the hole by sequence numbers and asks the victim's replay socket for it. The
+  shard's other workers stall too; their publishers' default queues hold the stall, so they lose
+  nothing. Rejected: a router endpoint pausing one socket (a backdoor into the applier, where a stopped
+  process is a fault that happens) and the default queues (the overflow would take minutes of stall).
+
+The NATS drills run on a :class:`~kvrouter.replay.replicas.ReplicaStack` (two ``kvrouter up
+--router-replica-sync`` replicas, requests to each in turn, a NATS server):
+
+- ``nats-outage``: the NATS server is SIGKILLed and, once every replica has seen its connection go (at
+  least a second, at most ten), started again on the same port. Decisions taken meanwhile are missed by
+  the peers, and KV events published meanwhile by the engines (on NATS in this stack) by the replicas'
+  relays. Seen when every replica reported the connection lost; whole again when every replica has
+  reconnected and re-synced (``/ready`` 200) and every event-id gap is settled. An engine's lost events
+  show as a gap only at its next event: a workload that ends inside the outage leaves them unseen, and
+  the drill then fails ``converged`` (the index lacks blocks the engine holds), as it should.
+- ``replica-kill``: the second replica and every process of it get SIGKILL (no drain, no goodbye), its
+  leftovers in ``/dev/shm`` are swept, and it is started again on the same port, the engines registered
+  on it; requests sent to it meanwhile fail (counted in ``errors``). It restores its index from the
+  engines and learns the load from its peer's snapshot. Its requests in flight stay booked on the
+  survivor until the replicas' expiry (:data:`~kvrouter.replay.replicas.EXPIRY_S`). Seen when another pid
+  answers on its port.
+
+For both, the end check adds, per replica, the index equal to every engine's cache and ``GET /loads``
+equal across replicas, and that every message the sync lost was counted and re-synced.
 
 The victim is chosen by the seed among the stack's engines. Each drill names what it needs: drills that
 signal a process or read a segment need a :class:`~kvrouter.replay.stack.LocalStack`.
 
-The other drills of issue 14 are listed in :data:`NOT_BUILT`: asking for one is a usage error naming
-them, never a silent pass.
+Drills of issue 14 not built would be listed in :data:`NOT_BUILT` (asking for one: a usage error naming
+it, never a silent pass); there are none left.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+from .replicas import ReplicaStack
 from .stack import Mock, ReplayError, Stack
 
-__all__ = ["DRILLS", "GAP_BATCHES", "NOT_BUILT", "Drill", "Rows"]
+__all__ = ["DRILLS", "GAP_BATCHES", "KILLED_REPLICA", "NOT_BUILT", "SLOW_HWM", "Drill", "Rows"]
 
 log = logging.getLogger(__name__)
 
 GAP_BATCHES: Final = 3
 """Batches the ``gap`` drill drops: one gap of three ids, recovered by one replay request."""
 
-NOT_BUILT: Final = ("slow-consumer", "nats-outage", "replica-kill")
-"""Issue 14's drills this version does not run yet (the NATS ones also need ``--nats-url``)."""
+SLOW_HWM: Final = 8
+"""Messages the slow-consumer drill's victim queues per subscriber, and the router's SUB unread: small,
+so that a stall of seconds overflows them (the defaults, 100,000 and 1,048,576, absorb minutes)."""
+
+SLOW_BUFFER_BYTES: Final = 4096
+"""The kernel buffers of the victim's event connection on both ends (the kernel doubles it): without them
+the OS's autotuned buffers (hundreds of KB on loopback) hold more than the victim publishes in a minute."""
+
+BURST_REQUESTS: Final = 32
+"""Requests the slow-consumer drill sends straight to the victim during the stall: the burst that overflows."""
+
+BURST_BLOCKS: Final = 16
+"""Blocks per burst prompt: each prefill is one batch of ~1 KB (16 blocks' tokens and hashes), so the burst
+is ~32 KB, several times what the small queues hold; 512 blocks in all, an eighth of a default mock."""
+
+BURST_TOKEN_BASE: Final = (1 << 30) + (1 << 24)
+"""Token ids of the burst prompts: above the workload's (hash-id tokens below 2**30, request tails from 2**30
+up, a few tens of thousands), so the burst shares no block with the workload."""
+
+STALL_BATCHES: Final = 32
+"""The slow-consumer stall lasts until the victim has published this many batches since it began: the burst's
+own, at least; far more than the 8-message queues and a few KB of kernel buffer hold."""
+
+STALL_MAX_S: Final = 10.0
+"""The longest stall, for a workload too light to publish :data:`STALL_BATCHES` (the drill then may not
+overflow: its fault is then not seen, and the drill fails saying so)."""
+
+STALL_POLL_S: Final = 0.1
+
+KILLED_REPLICA: Final = 1
+"""The replica ``replica-kill`` kills: the second, so the first's control segment (which applier follows
+which worker) stays readable for the other drills' bookkeeping."""
+
+NOT_BUILT: Final[tuple[str, ...]] = ()
+"""Issue 14's drills this version does not run yet: none."""
 
 Rows = dict[int, dict[str, Any]]
 """Worker id -> its rank-0 listener from ``GET /workers`` (gap counters, restarts, state, cached blocks)."""
@@ -59,6 +126,14 @@ class Drill:
     """Inject the fault on the victim; returns what was done (for the report)."""
     seen: Callable[[Stack, Mock, dict[str, Any], Rows, Rows], bool]
     """(stack, victim, what inject returned, rows before, rows now): the router has seen the fault."""
+    router_args: tuple[str, ...] = ()
+    """``kvrouter up`` flags the stack needs for this drill (added when the drill is asked for)."""
+    victim_args: tuple[str, ...] = ()
+    """``kvrouter mock-worker`` flags the victim engine needs for this drill."""
+    replicas: bool = False
+    """Runs on the replica stack (two ``kvrouter up --router-replica-sync`` and a NATS server)."""
+    own_nats: bool = False
+    """Takes the NATS server down: needs the one this run started (skipped with ``--nats-url``)."""
 
 
 def _moved(counter: str) -> Callable[[Stack, Mock, dict[str, Any], Rows, Rows], bool]:
@@ -106,6 +181,77 @@ def _applier_replaced(stack: Stack, _victim: Mock, done: dict[str, Any], _before
     return pid not in (0, int(done["pid"]))
 
 
+async def _slow_consumer(stack: Stack, victim: Mock) -> dict[str, Any]:
+    shard = _victim_shard(stack, victim)
+    pid = stack.applier_pids().get(shard, 0)
+    if pid <= 0:
+        raise ReplayError(f"shard {shard} has no applier to stall")
+    start = await _published(stack, victim)
+    started = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    log.info("applier stalled shard=%d pid=%d worker=%d last_seq=%d", shard, pid, victim.worker_id, start)
+    published = start
+    try:
+        await _burst(stack, victim)
+        published = await _published(stack, victim)
+        while published - start < STALL_BATCHES and time.monotonic() - started < STALL_MAX_S:
+            await asyncio.sleep(STALL_POLL_S)
+            published = await _published(stack, victim)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    stalled = round(time.monotonic() - started, 2)
+    log.info("applier resumed shard=%d pid=%d stalled_s=%.2f published=%d", shard, pid, stalled, published - start)
+    return {
+        "worker": victim.worker_id,
+        "shard": shard,
+        "pid": pid,
+        "stalled_s": stalled,
+        "published": published - start,
+    }
+
+
+async def _burst(stack: Stack, victim: Mock) -> None:
+    """:data:`BURST_REQUESTS` prompts sent straight to the victim one after another (each a prefill, so a
+    batch of stored blocks at least), as a client warming an engine up would."""
+    tokens = BURST_BLOCKS * stack.block_size
+    for i in range(BURST_REQUESTS):
+        base = BURST_TOKEN_BASE + i * tokens
+        body = {"model": stack.model_name, "prompt": list(range(base, base + tokens)), "max_tokens": 1}
+        status, answer = await stack.call("POST", victim.http + "/v1/completions", body)
+        if status != 200:
+            raise ReplayError(f"POST {victim.http}/v1/completions answered {status}: {str(answer)[:200]}")
+
+
+async def _published(stack: Stack, victim: Mock) -> int:
+    """The victim's last published sequence number (its ``/health``)."""
+    status, health = await stack.call("GET", victim.http + "/health")
+    if status != 200 or not isinstance(health, dict):
+        raise ReplayError(f"GET {victim.http}/health answered {status}: {health}")
+    return int(health["published"][0].get("last_seq") or 0)
+
+
+def _replica_stack(stack: Stack) -> ReplicaStack:
+    if not isinstance(stack, ReplicaStack):
+        raise ReplayError("this drill needs the replica stack")
+    return stack
+
+
+async def _nats_outage(stack: Stack, _victim: Mock) -> dict[str, Any]:
+    return await _replica_stack(stack).nats_outage()
+
+
+def _outage_noticed(stack: Stack, _victim: Mock, done: dict[str, Any], _before: Rows, _now: Rows) -> bool:
+    return int(done["noticed_by"]) == len(stack.urls)
+
+
+async def _replica_kill(stack: Stack, _victim: Mock) -> dict[str, Any]:
+    return await _replica_stack(stack).kill_replica(KILLED_REPLICA)
+
+
+def _replica_replaced(_stack: Stack, _victim: Mock, done: dict[str, Any], _before: Rows, _now: Rows) -> bool:
+    return int(done["pid"]) != int(done["old_pid"])
+
+
 async def _worker_churn(stack: Stack, victim: Mock) -> dict[str, Any]:
     added = await stack.add_mock()
     await stack.remove(victim)
@@ -134,6 +280,16 @@ DRILLS: Final[dict[str, Drill]] = {
         Drill("applier-kill", needs_local=True, inject=_applier_kill, seen=_applier_replaced),
         Drill("worker-churn", needs_local=True, inject=_worker_churn, seen=_churned),
         Drill("router-restart", needs_local=True, inject=_router_restart, seen=_router_replaced),
+        Drill(
+            "slow-consumer",
+            needs_local=True,
+            inject=_slow_consumer,
+            seen=_moved("gaps_detected"),
+            router_args=("--subscriber-hwm", str(SLOW_HWM), "--subscriber-rcvbuf", str(SLOW_BUFFER_BYTES)),
+            victim_args=("--kv-events-hwm", str(SLOW_HWM), "--kv-events-sndbuf", str(SLOW_BUFFER_BYTES)),
+        ),
+        Drill("nats-outage", needs_local=True, inject=_nats_outage, seen=_outage_noticed, replicas=True, own_nats=True),
+        Drill("replica-kill", needs_local=True, inject=_replica_kill, seen=_replica_replaced, replicas=True),
     )
 }
 """The drills this version runs, in the issue's order."""

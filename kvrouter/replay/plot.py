@@ -56,10 +56,12 @@ def write_plot(results: Sequence[RunResult], baseline: RunResult | None, path: P
         raise RuntimeError("plotting needs matplotlib, which is not installed: pip install 'kvrouter[plot]'") from exc
 
     runs = [r for r in results if r.outcomes]
-    base = series(baseline) if baseline is not None else ([], [], [])
+    default_base = series(baseline) if baseline is not None else ([], [], [])
     fig, axes = plt.subplots(max(len(runs), 1), 2, figsize=(12, 2.6 * max(len(runs), 1) + 0.6), squeeze=False)
     try:
         for (hit_axis, ttft_axis), result in zip(axes, runs, strict=False):
+            own = result.baseline  # the replica drills': the same workload on their stack
+            base = series(own) if own is not None else default_base
             times, hits, ttfts = series(result)
             for axis, values, base_values, label in (
                 (hit_axis, hits, base[1], "hit rate"),

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from .run import RunResult
 
-__all__ = ["JSON_VERSION", "Skipped", "drill_json", "exit_status", "render", "report_json"]
+__all__ = ["JSON_VERSION", "Skipped", "drill_json", "exit_status", "quality", "render", "report_json"]
 
 JSON_VERSION: Final = 1
 
@@ -32,11 +32,13 @@ class Skipped:
 
 
 def ok(result: RunResult) -> bool:
-    """Converged, every gap accounted, and the fault was seen (a fault never seen tested nothing)."""
-    return result.converged and result.accounted and result.fault_seen
+    """Converged, every gap accounted, and the fault was seen (a fault never seen tested nothing); with
+    replicas, also their loads agreeing and every loss of the sync counted."""
+    agree = result.replicas is None or bool(result.replicas["loads_agree"])
+    return result.converged and result.accounted and result.fault_seen and agree
 
 
-def _quality(result: RunResult) -> dict[str, Any]:
+def quality(result: RunResult) -> dict[str, Any]:
     return {"hit_rate": round(result.hit_rate, 4), "ttft_ms": result.ttft_ms()}
 
 
@@ -44,6 +46,8 @@ def drill_json(result: RunResult | Skipped, baseline: RunResult | None) -> dict[
     """One entry of ``drills``."""
     if isinstance(result, Skipped):
         return {"drill": result.drill, "status": "skipped", "reason": result.reason}
+    baseline = result.baseline or baseline  # the replica drills' own, on their stack
+    extra = {} if result.replicas is None else {"replicas": result.replicas}
     return {
         "drill": result.drill,
         "status": "ok" if ok(result) else "failed",
@@ -58,9 +62,10 @@ def drill_json(result: RunResult | Skipped, baseline: RunResult | None) -> dict[
         "probe_answers": len(result.probes.answers),
         "requests": len(result.outcomes),
         "errors": result.errors,
-        **_quality(result),
-        "baseline": _quality(baseline) if baseline is not None else None,
+        **quality(result),
+        "baseline": quality(baseline) if baseline is not None else None,
         "elapsed_s": result.elapsed_s,
+        **extra,
     }
 
 
@@ -74,7 +79,7 @@ def report_json(
     base = None
     if baseline is not None:
         base = {
-            **_quality(baseline),
+            **quality(baseline),
             "errors": baseline.errors,
             "wrong_answers": baseline.wrong_answers,
             "converged": baseline.converged,
@@ -93,6 +98,23 @@ def exit_status(results: Sequence[RunResult | Skipped]) -> int:
     return 0 if all(ok(r) for r in results if isinstance(r, RunResult)) else 1
 
 
+def replicas_line(replicas: dict[str, Any]) -> str:
+    """One line on the replicas' end state: loads, losses, and per replica what its sync counted."""
+    parts = [
+        f"{replicas['count']} replicas",
+        "loads agree" if replicas["loads_agree"] else "[red]loads DIFFER[/red]",
+        "every loss counted" if replicas["lost_counted"] else "[red]a loss NOT counted[/red]",
+    ]
+    for i, replica in enumerate(replicas["sync"]):
+        counters = replica["counters"]
+        fixed = sum(counters[k] for k in ("resync_added", "resync_freed", "resync_updated", "resync_republished"))
+        parts.append(
+            f"replica {i}: disconnects {counters['disconnects']}, reconnects {counters['reconnects']}, "
+            f"resyncs {counters['resyncs']} ({fixed} corrected), dropped {counters['dropped']}"
+        )
+    return "; ".join(parts)
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
@@ -103,11 +125,12 @@ def render(console: Console, results: Sequence[RunResult | Skipped], baseline: R
     for column in ("drill", "status", "gaps d/r/l", "converged", "converge s", "wrong/probes",
                    "hit rate (base)", "TTFT p50/p90 ms (base)", "errors"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("drill", "status") else "right")
-    base = _quality(baseline) if baseline is not None else None
+    default_base = quality(baseline) if baseline is not None else None
     for result in results:
         if isinstance(result, Skipped):
             table.add_row(result.drill, "[yellow]skipped", *["-"] * 7)
             continue
+        base = quality(result.baseline) if result.baseline is not None else default_base
         ttft = result.ttft_ms()
         hit = f"{result.hit_rate:.3f}"
         ttft_text = f"{_ms(ttft['p50'])}/{_ms(ttft['p90'])}"
@@ -130,6 +153,9 @@ def render(console: Console, results: Sequence[RunResult | Skipped], baseline: R
     for result in results:
         if isinstance(result, Skipped):
             console.print(f"[yellow]{result.drill}[/yellow] skipped: {result.reason}")
+    for result in results:
+        if isinstance(result, RunResult) and result.replicas is not None:
+            console.print(f"{result.drill}: {replicas_line(result.replicas)}")
     for result in results:
         if isinstance(result, RunResult) and not result.converged and result.mismatch:
             console.print(f"[red]{result.drill}[/red]: the index differs from the engines: {result.mismatch}")

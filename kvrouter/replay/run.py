@@ -31,6 +31,7 @@ from typing import Any, Final
 import aiohttp
 
 from .drills import Drill, Rows
+from .replicas import SYNC_COUNTERS, ReplicaStack
 from .stack import Mock, ReplayError, Stack
 from .truth import PROBE_INTERVAL_S, ProbeLog, index_equals_engines, probe
 from .workload import Outcome, ReplayRequest, drive
@@ -69,6 +70,10 @@ class RunResult:
     mismatch: str = ""
     """What differed at the last equality check, when it never held."""
     elapsed_s: float = 0.0
+    replicas: dict[str, Any] | None = None
+    """With replicas: whether their loads agree at the end, and per replica what its sync counted."""
+    baseline: RunResult | None = None
+    """The run without a fault on the same stack, when it is not the session's first (the replica stack's)."""
 
     @property
     def completed(self) -> list[Outcome]:
@@ -98,7 +103,9 @@ class RunResult:
 
     @property
     def accounted(self) -> bool:
-        return self.gaps["detected"] == self.gaps["recovered"] + self.gaps["lost"]
+        """Every gap settled and, with replicas, every message the sync lost counted and re-synced."""
+        gaps = self.gaps["detected"] == self.gaps["recovered"] + self.gaps["lost"]
+        return gaps and (self.replicas is None or bool(self.replicas["lost_counted"]))
 
 
 def _rows(workers: list[dict[str, Any]]) -> Rows:
@@ -106,18 +113,69 @@ def _rows(workers: list[dict[str, Any]]) -> Rows:
 
 
 async def _whole(stack: Stack) -> bool:
-    """``/ready`` 200 (every shard up, a worker schedulable), no listener restoring, every gap settled: the
-    router's own view says it is whole."""
-    status, _ready = await stack.call("GET", "/ready")
-    if status != 200:
-        return False
-    for listener in _rows(await stack.workers()).values():
-        if listener.get("state") == "restoring":
+    """On every router: ``/ready`` 200 (every shard up, a worker schedulable; replicas: the sync connected
+    and not re-syncing), no listener restoring, every gap settled: the routers' own views say they are whole."""
+    for url in stack.urls:
+        status, _ready = await stack.call("GET", url + "/ready")
+        if status != 200:
             return False
-        gaps = [int(listener.get(k, 0)) for k in ("gaps_detected", "gaps_recovered", "gaps_lost")]
-        if gaps[0] != gaps[1] + gaps[2]:
-            return False
+        for listener in _rows(await stack.workers(url)).values():
+            if listener.get("state") == "restoring":
+                return False
+            gaps = [int(listener.get(k, 0)) for k in ("gaps_detected", "gaps_recovered", "gaps_lost")]
+            if gaps[0] != gaps[1] + gaps[2]:
+                return False
     return True
+
+
+async def _equal_everywhere(stack: Stack) -> tuple[bool, str]:
+    """:func:`index_equals_engines` on every router (replicas: each names itself in what differs)."""
+    problems = []
+    for i, url in enumerate(stack.urls):
+        equal, mismatch = await index_equals_engines(stack, url)
+        if not equal:
+            problems.append(mismatch if len(stack.urls) == 1 else f"replica {i}: {mismatch}")
+    return not problems, "; ".join(problems)
+
+
+async def _sync_counters(stack: ReplicaStack) -> list[dict[str, Any]]:
+    return [await stack.sync_status(url) for url in stack.urls]
+
+
+async def _replicas(
+    stack: ReplicaStack, before: list[dict[str, Any]], generations: list[int]
+) -> tuple[dict[str, Any], bool]:
+    """The replicas' end state: loads agree, and per replica the sync's counters over the run; and whether
+    that is settled (every replica connected, not re-syncing, loads equal).
+
+    ``lost_counted`` holds when, on every replica, each disconnect was followed by a reconnect and a re-sync,
+    and every message dropped (own events not published, a slow consumer's) by a re-sync: NATS core loses
+    what it loses silently, the sync counts the fault and re-syncs (``docs/nats-bridge.md``, Faults).
+    """
+    loads = [await stack.loads(url) for url in stack.urls]
+    now = await _sync_counters(stack)
+    per_replica = []
+    counted = True
+    settled = True
+    for i, (url, status) in enumerate(zip(stack.urls, now, strict=True)):
+        was = before[i] if stack.generation_of(url) == generations[i] else {}
+        delta = {key: int(status.get(key, 0)) - int(was.get(key, 0)) for key in SYNC_COUNTERS}
+        connected = bool(status.get("connected")) and status.get("resyncing") is None
+        settled = settled and connected
+        ok = connected and delta["reconnects"] >= delta["disconnects"]
+        if delta["disconnects"] or delta["dropped"] or delta["slow_consumer"]:
+            ok = ok and delta["resyncs"] >= 1
+        counted = counted and ok
+        per_replica.append({"url": url, "connected": connected, "counters": delta})
+    agree = all(view == loads[0] for view in loads[1:])
+    report = {
+        "count": len(stack.urls),
+        "loads_agree": agree,
+        "loads": loads[0] if agree else loads,
+        "lost_counted": counted,
+        "sync": per_replica,
+    }
+    return report, settled and agree
 
 
 async def run(
@@ -137,8 +195,11 @@ async def run(
         ReplayError: the stack could not be reset, or the fault could not be injected.
     """
     await stack.reset()
-    before = _rows(await stack.workers())
-    generation = stack.generation
+    before = {url: _rows(await stack.workers(url)) for url in stack.urls}
+    primary_before = before[stack.url]
+    generations = [stack.generation_of(url) for url in stack.urls]
+    replica_stack = stack if isinstance(stack, ReplicaStack) else None
+    sync_before = await _sync_counters(replica_stack) if replica_stack is not None else []
     result = RunResult(drill.name if drill else "baseline", [], ProbeLog())
     stop = asyncio.Event()
     fault_index = int(len(requests) * FAULT_AT)
@@ -165,7 +226,7 @@ async def run(
         while True:
             try:
                 now = _rows(await stack.workers())
-                if not result.fault_seen and drill.seen(stack, victim, result.fault, before, now):
+                if not result.fault_seen and drill.seen(stack, victim, result.fault, primary_before, now):
                     result.fault_seen = True
                 if result.fault_seen and await _whole(stack):
                     result.converge_s = round(time.monotonic() - result.fault_at, 3)
@@ -178,18 +239,21 @@ async def run(
     prober = asyncio.create_task(probe(stack, prompts, result.probes, stop))
     watcher = asyncio.create_task(watch()) if drill is not None else None
     try:
-        result.outcomes = await drive(lambda: stack.url, stack.model_name, requests, on_sent=on_sent, on_done=on_done)
+        result.outcomes = await drive(stack.request_url, stack.model_name, requests, on_sent=on_sent, on_done=on_done)
         if inject_task:
             await inject_task[0]
         await asyncio.sleep(SETTLE_S)
         deadline = time.monotonic() + converge_timeout
         while True:
+            settled = True
             try:
-                result.converged, result.mismatch = await index_equals_engines(stack)
+                result.converged, result.mismatch = await _equal_everywhere(stack)
+                if replica_stack is not None:
+                    result.replicas, settled = await _replicas(replica_stack, sync_before, generations)
             except (OSError, TimeoutError, ReplayError, aiohttp.ClientError) as exc:
                 result.converged, result.mismatch = False, f"the router or an engine did not answer: {exc!r}"
             watched = watcher is None or watcher.done()
-            if (result.converged and watched) or time.monotonic() > deadline:
+            if (result.converged and settled and watched) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
     finally:
@@ -202,13 +266,13 @@ async def run(
     if watcher is not None and watcher.done() and not watcher.cancelled() and watcher.exception() is not None:
         raise watcher.exception()  # type: ignore[misc]
     result.probes.departed.update(stack.departed)
-    after = _rows(await stack.workers())
-    if stack.generation != generation:  # a new router: its rows counted from 0
-        before = {}
-    for worker, listener in after.items():
-        was = before.get(worker, {})
-        for key in ("detected", "recovered", "lost"):
-            result.gaps[key] += int(listener.get(f"gaps_{key}", 0)) - int(was.get(f"gaps_{key}", 0))
-        result.restarts += int(listener.get("restarts", 0)) - int(was.get("restarts", 0))
+    for url, generation in zip(stack.urls, generations, strict=True):  # replicas: each follows every engine
+        after = _rows(await stack.workers(url))
+        rows_before = before.get(url, {}) if stack.generation_of(url) == generation else {}  # a new router: from 0
+        for worker, listener in after.items():
+            was = rows_before.get(worker, {})
+            for key in ("detected", "recovered", "lost"):
+                result.gaps[key] += int(listener.get(f"gaps_{key}", 0)) - int(was.get(f"gaps_{key}", 0))
+            result.restarts += int(listener.get("restarts", 0)) - int(was.get("restarts", 0))
     result.elapsed_s = round(time.monotonic() - started, 2)
     return result

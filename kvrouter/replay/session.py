@@ -5,6 +5,13 @@ drill: each run starts from the same reset fleet and sends the same requests, so
 TTFT differ from the baseline's only by its fault (and by the timing noise of a shared machine, which one
 run cannot remove; ``docs/replay.md`` says so). The seed picks the probe prompts among the workload's
 prompts and the victim engine; the workload itself is the trace's.
+
+Two stacks, one after the other: the single-node drills on a :class:`LocalStack` (started with the flags
+its drills need, e.g. the slow consumer's small queues), then the NATS drills on a
+:class:`~kvrouter.replay.replicas.ReplicaStack` with its own warm-up and baseline (a replica stack routes
+differently: two views, requests alternating). Each stack is stopped before the next starts, so the two
+never share the 2 cores. The NATS drills are ``skipped`` with the reason when no ``nats-server`` can be
+found (nor ``--nats-url`` given), with ``--url``, and for ``nats-outage`` with ``--nats-url``.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from rich.console import Console
@@ -20,9 +27,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..sim.trace import Trace
 from .drills import DRILLS, NOT_BUILT
-from .report import Skipped
+from .replicas import ReplicaStack
+from .report import Skipped, quality
 from .run import RunResult, run
-from .stack import AttachedStack, LocalStack, Stack, StackConfig
+from .stack import AttachedStack, LocalStack, Mock, Stack, StackConfig
 from .workload import TOKENS_PER_HASH, ReplayRequest, requests_from_trace
 
 __all__ = ["PROBES", "Outcomes", "ReplayOptions", "probe_prompts", "replay"]
@@ -47,6 +55,8 @@ class ReplayOptions:
     speed: float
     seed: int
     url: str | None = None
+    nats_url: str | None = None
+    """The replica drills' NATS server; None: this run starts its own."""
     mock_workers: int = 4
     shards: int = 2
     num_gpu_blocks: int = 4096
@@ -86,23 +96,34 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
     requests = requests_from_trace(trace, count=options.requests, speed=options.speed)
     rng = random.Random(options.seed)
     prompts = probe_prompts(requests, rng)
+    config = StackConfig(
+        mock_workers=options.mock_workers,
+        num_gpu_blocks=options.num_gpu_blocks,
+        shards=options.shards,
+        speedup_ratio=options.speed,
+        model_name=options.model_name,
+    )
     stack: Stack
+    victim_index: int | None = None
+    single = [name for name in options.drills if not DRILLS[name].replicas]
+    on_replicas = [name for name in options.drills if DRILLS[name].replicas]
     if options.url is not None:
-        attached = AttachedStack(options.url, options.model_name)
-        stack = attached
+        stack = AttachedStack(options.url, options.model_name)
     else:
+        # the victim is known before the start (the same draw as choosing among the started engines), so
+        # the engine a drill needs configured (slow-consumer: small queues) is started so
+        victim_index = rng.randrange(options.mock_workers)
+        asked = [DRILLS[name] for name in single]
         stack = LocalStack(
-            StackConfig(
-                mock_workers=options.mock_workers,
-                num_gpu_blocks=options.num_gpu_blocks,
-                shards=options.shards,
-                speedup_ratio=options.speed,
-                model_name=options.model_name,
+            replace(
+                config,
+                router_args=tuple(arg for drill in asked for arg in drill.router_args),
+                mock_args=((victim_index + 1, tuple(arg for drill in asked for arg in drill.victim_args)),),
                 record=options.record,
                 router_seed=None if options.record is None else options.seed,
             )
         )
-    workload = {
+    workload: dict[str, Any] = {
         "trace": trace.name,
         "requests": len(requests),
         "speed": options.speed,
@@ -112,55 +133,114 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
         "probes": len(prompts),
     }
     results: list[RunResult | Skipped] = []
-    baseline: RunResult | None = None
-    try:
-        with console.status("starting the stack (kvrouter up and mock engines)..."):
-            if isinstance(stack, AttachedStack):
-                await stack.attach()
-            else:
-                assert isinstance(stack, LocalStack)
-                await stack.start()
-        workload["engines"] = len(stack.mocks)
-        workload["url"] = stack.url
-        if isinstance(stack, LocalStack) and stack.up is not None:
-            workload["router_pid"] = stack.up.pid
-        victim = rng.choice(stack.mocks)
-        runnable = [name for name in options.drills if stack.local or not DRILLS[name].needs_local]
-        for name in options.drills:
-            if name not in runnable:
-                results.append(Skipped(name, "needs local processes (not with --url)"))
-        with Progress(
-            TextColumn("{task.description:<16}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[note]}"),
-            TimeElapsedColumn(),
-            console=console,
-            transient=False,
-        ) as progress:
-            warmup = requests[: min(WARMUP_REQUESTS, max(1, len(requests) // 10))]
-            task = progress.add_task("warm-up", total=len(warmup), note="")
-            await run(stack, warmup, prompts, on_done=lambda _outcome: progress.advance(task))
-            names = ["baseline", *runnable] if runnable else []
-            tasks = {name: progress.add_task(name, total=len(requests), note="", start=False) for name in names}
-            for name in names:
-                task = tasks[name]
-                progress.start_task(task)
-
-                def done(outcome: Any, task: Any = task) -> None:
-                    progress.advance(task)
-
-                drill = DRILLS.get(name)
-                result = await run(stack, requests, prompts, drill, victim if drill else None, on_done=done)
-                note = "converged" if result.converged else "NOT converged"
-                progress.update(task, note=f"{note}, {result.elapsed_s:.0f}s")
-                if drill is None:
-                    baseline = result
-                else:
-                    results.append(result)
-    finally:
-        await stack.close()
+    runnable = []
+    for name in single:
+        if stack.local or not DRILLS[name].needs_local:
+            runnable.append(name)
+        else:
+            results.append(Skipped(name, "needs local processes (not with --url)"))
+    on_stack = []
+    why_not = ReplicaStack.available(options.nats_url)
+    for name in on_replicas:
+        if options.url is not None:
+            results.append(Skipped(name, "needs local processes (not with --url)"))
+        elif why_not is not None:
+            results.append(Skipped(name, why_not))
+        elif DRILLS[name].own_nats and options.nats_url is not None:
+            results.append(Skipped(name, "takes the NATS server down: needs the one this run starts (no --nats-url)"))
+        else:
+            on_stack.append(name)
+    baselines: list[RunResult] = []
+    with Progress(
+        TextColumn("{task.description:<16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[note]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        if runnable or (isinstance(stack, AttachedStack) and not on_stack):  # attached: checked even if all skip
+            try:
+                with console.status("starting the stack (kvrouter up and mock engines)..."):
+                    if isinstance(stack, AttachedStack):
+                        await stack.attach()
+                    else:
+                        assert isinstance(stack, LocalStack)
+                        await stack.start()
+                workload["engines"] = len(stack.mocks)
+                workload["url"] = stack.url
+                if isinstance(stack, LocalStack) and stack.up is not None:
+                    workload["router_pid"] = stack.up.pid
+                victim = stack.mocks[victim_index] if victim_index is not None else rng.choice(stack.mocks)
+                baselines += await _runs(stack, runnable, requests, prompts, victim, progress, results, "")
+            finally:
+                await stack.close()
+        else:
+            await stack.close()  # never started: its temporary directory goes now, not at exit
+        if on_stack:
+            replicas = ReplicaStack(config, nats_url=options.nats_url)
+            try:
+                with console.status("starting the replica stack (NATS, kvrouter up replicas, mock engines)..."):
+                    await replicas.start()
+                workload["replicas"] = {
+                    "urls": replicas.urls,
+                    "router_pids": [router.proc.pid for router in replicas.routers],
+                    "nats_url": replicas.nats_url,
+                    "nats_server": "started by this run" if replicas.nats is not None else "given (--nats-url)",
+                    "namespace": replicas.namespace,
+                }
+                victim = replicas.mocks[victim_index if victim_index is not None else 0]
+                replica_runs = await _runs(
+                    replicas, on_stack, requests, prompts, victim, progress, results, " (replicas)"
+                )
+                for result in results:
+                    if isinstance(result, RunResult) and result.drill in on_stack:
+                        result.baseline = replica_runs[0]
+                baselines += replica_runs
+            finally:
+                await replicas.close()
+    baseline = baselines[0] if baselines else None
+    if len(baselines) > 1:
+        workload["replica_baseline"] = quality(baselines[1])
     order = {name: i for i, name in enumerate(options.drills)}
     results.sort(key=lambda r: order[r.drill])
     workload["not_built"] = list(NOT_BUILT)
     return Outcomes(baseline, results, workload)
+
+
+async def _runs(
+    stack: Stack,
+    names: Sequence[str],
+    requests: Sequence[ReplayRequest],
+    prompts: list[list[int]],
+    victim: Mock,
+    progress: Progress,
+    results: list[RunResult | Skipped],
+    label: str,
+) -> list[RunResult]:
+    """On ``stack``: the warm-up, the baseline (returned, in a list: none when no drill runs) and each drill
+    of ``names`` (appended to ``results``)."""
+    warmup = requests[: min(WARMUP_REQUESTS, max(1, len(requests) // 10))]
+    task = progress.add_task("warm-up" + label, total=len(warmup), note="")
+    await run(stack, warmup, prompts, on_done=lambda _outcome: progress.advance(task))
+    baseline: list[RunResult] = []
+    names = ["baseline", *names] if names else []
+    tasks = {name: progress.add_task(name + label if name == "baseline" else name, total=len(requests), note="",
+                                     start=False) for name in names}  # fmt: skip
+    for name in names:
+        task = tasks[name]
+        progress.start_task(task)
+
+        def done(outcome: Any, task: Any = task) -> None:
+            progress.advance(task)
+
+        drill = DRILLS.get(name)
+        result = await run(stack, requests, prompts, drill, victim if drill else None, on_done=done)
+        note = "converged" if result.converged else "NOT converged"
+        progress.update(task, note=f"{note}, {result.elapsed_s:.0f}s")
+        if drill is None:
+            baseline.append(result)
+        else:
+            results.append(result)
+    return baseline

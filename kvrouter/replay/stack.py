@@ -87,7 +87,10 @@ class StackConfig:
     router_seed: int | None = None
     """``--router-seed`` of the router started (None: its routers draw their own)."""
     router_args: tuple[str, ...] = ()
-    """More ``kvrouter up`` flags (``--from --live``: the recorded router config)."""
+    """More ``kvrouter up`` flags (``--from --live``: the recorded router config; the slow-consumer drill's
+    small subscriber queues)."""
+    mock_args: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    """(worker id, more ``kvrouter mock-worker`` flags) for the engines started with them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,20 +142,30 @@ class Stack:
             except orjson.JSONDecodeError:
                 return response.status, raw.decode(errors="replace")
 
-    async def workers(self) -> list[dict[str, Any]]:
-        """``GET /workers`` of the stack's model."""
-        status, rows = await self.call("GET", f"/workers?model_name={self.model_name}")
+    @property
+    def urls(self) -> list[str]:
+        """Every router of the stack (replicas: each one); the first is :attr:`url`."""
+        return [self.url]
+
+    def request_url(self) -> str:
+        """Where the next workload request goes (replicas: each in turn, as a round-robin balancer)."""
+        return self.url
+
+    def generation_of(self, url: str) -> int:
+        """Bumped when the router at ``url`` was replaced: its rows' counters started again from 0."""
+        return self.generation
+
+    async def workers(self, url: str | None = None) -> list[dict[str, Any]]:
+        """``GET /workers`` of the stack's model, on ``url`` (default: :attr:`url`)."""
+        base = self.url if url is None else url
+        status, rows = await self.call("GET", f"{base}/workers?model_name={self.model_name}")
         if status != 200 or not isinstance(rows, list):
-            raise ReplayError(f"GET {self.url}/workers answered {status}: {str(rows)[:200]}")
+            raise ReplayError(f"GET {base}/workers answered {status}: {str(rows)[:200]}")
         return rows
 
-    async def register(self, mock: Mock) -> None:
-        """``POST /register`` of one mock (retried while the router's engine is still starting: 503).
-
-        Raises:
-            ReplayError: refused, or still 503 after :data:`START_TIMEOUT_S`.
-        """
-        body = {
+    def registration(self, mock: Mock) -> dict[str, Any]:
+        """The ``POST /register`` body of ``mock``: a vLLM-format engine with a replay socket."""
+        return {
             "instance_id": mock.worker_id,
             "endpoint": mock.events,
             "replay_endpoint": mock.replay,
@@ -162,14 +175,24 @@ class Stack:
             "block_size": self.block_size,
             "dp_rank": 0,
         }
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            status, answer = await self.call("POST", "/register", body)
-            if status in (200, 201):
-                return
-            if status != 503 or time.monotonic() > deadline:
-                raise ReplayError(f"/register of mock engine {mock.worker_id} answered {status}: {answer}")
-            await asyncio.sleep(0.25)
+
+    async def register(self, mock: Mock, url: str | None = None) -> None:
+        """``POST /register`` of one mock on ``url`` (default: every router of :attr:`urls`), retried while
+        the router's engine is still starting (503).
+
+        Raises:
+            ReplayError: refused, or still 503 after :data:`START_TIMEOUT_S`.
+        """
+        body = self.registration(mock)
+        for base in self.urls if url is None else [url]:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while True:
+                status, answer = await self.call("POST", base + "/register", body)
+                if status in (200, 201):
+                    break
+                if status != 503 or time.monotonic() > deadline:
+                    raise ReplayError(f"{base}/register of mock engine {mock.worker_id} answered {status}: {answer}")
+                await asyncio.sleep(0.25)
 
     async def reset(self) -> None:
         """Every engine restarted and re-registered; returns once the index follows each with nothing cached.
@@ -187,25 +210,32 @@ class Stack:
             status, answer = await self.call("POST", mock.http + "/restart", {})
             if status != 200:
                 raise ReplayError(f"POST {mock.http}/restart answered {status}: {answer}")
-            status, answer = await self.call(
-                "POST", "/unregister", {"instance_id": mock.worker_id, "model_name": self.model_name}
-            )
-            if status not in (200, 404):
-                raise ReplayError(f"/unregister of worker {mock.worker_id} answered {status}: {answer}")
+            for url in self.urls:
+                status, answer = await self.call(
+                    "POST", url + "/unregister", {"instance_id": mock.worker_id, "model_name": self.model_name}
+                )
+                if status not in (200, 404):
+                    raise ReplayError(f"/unregister of worker {mock.worker_id} answered {status}: {answer}")
             await self.register(mock)
         deadline = time.monotonic() + RESET_TIMEOUT_S
-        while True:
-            rows = await self.workers()
+        waiting = list(self.urls)
+        while waiting:
+            rows = await self.workers(waiting[0])
             empty = {
                 row["instance_id"]
                 for row in rows
                 for listener in row.get("listeners", {}).values()
                 if listener.get("cached_blocks") == 0 and listener.get("state") in ("exact", "unknown")
             }
-            if empty >= {mock.worker_id for mock in self.mocks} and (await self.call("GET", "/ready"))[0] == 200:
-                return
+            ready = (await self.call("GET", waiting[0] + "/ready"))[0] == 200
+            if empty >= {mock.worker_id for mock in self.mocks} and ready:
+                waiting.pop(0)
+                continue
             if time.monotonic() > deadline:
-                raise ReplayError(f"the index did not forget the restarted engines in {RESET_TIMEOUT_S:.0f}s: {rows}")
+                raise ReplayError(
+                    f"{waiting[0]}: the index did not forget the restarted engines in {RESET_TIMEOUT_S:.0f}s "
+                    f"(or /ready is not 200): {rows}"
+                )
             await asyncio.sleep(POLL_S)
 
     async def remove(self, mock: Mock) -> None:
@@ -283,12 +313,22 @@ class LocalStack(Stack):
             ReplayError: the router printed no URL in :data:`START_TIMEOUT_S` or exited; an engine did not start.
         """
         await self._start_router(0)
+        await self._start_mocks()
+
+    async def _start_mocks(self) -> None:
+        """The engines, started together, then registered (on every router)."""
         cfg = self.config
         embedded = EmbeddedConfig(block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks)
         try:
             await asyncio.gather(
                 *(
-                    start_mock(worker_id, embedded, self.processes, speedup_ratio=cfg.speedup_ratio)
+                    start_mock(
+                        worker_id,
+                        embedded,
+                        self.processes,
+                        speedup_ratio=cfg.speedup_ratio,
+                        extra_args=dict(cfg.mock_args).get(worker_id, ()),
+                    )
                     for worker_id in range(1, cfg.mock_workers + 1)
                 )
             )
@@ -306,6 +346,7 @@ class LocalStack(Stack):
         argv = [
             sys.executable, "-m", "kvrouter", "up", "--port", str(port), "--zmq-port", "0", "--mock-workers", "0",
             "--shards", str(cfg.shards), "--model-name", cfg.model_name, "--block-size", str(cfg.block_size),
+            *cfg.router_args,
         ]  # fmt: skip
         if cfg.record is not None:
             starts = self._router_starts
@@ -313,7 +354,6 @@ class LocalStack(Stack):
             argv += ["--record", path]
         if cfg.router_seed is not None:
             argv += ["--router-seed", str(cfg.router_seed)]
-        argv += cfg.router_args
         self._router_starts += 1
         with self.log_path.open("ab") as stderr:
             self.up = await asyncio.create_subprocess_exec(
@@ -460,8 +500,8 @@ class AttachedStack(Stack):
         if not self.mocks:
             raise ReplayError(f"{self.url} lists no worker of model {self.model_name!r} with an http_endpoint")
 
-    async def register(self, mock: Mock) -> None:
-        """Register again as it was registered (the row's endpoints)."""
+    async def register(self, mock: Mock, url: str | None = None) -> None:
+        """Register again as it was registered (the row's endpoints); one router, so ``url`` is :attr:`url`."""
         row = self._rows[mock.worker_id]
         body = {
             "instance_id": mock.worker_id,

@@ -3,12 +3,13 @@
 **Probes, during the drill.** A fixed set of prompts is asked every :data:`PROBE_INTERVAL_S` (100 ms,
 the issue's figure): first every engine (``POST /overlap`` on each mock: how many leading blocks of each
 probe its cache holds, computed by its engine thread between iterations), then the router
-(``POST /query`` per probe: matched tokens per worker). A router answer is **wrong** when, for some
-worker, the overlap it reports equals none of that engine's answers from the last :data:`WINDOW_S`
-(250 ms) before the query up to the engine sample taken right after it (the query fell between two
-samples, so either may be its truth). Workers are judged one by one: the engines are sampled one after
-another, not at one instant, so a joint state would be an artefact of the sampling order. Rejected:
-polling ``GET /cache`` (every block with its path of local hashes: megabytes a second at 10 Hz).
+(``POST /query`` per probe: matched tokens per worker; with replicas, each replica in turn, a round
+each). A router answer is **wrong** when, for some worker, the overlap it reports equals none of that
+engine's answers from the last :data:`WINDOW_S` (250 ms) before the query up to the engine sample taken
+right after it (the query fell between two samples, so either may be its truth). Workers are judged one
+by one: the engines are sampled one after another, not at one instant, so a joint state would be an
+artefact of the sampling order. Rejected: polling ``GET /cache`` (every block with its path of local
+hashes: megabytes a second at 10 Hz).
 
 **Equality, at the end.** Once the load has stopped and the engines are idle, :func:`index_equals_engines`
 compares, per engine, its ``/cache`` with the index: every cached block is found at its full depth by
@@ -87,19 +88,24 @@ async def probe(stack: Stack, prompts: Sequence[list[int]], log_to: ProbeLog, st
             raise ConnectionError(f"{mock_http}/overlap answered {status}")
         log_to.truth.setdefault(worker, []).append((time.monotonic(), answer["ranks"][0]["overlaps"]))
 
-    async def router(index: int, prompt: list[int]) -> None:
-        status, answer = await stack.call("POST", "/query", {"token_ids": prompt, "model_name": stack.model_name})
+    async def router(base: str, index: int, prompt: list[int]) -> None:
+        body = {"token_ids": prompt, "model_name": stack.model_name}
+        status, answer = await stack.call("POST", base + "/query", body)
         if status != 200:
             raise ConnectionError(f"/query answered {status}")
         scores: dict[str, dict[str, int]] = answer.get("scores", {})
         overlaps = {int(worker): ranks.get("0", 0) // block for worker, ranks in scores.items()}
         log_to.answers.append((time.monotonic(), index, overlaps))
 
+    rounds = 0
     while not stop.is_set():
         started = time.monotonic()
+        urls = stack.urls
+        base = urls[rounds % len(urls)]  # replicas: each in turn
+        rounds += 1
         try:
             await asyncio.gather(*(engine(mock.http, mock.worker_id) for mock in stack.mocks))
-            await asyncio.gather(*(router(i, prompt) for i, prompt in enumerate(prompts)))
+            await asyncio.gather(*(router(base, i, prompt) for i, prompt in enumerate(prompts)))
         except (OSError, TimeoutError, KeyError, IndexError) as exc:
             if not log_to.failed:
                 log.info("probe round failed error=%r (logged once)", exc)
@@ -113,14 +119,16 @@ async def probe(stack: Stack, prompts: Sequence[list[int]], log_to: ProbeLog, st
         log_to.failed += 1
 
 
-async def index_equals_engines(stack: Stack) -> tuple[bool, str]:
-    """Whether the index holds exactly every engine's cached blocks (see the module docstring).
+async def index_equals_engines(stack: Stack, url: str | None = None) -> tuple[bool, str]:
+    """Whether the index of the router at ``url`` (default: the stack's) holds exactly every engine's cached
+    blocks (see the module docstring).
 
     Returns:
         (equal, what differs: the first few mismatches, empty when equal).
     """
     block = stack.block_size
-    rows = await stack.workers()
+    base = stack.url if url is None else url
+    rows = await stack.workers(base)
     members = {mock.worker_id for mock in stack.mocks}
     problems: list[str] = [
         f"the router still lists worker {row['instance_id']}, which left" for row in rows
@@ -147,7 +155,7 @@ async def index_equals_engines(stack: Stack) -> tuple[bool, str]:
     async def check(path: tuple[int, ...], holders: set[int]) -> None:
         async with limit:
             body = {"block_hashes": list(path), "model_name": stack.model_name}
-            status, answer = await stack.call("POST", "/query_by_hash", body)
+            status, answer = await stack.call("POST", base + "/query_by_hash", body)
         if status != 200:
             problems.append(f"/query_by_hash answered {status}: {str(answer)[:120]}")
             return

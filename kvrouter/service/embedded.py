@@ -35,7 +35,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TextIO
 
@@ -100,11 +100,17 @@ class MockProcess:
 
 
 async def start_mock(
-    worker_id: int, config: EmbeddedConfig, started: list[MockProcess], *, speedup_ratio: float = 1.0
+    worker_id: int,
+    config: EmbeddedConfig,
+    started: list[MockProcess],
+    *,
+    speedup_ratio: float = 1.0,
+    extra_args: Sequence[str] = (),
 ) -> MockProcess:
     """Start one mock engine and wait for its ready line; appended to ``started`` at once, so a caller
     that is cancelled meanwhile still stops it. ``speedup_ratio``: the mock's simulated ms per wall ms
-    (``kvrouter replay`` runs a trace faster than real time).
+    (``kvrouter replay`` runs a trace faster than real time); ``extra_args``: more ``kvrouter mock-worker``
+    flags (``kvrouter replay`` gives its slow-consumer victim small publisher queues).
 
     Raises:
         EmbeddedError: the process exited or printed no ready line within :data:`MOCK_START_TIMEOUT_S`.
@@ -121,6 +127,7 @@ async def start_mock(
         "--num-gpu-blocks", str(config.num_gpu_blocks),
         "--speedup-ratio", repr(speedup_ratio),
         "--exit-with-parent",
+        *extra_args,
     ]  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True

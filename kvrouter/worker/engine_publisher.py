@@ -60,6 +60,9 @@ class EnginePublisher:
         replay_topic: answer replays with vLLM >= 0.26's ``[topic, seq, payload]`` envelope; False
             gives the older ``[seq, payload]``.
         hwm: the PUB socket's send high-water mark.
+        sndbuf: the kernel send buffer of each subscriber's TCP connection in bytes (``SO_SNDBUF``);
+            0 keeps the OS's autotuned default. With a small ``hwm`` it bounds what a stalled subscriber
+            may hold back before the PUB drops (``kvrouter replay --drill slow-consumer``).
         context: the ZMQ context to use; None creates one, terminated by :meth:`close`.
 
     Raises:
@@ -78,6 +81,7 @@ class EnginePublisher:
         buffer_steps: int = DEFAULT_BUFFER_STEPS,
         replay_topic: bool = True,
         hwm: int = DEFAULT_HWM,
+        sndbuf: int = 0,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
         if engine not in ("vllm", "sglang"):
@@ -103,7 +107,7 @@ class EnginePublisher:
         self._pub: zmq.Socket[bytes] | None = None
         self._router: zmq.Socket[bytes] | None = None
         try:
-            self._pub = self._bind(zmq.PUB, endpoint, hwm)
+            self._pub = self._bind(zmq.PUB, endpoint, hwm, sndbuf)
             if replay_endpoint is not None:
                 # vLLM 0.33 sizes the ROUTER's SNDHWM for a whole buffer plus the END marker (§1.2).
                 self._router = self._bind(zmq.ROUTER, replay_endpoint, 2 * (buffer_steps + 1))
@@ -111,10 +115,12 @@ class EnginePublisher:
             self.close()
             raise
 
-    def _bind(self, kind: int, endpoint: str, hwm: int) -> zmq.Socket[bytes]:
+    def _bind(self, kind: int, endpoint: str, hwm: int, sndbuf: int = 0) -> zmq.Socket[bytes]:
         socket: zmq.Socket[bytes] = self._context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, hwm)
+        if sndbuf > 0:  # before bind, like the HWM: each connection's TCP socket takes it
+            socket.setsockopt(zmq.SNDBUF, sndbuf)
         try:
             socket.bind(endpoint)
         except zmq.ZMQError as exc:

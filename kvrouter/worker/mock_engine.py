@@ -62,7 +62,7 @@ import zmq
 from ..errors import ConfigError, RequestFailed
 from ..events.model import U64_MAX, EngineHash, EventBatch, KvEvent, LocalHash, Removed, Stored, StoredBlock
 from ..hashing import block_hashes, sequence_hashes
-from .engine_publisher import EnginePublisher
+from .engine_publisher import DEFAULT_HWM, EnginePublisher
 from .publisher import KvPublisher
 from .scheduler import GENERATED_ID_BASE, WorkerConfig, WorkerModel, generated_block_id
 
@@ -131,6 +131,16 @@ class MockEngineConfig:
     zmq_replay_port: int | None = None
     """Rank r answers replays (vllm) or queries (kvrouter) on this port + r; None = none; 0 = ephemeral."""
     topic: bytes = b""
+    kv_events_hwm: int = DEFAULT_HWM
+    """The vllm-format PUB's send high-water mark per subscriber (vLLM's ``KVEventsConfig.hwm``): past it,
+    a subscriber that does not read loses messages, which it sees as a gap."""
+    kv_events_sndbuf: int = 0
+    """The vllm-format PUB's kernel send buffer per subscriber, bytes; 0 = the OS's autotuned default."""
+    nats_url: str | None = None
+    """kvrouter format: also publish every event on NATS core, as the reference's workers do (``RouterEvent``
+    JSON on ``nats_subject``, ``docs/nats-bridge.md`` "Events over NATS"); None = ZMQ only."""
+    nats_subject: str = ""
+    """The ``kv-events`` subject of the router's namespace and component."""
 
     def validate(self) -> None:
         """Raises ConfigError naming the first field out of range."""
@@ -143,6 +153,10 @@ class MockEngineConfig:
             (self.format in FORMATS, "format", f"one of {FORMATS}"),
             (0 <= self.zmq_kv_events_port <= 65535, "zmq_kv_events_port", "in [0, 65535]"),
             (self.zmq_replay_port is None or 0 <= self.zmq_replay_port <= 65535, "zmq_replay_port", "in [0, 65535]"),
+            (self.kv_events_hwm >= 1, "kv_events_hwm", ">= 1"),
+            (self.kv_events_sndbuf >= 0, "kv_events_sndbuf", ">= 0"),
+            (self.nats_url is None or self.format == "kvrouter", "format", "'kvrouter' to publish on NATS"),
+            (self.nats_url is None or bool(self.nats_subject), "nats_subject", "set with nats_url"),
         )
         for ok, name, rule in checks:
             if not ok:
@@ -254,7 +268,12 @@ class _VllmSink:
         events = config.endpoint(config.zmq_kv_events_port, rank)
         assert events is not None
         self._pub = EnginePublisher(
-            events, replay_endpoint=config.endpoint(config.zmq_replay_port, rank), topic=config.topic, context=context
+            events,
+            replay_endpoint=config.endpoint(config.zmq_replay_port, rank),
+            topic=config.topic,
+            hwm=config.kv_events_hwm,
+            sndbuf=config.kv_events_sndbuf,
+            context=context,
         )
         self.poll_socket = self._pub.replay_socket
         self.needs_serving = False
@@ -286,15 +305,26 @@ class _KvrouterSink:
     def __init__(self, config: MockEngineConfig, rank: int, context: zmq.Context[zmq.Socket[bytes]]) -> None:
         events = config.endpoint(config.zmq_kv_events_port, rank)
         assert events is not None
-        self._pub = KvPublisher(
-            config.worker_id,
-            block_size=config.block_size,
-            endpoint=events,
-            query_endpoint=config.endpoint(config.zmq_replay_port, rank),
-            dp_rank=rank,
-            topic=config.topic,
-            context=context,
-        )
+        self._sink: Any = None
+        if config.nats_url is not None:
+            from ..bridge.events import NatsEventSink  # here: nats-py is loaded only by the engines that use it
+
+            self._sink = NatsEventSink(config.nats_url, config.nats_subject)
+        try:
+            self._pub = KvPublisher(
+                config.worker_id,
+                block_size=config.block_size,
+                endpoint=events,
+                query_endpoint=config.endpoint(config.zmq_replay_port, rank),
+                dp_rank=rank,
+                topic=config.topic,
+                context=context,
+                nats=self._sink,
+            )
+        except BaseException:
+            if self._sink is not None:
+                self._sink.close()
+            raise
         self.poll_socket: zmq.Socket[bytes] | None = None
         self.needs_serving = True
 
@@ -317,7 +347,11 @@ class _KvrouterSink:
         self._pub.reset()
 
     def close(self) -> None:
-        self._pub.close()
+        try:
+            self._pub.close()
+        finally:
+            if self._sink is not None:
+                self._sink.close()  # publishes what is queued, flushes, disconnects
 
     def position(self) -> dict[str, int | None]:
         return {"last_event_id": self._pub.last_event_id}
@@ -685,6 +719,11 @@ class MockEngine:
     def start(self) -> None:
         for rank in self._ranks:
             rank.start()
+
+    def positions(self) -> list[dict[str, int | None]]:
+        """Per rank, the last sequence number (vllm) or event id (kvrouter) published: read without the
+        engine thread (an int attribute), so a caller can watch publishing while the engine runs."""
+        return [{"dp_rank": rank.rank, **rank.sink.position()} for rank in self._ranks]
 
     def failed_ranks(self) -> list[int]:
         """Ranks whose engine thread died of an unexpected error; they answer 503 from then on."""

@@ -12,7 +12,10 @@ the rank's engine thread (:class:`~kvrouter.worker.mock_engine.MockEngine`) and 
 | ``POST /overlap`` | ``{"prompts": [[token ids], ...]}`` | per rank: ``last_seq`` / ``last_event_id``, ``overlaps`` |
 | ``POST /faults`` | ``{"drop_batches": n, "pause": bool, "dp_rank": r}`` | each rank's fault state |
 | ``POST /restart`` | ``{}`` or ``{"dp_rank": r}`` | each rank's position after the restart |
-| ``GET /health`` | | ``{"status": "ok", ...}``; 503 ``"failed"`` once an engine thread died |
+| ``GET /health`` | | ``{"status": "ok", ..., "published"}``; 503 ``"failed"`` once an engine thread died |
+
+``published``: per rank, ``last_seq`` / ``last_event_id`` read without the engine thread, so it is cheap to
+poll (``kvrouter replay``'s slow-consumer drill watches a burst go out with it).
 
 (*) A ``text_completion``, OpenAI-shaped, with ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens
 reused from the cache at admission) and a ``kvrouter`` object: simulated ``ttft_ms`` and ``finish_ms``, ``dp_rank``.
@@ -196,6 +199,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "worker_id": cfg.worker_id,
                 "dp_size": cfg.dp_size,
                 "format": cfg.format,
+                "published": engine.positions(),
             },
         )
 

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from kvrouter.cli import app
 from kvrouter.cli.up import ROUTER_FLAGS
 from kvrouter.index.layout import MAX_INDEX_BLOCKS
+from kvrouter.plane.config import SUBSCRIBER_HWM
 from kvrouter.routing.config import KVROUTER_CONFIG
 
 ENV_PREFIX = "KVROUTER_"
@@ -293,3 +294,11 @@ def test_the_demo_workload_shares_system_prompts_and_grows_sessions():
     for earlier, later in itertools.pairwise(prompts):
         assert later[: len(earlier)] == earlier  # a turn extends the previous prompt (plus its answer)
         assert earlier[: len(system)] == system
+
+
+def test_the_subscriber_queue_flags_set_the_event_planes_bounds(runner):
+    default = resolve(runner)["service"]["plane"]
+    assert (default["subscriber_hwm"], default["subscriber_rcvbuf"]) == (SUBSCRIBER_HWM, 0)
+    plane = resolve(runner, "--subscriber-hwm", "8", env={"KVROUTER_SUBSCRIBER_RCVBUF": "4096"})["service"]["plane"]
+    assert (plane["subscriber_hwm"], plane["subscriber_rcvbuf"]) == (8, 4096)
+    assert runner.invoke(app, ["up", "--subscriber-hwm", "0", "--print-config"]).exit_code == 2

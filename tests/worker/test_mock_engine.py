@@ -403,3 +403,44 @@ def test_kvrouter_format_live_events_and_queries_rebuild_the_cache(start_worker,
         assert _query(context, worker.replay[0], QueryRequest(None)).reply == "tree_dump"
     finally:
         stream.close()
+
+
+def test_a_subscriber_that_stops_reading_loses_what_the_small_queues_cannot_hold(start_worker):
+    """``--kv-events-hwm`` / ``--kv-events-sndbuf`` (the slow-consumer drill's victim): a SUB that reads
+    nothing while the engine publishes 40 prefills gets the first few, then a jump in seq (the PUB
+    dropped the rest), and ``/health`` says how far the engine published."""
+    worker = start_worker("--kv-events-hwm", "4", "--kv-events-sndbuf", "4096")
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 4)
+        sub.setsockopt(zmq.RCVBUF, 4096)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(worker.events[0])
+        worker.complete(list(range(1, 33)), 1)  # until the subscription is in, batches may go nowhere: one first
+        first = worker.call("GET", "/health")[1]["published"][0]["last_seq"]
+        for i in range(40):  # each one prefill: one batch of 16 blocks (~1 KB), nobody reading
+            worker.complete(list(range(10_000 + i * 256, 10_256 + i * 256)), 1)
+        status, health = worker.call("GET", "/health")
+        assert status == 200
+        published = health["published"][0]["last_seq"]
+        assert published >= first + 40
+        seqs = []
+        while sub.poll(int(1000 * 0.5)):  # drain what the queues held: the subscriber catches up
+            seqs.append(parse_live(sub.recv_multipart()).seq)
+        assert seqs, "the subscriber got nothing at all"
+        assert len(seqs) < published - seqs[0] + 1  # some were dropped: a gap the router would see
+    finally:
+        sub.close(linger=0)
+        context.term()
+
+
+def test_nats_events_need_the_kvrouter_format():
+    from typer.testing import CliRunner
+
+    from kvrouter.cli import app
+
+    result = CliRunner().invoke(app, ["mock-worker", "--nats-url", "nats://127.0.0.1:1", "--format", "vllm"])
+    assert result.exit_code == 2
+    assert "'kvrouter' to publish on NATS" in result.output

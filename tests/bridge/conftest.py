@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sysconfig
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvrouter.replay.natsd import nats_server_binary
 from tests.conftest import Worker
 from tests.service.conftest import start_mock, stop_mock
 
@@ -31,14 +30,6 @@ WORKERS = (1, 2)
 START_TIMEOUT_S = 10.0
 """nats-server accepts TCP about 12 ms after spawn; the bound is for a loaded machine."""
 STOP_TIMEOUT_S = 5.0
-
-
-def nats_server_binary() -> str | None:
-    """The venv's ``nats-server``, else one on ``PATH``, else None."""
-    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
-    if candidate.is_file() and os.access(candidate, os.X_OK):
-        return str(candidate)
-    return shutil.which("nats-server")
 
 
 def free_port() -> int:

@@ -21,7 +21,8 @@ import nats
 import pytest
 
 from kvrouter.index.layout import stats_name
-from tests.bridge.conftest import WORKERS, NatsServer, nats_server_binary
+from kvrouter.replay.natsd import nats_server_binary
+from tests.bridge.conftest import WORKERS, NatsServer
 from tests.bridge.replicas import MODEL, Replica, call, replicas
 from tests.conftest import Worker
 from tui.feed import HttpFeed, ShmFeed

@@ -8,41 +8,19 @@ routers in ``/dev/shm``.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.replay.conftest import drill_of, run_replay
 
 BUILT = ["gap", "engine-restart", "applier-kill", "worker-churn", "router-restart", "slow-consumer"]
-
-RUN_TIMEOUT_S = 300.0
-"""A cold numba cache compiles the router's and the mocks' kernels first: minutes on 2 shared cores."""
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("replay") / "drills.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
-    command = [sys.executable, "-m", "kvrouter", "replay", "--drill", ",".join(BUILT), "--requests", "30",
-               "--speed", "8", "--json", str(out), "--plot", str(out.with_suffix(".png"))]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert out.exists(), done.stdout + done.stderr
-    document: dict[str, Any] = json.loads(out.read_text())
-    document["exit_code"] = done.returncode
-    document["output"] = done.stdout + done.stderr
-    document["plot"] = out.with_suffix(".png")
-    return document
-
-
-def _drill(report: dict[str, Any], name: str) -> dict[str, Any]:
-    found: list[dict[str, Any]] = [d for d in report["drills"] if d["drill"] == name]
-    assert len(found) == 1, report["drills"]
-    return found[0]
+    return run_replay(tmp_path_factory.mktemp("replay") / "drills.json", BUILT, 30)
 
 
 def test_the_command_exits_0_and_leaves_no_segment(report):
@@ -57,7 +35,7 @@ def test_the_command_exits_0_and_leaves_no_segment(report):
 
 @pytest.mark.parametrize("name", BUILT)
 def test_each_drill_is_seen_converges_and_accounts_for_every_gap(report, name):
-    drill = _drill(report, name)
+    drill = drill_of(report, name)
     assert drill["status"] == "ok", drill
     assert drill["fault_seen"]
     assert drill["converged"], drill["mismatch"]
@@ -71,37 +49,37 @@ def test_each_drill_is_seen_converges_and_accounts_for_every_gap(report, name):
 
 
 def test_the_gap_drill_recovers_its_gap_by_replay(report):
-    gaps = _drill(report, "gap")["gaps"]
+    gaps = drill_of(report, "gap")["gaps"]
     assert gaps["detected"] >= 1
     assert gaps["lost"] == 0
 
 
 def test_the_engine_restart_drill_is_a_restart_not_a_gap(report):
-    drill = _drill(report, "engine-restart")
+    drill = drill_of(report, "engine-restart")
     assert drill["restarts"] >= 1
 
 
 def test_the_applier_kill_drill_killed_the_victims_applier(report):
-    drill = _drill(report, "applier-kill")
+    drill = drill_of(report, "applier-kill")
     assert drill["fault"]["pid"] > 0
     assert drill["fault_seen"]  # the shard's applier pid changed: the supervisor started another
 
 
 def test_the_worker_churn_drill_added_one_worker_and_removed_another(report):
-    fault = _drill(report, "worker-churn")["fault"]
+    fault = drill_of(report, "worker-churn")["fault"]
     assert fault["added"] == 5  # after the four engines of the stack
     assert fault["removed"] in (1, 2, 3, 4)
 
 
 def test_the_router_restart_drill_ran_another_router_and_both_left_no_segment(report):
-    fault = _drill(report, "router-restart")["fault"]
+    fault = drill_of(report, "router-restart")["fault"]
     assert fault["pid"] != fault["old_pid"]
     for pid in (fault["old_pid"], fault["pid"]):
         assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{pid}-")]
 
 
 def test_the_slow_consumer_drill_overflowed_the_victims_queue_and_replay_filled_the_hole(report):
-    drill = _drill(report, "slow-consumer")
+    drill = drill_of(report, "slow-consumer")
     fault = drill["fault"]
     assert fault["pid"] > 0
     assert fault["published"] >= 32  # the burst, published while the applier was stopped

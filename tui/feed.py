@@ -571,7 +571,6 @@ class HttpFeed:
             if "kvrouter_replica_sync_peers" in metrics
             else None,
             sync_lag_ms=_lag_ms(metrics.get("kvrouter_replica_sync_lag_seconds", {}).values(), 1e3),
-            extra={"url": self.url},
             shadows=_metric_shadows(metrics),
             index_blocks=_int(_where(metrics, "kvrouter_index_blocks")) if "kvrouter_index_blocks" in metrics else None,
             index_blocks_cap=_int(_where(metrics, "kvrouter_index_blocks_cap")),

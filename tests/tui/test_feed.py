@@ -181,6 +181,7 @@ def test_the_http_feed_agrees_with_the_shm_feed(warm: Running, shm: ShmFeed, wai
     wait_until(same, what="both feeds say the same")
     snap = http.poll()
     assert snap.source == warm.url
+    assert "url" not in snap.extra  # the header names the source once
     assert snap.route_p50_us is not None
     assert snap.index_lag_ms is not None
     assert 0 < snap.index_lag_ms < 60_000

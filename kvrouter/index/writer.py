@@ -79,7 +79,9 @@ from .layout import (
     W_LAST_EVENT_NS,
     W_LAST_ID,
     W_RESTARTS,
+    W_SEEN,
     W_SKIPPED_EVENTS,
+    W_STALE,
     W_STATE,
     W_WORKER_ID,
     WORD_BITS,
@@ -456,9 +458,14 @@ class ShardWriter:
 
     def _evict(self) -> None:
         """Bring the entries down to ``_target`` (``kernels.evict``): workers that are not ``exact`` first,
-        then the least recently stored, leaves first; count them per worker and per reason."""
+        then the least recently stored, leaves first; count them per worker and per reason. Not ``exact`` is
+        what the plane knows of the trust states (``service/trust.py``): a state other than exact, the stale
+        flag, or anything seen that contradicts the registration (``W_SEEN``); the service's own checks (a
+        silent topic, an overlap never reused) do not reach the appliers."""
         rows = self._rows
-        untrusted = (rows[:, W_STATE] != WORKER_EXACT).astype(np.uint8)
+        untrusted = ((rows[:, W_STATE] != WORKER_EXACT) | (rows[:, W_STALE] != 0) | (rows[:, W_SEEN] != 0)).astype(
+            np.uint8
+        )
         evicted = np.zeros((len(rows), len(EVICT_REASONS)), dtype=np.int64)
         before = int(self._rmeta[kernels.M_ENTRIES])
         kernels.evict(*self._maps(), self._matched, untrusted, before, self._target, evicted)

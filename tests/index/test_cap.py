@@ -29,7 +29,18 @@ from kvrouter.events.model import (
 )
 from kvrouter.hashing import sequence_hashes
 from kvrouter.index import RadixIndex
-from kvrouter.index.layout import HEADER_WORDS, SLOT_MASKS, TIERS, W_STATE, WORKER_EXACT, ZERO_KEY, row_words
+from kvrouter.index.layout import (
+    HEADER_WORDS,
+    SLOT_MASKS,
+    TIERS,
+    W_SEEN,
+    W_STALE,
+    W_STATE,
+    WORKER_EXACT,
+    ZERO_KEY,
+    row_words,
+    seen_word,
+)
 from tests.index.contract import error_kind
 from tests.index.shm import InProcessShards
 
@@ -235,13 +246,25 @@ def test_the_least_recently_stored_chain_goes_first(capped: InProcessShards):
     assert read_workers(capped.control)[1, 0].evicted["untrusted"] == 0
 
 
-def test_untrusted_workers_go_first(capped: InProcessShards):
+@pytest.mark.parametrize("untrusted_by", ["state", "stale", "seen"])
+def test_untrusted_workers_go_first(capped: InProcessShards, untrusted_by: str):
+    """Worker 2 is not ``exact`` as the plane knows it: a state other than exact (partial, from a lost gap),
+    the stale flag (silent past ``stale_after``), or a contradiction of its registration seen (a foreign
+    block size, format or rank)."""
     writer = capped.writers[0]
     for worker in ((1, 0), (2, 0)):
         writer.register(worker)
-    row = writer.row((1, 0))
-    assert row is not None
-    row[W_STATE] = WORKER_EXACT
+        row = writer.row(worker)
+        assert row is not None
+        row[W_STATE] = WORKER_EXACT
+    two = writer.row((2, 0))
+    assert two is not None
+    if untrusted_by == "state":
+        two[W_STATE] = 0
+    elif untrusted_by == "stale":
+        two[W_STALE] = 1
+    else:
+        two[W_SEEN] = seen_word(0, block_size=32)
     for wid in (1, 2):
         blocks = tuple(StoredBlock(EngineHash(i), LocalHash(i)) for i in range(40))
         capped.apply_event(wid, Stored(wid, None, blocks))

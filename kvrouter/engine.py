@@ -28,6 +28,7 @@ from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
+import zmq
 
 from .errors import BadEvent, ConfigError, EngineError, FlushTimeout
 from .events.codecs.dynamo import event_from_dict
@@ -553,6 +554,12 @@ class Engine:
         """A picklable handle for :func:`attach` in another process."""
         return ReaderHandle(self._running().control.name)
 
+    def applier_endpoints(self) -> tuple[str, ...]:
+        """Each shard's applier's ``ipc://`` address, in shard order: where an :class:`EngineView` in another
+        process of this machine sends the blocks its decisions matched (:meth:`EngineView.touch`)."""
+        supervisor = self._running()
+        return tuple(supervisor.endpoint(shard) for shard in range(supervisor.shards))
+
     def workers(self) -> dict[WorkerKey, WorkerStats]:
         """Every (worker, dp_rank) of every shard as its row in the control segment shows it now."""
         return read_workers(self._running().control)
@@ -562,6 +569,11 @@ class Engine:
         return read_shards(self._running().control)
 
 
+TOUCH_QUEUE: Final = 4096
+"""Touch messages an :class:`EngineView` queues for one applier (one a worker a health tick) before it drops
+them: an applier that is stopped or restarting is not waited for, and what waits for it stays bounded."""
+
+
 class EngineView:
     """An engine that another process of this machine runs, seen through its segments: what a second
     front of ``kvrouter up --fronts N`` routes with. It answers every query :class:`Engine` answers and
@@ -569,13 +581,14 @@ class EngineView:
     belongs to the process that owns the engine (``service/fronts.py``).
 
     Not thread-safe (one reader, no lock): one event loop uses it.
+
+    Args:
+        handle: the owner's :meth:`Engine.reader_handle`.
+        applier_endpoints: the owner's :meth:`Engine.applier_endpoints`, for :meth:`touch`; none: the
+            view's matches do not reach the index cap's order.
     """
 
-    def touch(self, worker: WorkerKey, seq_hashes: npt.NDArray[np.uint64]) -> None:
-        """Nothing: only the engine's owner talks to its appliers; this front's matches do not reach the
-        index cap's order (``docs/insight.md`` "Bounded memory")."""
-
-    def __init__(self, handle: ReaderHandle) -> None:
+    def __init__(self, handle: ReaderHandle, applier_endpoints: Sequence[str] = ()) -> None:
         self.handle = handle
         self._control = Control.attach(handle.control_name)
         try:
@@ -584,6 +597,44 @@ class EngineView:
             self._control.close()
             raise
         self._open = True
+        self._endpoints = tuple(applier_endpoints)
+        self._pushes: dict[int, zmq.Socket[bytes]] = {}
+        """One PUSH per shard touched, connected on first use."""
+        self._owners: dict[WorkerKey, int] = {}
+        self.touches_dropped = 0
+        """Touch messages not sent because the applier's queue was full (the order is a hint: never waited for)."""
+
+    def touch(self, worker: WorkerKey, seq_hashes: npt.NDArray[np.uint64]) -> None:
+        """:meth:`Engine.touch` from this process: the matched blocks go straight to the owning applier's
+        ``ipc://`` socket, beside the owner's messages, so every front's decisions feed the index cap's
+        least-recently-used order. Never blocks: with the applier's queue full the message is dropped and
+        counted. Nothing without a cap, without endpoints, or for a worker no shard has a row for yet."""
+        if not self._endpoints or not len(seq_hashes):
+            return
+        shard = self._owners.get(worker)
+        if shard is None:  # shards never move a worker, so the map is read again only for a new one
+            self._owners = {key: stats.shard for key, stats in read_workers(self._control).items()}
+            shard = self._owners.get(worker)
+            if shard is None:
+                return
+        if not self._control.cap(shard)[1]:
+            return
+        push = self._pushes.get(shard)
+        if push is None:
+            push = self._pushes[shard] = zmq.Context.instance().socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.SNDHWM, TOUCH_QUEUE)
+            push.connect(self._endpoints[shard])
+        try:
+            push.send_multipart(touch_frames(seq_hashes), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.touches_dropped += 1
+            if self.touches_dropped == 1:
+                log.warning(
+                    "index cap: matched blocks for shard %d dropped, %d messages queued for its applier",
+                    shard,
+                    TOUCH_QUEUE,
+                )
 
     def find_matches(self, local_hashes: Sequence[int], early_exit: bool = False) -> dict[WorkerKey, int]:
         return self._reader.find_matches(local_hashes, early_exit)
@@ -615,9 +666,12 @@ class EngineView:
         return read_shards(self._control)
 
     def close(self) -> None:
-        """Unmap (the owner unlinks): idempotent."""
+        """Unmap (the owner unlinks) and close this view's sockets: idempotent."""
         if self._open:
             self._open = False
+            for push in self._pushes.values():
+                push.close()
+            self._pushes.clear()
             self._reader.close()
             self._control.close()
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvrouter.engine import Engine, ReaderHandle, attach, default_shards
+from kvrouter.engine import TOUCH_QUEUE, Engine, EngineView, ReaderHandle, attach, default_shards
 from kvrouter.errors import EVENT_ERROR_KINDS, BadEvent, ConfigError, EngineError, FlushTimeout
 from kvrouter.events.codecs.kvrouter import Encoder
 from kvrouter.events.model import (
@@ -41,6 +41,7 @@ from kvrouter.events.model import (
     StoredBlock,
     WorkerKey,
 )
+from kvrouter.hashing import sequence_hashes_array
 from kvrouter.index import RadixIndex
 from kvrouter.index.dense import WorkerSlots, overlaps_from_tiers
 from tests.index.contract import error_kind, replay
@@ -428,3 +429,31 @@ def test_a_forked_child_that_closes_or_exits_leaves_the_parents_engine_alone(
     assert out.strip() == "parent ok"
     assert shm_entries(parent.pid) == []
     assert glob.glob(os.path.join(tempfile.gettempdir(), f"kvrouter-{parent.pid}-*")) == []
+
+
+def test_an_engine_view_feeds_the_cap_from_its_own_socket_and_never_waits(wait_until: Callable[..., None]):
+    """What another front of ``--fronts N`` does with its decisions' matches: the owning applier stamps
+    them as the owner's own ``touch`` would; with no applier listening, the message is dropped and counted
+    at once rather than waited for."""
+    local = [11, 12, 13, 14]
+    blocks = tuple(StoredBlock(EngineHash(100 + i), LocalHash(h)) for i, h in enumerate(local))
+    seqs = sequence_hashes_array(np.array(local, dtype=np.uint64))
+    with Engine(shards=1, max_index_blocks=1000) as engine:
+        engine.apply_event(1, Stored(1, None, blocks))
+        engine.flush()
+        view = EngineView(engine.reader_handle(), engine.applier_endpoints())
+        try:
+            view.touch((1, 0), seqs)
+            wait_until(lambda: engine.stats()[0].touched == len(local), timeout=10, what="the view's touch stamped")
+            view.touch((2, 0), seqs)  # a worker no shard has a row for: nothing to send
+            assert view.touches_dropped == 0
+        finally:
+            view.close()
+        nobody = EngineView(engine.reader_handle(), ("ipc:///nonexistent/kvrouter-test/shard-0.sock",))
+        try:
+            for _ in range(TOUCH_QUEUE + 1):
+                nobody.touch((1, 0), seqs)
+            assert nobody.touches_dropped == 1  # the queue filled; the last one was dropped, not waited for
+        finally:
+            nobody.close()
+        assert engine.stats()[0].touched == len(local)

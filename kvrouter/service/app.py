@@ -138,7 +138,7 @@ class Service:
         self.engine: Engine | EngineView = (
             Engine(shards=config.shards, plane=plane, max_index_blocks=config.max_index_blocks)
             if front is None
-            else EngineView(front.handle)
+            else EngineView(front.handle, front.applier_endpoints)
         )
         """Front 0 owns the engine; another front of ``--fronts N`` maps it read-only (``fronts.py``)."""
         self.registrations: dict[WorkerKey, Registration] = {}
@@ -1069,7 +1069,8 @@ class Service:
         """Send the blocks the decisions since the last call matched to their workers' appliers, one message
         per worker (the health loop calls it on every tick): the "matched" half of the index cap's least
         recently used order. Off the decision path, which only appends one tuple; the chains are hashed
-        here, deduplicated per worker. A front that does not own the engine sends nothing."""
+        here, deduplicated per worker. Another front of ``--fronts N`` sends them from its own process
+        (``EngineView.touch``)."""
         matched, self._matched = self._matched, []
         by_worker: dict[WorkerKey, list[npt.NDArray[np.uint64]]] = {}
         for worker, local, overlap in matched:

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Final
 import orjson
 
 from ..bridge import localbus
-from ..engine import ReaderHandle
+from ..engine import Engine, ReaderHandle
 from ..errors import ServiceError
 from . import discovery
 from .config import ServiceConfig
@@ -102,6 +102,8 @@ class FrontSpec:
     config: ServiceConfig
     index: int
     handle: ReaderHandle
+    applier_endpoints: tuple[str, ...]
+    """Where the front sends the blocks its decisions matched (``EngineView.touch``)."""
     bus: str
     parent: int
     """Front 0's pid: a front whose parent changes stops."""
@@ -346,7 +348,11 @@ class Fronts:
     def _spec(self, index: int, port: int) -> FrontSpec:
         config = replace(self.service.config, port=port, zmq_port=None, workers=())
         level = logging.getLogger("kvrouter").getEffectiveLevel()
-        return FrontSpec(config, index, self.service.engine.reader_handle(), self.endpoint, os.getpid(), level)
+        engine = self.service.engine
+        assert isinstance(engine, Engine)  # front 0 owns it
+        return FrontSpec(
+            config, index, engine.reader_handle(), engine.applier_endpoints(), self.endpoint, os.getpid(), level
+        )
 
     async def _start(self, index: int, port: int) -> None:
         proc = await asyncio.create_subprocess_exec(

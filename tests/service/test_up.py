@@ -270,10 +270,11 @@ def scrape(url: str) -> dict[str, float]:
     return samples
 
 
-def follow(start_up: Callable[..., Up], pub: Any, cap: int, wait_until: Any) -> tuple[Up, str]:
-    """``kvrouter up`` with ``--max-index-blocks cap``, following ``pub`` (kvrouter format, no query endpoint)
-    once one of its batches landed (a PUB drops what it sends before the SUB joined)."""
-    up = start_up("--mock-workers", "0", "--shards", "1", "--max-index-blocks", str(cap))
+def follow(start_up: Callable[..., Up], pub: Any, cap: int, wait_until: Any, *more: str) -> tuple[Up, str]:
+    """``kvrouter up`` with ``--max-index-blocks cap`` (and ``more`` arguments), following ``pub`` (kvrouter
+    format, no query endpoint) once one of its batches landed (a PUB drops what it sends before the SUB
+    joined)."""
+    up = start_up("--mock-workers", "0", "--shards", "1", "--max-index-blocks", str(cap), *more)
     url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
     up.expect(re.compile(r"curl -s http://\S+/metrics"), START_TIMEOUT_S)  # the banner: the engine is up
     registration = {"instance_id": pub.worker_id, "endpoint": pub.endpoint, "format": "kvrouter"}

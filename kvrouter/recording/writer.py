@@ -158,8 +158,9 @@ class Recorder:
                 with contextlib.suppress(OSError, ValueError):
                     self._file.flush()
 
-    def close(self) -> None:
-        """Stop the thread, write what is left and the end record, close the file and the socket. Idempotent."""
+    def close(self, **end: Any) -> None:
+        """Stop the thread, write what is left and the end record (with ``end``'s fields), close the file and
+        the socket. Idempotent."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
@@ -175,6 +176,7 @@ class Recorder:
                 "dropped": self.dropped,
                 "tap_dropped": self.tap_dropped,
                 "records": self.written,
+                **end,
             }
         )
         with contextlib.suppress(OSError):

@@ -112,6 +112,9 @@ class ReplayReport:
     prompt_blocks: int = 0
     dropped: int | None = None
     """Records the recorder dropped (front + appliers); None: the file has no end record."""
+    evicted: int = 0
+    """Entries the recorded run's index cap evicted (``--max-index-blocks``), from the end record: this
+    replay's index has no cap, so from the first eviction on its overlaps may differ for that reason."""
     cut_at: int | None = None
     """Where a frame cut short ended the file (``--allow-cut``); None: whole."""
     differences: list[dict[str, Any]] = field(default_factory=list)
@@ -140,6 +143,7 @@ class ReplayReport:
                 "replayed": _ratio(self.replayed_hit_blocks, self.prompt_blocks),
             },
             "dropped": self.dropped,
+            "evicted": self.evicted,
             "cut_at": self.cut_at,
             "differences": self.differences,
         }
@@ -184,6 +188,7 @@ class LogicalReplay:
             self.seed,
             dict(overrides or {}),
             dropped=None if end is None else int(end.get("dropped", 0)) + int(end.get("tap_dropped", 0)),
+            evicted=0 if end is None else int(end.get("evicted", 0)),
             cut_at=recording.cut_at,
         )
 
@@ -484,6 +489,11 @@ def render(console: Console, report: ReplayReport) -> None:
         console.print("the recording has no end record: its router did not close it (killed, or still running)")
     elif report.dropped:
         console.print(f"the recorder dropped {report.dropped} records: decisions may differ for that reason")
+    if report.evicted:
+        console.print(
+            f"the recorded run's index cap (--max-index-blocks) evicted {report.evicted} entries; this replay's "
+            "index has no cap, so overlaps and decisions may differ from the first eviction on"
+        )
     for difference in report.differences:
         console.print(
             f"  record {difference['n']} request {difference['request_id']}: "

@@ -410,10 +410,18 @@ class Service:
                 self.decision_log.close()  # what the last second decided, written
             if runner is not None:
                 await runner.cleanup()
+            evicted = self._evicted() if self.recording is not None else 0
             self.engine.close()
             if self.recording is not None:
-                self.recording.close()  # after the appliers: their last records are in
+                self.recording.close(evicted)  # after the appliers: their last records are in
             log.info("service stopped url=%s", self.url)
+
+    def _evicted(self) -> int:
+        """Entries the index cap evicted so far, over every shard (0 when the engine cannot say)."""
+        try:
+            return sum(sum(shard.evicted.values()) for shard in self.engine.stats())
+        except EngineError:
+            return 0
 
     def _publish_stats(self, tasks: list[asyncio.Task[None]]) -> None:
         """The stats segment and its 4 Hz task, then the discovery file (``kvrouter top``'s way in). A failure

@@ -85,8 +85,10 @@ class ServiceRecording:
     def open(self) -> None:
         self.recorder.open()
 
-    def close(self) -> None:
-        self.recorder.close()
+    def close(self, evicted: int) -> None:
+        """The end record, with the entries the index cap evicted during the run (``--max-index-blocks``):
+        the logical replay's index has no cap, so a replay says when its overlaps may differ for that."""
+        self.recorder.close(evicted=evicted)
 
     def registered(self, t: int, reg: Registration) -> None:
         self.recorder.add(

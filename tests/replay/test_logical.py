@@ -110,6 +110,8 @@ def test_every_decision_of_a_recorded_run_replays_as_recorded(recorded):
     assert report.decisions == calls
     assert report.matched == report.decisions, report.differences
     assert report.dropped == 0
+    assert recording.end is not None
+    assert recording.end["evicted"] == report.evicted == 0  # the default cap was never reached
     assert report.event_batches > 0
     assert report.event_errors == 0
     assert report.recorded_hit_blocks > 0  # the index mattered: later turns found their conversation's blocks
@@ -135,6 +137,26 @@ def test_replay_from_prints_the_table_writes_the_json_and_exits_0(recorded, tmp_
     assert document["decisions"] == document["matched"] == calls
     assert document["version"] == VERSION
     assert document["seed"] == SEED
+
+
+def test_a_replay_says_when_the_recorded_run_evicted_by_its_index_cap(recorded, tmp_path):
+    """The end record counts what ``--max-index-blocks`` evicted (the replay's index has no cap): the same
+    recording with that count set replays alike, and says so in its table and JSON."""
+    path, _ = recorded
+    raw = path.read_bytes()
+    at, last = len(MAGIC), len(MAGIC)
+    while at < len(raw):  # to the start of the last frame: the end record
+        last = at
+        at += 4 + int.from_bytes(raw[at : at + 4], "little")
+    end = msgpack.unpackb(raw[last + 4 :], raw=False)
+    assert end["k"] == "end"
+    capped = tmp_path / "capped.kvr"
+    capped.write_bytes(raw[:last] + frame({**end, "evicted": 7}))
+    out = tmp_path / "capped.json"
+    result = runner.invoke(app, ["replay", "--from", str(capped), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "index cap (--max-index-blocks) evicted 7 entries" in " ".join(result.output.split())
+    assert orjson.loads(out.read_bytes())["evicted"] == 7
 
 
 def test_a_cut_short_or_other_version_recording_and_a_bad_router_change_are_usage_errors(recorded, tmp_path):
@@ -231,7 +253,7 @@ def test_an_approximate_mode_recording_replays_on_an_approx_index(tmp_path):
     try:
         answers = asyncio.run(_exchange(service, steps))
     finally:
-        service.recording.close()
+        service.recording.close(evicted=0)
     assert all(status in (200, 201) for status, _ in answers), answers
     report = replay_recording(read_recording(path, allow_open=False))
     assert report.decisions == 18

@@ -187,12 +187,19 @@ class Stack:
         for base in self.urls if url is None else [url]:
             deadline = time.monotonic() + START_TIMEOUT_S
             while True:
-                status, answer = await self.call("POST", base + "/register", body)
+                try:
+                    status, answer = await self.call("POST", base + "/register", body)
+                except (aiohttp.ClientError, OSError) as exc:  # refused, reset: the router is not there
+                    raise ReplayError(f"{base}/register of mock engine {mock.worker_id}: {exc}{self._gone()}") from exc
                 if status in (200, 201):
                     break
                 if status != 503 or time.monotonic() > deadline:
                     raise ReplayError(f"{base}/register of mock engine {mock.worker_id} answered {status}: {answer}")
                 await asyncio.sleep(0.25)
+
+    def _gone(self) -> str:
+        """What the stack knows of why its router did not answer (a local one: its exit status and log)."""
+        return ""
 
     async def reset(self) -> None:
         """Every engine restarted and re-registered; returns once the index follows each with nothing cached.
@@ -373,6 +380,13 @@ class LocalStack(Stack):
             raise ReplayError(f"kvrouter up exited with {code}; its log ends: {self._log_tail()}")
         self.url = match[1].rstrip("/")
         self._drainer = asyncio.create_task(self._drain(self.up.stdout))
+
+    def _gone(self) -> str:
+        up = self.up
+        if up is None:
+            return ""
+        exited = "" if up.returncode is None else f" (kvrouter up exited with {up.returncode})"
+        return f"{exited}; its log ends: {self._log_tail()}"
 
     def _log_tail(self, lines: int = 5) -> str:
         """The last lines of the routers' stderr (the file goes with the stack's temporary directory)."""

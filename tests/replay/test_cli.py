@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from typer.testing import CliRunner
 
 from kvrouter.cli import app
 from kvrouter.cli.replay import parse_drills
-from kvrouter.replay import DRILLS, NOT_BUILT
+from kvrouter.replay import DRILLS, NOT_BUILT, ReplayError
+from kvrouter.replay.stack import LocalStack, Mock, StackConfig
+from tests.conftest import free_port
 
 runner = CliRunner()
 
@@ -35,3 +40,30 @@ def test_all_or_nothing_means_every_drill_built_in_the_issues_order():
 def test_more_requests_than_the_trace_holds_is_a_usage_error():
     result = runner.invoke(app, ["replay", "--requests", "2001"])
     assert result.exit_code == 2
+
+
+def test_a_router_that_stops_answering_is_a_clear_error_not_a_traceback():
+    """``register`` on a port nobody listens on (a router that died after printing its URL) names the call;
+    the stack's own log, where it has one, follows."""
+    stack = LocalStack(StackConfig())
+    stack.url = f"http://127.0.0.1:{free_port()}"  # as if started: its router printed this URL, then died
+
+    async def register() -> None:
+        try:
+            await stack.register(Mock(3, "http://127.0.0.1:1"))
+        finally:
+            await stack.close()
+
+    with pytest.raises(ReplayError, match=r"/register of mock engine 3: Cannot connect"):
+        asyncio.run(register())
+
+
+def test_an_error_escaping_the_run_exits_1_with_one_line(monkeypatch: pytest.MonkeyPatch):
+    async def refused(*_: object) -> None:
+        raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 1)")
+
+    monkeypatch.setattr("kvrouter.cli.replay.run_replay", refused)
+    result = runner.invoke(app, ["replay", "--drill", "gap"])
+    assert result.exit_code == 1
+    assert "a router or engine of the stack stopped answering: [Errno 111] Connect call failed" in result.output
+    assert "Traceback" not in result.output

@@ -872,7 +872,8 @@ def evict(
     entries: int,
     target: int,
     evicted: Counts,
-) -> int:
+    gone: Table,
+) -> tuple[int, int]:
     """Drop (holder, block) entries until at most ``target`` remain of ``entries``, as a Removed event would
     (under the slots' seqlock, ``_release``): leaves first (rows no other row of the holder was stored
     under), of holders with ``untrusted[bit]`` set first, then the least recently stored or matched (the
@@ -882,14 +883,18 @@ def evict(
     the links circular), a second pass takes its oldest rows whatever their links: the bound always holds.
 
     ``evicted[bit, EVICT_UNTRUSTED | EVICT_LRU]`` counts the entries dropped (a row whose sequence another
-    engine hash of the holder still names drops none). Up to four scans of the engine map (untrusted
-    leaves, untrusted rows, trusted leaves, trusted rows; a class with no entries is skipped) and one
-    heap, allocated per call, not per block. Returns the entries left.
+    engine hash of the holder still names drops none). Every row deleted is also listed in ``gone`` as
+    ``[holder, engine hash]`` (``holder = bit * TIERS + tier``), as far as it has rows: what a Removed event
+    of that engine hash would name, for the recording (``ShardWriter.take_evicted``); an empty ``gone``
+    lists nothing. Up to four scans of the engine map (untrusted leaves, untrusted rows, trusted leaves,
+    trusted rows; a class with no entries is skipped) and one heap, allocated per call, not per block.
+    Returns (the entries left, the rows deleted: more than ``gone`` holds when it was too short).
     """
     size = emap.shape[0]
     keys = np.empty(size, dtype=np.int64)
     rows = np.empty(size, dtype=np.int64)
     present = np.zeros(2, dtype=np.bool_)
+    deleted = 0
     for bit in range(cached.shape[1]):
         for tier in range(TIERS):
             if cached[tier, bit] > 0:
@@ -918,13 +923,17 @@ def evict(
             if leaves_only and above >= 0:
                 n = _heap_push(keys, rows, n, _recency(table, emap, matched, above), above)
             seq = emap[row, 2]
+            if deleted < gone.shape[0]:
+                gone[deleted, 0] = np.uint64(holder)
+                gone[deleted, 1] = emap[row, MAP_KEY]
+            deleted += 1
             _map_delete(emap, emeta, row)
             before = cached[tier, bit]
             _release(table, refs, rmeta, cached, seq, bit, tier)
             if cached[tier, bit] != before:
                 entries -= 1
                 evicted[bit, EVICT_LRU if trusted else EVICT_UNTRUSTED] += 1
-    return entries
+    return entries, deleted
 
 
 @_kernel

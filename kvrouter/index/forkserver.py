@@ -112,7 +112,8 @@ def warm_up() -> None:
     touched = np.frombuffer(np.arange(3, dtype="<u8").tobytes(), dtype="<u8")  # read-only, as the applier's
     kernels.touch(shard, matched, touched, np.uint64(1))
     evicted = np.zeros((8, 2), dtype=np.int64)
-    kernels.evict(shard, emap, emeta, refs, rmeta, cached, matched, np.zeros(8, dtype=np.uint8), 4, 2, evicted)
+    gone = np.zeros((4, 2), dtype=np.uint64)
+    kernels.evict(shard, emap, emeta, refs, rmeta, cached, matched, np.zeros(8, dtype=np.uint8), 4, 2, evicted, gone)
     kernels.clear_holder(shard, emap, emeta, refs, rmeta, cached, 0, 0)
     bigger, bigger_meta = private_map()
     kernels.rehash_map(emap, bigger, bigger_meta)

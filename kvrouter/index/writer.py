@@ -219,6 +219,11 @@ class ShardWriter:
         self._block[S_ENTRIES] = 0
         self._bits: dict[WorkerKey, int] = {}
         self._evicted_once = False
+        self.keep_evicted = False
+        """Keep what the cap evicts for :meth:`take_evicted` (set while the router records)."""
+        self._evictions: list[tuple[WorkerKey, int, npt.NDArray[np.uint64]]] = []
+        self.evictions_unlisted = 0
+        """Evicted rows beyond what one eviction's list held: missing from the recording, counted."""
         self._cached = np.zeros((TIERS, control.rows), dtype=np.int64)
         """Cached blocks per tier and row (``kernels.TierCounts``), copied into the rows by ``_sync_cached``."""
         self._emap, self._emeta = _map(capacity)
@@ -468,7 +473,11 @@ class ShardWriter:
         )
         evicted = np.zeros((len(rows), len(EVICT_REASONS)), dtype=np.int64)
         before = int(self._rmeta[kernels.M_ENTRIES])
-        kernels.evict(*self._maps(), self._matched, untrusted, before, self._target, evicted)
+        # rows deleted: one an entry dropped, and rarely one more (a moved hash); twice that, then counted
+        gone = np.empty((2 * (before - self._target) + 64 if self.keep_evicted else 0, 2), dtype=np.uint64)
+        _, deleted = kernels.evict(*self._maps(), self._matched, untrusted, before, self._target, evicted, gone)
+        if self.keep_evicted:
+            self._keep(gone[: min(deleted, len(gone))], deleted - len(gone))
         for bit in np.flatnonzero(evicted.any(axis=1)).tolist():
             for reason, word in enumerate(W_EVICTED_BY_REASON):
                 rows[bit, word] += np.uint64(evicted[bit, reason])
@@ -485,6 +494,22 @@ class ShardWriter:
                 before,
                 int(self._rmeta[kernels.M_ENTRIES]),
             )
+
+    def _keep(self, gone: npt.NDArray[np.uint64], unlisted: int) -> None:
+        """``kernels.evict``'s ``[holder, engine hash]`` rows, per (worker, tier), for :meth:`take_evicted`."""
+        if unlisted > 0:
+            self.evictions_unlisted += unlisted
+            log.warning("index cap: %d evicted rows not listed for the recording shard=%d", unlisted, self.shard)
+        for holder in np.unique(gone[:, 0]).tolist():
+            bit, tier = divmod(int(holder), TIERS)
+            key = (int(self._rows[bit, W_WORKER_ID]), int(self._rows[bit, W_DP_RANK]))
+            self._evictions.append((key, tier, gone[gone[:, 0] == holder, 1].copy()))
+
+    def take_evicted(self) -> list[tuple[WorkerKey, int, npt.NDArray[np.uint64]]]:
+        """What the cap evicted since the last call, as (worker, tier, engine hashes): the Removed events
+        that would have done the same (``keep_evicted``; the recording tap sends them after each batch)."""
+        taken, self._evictions = self._evictions, []
+        return taken
 
     # -- workers ------------------------------------------------------------------------------
 

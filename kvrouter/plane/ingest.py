@@ -50,6 +50,7 @@ class Ingest:
             None if config.record_endpoint is None else Tap(context, config.record_endpoint, writer.shard)
         )
         """The copy of what is applied for ``kvrouter up --record`` (``tap.py``); None when not recording."""
+        writer.keep_evicted = self.tap is not None  # the cap's evictions are recorded too
 
     def _watch(self, socket: zmq.Socket[bytes], stream: Stream | None) -> None:
         if stream is None:

@@ -377,6 +377,7 @@ class Stream:
                     len(unit.events) - len(events),
                     started,
                     recovered=recovered,
+                    evicted=self._writer.take_evicted(),
                 )
         self._bump(W_EVENTS, len(events))
         if unit.foreign_block_size:
@@ -518,7 +519,14 @@ class Stream:
                 self._writer.apply_batch(self.key, unit.events)
                 if tap is not None:
                     tap.applied(
-                        self.key, self.spec.format, self.spec.block_size, unit.payload, 0, started, recovered=True
+                        self.key,
+                        self.spec.format,
+                        self.spec.block_size,
+                        unit.payload,
+                        0,
+                        started,
+                        recovered=True,
+                        evicted=self._writer.take_evicted(),
                     )
             self._exact = recovery.missing is None  # the dump replaces every earlier loss
             self.cursor = answer.last_event_id

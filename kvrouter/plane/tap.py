@@ -1,10 +1,10 @@
 """``Tap``: an applier's copy of what it applies, sent to the recorder of ``kvrouter up --record``.
 
-Every payload a stream applies (live, replayed, or a local indexer's answer) and every time it clears a
-worker (an engine restart, a tree dump, a join) goes, as one msgpack record of the recording format
-(``kvrouter/recording/format.py``: kinds ``ev`` and ``clr``), over a ZMQ PUSH socket to the front's
-recorder, which numbers and writes it. The raw payload is sent rather than the decoded arrays so that the
-replay decodes it again: a decoder change is judged on the recording too.
+Every payload a stream applies (live, replayed, or a local indexer's answer), every time it clears a
+worker (an engine restart, a tree dump, a join) and what the index cap evicts goes, as one msgpack record
+of the recording format (``kvrouter/recording/format.py``: kinds ``ev``, ``clr`` and ``evict``), over a
+ZMQ PUSH socket to the front's recorder, which numbers and writes it. The raw payload is sent rather than
+the decoded arrays so that the replay decodes it again: a decoder change is judged on the recording too.
 
 The choice: the applier forwards, rather than writing a file of its own. One writer means one file, one
 numbering and nothing to merge; an applier SIGKILLed mid-send loses the records still queued in its
@@ -22,9 +22,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any, Final
 
 import msgpack
+import numpy as np
+import numpy.typing as npt
 import zmq
 
 from ..events.model import WorkerKey
@@ -85,13 +88,17 @@ class Tap:
         started_ns: int,
         *,
         recovered: bool = False,
+        evicted: Sequence[tuple[WorkerKey, int, npt.NDArray[np.uint64]]] = (),
     ) -> None:
         """``payload`` of ``key`` was applied, but for its first ``skip`` events (already applied before);
-        ``recovered``: fetched from the worker's replay socket or local indexer, not received live."""
+        ``recovered``: fetched from the worker's replay socket or local indexer, not received live.
+        ``evicted``: what the index cap evicted at the batch's end (``ShardWriter.take_evicted``), recorded
+        after it as ``evict`` records, one per (worker, tier): the Removed events that would have done it."""
+        done = time.monotonic_ns()
         self._send(
             {
                 "k": "ev",
-                "t": time.monotonic_ns(),
+                "t": done,
                 "t0": started_ns,
                 "w": key[0],
                 "r": key[1],
@@ -102,6 +109,10 @@ class Tap:
                 "p": payload,
             }
         )
+        for (worker, rank), tier, hashes in evicted:
+            self._send(
+                {"k": "evict", "t": done, "w": worker, "r": rank, "tier": tier, "h": hashes.astype("<u8").tobytes()}
+            )
 
     def cleared(self, key: WorkerKey, why: str, *, at: tuple[int, int] | None = None) -> None:
         """Everything ``key`` held was dropped from the shard (``restart``, ``dump``, ``join``; ``segment``: a

@@ -46,7 +46,7 @@ LENGTH: Final = struct.Struct("<I")
 MAX_FRAME: Final = 256 << 20
 """A frame longer than this is a corrupt length, not a record (event payloads are at most 64 MiB)."""
 
-KINDS: Final = frozenset({"reg", "unreg", "ev", "clr", "dec", "pc", "free", "busy", "sweep", "end"})
+KINDS: Final = frozenset({"reg", "unreg", "ev", "clr", "evict", "dec", "pc", "free", "busy", "sweep", "end"})
 """The record kinds (``docs/replay.md`` "Recording format" has their fields)."""
 
 

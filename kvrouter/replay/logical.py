@@ -37,9 +37,17 @@ import numpy.typing as npt
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import ConfigError, DuplicateRequest, EventError, KvRouterError, NoWorkerAvailable
+from ..errors import (
+    BlockNotFound,
+    ConfigError,
+    DuplicateRequest,
+    EventError,
+    KvRouterError,
+    NoWorkerAvailable,
+    ParentNotFound,
+)
 from ..events.codecs import BatchDecoder, kvrouter, sglang, vllm
-from ..events.model import Cleared, StorageTier, WorkerKey
+from ..events.model import Cleared, EngineHash, Removed, StorageTier, WorkerKey
 from ..index import ApproxIndex
 from ..index.reference import RadixIndex
 from ..recording import HeldClock, Recording
@@ -59,6 +67,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+INDEX_KINDS: Final = ("ev", "clr", "evict")
+AFTER_EVICTION: Final = frozenset({BlockNotFound.kind, ParentNotFound.kind})
+"""What an event naming an evicted block is refused with."""
+"""The records that change the index, applied in ``(t, n)`` order or early by the race check."""
 DIFFERENCES_KEPT: Final = 20
 """Differing decisions listed in the report (all are counted)."""
 RACE_WINDOW_NS: Final = 1_000_000_000
@@ -100,6 +112,9 @@ class ReplayReport:
     event_batches: int = 0
     event_errors: int = 0
     """Events the index refused (parent not found, ...): the live appliers counted them alike."""
+    after_eviction: int = 0
+    """Events naming a block the cap had evicted from their worker (its Removed, a Stored under it): not
+    errors, as the live applier counts them (``kvrouter_index_events_after_eviction_total``)."""
     decisions: int = 0
     matched: int = 0
     """Decisions with the recorded outcome: the same worker, or the same refusal."""
@@ -113,8 +128,10 @@ class ReplayReport:
     dropped: int | None = None
     """Records the recorder dropped (front + appliers); None: the file has no end record."""
     evicted: int = 0
-    """Entries the recorded run's index cap evicted (``--max-index-blocks``), from the end record: this
-    replay's index has no cap, so from the first eviction on its overlaps may differ for that reason."""
+    """Entries the recorded run's index cap evicted (``--max-index-blocks``), from the end record."""
+    evictions: int = 0
+    """Evicted rows replayed from the ``evict`` records (the replay's index has no cap of its own). A run
+    that evicted with none recorded (a recording made before they were) may differ from its first eviction on."""
     cut_at: int | None = None
     """Where a frame cut short ended the file (``--allow-cut``); None: whole."""
     differences: list[dict[str, Any]] = field(default_factory=list)
@@ -133,6 +150,7 @@ class ReplayReport:
             "records": self.records,
             "event_batches": self.event_batches,
             "event_errors": self.event_errors,
+            "after_eviction": self.after_eviction,
             "decisions": self.decisions,
             "matched": self.matched,
             "differing": self.differing,
@@ -144,6 +162,7 @@ class ReplayReport:
             },
             "dropped": self.dropped,
             "evicted": self.evicted,
+            "evictions_replayed": self.evictions,
             "cut_at": self.cut_at,
             "differences": self.differences,
         }
@@ -180,6 +199,8 @@ class LogicalReplay:
         self.owner: dict[int, tuple[str, str]] = {}
         self.reservations: dict[str, tuple[str, str]] = {}
         self.decoders: dict[tuple[int, int, str, int], BatchDecoder] = {}
+        self.evicted_from: set[WorkerKey] = set()
+        """Workers some of whose blocks an ``evict`` record removed."""
         end = recording.end
         self.report = ReplayReport(
             str(recording.path),
@@ -214,15 +235,27 @@ class LogicalReplay:
         except EventError:  # the live stream refused it before applying anything: not recorded then
             self.report.event_errors += 1
             return
+        evicted = (worker, rank) in self.evicted_from
         for event in batch.events[int(record.get("skip", 0)) :]:
             try:
                 self.index.apply_event(worker, event)
-            except EventError:
-                self.report.event_errors += 1
+            except EventError as exc:  # the live applier's rule (``ShardWriter._excuse``): once the cap took a
+                if evicted and exc.kind in AFTER_EVICTION:  # worker's blocks, an unknown one is taken for one
+                    self.report.after_eviction += 1
+                else:
+                    self.report.event_errors += 1
 
     def _apply_index_record(self, record: Mapping[str, Any]) -> None:
-        if record["k"] == "ev":
+        kind = record["k"]
+        if kind == "ev":
             self._events(record)
+        elif kind == "evict":  # what the index cap evicted: as the Removed events that would have done it
+            worker, rank = int(record["w"]), int(record["r"])
+            hashes = tuple(EngineHash(h) for h in np.frombuffer(record["h"], dtype="<u8").tolist())
+            self.report.evictions += len(hashes)
+            self.evicted_from.add((worker, rank))
+            tier = list(StorageTier)[int(record["tier"])]
+            self.index.apply_event(worker, Removed(worker, hashes, dp_rank=rank, tier=tier))
         else:
             self._clear((int(record["w"]), int(record["r"])))
 
@@ -344,7 +377,7 @@ class LogicalReplay:
         for other in later:
             if other["t"] > ended + RACE_WINDOW_NS:
                 break
-            if other["k"] not in ("ev", "clr") or other["n"] in taken:
+            if other["k"] not in INDEX_KINDS or other["n"] in taken:
                 continue
             if int(other.get("t0", other["t"])) <= ended and other["t"] >= began:
                 taken.add(other["n"])
@@ -394,7 +427,7 @@ class LogicalReplay:
         for position, record in enumerate(records):
             kind = record["k"]
             self.report.records += 1
-            if kind in ("ev", "clr"):
+            if kind in INDEX_KINDS:
                 if record["n"] not in taken:
                     self._apply_index_record(record)
                 continue
@@ -478,7 +511,8 @@ def render(console: Console, report: ReplayReport) -> None:
         str(report.index_differs),
         str(report.races),
         f"{data['hit_rate']['replayed']:.3f} ({data['hit_rate']['recorded']:.3f})",
-        f"{report.event_batches} batches, {report.event_errors} refused",
+        f"{report.event_batches} batches, {report.event_errors} refused"
+        + (f", {report.after_eviction} after eviction" if report.after_eviction else ""),
     )
     console.print(table)
     if report.overrides:
@@ -489,10 +523,15 @@ def render(console: Console, report: ReplayReport) -> None:
         console.print("the recording has no end record: its router did not close it (killed, or still running)")
     elif report.dropped:
         console.print(f"the recorder dropped {report.dropped} records: decisions may differ for that reason")
-    if report.evicted:
+    if report.evicted and not report.evictions:
         console.print(
-            f"the recorded run's index cap (--max-index-blocks) evicted {report.evicted} entries; this replay's "
-            "index has no cap, so overlaps and decisions may differ from the first eviction on"
+            f"the recorded run's index cap (--max-index-blocks) evicted {report.evicted} entries and the recording"
+            " has no evict records: overlaps and decisions may differ from the first eviction on"
+        )
+    elif report.evicted:
+        console.print(
+            f"the recorded run's index cap evicted {report.evicted} entries: replayed from {report.evictions}"
+            " evicted rows"
         )
     for difference in report.differences:
         console.print(

@@ -94,6 +94,7 @@ class CappedAgreesWithMirror(RuleBasedStateMachine):
         self.budget, self.exact = budget, exact
         self.index = InProcessShards(1, budget=budget)
         writer = self.index.writers[0]
+        writer.keep_evicted = True
         for worker in WORKERS:
             writer.register(worker)
             row = writer.row(worker)
@@ -144,11 +145,17 @@ class CappedAgreesWithMirror(RuleBasedStateMachine):
         # mirror: the engine hashes the shard dropped, the oracle drops too; the entries (distinct sequences
         # per worker and tier) that took away must be exactly what was counted
         kept = self.index.writers[0].engine_hashes()
+        listed: dict[tuple[WorkerKey, int], set[int]] = {}  # what the recording would carry (evict records)
+        for key, rank, evicted in self.index.writers[0].take_evicted():
+            listed.setdefault((key, rank), set()).update(evicted.tolist())
         before = self.oracle_entries()
+        dropped: dict[tuple[WorkerKey, int], set[int]] = {}
         for (key, tier), lookup in self.oracle.holdings().items():
             gone = [engine for engine in lookup if engine not in kept.get((key, tier.rank), set())]
             if gone:
+                dropped[key, tier.rank] = set(gone)
                 self.oracle.apply_event(key[0], Removed(key[0], tuple(gone), dp_rank=key[1], tier=tier))
+        assert listed == dropped  # each eviction listed once, as the Removed that mirrors it
         assert before - self.oracle_entries() == (untrusted - untrusted_before) + (lru - lru_before)
         table = table_holdings(self.index)
         if lru > lru_before:  # the least recently stored of exact workers go only once no other is left

@@ -38,6 +38,8 @@ from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, serving
 CONVERSATIONS = 6
 TURNS = 6
 SEED = 11
+CAP = 12
+"""Small enough that both shards evict as the conversations grow: the replay mirrors the recorded evictions."""
 
 runner = CliRunner()
 
@@ -72,6 +74,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
         router=RouterConfig(),
         record=str(path),
         router_seed=SEED,
+        max_index_blocks=CAP,
     )
     rng = random.Random(SEED)
     system = [rng.randrange(1, 30_000) for _ in range(4 * BLOCK)]
@@ -111,7 +114,9 @@ def test_every_decision_of_a_recorded_run_replays_as_recorded(recorded):
     assert report.matched == report.decisions, report.differences
     assert report.dropped == 0
     assert recording.end is not None
-    assert recording.end["evicted"] == report.evicted == 0  # the default cap was never reached
+    assert recording.end["evicted"] == report.evicted > 0  # the cap evicted, and the replay still agrees:
+    assert report.evictions >= report.evicted  # it mirrored every evicted row
+    assert report.index_differs == 0
     assert report.event_batches > 0
     assert report.event_errors == 0
     assert report.recorded_hit_blocks > 0  # the index mattered: later turns found their conversation's blocks
@@ -139,24 +144,30 @@ def test_replay_from_prints_the_table_writes_the_json_and_exits_0(recorded, tmp_
     assert document["seed"] == SEED
 
 
-def test_a_replay_says_when_the_recorded_run_evicted_by_its_index_cap(recorded, tmp_path):
-    """The end record counts what ``--max-index-blocks`` evicted (the replay's index has no cap): the same
-    recording with that count set replays alike, and says so in its table and JSON."""
+def test_a_replay_mirrors_the_recorded_evictions_and_says_when_a_recording_has_none(recorded, tmp_path):
+    """The recorded run's cap evicted: ``--from`` replays its ``evict`` records and says so. The same file
+    without them (as a recording made before they existed) is told apart: its decisions may differ."""
     path, _ = recorded
-    raw = path.read_bytes()
-    at, last = len(MAGIC), len(MAGIC)
-    while at < len(raw):  # to the start of the last frame: the end record
-        last = at
-        at += 4 + int.from_bytes(raw[at : at + 4], "little")
-    end = msgpack.unpackb(raw[last + 4 :], raw=False)
-    assert end["k"] == "end"
-    capped = tmp_path / "capped.kvr"
-    capped.write_bytes(raw[:last] + frame({**end, "evicted": 7}))
-    out = tmp_path / "capped.json"
-    result = runner.invoke(app, ["replay", "--from", str(capped), "--json", str(out)])
+    out = tmp_path / "replay.json"
+    result = runner.invoke(app, ["replay", "--from", str(path), "--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert "index cap (--max-index-blocks) evicted 7 entries" in " ".join(result.output.split())
-    assert orjson.loads(out.read_bytes())["evicted"] == 7
+    document = orjson.loads(out.read_bytes())
+    assert document["evicted"] > 0
+    assert f"the recorded run's index cap evicted {document['evicted']} entries: replayed from" in " ".join(
+        result.output.split()
+    )
+    raw = path.read_bytes()
+    at, kept = len(MAGIC), [MAGIC]
+    while at < len(raw):
+        end = at + 4 + int.from_bytes(raw[at : at + 4], "little")
+        if msgpack.unpackb(raw[at + 4 : end], raw=False).get("k") != "evict":
+            kept.append(raw[at:end])
+        at = end
+    older = tmp_path / "older.kvr"
+    older.write_bytes(b"".join(kept))
+    result = runner.invoke(app, ["replay", "--from", str(older)])
+    assert result.exit_code in (0, 1), result.output
+    assert "has no evict records: overlaps and decisions may differ" in " ".join(result.output.split())
 
 
 def test_a_cut_short_or_other_version_recording_and_a_bad_router_change_are_usage_errors(recorded, tmp_path):

@@ -554,6 +554,12 @@ class Engine:
         """A picklable handle for :func:`attach` in another process."""
         return ReaderHandle(self._running().control.name)
 
+    def unanswered(self) -> frozenset[int]:
+        """:meth:`IndexReader.unanswered`: the shards the last query could not read (``--record`` keeps them
+        with each decision, so a replay sees what the decision saw)."""
+        with self._query_lock:
+            return self._query_reader().unanswered()
+
     def applier_endpoints(self) -> tuple[str, ...]:
         """Each shard's applier's ``ipc://`` address, in shard order: where an :class:`EngineView` in another
         process of this machine sends the blocks its decisions matched (:meth:`EngineView.touch`)."""
@@ -658,6 +664,9 @@ class EngineView:
 
     def reader_handle(self) -> ReaderHandle:
         return self.handle
+
+    def unanswered(self) -> frozenset[int]:
+        return self._reader.unanswered()
 
     def workers(self) -> dict[WorkerKey, WorkerStats]:
         return read_workers(self._control)

@@ -240,6 +240,11 @@ class IndexReader:
             self._torn.clear()
         return result, False
 
+    def unanswered(self) -> frozenset[int]:
+        """The shards the last query gave up on (a slot or the rows left mid-write by a dead writer): their
+        workers had overlap 0 in its answer, whatever they hold."""
+        return frozenset(self._torn)
+
     def recovering(self) -> set[int]:
         """Shards whose status says recovering, or whose last walk gave up on a slot left mid-write."""
         marked = {k for k in range(self.control.shards) if self.control.status(k) == STATUS_RECOVERING}

@@ -201,6 +201,8 @@ class LogicalReplay:
         self.decoders: dict[tuple[int, int, str, int], BatchDecoder] = {}
         self.evicted_from: set[WorkerKey] = set()
         """Workers some of whose blocks an ``evict`` record removed."""
+        self.shard_of: dict[WorkerKey, int] = {}
+        """Each worker's shard, as its appliers' records say."""
         end = recording.end
         self.report = ReplayReport(
             str(recording.path),
@@ -247,6 +249,8 @@ class LogicalReplay:
 
     def _apply_index_record(self, record: Mapping[str, Any]) -> None:
         kind = record["k"]
+        if "shard" in record:
+            self.shard_of[int(record["w"]), int(record["r"])] = int(record["shard"])
         if kind == "ev":
             self._events(record)
         elif kind == "evict":  # what the index cap evicted: as the Removed events that would have done it
@@ -306,11 +310,8 @@ class LogicalReplay:
         partition.router = self._router(config, partition.block_size, old.slots)
         partition.router.set_untrusted(old.untrusted)
 
-    def _overlaps(
-        self, partition: _Partition, local: npt.NDArray[np.uint64], candidates: Sequence[WorkerKey]
-    ) -> list[list[int]]:
+    def _overlaps(self, index: Any, local: npt.NDArray[np.uint64], candidates: Sequence[WorkerKey]) -> list[list[int]]:
         """The index's answer for the candidates as the router's record holds it: ``(tiers, candidates)``."""
-        index: Any = partition.approx if partition.approx is not None else self.index
         by_tier = index.find_matches_by_tier(local.tolist())
         return [[int(by_tier.get(tier, {}).get(key, 0)) for key in candidates] for tier in list(StorageTier)[:NTIERS]]
 
@@ -326,12 +327,16 @@ class LogicalReplay:
         if partition is None:
             self._differ(record, None, "no such partition", recorded_worker, recorded_error)
             return
+        index: Any = partition.approx if partition.approx is not None else self.index
+        down = record.get("down")
+        if down:  # shards the live walk could not read: their workers had overlap 0 for this decision
+            index = _Unanswered(index, {key for key, shard in self.shard_of.items() if shard in down})
         recorded_overlaps = record.get("ov")
         if recorded_overlaps is not None:
-            mine = self._overlaps(partition, local, candidates)
+            mine = self._overlaps(index, local, candidates)
             if mine != recorded_overlaps:
                 raced = self._race(record, later, taken)
-                if raced and self._overlaps(partition, local, candidates) == recorded_overlaps:
+                if raced and self._overlaps(index, local, candidates) == recorded_overlaps:
                     report.races += 1
                 else:
                     report.index_differs += 1
@@ -339,7 +344,6 @@ class LogicalReplay:
         router.set_untrusted((int(w), int(r)) for w, r in record.get("untr") or ())
         capacities = None if record.get("cap") is None else {(int(w), int(r)): int(c) for w, r, c in record["cap"]}
         request_id = record.get("id")
-        index: Any = partition.approx if partition.approx is not None else self.index
         worker: WorkerKey | None = None
         error: str | None = None
         overlap = 0
@@ -450,6 +454,19 @@ class LogicalReplay:
             finally:
                 clock.release()
         return self.report
+
+
+class _Unanswered:
+    """An index whose answers leave out ``hidden`` workers: a live decision's view when its walk could not
+    read their shard (``dec``'s ``down``)."""
+
+    def __init__(self, index: Any, hidden: set[WorkerKey]) -> None:
+        self._index = index
+        self._hidden = hidden
+
+    def find_matches_by_tier(self, local_hashes: Sequence[int]) -> dict[StorageTier, dict[WorkerKey, int]]:
+        answer: dict[StorageTier, dict[WorkerKey, int]] = self._index.find_matches_by_tier(local_hashes)
+        return {tier: {k: v for k, v in found.items() if k not in self._hidden} for tier, found in answer.items()}
 
 
 def replay_recording(recording: Recording, overrides: Mapping[str, Any] | None = None) -> ReplayReport:

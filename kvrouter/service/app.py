@@ -416,6 +416,10 @@ class Service:
                 self.recording.close(evicted)  # after the appliers: their last records are in
             log.info("service stopped url=%s", self.url)
 
+    def _unanswered(self, partition: Partition) -> frozenset[int]:
+        """The shards the decision just made could not read (none in approximate mode: no shard is asked)."""
+        return frozenset() if partition.approx is not None else self.engine.unanswered()
+
     def _evicted(self) -> int:
         """Entries the index cap evicted so far, over every shard (0 when the engine cannot say)."""
         try:
@@ -806,8 +810,9 @@ class Service:
             if recording is not None:
                 kind = {NoWorkerAvailable: "overloaded", DuplicateRequest: "duplicate"}.get(type(exc), "engine")
                 recording.decided(
-                    t, partition, local, isl, request.lora_name, candidates, booked, request.probe, None, kind
-                )
+                    t, partition, local, isl, request.lora_name, candidates, booked, request.probe, None, kind,
+                    unanswered=self._unanswered(partition),
+                )  # fmt: skip
             if isinstance(exc, NoWorkerAvailable):
                 self.counters.overloaded += 1
                 raise ServiceError(self.config.overload_status, f"overloaded: {exc}") from exc
@@ -815,7 +820,10 @@ class Service:
                 raise ServiceError(409, str(exc)) from exc
             raise ServiceError(503, f"engine: {exc}") from exc
         if recording is not None:
-            recording.decided(t, partition, local, isl, request.lora_name, candidates, booked, request.probe, selection)
+            recording.decided(
+                t, partition, local, isl, request.lora_name, candidates, booked, request.probe, selection,
+                unanswered=self._unanswered(partition),
+            )  # fmt: skip
         elapsed = time.perf_counter() - started
         if request.probe:  # where it would go: nothing counted, recorded or bound
             instance = partition.instances[selection.worker[0]]

@@ -128,8 +128,11 @@ class ServiceRecording:
         probe: bool,
         selection: Selection | None,
         error: str | None = None,
+        *,
+        unanswered: frozenset[int] = frozenset(),
     ) -> None:
-        """One ``Router.select`` call: its inputs and its outcome (``selection``, or ``error``'s kind)."""
+        """One ``Router.select`` call: its inputs and its outcome (``selection``, or ``error``'s kind), and the
+        shards its index walk could not read (their workers' overlaps were 0 for it)."""
         capacities = partition.capacities
         record = None if selection is None else selection.record
         self.recorder.add(
@@ -151,6 +154,7 @@ class ServiceRecording:
                 "o": None if selection is None else selection.overlap_blocks,
                 "ov": None if record is None else record.overlaps.tolist(),
                 "err": error,
+                "down": sorted(unanswered),
             }
         )
 

@@ -109,6 +109,7 @@ def test_every_decision_of_a_recorded_run_replays_as_recorded(recorded):
     assert recording.header["seed"] == SEED
     assert recording.count("reg") == 2
     assert recording.count("pc") == recording.count("free") == CONVERSATIONS * TURNS
+    assert all(r["down"] == [] for r in recording.records if r["k"] == "dec")  # every shard read, each time
     report = replay_recording(recording)
     assert report.decisions == calls
     assert report.matched == report.decisions, report.differences
@@ -224,6 +225,38 @@ def test_a_batch_applied_while_a_decision_walked_the_index_counts_as_seen_when_t
     late = replay_recording(_raced(applied_from=2100))  # began after the decision ended: it cannot have been
     assert late.races == 0
     assert late.index_differs == 1
+
+
+def _unread(down: list[int]) -> Recording:
+    """Worker 1 (shard 0) holds the prompt's first 2 blocks, worker 2 (shard 1) all 4; the live decision
+    could not read shard 1 (its applier died mid-write), saw worker 2 at 0 and chose worker 1."""
+    held = {1: (11, 12), 2: (11, 12, 13, 14)}
+    records: list[dict[str, Any]] = [
+        {"k": "reg", "n": w - 1, "t": 100 + w, "m": MODEL, "g": "default", "w": w, "r": 0, "bs": BLOCK,
+         "fmt": "kvrouter"}
+        for w in (1, 2)
+    ]  # fmt: skip
+    for w, local in held.items():
+        blocks = tuple(StoredBlock(EngineHash(100 * w + h), LocalHash(h)) for h in local)
+        payload = kvrouter_codec.Encoder().encode(EventBatch((Stored(w, None, blocks),)))
+        records.append({"k": "ev", "n": 1 + w, "t": 500 + w, "t0": 400, "w": w, "r": 0, "fmt": "kvrouter",
+                        "bs": BLOCK, "skip": 0, "p": payload, "shard": w - 1})  # fmt: skip
+    seen = [[2, 0] for _ in StorageTier]  # worker 2 hidden
+    records.append(
+        {"k": "dec", "n": 4, "t": 1000, "t1": 1100, "m": MODEL, "g": "default", "id": None, "probe": False,
+         "h": np.array([11, 12, 13, 14], dtype="<u8").tobytes(), "isl": 4 * BLOCK, "lora": None,
+         "cand": [[1, 0], [2, 0]], "cap": None, "untr": [], "w": [1, 0], "o": 2, "ov": seen, "err": None,
+         "down": down}
+    )  # fmt: skip
+    header = {"kind": "header", "version": VERSION, "seed": 1, "router": dataclasses.asdict(RouterConfig())}
+    return Recording(Path("unread.kvr"), header, records)
+
+
+def test_a_shard_the_live_walk_could_not_read_is_left_out_of_the_replayed_decision():
+    report = replay_recording(_unread(down=[1]))
+    assert (report.index_differs, report.matched, report.decisions) == (0, 1, 1)
+    blind = replay_recording(_unread(down=[]))  # as recordings made before ``down``: the replay sees worker 2
+    assert (blind.index_differs, blind.matched) == (1, 0)
 
 
 def test_live_plays_the_recording_to_a_router_started_for_it(recorded, tmp_path):

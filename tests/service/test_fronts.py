@@ -27,11 +27,8 @@ from kvrouter.service.decisions import summarise
 from tests.service.test_up import (
     START_TIMEOUT_S,
     URL_LINE,
+    a_matched_chain_outlives_a_newer_one,
     descendants,
-    follow,
-    listener,
-    post,
-    scrape,
     start_up,
     stop_and_check,
 )
@@ -211,35 +208,14 @@ def test_a_match_on_another_front_feeds_the_index_cap(start_up, shm_entries, wai
     """``test_up``'s cap test with the ``/select`` answered by front 1, which maps the engine read-only: its
     match reaches the applier (``EngineView.touch``), so chain A, stored before B but matched after it,
     outlives B when a third chain takes the index past its cap."""
-    from kvrouter import KvPublisher
 
-    block, length, cap = 4, 40, 100
-    tokens = {
-        name: [base + t for t in range(length * block)] for name, base in (("a", 0), ("b", 10**5), ("c", 2 * 10**5))
-    }
-    with KvPublisher(7, block_size=block, endpoint="tcp://127.0.0.1:*") as pub:
-        up, url = follow(start_up, pub, cap, wait_until, "--fronts", "2")
-        for chain, name in enumerate("ab"):
-            pub.store([chain * 1000 + i for i in range(length)], tokens[name])
-            pub.publish()
-        wait_until(lambda: listener(url).get("last_id") == pub.last_event_id, timeout=60, what="A and B applied")
+    def through_front_1(url: str, body: dict[str, Any]) -> tuple[int, Any]:
         front = on_front(url, 1)
         try:
-            status, answer = front.call("POST", "/select", {"token_ids": tokens["a"]})
+            answer = front.call("POST", "/select", body)
         finally:
             front.close()
-        assert status == 200
-        assert (answer["worker_id"], front.front) == (7, 1)
-        wait_until(
-            lambda: scrape(url)["kvrouter_index_matched_blocks_total"] >= length, what="front 1's match fed back"
-        )
-        pub.store([2000 + i for i in range(length)], tokens["c"])
-        pub.publish()
-        wait_until(lambda: listener(url).get("last_id") == pub.last_event_id, timeout=60, what="C applied")
+        assert front.front == 1
+        return answer
 
-        def matched(name: str) -> int:
-            scores = post(url + "/query", {"token_ids": tokens[name]})[1]["scores"]
-            return int(scores.get("7", {}).get("0", 0)) // block
-
-        assert (matched("a"), matched("b"), matched("c")) == (length, length - 21, length)
-        stop_and_check(up, signal.SIGTERM, shm_entries)
+    a_matched_chain_outlives_a_newer_one(start_up, shm_entries, wait_until, through_front_1, "--fronts", "2")

@@ -342,6 +342,20 @@ def test_the_index_cap_keeps_what_decisions_matched(start_up, shm_entries, wait_
     one worker, and the front feeds that match to the applier (``kvrouter_index_matched_blocks_total``).
     A third chain then takes the index past its cap of 100 (121 entries, brought down to 99): the oldest
     leaves go, the first block and 21 of B's, while A, stored before B but matched after it, stays whole."""
+    a_matched_chain_outlives_a_newer_one(
+        start_up, shm_entries, wait_until, lambda url, body: post(f"{url}/select", body)
+    )
+
+
+def a_matched_chain_outlives_a_newer_one(
+    start_up: Callable[..., Up],
+    shm_entries: Callable[[int], list[str]],
+    wait_until: Any,
+    select: Callable[[str, dict[str, Any]], tuple[int, Any]],
+    *more: str,
+) -> None:
+    """The cap test above, with ``select(url, body)`` making the ``/select`` and ``more`` arguments for
+    ``kvrouter up`` (``test_fronts``: through front 1)."""
     from kvrouter import KvPublisher
 
     block, length, cap = 4, 40, 100
@@ -349,12 +363,12 @@ def test_the_index_cap_keeps_what_decisions_matched(start_up, shm_entries, wait_
         name: [base + t for t in range(length * block)] for name, base in (("a", 0), ("b", 10**5), ("c", 2 * 10**5))
     }
     with KvPublisher(7, block_size=block, endpoint="tcp://127.0.0.1:*") as pub:
-        up, url = follow(start_up, pub, cap, wait_until)
+        up, url = follow(start_up, pub, cap, wait_until, *more)
         for chain, name in enumerate("ab"):
             pub.store([chain * 1000 + i for i in range(length)], tokens[name])
             pub.publish()
         wait_until(lambda: listener(url).get("last_id") == pub.last_event_id, timeout=60, what="A and B applied")
-        status, answer = post(url + "/select", {"token_ids": tokens["a"]})
+        status, answer = select(url, {"token_ids": tokens["a"]})
         assert status == 200
         assert answer["worker_id"] == 7
         wait_until(lambda: scrape(url)["kvrouter_index_matched_blocks_total"] >= length, what="the match fed back")

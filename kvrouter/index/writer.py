@@ -93,7 +93,7 @@ from .layout import (
     unlink_segment,
 )
 
-__all__ = ["EVICT_SLACK", "ShardWriter", "pack_run", "raw_event"]
+__all__ = ["AFTER_EVICTION", "EVICT_SLACK", "ShardWriter", "pack_run", "raw_event"]
 
 Table = npt.NDArray[np.uint64]
 
@@ -110,8 +110,9 @@ INITIAL_CAPACITY: Final = 1 << 16
 """Slots of a new shard table (3 MiB at 64 workers): a fleet's working set fills it in seconds, and
 starting there skips six doublings (each a copy and fresh page faults). Tests start smaller."""
 _NONE: Final = np.empty(0, dtype=np.uint64)
-_AFTER_EVICTION: Final = frozenset({BlockNotFound.kind, ParentNotFound.kind})
-"""Error kinds an evicted block can cause (see ``ShardWriter._excuse``)."""
+AFTER_EVICTION: Final = frozenset({BlockNotFound.kind, ParentNotFound.kind})
+"""Error kinds an evicted block can cause (see ``ShardWriter._excuse``; the logical replay applies the same
+rule)."""
 _ERRORS: Final = {
     kernels.PARENT_NOT_FOUND: ParentNotFound.kind,
     kernels.INVALID_SEQUENCE: InvalidBlockSequence.kind,
@@ -333,7 +334,7 @@ class ShardWriter:
         row = self._rows[bit]
         if not any(row[word] for word in W_EVICTED_BY_REASON):
             return errors
-        kept = [kind for kind in errors if kind not in _AFTER_EVICTION]
+        kept = [kind for kind in errors if kind not in AFTER_EVICTION]
         self._block[S_AFTER_EVICTION] += len(errors) - len(kept)
         return kept
 

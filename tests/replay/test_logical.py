@@ -259,6 +259,17 @@ def test_a_shard_the_live_walk_could_not_read_is_left_out_of_the_replayed_decisi
     assert (blind.index_differs, blind.matched) == (1, 0)
 
 
+def test_an_evict_record_naming_a_block_the_replay_lacks_is_counted_not_fatal():
+    records: list[dict[str, Any]] = [
+        {"k": "reg", "n": 0, "t": 100, "m": MODEL, "g": "default", "w": 1, "r": 0, "bs": BLOCK, "fmt": "kvrouter"},
+        {"k": "evict", "n": 1, "t": 200, "w": 1, "r": 0, "tier": 0, "h": np.array([99], dtype="<u8").tobytes(),
+         "shard": 0},
+    ]  # fmt: skip
+    header = {"kind": "header", "version": VERSION, "seed": 1, "router": dataclasses.asdict(RouterConfig())}
+    report = replay_recording(Recording(Path("lacking.kvr"), header, records))
+    assert (report.event_errors, report.evictions) == (1, 1)
+
+
 def test_live_plays_the_recording_to_a_router_started_for_it(recorded, tmp_path):
     """``--live``: a ``kvrouter up`` started with the recorded seed and config; the recorded workers' events
     re-published from this process, every call made again. Agreement depends on live timing, so only the

@@ -86,8 +86,8 @@ class ServiceRecording:
         self.recorder.open()
 
     def close(self, evicted: int) -> None:
-        """The end record, with the entries the index cap evicted during the run (``--max-index-blocks``):
-        the logical replay's index has no cap, so a replay says when its overlaps may differ for that."""
+        """The end record, with the entries the index cap evicted during the run (``--max-index-blocks``): what
+        the ``evict`` records should add up to, and what tells a recording made before them apart."""
         self.recorder.close(evicted=evicted)
 
     def registered(self, t: int, reg: Registration) -> None:
@@ -129,7 +129,7 @@ class ServiceRecording:
         selection: Selection | None,
         error: str | None = None,
         *,
-        unanswered: frozenset[int] = frozenset(),
+        unanswered: frozenset[int],
     ) -> None:
         """One ``Router.select`` call: its inputs and its outcome (``selection``, or ``error``'s kind), and the
         shards its index walk could not read (their workers' overlaps were 0 for it)."""

@@ -111,7 +111,15 @@ class Tap:
         )
         for (worker, rank), tier, hashes in evicted:
             self._send(
-                {"k": "evict", "t": done, "w": worker, "r": rank, "tier": tier, "h": hashes.astype("<u8").tobytes()}
+                {  # the batch's own window: a decision that raced the batch raced its eviction too
+                    "k": "evict",
+                    "t": done,
+                    "t0": started_ns,
+                    "w": worker,
+                    "r": rank,
+                    "tier": tier,
+                    "h": hashes.astype("<u8").tobytes(),
+                }
             )
 
     def cleared(self, key: WorkerKey, why: str, *, at: tuple[int, int] | None = None) -> None:

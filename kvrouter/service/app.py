@@ -61,6 +61,7 @@ from .decisions import DecisionLog, DecisionRecords, Recorded, decision_json
 from .fastpath import FastPath
 from .fronts import Fronts, FrontSpec
 from .health import Health
+from .lane import Lane
 from .partition import Instance, Partition
 from .queue import RouterQueue
 from .recording import ServiceRecording, tap_endpoint
@@ -80,6 +81,9 @@ past it a tick's further decisions are left out (a busy router's recency is then
 order among millions of blocks needs), so neither the list nor the tick's work grows with the decision rate.
 The tick hashes on the event loop: at 4,096 a busy front stalled every request for about 10 ms twice a
 second (``bench_service``'s p99 at concurrency 8: 12.5 ms, 4.9 ms without feeding)."""
+FEED_SLICE: Final = 8
+"""Prompts ``feed_matches`` hashes, or workers it sends their blocks, before it lets the event loop serve
+requests again (about 0.2 ms)."""
 
 
 @dataclass(slots=True)
@@ -148,6 +152,8 @@ class Service:
         front 0 hands the other fronts."""
         self.fronts: Fronts | None = Fronts(self, front) if config.fronts > 1 else None
         self._routes = Routes(self)  # the HTTP API (routes.py)
+        self.lane: Lane | None = None
+        """The hot routes' HTTP (lane.py), while the service listens."""
         self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._routes.middleware])
         self.partitions: dict[tuple[str, str], Partition] = {}
         self.counters = ServiceCounters()
@@ -308,6 +314,8 @@ class Service:
         if self._stop_requested:
             self._stop_event.set()
         runner: web.AppRunner | None = None
+        server: asyncio.Server | None = None
+        lane: Lane | None = None
         tasks: list[asyncio.Task[None]] = []
         try:
             if not self._forked:
@@ -322,9 +330,16 @@ class Service:
                 await fronts.open()  # the registry first: a front takes connections only once it can route
             runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=max(0.1, config.drain_secs))
             await runner.setup()
-            site = web.TCPSite(runner, config.host, config.port, reuse_address=True, reuse_port=fronts is not None)
-            await site.start()
-            host, port = runner.addresses[0][:2]
+            assert runner.server is not None
+            lane = self.lane = Lane(self._routes, runner.server)  # hot routes' own HTTP, aiohttp the rest (lane.py)
+            if fronts is not None and not fronts.primary:
+                fronts.take_connections(lane)  # front 0 listens, and deals this front its share (fronts.py)
+                host, port = config.host, config.port
+            else:
+                server = await self._loop.create_server(lane, config.host, config.port, reuse_address=True)
+                host, port = server.sockets[0].getsockname()[:2]
+                if fronts is not None:
+                    lane.deal = fronts.deal
             if fronts is not None and fronts.primary:
                 await fronts.open()  # the local bus's broker, before the sync connects to it
             shown = f"[{host}]" if ":" in str(host) else str(host)
@@ -410,8 +425,12 @@ class Service:
             self._withdraw_stats()
             if self.decision_log is not None:
                 self.decision_log.close()  # what the last second decided, written
+            if server is not None:
+                server.close()  # no new connection; the lane's are idle between requests
+            if lane is not None:
+                lane.close()
             if runner is not None:
-                await runner.cleanup()
+                await runner.cleanup()  # aiohttp's connections: drained, then closed
             evicted = self._evicted() if self.recording is not None else 0
             self.engine.close()
             if self.recording is not None:
@@ -1083,22 +1102,29 @@ class Service:
         self._event_seq += 1
         self.events.append({"seq": self._event_seq, "at": time.time(), "kind": kind, **fields})
 
-    def feed_matches(self) -> None:
+    async def feed_matches(self) -> None:
         """Send the blocks the decisions since the last call matched to their workers' appliers, one message
         per worker (the health loop calls it on every tick): the "matched" half of the index cap's least
         recently used order. Off the decision path, which only appends one tuple; the chains are hashed
-        here, deduplicated per worker. Another front of ``--fronts N`` sends them from its own process
-        (``EngineView.touch``)."""
+        here, deduplicated per worker, ``FEED_SLICE`` prompts at a time with the loop let go between slices:
+        done at once, a tick's feeding held every request behind it for about 2 ms twice a second, which
+        was most of ``bench_service``'s p99 at concurrency 8. Another front of ``--fronts N`` sends them
+        from its own process (``EngineView.touch``)."""
         matched, self._matched = self._matched, []
-        prefixes: dict[tuple[WorkerKey, bytes], npt.NDArray[np.uint64]] = {}
-        for worker, local, overlap in matched:  # a prompt matched again and again is hashed once
-            prefix = local[:overlap]
-            prefixes.setdefault((worker, prefix.tobytes()), prefix)
+        deepest: dict[tuple[WorkerKey, bytes], tuple[npt.NDArray[np.uint64], int]] = {}
+        for worker, local, overlap in matched:  # a prompt matched again and again is hashed once, at its deepest
+            key = (worker, local.tobytes())
+            if overlap > deepest.get(key, (local, 0))[1]:
+                deepest[key] = (local, overlap)
         by_worker: dict[WorkerKey, list[npt.NDArray[np.uint64]]] = {}
-        for (worker, _), prefix in prefixes.items():
-            by_worker.setdefault(worker, []).append(sequence_hashes_array(prefix))
-        for worker, chains in by_worker.items():
+        for n, ((worker, _), (local, overlap)) in enumerate(deepest.items(), 1):
+            by_worker.setdefault(worker, []).append(sequence_hashes_array(local[:overlap]))
+            if n % FEED_SLICE == 0:
+                await asyncio.sleep(0)
+        for n, (worker, chains) in enumerate(by_worker.items(), 1):
             self.engine.touch(worker, np.unique(np.concatenate(chains)))
+            if n % FEED_SLICE == 0:
+                await asyncio.sleep(0)
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
         """``GET /ready``'s answer: ready only with every shard up, nothing recovering, a schedulable

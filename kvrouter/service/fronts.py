@@ -10,8 +10,15 @@ aiohttp's own work per request (``docs/http-api.md``); more fronts answer more. 
   registered it starts fronts 1..N-1 and is ready when they are.
 - **Fronts 1..N-1** are ``python -m kvrouter.cli.front`` processes (spawned, not forked: the parent
   already runs threads and a loop), given a :class:`FrontSpec` on stdin. Each maps the engine's index
-  read-only (:class:`~kvrouter.engine.EngineView`: the design card's lock-free readers) and binds the
-  same host and port with ``SO_REUSEPORT``, so the kernel spreads connections over the fronts.
+  read-only (:class:`~kvrouter.engine.EngineView`: the design card's lock-free readers).
+- **Connections are dealt round robin.** Front 0 listens on the port and accepts every connection; each
+  one in turn goes to the next front (front 0 included) over that front's Unix socketpair
+  (``SCM_RIGHTS``, :meth:`Fronts.deal`), and the front serves it as if it had accepted it. A front that
+  is not ready (starting, or starting again) is skipped. Rejected: ``SO_REUSEPORT`` on every front, which
+  the service used first: the kernel spreads connections by a hash of their addresses, so a client's few
+  keep-alive connections often land unevenly and stay so (``bench_service`` at concurrency 8, 8 wrk
+  connections over 2 fronts: splits of 3/5 and worse seen, 10,983 and 15,194 requests/s in two runs of
+  one build); dealt, 8 connections are 4 and 4.
 - **Load views** agree the way replicas' do: each front runs the one
   :class:`~kvrouter.bridge.sync.ReplicaSync`, over the local bus (or over NATS with
   ``--router-replica-sync``, where the fronts are simply more replicas). Any front may complete or free
@@ -34,9 +41,9 @@ Per front, not shared: the decisions and events rings, the router queue, session
 approximate mode, the approximate index (each learns only its own decisions). A front that exits is started again after
 :data:`RESTART_DELAY_S`, and counted; fronts exit when front 0 goes.
 
-Rejected: one listening socket inherited by every front (a thundering herd on each connection, and no
-way to start a front alone); a front per core with its own engine (N copies of the index and N
-subscriptions to every worker).
+Rejected: one listening socket inherited by every front (a thundering herd on each connection, and the
+first front awake takes a whole burst of connections); a front per core with its own engine (N copies of
+the index and N subscriptions to every worker).
 """
 
 from __future__ import annotations
@@ -49,7 +56,9 @@ import pickle
 import re
 import shutil
 import signal
+import socket
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Final
 
@@ -90,6 +99,8 @@ RESTART_DELAY_S: Final = 1.0
 STOP_TIMEOUT_S: Final = 10.0
 """After SIGTERM, how long a front has to drain before it is killed (on top of ``drain_secs``)."""
 PARENT_POLL_S: Final = 0.5
+MAX_DEALT: Final = 64
+"""Connections one read of a front's socketpair takes at most (front 0 sends one per message)."""
 READY_LINE: Final = "kvrouter front ready"
 READY_RE: Final = re.compile("^" + re.escape(READY_LINE))
 
@@ -107,6 +118,8 @@ class FrontSpec:
     bus: str
     parent: int
     """Front 0's pid: a front whose parent changes stops."""
+    connections: int = -1
+    """The front's end of its socketpair with front 0 (a descriptor it inherits): its connections arrive there."""
     log_level: int = logging.WARNING
     """Front 0's ``kvrouter`` log level."""
 
@@ -139,6 +152,14 @@ class Fronts:
         """The counters of fronts that exited (their last publication): sums stay monotonic across a restart."""
         self.bad_counters = 0
         """Counter publications that did not decode (counted, logged once)."""
+        self._channels: dict[int, socket.socket] = {}
+        """Front 0: the ready fronts' socketpair ends, where :meth:`deal` sends their connections."""
+        self._turn = 0
+        self.dealt = 0
+        """Front 0: connections sent to another front."""
+        self._inbox: socket.socket | None = None
+        """Another front: where its connections arrive."""
+        self._arriving: set[asyncio.Task[Any]] = set()
 
     # -- both ends ------------------------------------------------------------------------------
 
@@ -182,6 +203,13 @@ class Fronts:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+        if self._inbox is not None:
+            asyncio.get_running_loop().remove_reader(self._inbox.fileno())
+            self._inbox.close()
+            self._inbox = None
         if self._bus is not None:
             await self._bus.close()
             self._bus = None
@@ -345,39 +373,107 @@ class Fronts:
         await asyncio.gather(*starts)
         self._tasks.append(asyncio.create_task(self._supervise(port), name="kvrouter-fronts-supervise"))
 
-    def _spec(self, index: int, port: int) -> FrontSpec:
+    def _spec(self, index: int, port: int, connections: int) -> FrontSpec:
         config = replace(self.service.config, port=port, zmq_port=None, workers=())
         level = logging.getLogger("kvrouter").getEffectiveLevel()
         engine = self.service.engine
         assert isinstance(engine, Engine)  # front 0 owns it
         return FrontSpec(
-            config, index, engine.reader_handle(), engine.applier_endpoints(), self.endpoint, os.getpid(), level
+            config,
+            index,
+            engine.reader_handle(),
+            engine.applier_endpoints(),
+            self.endpoint,
+            os.getpid(),
+            connections,
+            level,
         )
 
     async def _start(self, index: int, port: int) -> None:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "kvrouter.cli.front",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            start_new_session=True,  # a terminal's Ctrl-C reaches front 0 only; front 0 stops the others
-        )
-        self._procs[index] = proc
-        assert proc.stdin is not None
-        assert proc.stdout is not None
-        proc.stdin.write(pickle.dumps(self._spec(index, port)))
-        await proc.stdin.drain()
-        proc.stdin.close()
+        channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "kvrouter.cli.front",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,  # a terminal's Ctrl-C reaches front 0 only; front 0 stops the others
+            )
+            self._procs[index] = proc
+            assert proc.stdin is not None
+            assert proc.stdout is not None
+            proc.stdin.write(pickle.dumps(self._spec(index, port, theirs.fileno())))
+        finally:
+            theirs.close()  # the front holds its own copy
+        try:
+            await proc.stdin.drain()
+            proc.stdin.close()
             found = await ready_line(proc.stdout, READY_RE, READY_TIMEOUT_S)
         except TimeoutError:
+            channel.close()
             raise ServiceError(503, f"front {index} printed no ready line in {READY_TIMEOUT_S:.0f}s") from None
+        except BaseException:
+            channel.close()
+            raise
         if found is None:
+            channel.close()
             code = await proc.wait()
             raise ServiceError(503, f"front {index} exited with status {code} before it was ready")
         log.info("front ready front=%d pid=%d", index, proc.pid)
+        channel.setblocking(False)
+        self._channels[index] = channel
         self._ready.add(index)
+
+    def deal(self, transport: asyncio.Transport) -> bool:
+        """Front 0, for each connection it accepts: True when it went to another front (whose turn it is, if
+        that front is ready), False when front 0 serves it. Round robin: a client's keep-alive connections
+        spread evenly, whatever their addresses."""
+        self._turn = (self._turn + 1) % self.count
+        channel = self._channels.get(self._turn)
+        sock = transport.get_extra_info("socket")
+        if channel is None or sock is None:
+            return False
+        try:
+            socket.send_fds(channel, [b"c"], [sock.fileno()])
+        except BlockingIOError:  # the front is far behind in taking its connections: serve this one here
+            return False
+        except OSError as exc:  # the front is gone; its process watch starts it again
+            log.warning("front unreachable front=%d error=%s: its connections stay on front 0", self._turn, exc)
+            self._channels.pop(self._turn).close()
+            return False
+        transport.abort()  # the front has its own copy of the connection; this one closes without a word
+        self.dealt += 1
+        return True
+
+    def take_connections(self, factory: Callable[[], asyncio.Protocol]) -> None:
+        """Another front: serve every connection front 0 deals it with a protocol from ``factory``."""
+        assert self.spec is not None
+        inbox = self._inbox = socket.socket(fileno=self.spec.connections)
+        inbox.setblocking(False)
+        asyncio.get_running_loop().add_reader(inbox.fileno(), self._arrive, factory)
+
+    def _arrive(self, factory: Callable[[], asyncio.Protocol]) -> None:
+        inbox = self._inbox
+        assert inbox is not None
+        loop = asyncio.get_running_loop()
+        try:
+            message, fds, _, _ = socket.recv_fds(inbox, 16, MAX_DEALT)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            message, fds = b"", []
+            log.warning("front connections channel failed front=%d error=%s", self.index, exc)
+        if not message and not fds:  # front 0 closed its end: no more connections (its exit stops this front)
+            loop.remove_reader(inbox.fileno())
+            return
+        for fd in fds:
+            conn = socket.socket(fileno=fd)
+            conn.setblocking(False)
+            task = loop.create_task(loop.connect_accepted_socket(factory, conn))
+            self._arriving.add(task)
+            task.add_done_callback(self._arriving.discard)
 
     async def _supervise(self, port: int) -> None:
         """Start again any front that exits while the service runs."""
@@ -389,6 +485,8 @@ class Fronts:
             for task in done:
                 index = waits[task]
                 self._ready.discard(index)
+                if (channel := self._channels.pop(index, None)) is not None:
+                    channel.close()
                 if self._stopping:
                     return
                 self.restarts += 1

@@ -58,6 +58,10 @@ DELETE is a write and needs the bearer token when one is set."""
 ALWAYS_SERVED: Final = frozenset({"/health", "/ready", "/metrics"})
 """Routes still answered while the service drains."""
 JSON: Final = "application/json"
+GATEWAY_HEADER: Final = "X-Gateway-Destination-Endpoint"
+"""The chosen worker's ``ip:port`` (then the fallbacks'), for a gateway that forwards by header."""
+OK: Final = {"status": "ok"}
+"""A reservation route's answer."""
 HEADS_CACHED: Final = 4096
 """``/select`` answer heads kept (one per partition, worker and endpoint); cleared when full."""
 
@@ -119,46 +123,62 @@ class Routes:
         try:
             if self.service._stopping and name not in ALWAYS_SERVED:
                 response = _error(503, "the service is stopping")
-            elif (
-                self.service.config.auth_token is not None
-                and request.method in ("POST", "DELETE", "PUT", "PATCH")
-                and name not in OPEN_ROUTES
-                and not self._authorized(request)
+            elif self.needs_token(request.method, name) and not self.bearer_ok(
+                request.headers.get("Authorization", "")
             ):
                 response = _error(401, "missing or wrong bearer token")
                 response.headers["WWW-Authenticate"] = "Bearer"
             else:
                 response = await handler(request)
-        except ServiceError as exc:
-            response = _error(exc.status, str(exc))
-        except EngineError as exc:  # not up yet (see /ready), or closing
-            response = _error(503, f"engine: {exc}")
         except web.HTTPException as exc:  # no such route (404), method (405), body too large (413)
             response = _error(exc.status, exc.reason if exc.status != 413 else exc.text or "body too large")
-        except (KvRouterError, ValueError) as exc:
-            response = _error(400, str(exc))
         except Exception as exc:
-            log.exception("request failed route=%s kind=%s", name, type(exc).__name__)
-            response = _error(500, f"internal error ({type(exc).__name__})")
+            response = _error(*self.failure(exc, name))
         finally:
             self.service._inflight -= 1
         if self.service.fronts is not None:
             response.headers[FRONT_HEADER] = str(self.service.fronts.index)
-        counters = self.service.counters
-        key = (name, request.method)
-        counters.http_requests[key] = counters.http_requests.get(key, 0) + 1
-        counters.http_seconds[key] = counters.http_seconds.get(key, 0.0) + time.perf_counter() - started
-        if response.status >= 400:
-            klass = (name, "4xx" if response.status < 500 else "5xx")
-            counters.http_errors[klass] = counters.http_errors.get(klass, 0) + 1
+        self.count(name, request.method, response.status, started)
         return response
 
-    def _authorized(self, request: web.Request) -> bool:
+    # -- what the middleware and the hot lane (lane.py) share --------------------------------------
+
+    def needs_token(self, method: str, route: str) -> bool:
+        """Whether a request to ``route`` must carry the bearer token: a write, with a token set."""
+        return (
+            self.service.config.auth_token is not None
+            and method in ("POST", "DELETE", "PUT", "PATCH")
+            and route not in OPEN_ROUTES
+        )
+
+    def bearer_ok(self, authorization: str) -> bool:
+        """``authorization`` (the header's value) carries the service's token, compared in constant time."""
         token = self.service.config.auth_token
         assert token is not None
-        given = request.headers.get("Authorization", "")
-        scheme, _, value = given.partition(" ")
+        scheme, _, value = authorization.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
+
+    def failure(self, exc: Exception, route: str) -> tuple[int, str]:
+        """(status, message) of a request that raised ``exc``: ``ServiceError`` its status, engine not up
+        503, bad input 400, anything else 500, logged with its traceback."""
+        if isinstance(exc, ServiceError):
+            return exc.status, str(exc)
+        if isinstance(exc, EngineError):  # not up yet (see /ready), or closing
+            return 503, f"engine: {exc}"
+        if isinstance(exc, (KvRouterError, ValueError)):
+            return 400, str(exc)
+        log.error("request failed route=%s kind=%s", route, type(exc).__name__, exc_info=exc)
+        return 500, f"internal error ({type(exc).__name__})"
+
+    def count(self, route: str, method: str, status: int, started: float) -> None:
+        """One answered request in the per-route counters ``/metrics`` shows."""
+        counters = self.service.counters
+        key = (route, method)
+        counters.http_requests[key] = counters.http_requests.get(key, 0) + 1
+        counters.http_seconds[key] = counters.http_seconds.get(key, 0.0) + time.perf_counter() - started
+        if status >= 400:
+            klass = (route, "4xx" if status < 500 else "5xx")
+            counters.http_errors[klass] = counters.http_errors.get(klass, 0) + 1
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         return parse_body(await request.read())
@@ -292,11 +312,12 @@ class Routes:
             self._heads[key] = head
         return head
 
-    def _select_response(self, result: SelectResult, request: SelectRequest) -> web.Response:
-        """``/select``'s answer. The common case (no ``explain``, no ``fallbacks``) is spliced from
-        preassembled bytes: the cached head, a few numbers, and the index summary encoded once per
-        refresh; it is byte for byte what ``answers.select_json`` + ``orjson`` give (``test_api``), without the
-        two nested dicts per request. The rest goes through ``answers.select_json``."""
+    def select_payload(self, result: SelectResult, request: SelectRequest) -> tuple[bytes, str | None]:
+        """``/select``'s answer body and its ``X-Gateway-Destination-Endpoint`` (None: no address). The
+        common case (no ``explain``, no ``fallbacks``) is spliced from preassembled bytes: the cached head,
+        a few numbers, and the index summary encoded once per refresh; it is byte for byte what
+        ``answers.select_json`` + ``orjson`` give (``test_api``), without the two nested dicts per request.
+        The rest goes through ``answers.select_json``."""
         if request.explain or request.fallbacks or result.selection.explanation is not None:
             body = select_json(result, request)
             body["index"] = self.service._index
@@ -331,34 +352,38 @@ class Routes:
                     b"}",
                 )
             )
+        gateway = result.address
+        if gateway is not None and result.fallbacks:
+            instances = result.partition.instances
+            gateway = ",".join(
+                [gateway, *(a for k, _ in result.fallbacks if (a := address(instances[k[0]].http_endpoint)))]
+            )
+        return payload, gateway
+
+    def select_request(self, raw: bytes, session: str | None) -> SelectRequest:
+        """The validated ``/select`` body, its session id from the reference's header when the body has none."""
+        select = fastparse.fast_select(raw)  # token ids straight into uint32 (fastparse.py)
+        if select is None:
+            select = parse_select(parse_body(raw))  # every other shape, and every error
+        if select.session_id is None and session:
+            select = dataclasses.replace(select, session_id=session[:MAX_ID])  # the reference's header
+        return select
+
+    async def _select_route(self, request: web.Request, *, reserve: bool) -> web.Response:
+        started = time.perf_counter()
+        select = self.select_request(await request.read(), request.headers.get(SESSION_HEADER))
+        phases = self.service.counters.phases
+        phases["parse"].observe(time.perf_counter() - started)
+        result = await self.service.select_or_wait(select, reserve=reserve, gone=client_gone(request))  # queue.py
+        serialising = time.perf_counter()
+        payload, gateway = self.select_payload(result, select)
         if self._json_headers[0] is not self.service._index_headers:
             headers = CIMultiDict(self.service._index_headers)
             headers[hdrs.CONTENT_TYPE] = JSON
             self._json_headers = (self.service._index_headers, headers)
         response = web.Response(body=payload, headers=self._json_headers[1])  # aiohttp copies the headers
-        if result.address is not None:
-            gateway = result.address
-            if result.fallbacks:
-                instances = result.partition.instances
-                gateway = ",".join(
-                    [gateway, *(a for k, _ in result.fallbacks if (a := address(instances[k[0]].http_endpoint)))]
-                )
-            response.headers["X-Gateway-Destination-Endpoint"] = gateway
-        return response
-
-    async def _select_route(self, request: web.Request, *, reserve: bool) -> web.Response:
-        started = time.perf_counter()
-        raw = await request.read()
-        select = fastparse.fast_select(raw)  # token ids straight into uint32 (fastparse.py)
-        if select is None:
-            select = parse_select(parse_body(raw))  # every other shape, and every error
-        if select.session_id is None and (session := request.headers.get(SESSION_HEADER)):
-            select = dataclasses.replace(select, session_id=session[:MAX_ID])  # the reference's header
-        phases = self.service.counters.phases
-        phases["parse"].observe(time.perf_counter() - started)
-        result = await self.service.select_or_wait(select, reserve=reserve, gone=client_gone(request))  # queue.py
-        serialising = time.perf_counter()
-        response = self._select_response(result, select)
+        if gateway is not None:
+            response.headers[GATEWAY_HEADER] = gateway
         done = time.perf_counter()
         phases["serialise"].observe(done - serialising)
         phases["total"].observe(done - started)
@@ -370,15 +395,19 @@ class Routes:
     async def _h_select_and_reserve(self, request: web.Request) -> web.Response:
         return await self._select_route(request, reserve=True)
 
-    async def _h_prefill_complete(self, request: web.Request) -> web.Response:
-        raw = await request.read()  # optional: {"cached_tokens": n}, what the engine reused (accuracy.py)
+    def prefill_complete(self, selection_id: str, raw: bytes) -> None:
+        """``/reservations/{id}/prefill_complete`` with its body: optional ``{"cached_tokens": n}``, what the
+        engine reused (accuracy.py)."""
         reused = cached_tokens(parse_body(raw)) if raw.strip() else None
-        self.service.prefill_complete(request.match_info["id"], reused)
-        return _json({"status": "ok"})
+        self.service.prefill_complete(selection_id, reused)
+
+    async def _h_prefill_complete(self, request: web.Request) -> web.Response:
+        self.prefill_complete(request.match_info["id"], await request.read())
+        return _json(OK)
 
     async def _h_free(self, request: web.Request) -> web.Response:
         self.service.free(request.match_info["id"])
-        return _json({"status": "ok"})
+        return _json(OK)
 
     async def _h_loads(self, request: web.Request) -> web.Response:
         out = []

@@ -29,7 +29,7 @@ Where a kvrouter request's time goes: ``/metrics`` is scraped before and after t
 the routing-overhead histogram's per-phase sums over the requests between (of the front that answers
 the scrape: each front counts its own) give the mean time per phase
 (parse, hash, decide, serialise, as the service times them), beside the server CPU per request (the rest
-is aiohttp and the event loop).
+is HTTP, the lane's (``service/lane.py``), and the event loop).
 
 The ZMQ fast path (``docs/zmq-fast-path.md``): the same prompts as ``{"op": "select", ...}`` msgpack
 bodies (token ids as msgpack bin of little-endian u32, ``--fastpath-tokens list`` for an array) over

@@ -270,7 +270,7 @@ def up(
             envvar="KVROUTER_FRONTS",
             min=1,
             max=64,
-            help="Front processes answering on --port together (SO_REUSEPORT), their loads kept in step.",
+            help="Front processes answering on --port together (connections dealt in turn), their loads in step.",
             rich_help_panel=_SERVER,
         ),
     ] = 1,

@@ -127,8 +127,8 @@ class ServiceConfig:
     decision_log: str | None = None
     """``--decision-log FILE``: every decision appended to ``FILE`` as a JSON line (``decisions.py``)."""
     fronts: int = 1
-    """``--fronts``: front processes serving ``port`` together (SO_REUSEPORT), each reading the index
-    through shared memory, their load views kept in step by the replica sync (``fronts.py``)."""
+    """``--fronts``: front processes serving ``port`` together (front 0 deals them connections), each
+    reading the index through shared memory, their load views kept in step by the replica sync (``fronts.py``)."""
     record: str | None = None
     """``--record FILE``: the run's events, registrations and decisions written to ``FILE`` for
     ``kvrouter replay --from`` (``recording.py``)."""

@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from kvrouter.service import lane as lane_module
 from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, http
 
 
@@ -216,3 +217,18 @@ def test_a_request_in_pieces_is_answered_once_whole(running: Running, raw: Raw) 
     raw.send(data)
     assert raw.read()[0] == 200
     assert handed_over(running) == before
+
+
+def test_an_idle_connection_is_closed_at_the_keep_alive_sweep(
+    running: Running, raw: Raw, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    raw.send(request("POST", "/select", {"model_name": MODEL, "token_ids": PROMPT}))
+    assert by_lane(raw.read())[0] == 200
+    lane = running.service.lane
+    assert lane is not None
+    monkeypatch.setattr(lane_module, "KEEPALIVE_S", -1.0)  # every lane connection is idle past it now
+    loop = running.service._loop
+    assert loop is not None
+    loop.call_soon_threadsafe(lane._sweep)
+    with pytest.raises(ConnectionError):
+        raw.read()  # closed by the service, not by a request

@@ -12,8 +12,8 @@ import dataclasses
 import itertools
 import random
 import urllib.request
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import pytest
 
@@ -138,15 +138,22 @@ def listener(run: Running, worker: int) -> dict[str, Any]:
 
 
 _fresh = itertools.count(100)
+T = TypeVar("T")
+
+
+def after_events(run: Running, model: str, probe: Callable[[], T]) -> T:
+    """``probe()`` just after a completion of a new prompt on ``model`` made its worker publish. Each poll
+    publishes again: a listener registered a moment ago may not have joined its engine's PUB socket yet (ZMQ
+    drops what a publisher sends before the subscriber connects), and a state other than ``stale`` is only
+    seen reliably while the worker is not silent (on a loaded machine a wait can outlast the fixture's 3 s
+    ``stale_after``)."""
+    status, answer, _ = complete(run, {"model": model, "prompt": prompt(next(_fresh), 4), "max_tokens": 2})
+    assert status == 200, answer
+    return probe()
 
 
 def trust_after_events(run: Running, worker: int) -> str | None:
-    """The worker's trust state just after a completion of a new prompt made it publish: a state other than
-    ``stale`` is only seen reliably while the worker is not silent, and on a loaded machine a wait can
-    outlast the fixture's 3 s ``stale_after``."""
-    status, answer, _ = complete(run, {"model": MODEL, "prompt": prompt(next(_fresh), 4), "max_tokens": 2})
-    assert status == 200, answer
-    return listener(run, worker).get("trust")
+    return after_events(run, MODEL, lambda: listener(run, worker).get("trust"))
 
 
 def test_trust_states_and_a_wrong_block_size_end_to_end(trusted: Running, wait_until) -> None:
@@ -155,9 +162,7 @@ def test_trust_states_and_a_wrong_block_size_end_to_end(trusted: Running, wait_u
     trusted.ok("POST", "/unregister", {"instance_id": 2, "model_name": MODEL})
     wrong = {"instance_id": 2, "endpoint": two.events[0], "model_name": "bs32", "block_size": 2 * BLOCK}
     trusted.ok("POST", "/register", {**wrong, "http_endpoint": two.http})
-    status, answer, _ = complete(trusted, {"model": "bs32", "prompt": prompt(1, 4), "max_tokens": 2})
-    assert status == 200, answer
-    wait_until(lambda: listener(trusted, 2).get("trust") == "misconfigured", timeout=20)
+    wait_until(lambda: after_events(trusted, "bs32", lambda: listener(trusted, 2).get("trust")) == "misconfigured")
     problem = listener(trusted, 2)["problems"]["block_size"]
     assert f"worker 2:0 sends KV blocks of {BLOCK} tokens, registered with block_size {2 * BLOCK}" in problem
     events = trusted.ok("GET", "/events?since=0")["events"]
@@ -178,9 +183,7 @@ def test_trust_states_and_a_wrong_block_size_end_to_end(trusted: Running, wait_u
             "http_endpoint": one.http,
         },
     )
-    status, answer, _ = complete(trusted, {"model": MODEL, "prompt": prompt(3, 4), "max_tokens": 2})
-    assert status == 200, answer
-    wait_until(lambda: listener(trusted, 1).get("last_id") is not None, timeout=20)
+    wait_until(lambda: after_events(trusted, MODEL, lambda: listener(trusted, 1).get("last_id")) is not None)
     request = urllib.request.Request(
         one.http + "/faults", data=b'{"drop_batches": 1}', method="POST", headers={"Content-Type": "application/json"}
     )
@@ -215,20 +218,16 @@ def test_a_wrong_format_and_a_wrong_rank_are_named_end_to_end(trusted: Running, 
     trusted.call("POST", "/unregister", {"instance_id": 2, "model_name": MODEL})
     common = {"instance_id": 2, "endpoint": two.events[0], "block_size": BLOCK, "http_endpoint": two.http}
     trusted.ok("POST", "/register", {**common, "model_name": "fmt", "format": "kvrouter"})
-    status, answer, _ = complete(trusted, {"model": "fmt", "prompt": prompt(20, 4), "max_tokens": 2})
-    assert status == 200, answer
-    wait_until(lambda: "bad_frames" in listener(trusted, 2).get("problems", {}), timeout=20)
+    wait_until(lambda: "bad_frames" in after_events(trusted, "fmt", lambda: listener(trusted, 2).get("problems", {})))
     problem = listener(trusted, 2)["problems"]["bad_frames"]
     assert "do not decode as kvrouter" in problem
     assert "they decode as vllm: register it with format 'vllm'" in problem
     trusted.ok("POST", "/unregister", {"instance_id": 2, "model_name": "fmt"})
     trusted.ok("POST", "/register", {**common, "model_name": "rank", "dp_rank": 1})
-    status, answer, _ = complete(trusted, {"model": "rank", "prompt": prompt(21, 4), "max_tokens": 2})
-    assert status == 200, answer
 
     def wrong_rank() -> dict[str, str]:
         (found,) = [r for r in trusted.ok("GET", "/workers") if r["instance_id"] == 2]
         return dict(found["listeners"]["1"].get("problems") or {})
 
-    wait_until(lambda: "wrong_rank" in wrong_rank(), timeout=20)
+    wait_until(lambda: "wrong_rank" in after_events(trusted, "rank", wrong_rank))
     assert f"dp rank 0's events arrive on {two.events[0]}, the port of worker 2:1" in wrong_rank()["wrong_rank"]

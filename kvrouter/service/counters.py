@@ -45,6 +45,10 @@ class ServiceCounters:
     no_worker: int = 0
     """Requests refused because the partition had no schedulable worker."""
     expired_reservations: int = 0
+    connections: int = 0
+    """HTTP connections accepted (front 0 counts those it deals to another front once, as that front's)."""
+    handovers: int = 0
+    """Connections the hot lane gave to aiohttp (``lane.py``): their first request was not one it takes."""
     decision: Buckets = field(default_factory=Buckets)
     """Seconds per decision (``Router.select``)."""
     hit_rate: Buckets = field(default_factory=lambda: Buckets(HIT_RATE_BUCKETS))
@@ -75,6 +79,8 @@ class ServiceCounters:
             "overloaded": self.overloaded,
             "no_worker": self.no_worker,
             "expired_reservations": self.expired_reservations,
+            "connections": self.connections,
+            "handovers": self.handovers,
             "decision": self.decision.to_wire(),
             "hit_rate": self.hit_rate.to_wire(),
             "phases": {name: b.to_wire() for name, b in self.phases.items()},
@@ -98,6 +104,8 @@ class ServiceCounters:
             overloaded=int(wire["overloaded"]),
             no_worker=int(wire["no_worker"]),
             expired_reservations=int(wire["expired_reservations"]),
+            connections=int(wire["connections"]),
+            handovers=int(wire["handovers"]),
             decision=Buckets.from_wire(wire["decision"]),
             hit_rate=Buckets.from_wire(wire["hit_rate"], HIT_RATE_BUCKETS),
             phases={str(name): Buckets.from_wire(b) for name, b in wire["phases"].items()},
@@ -120,6 +128,8 @@ class ServiceCounters:
         for name in ("decisions", "reservations", "overlap_blocks", "prompt_blocks", "overloaded", "no_worker"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.expired_reservations += other.expired_reservations
+        self.connections += other.connections
+        self.handovers += other.handovers
         _add(self.selections, other.selections)
         _add(self.http_requests, other.http_requests)
         _add(self.http_errors, other.http_errors)

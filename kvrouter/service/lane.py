@@ -75,8 +75,6 @@ class Lane:
         self.routes = routes
         self.aiohttp_server = aiohttp_server
         self.connections: set[LaneConnection] = set()
-        self.handed_over = 0
-        """Connections given to aiohttp (a route the lane does not take)."""
         self._status_lines: dict[int, bytes] = {}
         self._date = (0, b"")
         self._headers: tuple[object, bytes] = (None, b"")
@@ -153,7 +151,8 @@ class LaneConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         if self.lane.deal is not None and self.lane.deal(transport):
-            return  # another front serves it
+            return  # another front serves it, and counts it
+        self.lane.routes.service.counters.connections += 1
         self.transport = transport
         self.lane.connections.add(self)
 
@@ -326,7 +325,7 @@ class LaneConnection(asyncio.Protocol):
         transport = self.transport
         assert transport is not None
         self.lane.connections.discard(self)
-        self.lane.handed_over += 1
+        self.lane.routes.service.counters.handovers += 1
         self.transport = None
         self.buffer = b""
         handler = self.lane.aiohttp_server()

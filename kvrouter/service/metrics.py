@@ -363,6 +363,8 @@ class Counters(Protocol):
     overloaded: int
     no_worker: int
     expired_reservations: int
+    connections: int
+    handovers: int
     decision: Buckets
     hit_rate: Buckets
     phases: dict[str, Buckets]
@@ -590,7 +592,14 @@ def front_families(counters: Counters) -> Iterator[Metric]:
     )
     for route_class, count in sorted(counters.http_errors.items()):
         errors.add_metric(list(route_class), count)
-    yield from (requests, seconds, errors)
+    connections = CounterMetricFamily(
+        "kvrouter_http_connections",
+        "HTTP connections accepted, by the layer that served them to the end",
+        labels=["layer"],
+    )
+    connections.add_metric(["lane"], counters.connections - counters.handovers)
+    connections.add_metric(["aiohttp"], counters.handovers)
+    yield from (requests, seconds, errors, connections)
 
     yield histogram(
         "kvrouter_kv_hit_rate", "Predicted hit rate of the chosen worker per decision", {(): counters.hit_rate}, []

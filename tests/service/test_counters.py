@@ -16,6 +16,7 @@ def sample(scale: int) -> ServiceCounters:
     counters.selections = {(1, 0): 2 * scale, (2, 1): scale}
     counters.overlap_blocks, counters.prompt_blocks = 40 * scale, 64 * scale
     counters.overloaded, counters.no_worker, counters.expired_reservations = scale, 2 * scale, 3 * scale
+    counters.connections, counters.handovers = 5 * scale, scale
     for i in range(3 * scale):
         counters.decision.observe(1e-5 * (i + 1))
         counters.hit_rate.observe(0.5)
@@ -36,6 +37,7 @@ def test_wire_round_trip_and_sum() -> None:
     assert total.decisions == 9
     assert total.selections == {(1, 0): 6, (2, 1): 3}
     assert (total.overloaded, total.no_worker, total.expired_reservations) == (3, 6, 9)
+    assert (total.connections, total.handovers) == (15, 3)
     assert total.decision.count == 9
     assert total.decision.counts == [a + b for a, b in zip(one.decision.counts, two.decision.counts, strict=True)]
     assert total.hit_rate.cumulative()[-1] == ("+Inf", 9.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import urllib.request
 from typing import Any
 from urllib.parse import urlparse
 
@@ -73,10 +74,13 @@ def raw(running: Running) -> Any:
     conn.close()
 
 
+def http_text(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.status, response.read().decode()
+
+
 def handed_over(running: Running) -> int:
-    lane = running.service.lane
-    assert lane is not None
-    return lane.handed_over
+    return running.service.counters.handovers
 
 
 def comparable(answer: Any) -> Any:
@@ -162,6 +166,11 @@ def test_a_reservation_lives_and_ends_on_one_connection(running: Running, raw: R
     assert row()["active_requests"] == 0
     raw.send(request("DELETE", "/reservations/lane-2"))
     assert by_lane(raw.read())[0] == 404  # freed once
+    status, text = http_text(running.url + "/metrics")
+    assert status == 200
+    lane_line = 'kvrouter_http_connections_total{layer="lane"}'
+    (lane_served,) = [line for line in text.splitlines() if line.startswith(lane_line)]
+    assert float(lane_served.split()[-1]) >= 1  # this connection, served by the lane to the end
 
 
 def test_pipelined_requests_are_answered_in_order_across_the_hand_over(running: Running, raw: Raw) -> None:

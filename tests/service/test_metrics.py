@@ -256,6 +256,9 @@ def test_service_metrics_route_moves_with_decisions_load_and_events(start_worker
         for phase in PHASES:
             assert value(samples, "kvrouter_routing_overhead_seconds_count", phase=phase) == 1
         assert value(samples, "kvrouter_http_requests_total", endpoint="/select_and_reserve", method="POST") == 1
+        # every request here said Connection: close, which the hot lane leaves to aiohttp (lane.py)
+        assert value(samples, "kvrouter_http_connections_total", layer="lane") == 0
+        assert value(samples, "kvrouter_http_connections_total", layer="aiohttp") >= 2
         assert http(url + "/reservations/r1", "DELETE")[0] == 200
         assert http(url + "/reservations/r1", "DELETE")[0] == 404
         samples = scraped()

@@ -155,8 +155,6 @@ class Fronts:
         self._channels: dict[int, socket.socket] = {}
         """Front 0: the ready fronts' socketpair ends, where :meth:`deal` sends their connections."""
         self._turn = 0
-        self.dealt = 0
-        """Front 0: connections sent to another front."""
         self._inbox: socket.socket | None = None
         """Another front: where its connections arrive."""
         self._arriving: set[asyncio.Task[Any]] = set()
@@ -392,35 +390,34 @@ class Fronts:
     async def _start(self, index: int, port: int) -> None:
         channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "kvrouter.cli.front",
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                pass_fds=(theirs.fileno(),),
-                start_new_session=True,  # a terminal's Ctrl-C reaches front 0 only; front 0 stops the others
-            )
-            self._procs[index] = proc
-            assert proc.stdin is not None
-            assert proc.stdout is not None
-            proc.stdin.write(pickle.dumps(self._spec(index, port, theirs.fileno())))
-        finally:
-            theirs.close()  # the front holds its own copy
-        try:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "kvrouter.cli.front",
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,  # a terminal's Ctrl-C reaches front 0 only; front 0 stops the others
+                )
+                self._procs[index] = proc
+                assert proc.stdin is not None
+                assert proc.stdout is not None
+                proc.stdin.write(pickle.dumps(self._spec(index, port, theirs.fileno())))
+            finally:
+                theirs.close()  # the front holds its own copy
             await proc.stdin.drain()
             proc.stdin.close()
-            found = await ready_line(proc.stdout, READY_RE, READY_TIMEOUT_S)
-        except TimeoutError:
-            channel.close()
-            raise ServiceError(503, f"front {index} printed no ready line in {READY_TIMEOUT_S:.0f}s") from None
-        except BaseException:
+            try:
+                found = await ready_line(proc.stdout, READY_RE, READY_TIMEOUT_S)
+            except TimeoutError:
+                raise ServiceError(503, f"front {index} printed no ready line in {READY_TIMEOUT_S:.0f}s") from None
+            if found is None:
+                code = await proc.wait()
+                raise ServiceError(503, f"front {index} exited with status {code} before it was ready")
+        except BaseException:  # not started, not ready, or cancelled: front 0's end goes too
             channel.close()
             raise
-        if found is None:
-            channel.close()
-            code = await proc.wait()
-            raise ServiceError(503, f"front {index} exited with status {code} before it was ready")
         log.info("front ready front=%d pid=%d", index, proc.pid)
         channel.setblocking(False)
         self._channels[index] = channel
@@ -444,7 +441,6 @@ class Fronts:
             self._channels.pop(self._turn).close()
             return False
         transport.abort()  # the front has its own copy of the connection; this one closes without a word
-        self.dealt += 1
         return True
 
     def take_connections(self, factory: Callable[[], asyncio.Protocol]) -> None:

@@ -315,7 +315,6 @@ class Service:
             self._stop_event.set()
         runner: web.AppRunner | None = None
         server: asyncio.Server | None = None
-        lane: Lane | None = None
         tasks: list[asyncio.Task[None]] = []
         try:
             if not self._forked:
@@ -427,8 +426,8 @@ class Service:
                 self.decision_log.close()  # what the last second decided, written
             if server is not None:
                 server.close()  # no new connection; the lane's are idle between requests
-            if lane is not None:
-                lane.close()
+            if self.lane is not None:
+                self.lane.close()
             if runner is not None:
                 await runner.cleanup()  # aiohttp's connections: drained, then closed
             evicted = self._evicted() if self.recording is not None else 0

@@ -19,7 +19,7 @@ __all__ = ["PHASES", "REUSE_FIELDS", "SHADOW_FIELDS", "ServiceCounters"]
 PHASES: Final = ("parse", "hash", "decide", "serialise", "total")
 """Where a ``/select``'s time goes (``ServiceCounters.phases``): the body read, decoded and validated; the
 tokens hashed to blocks; the decision (``Router.select``: index walk, costs, choice); the answer built
-and encoded; and the whole handler."""
+and encoded; and all of it, from the body read to the encoded answer."""
 REUSE_FIELDS: Final = ("reports", "exact", "over", "under", "predicted_tokens", "actual_tokens")
 """``ServiceCounters.reuse``'s per-worker figures, in order (``accuracy.py``)."""
 SHADOW_FIELDS: Final = ("decisions", "agreements", "overlap_blocks", "live_overlap_blocks", "cost", "live_cost")

@@ -60,6 +60,8 @@ ALWAYS_SERVED: Final = frozenset({"/health", "/ready", "/metrics"})
 JSON: Final = "application/json"
 GATEWAY_HEADER: Final = "X-Gateway-Destination-Endpoint"
 """The chosen worker's ``ip:port`` (then the fallbacks'), for a gateway that forwards by header."""
+UNAUTHORIZED: Final = "missing or wrong bearer token"
+"""The 401's error message, from the middleware and from the lane."""
 OK: Final = {"status": "ok"}
 """A reservation route's answer."""
 HEADS_CACHED: Final = 4096
@@ -126,7 +128,7 @@ class Routes:
             elif self.needs_token(request.method, name) and not self.bearer_ok(
                 request.headers.get("Authorization", "")
             ):
-                response = _error(401, "missing or wrong bearer token")
+                response = _error(401, UNAUTHORIZED)
                 response.headers["WWW-Authenticate"] = "Bearer"
             else:
                 response = await handler(request)
@@ -312,12 +314,14 @@ class Routes:
             self._heads[key] = head
         return head
 
-    def select_payload(self, result: SelectResult, request: SelectRequest) -> tuple[bytes, str | None]:
-        """``/select``'s answer body and its ``X-Gateway-Destination-Endpoint`` (None: no address). The
+    def select_payload(self, result: SelectResult, request: SelectRequest, started: float) -> tuple[bytes, str | None]:
+        """``/select``'s answer body and its ``X-Gateway-Destination-Endpoint`` (None: no address), timed as
+        the ``serialise`` phase, and ``total`` since ``started`` (the request's first byte read). The
         common case (no ``explain``, no ``fallbacks``) is spliced from preassembled bytes: the cached head,
         a few numbers, and the index summary encoded once per refresh; it is byte for byte what
         ``answers.select_json`` + ``orjson`` give (``test_api``), without the two nested dicts per request.
         The rest goes through ``answers.select_json``."""
+        serialising = time.perf_counter()
         if request.explain or request.fallbacks or result.selection.explanation is not None:
             body = select_json(result, request)
             body["index"] = self.service._index
@@ -358,25 +362,28 @@ class Routes:
             gateway = ",".join(
                 [gateway, *(a for k, _ in result.fallbacks if (a := address(instances[k[0]].http_endpoint)))]
             )
+        done = time.perf_counter()
+        phases = self.service.counters.phases
+        phases["serialise"].observe(done - serialising)
+        phases["total"].observe(done - started)
         return payload, gateway
 
-    def select_request(self, raw: bytes, session: str | None) -> SelectRequest:
-        """The validated ``/select`` body, its session id from the reference's header when the body has none."""
+    def select_request(self, raw: bytes, session: str | None, started: float) -> SelectRequest:
+        """The validated ``/select`` body, its session id from the reference's header when the body has none;
+        timed as the ``parse`` phase since ``started``."""
         select = fastparse.fast_select(raw)  # token ids straight into uint32 (fastparse.py)
         if select is None:
             select = parse_select(parse_body(raw))  # every other shape, and every error
         if select.session_id is None and session:
             select = dataclasses.replace(select, session_id=session[:MAX_ID])  # the reference's header
+        self.service.counters.phases["parse"].observe(time.perf_counter() - started)
         return select
 
     async def _select_route(self, request: web.Request, *, reserve: bool) -> web.Response:
         started = time.perf_counter()
-        select = self.select_request(await request.read(), request.headers.get(SESSION_HEADER))
-        phases = self.service.counters.phases
-        phases["parse"].observe(time.perf_counter() - started)
+        select = self.select_request(await request.read(), request.headers.get(SESSION_HEADER), started)
         result = await self.service.select_or_wait(select, reserve=reserve, gone=client_gone(request))  # queue.py
-        serialising = time.perf_counter()
-        payload, gateway = self.select_payload(result, select)
+        payload, gateway = self.select_payload(result, select, started)
         if self._json_headers[0] is not self.service._index_headers:
             headers = CIMultiDict(self.service._index_headers)
             headers[hdrs.CONTENT_TYPE] = JSON
@@ -384,9 +391,6 @@ class Routes:
         response = web.Response(body=payload, headers=self._json_headers[1])  # aiohttp copies the headers
         if gateway is not None:
             response.headers[GATEWAY_HEADER] = gateway
-        done = time.perf_counter()
-        phases["serialise"].observe(done - serialising)
-        phases["total"].observe(done - started)
         return response
 
     async def _h_select(self, request: web.Request) -> web.Response:

@@ -162,7 +162,10 @@ def test_trust_states_and_a_wrong_block_size_end_to_end(trusted: Running, wait_u
     trusted.ok("POST", "/unregister", {"instance_id": 2, "model_name": MODEL})
     wrong = {"instance_id": 2, "endpoint": two.events[0], "model_name": "bs32", "block_size": 2 * BLOCK}
     trusted.ok("POST", "/register", {**wrong, "http_endpoint": two.http})
-    wait_until(lambda: after_events(trusted, "bs32", lambda: listener(trusted, 2).get("trust")) == "misconfigured")
+    wait_until(
+        lambda: after_events(trusted, "bs32", lambda: listener(trusted, 2).get("trust")) == "misconfigured",
+        timeout=20,
+    )
     problem = listener(trusted, 2)["problems"]["block_size"]
     assert f"worker 2:0 sends KV blocks of {BLOCK} tokens, registered with block_size {2 * BLOCK}" in problem
     events = trusted.ok("GET", "/events?since=0")["events"]
@@ -183,7 +186,10 @@ def test_trust_states_and_a_wrong_block_size_end_to_end(trusted: Running, wait_u
             "http_endpoint": one.http,
         },
     )
-    wait_until(lambda: after_events(trusted, MODEL, lambda: listener(trusted, 1).get("last_id")) is not None)
+    wait_until(
+        lambda: after_events(trusted, MODEL, lambda: listener(trusted, 1).get("last_id")) is not None,
+        timeout=20,
+    )
     request = urllib.request.Request(
         one.http + "/faults", data=b'{"drop_batches": 1}', method="POST", headers={"Content-Type": "application/json"}
     )
@@ -218,7 +224,10 @@ def test_a_wrong_format_and_a_wrong_rank_are_named_end_to_end(trusted: Running, 
     trusted.call("POST", "/unregister", {"instance_id": 2, "model_name": MODEL})
     common = {"instance_id": 2, "endpoint": two.events[0], "block_size": BLOCK, "http_endpoint": two.http}
     trusted.ok("POST", "/register", {**common, "model_name": "fmt", "format": "kvrouter"})
-    wait_until(lambda: "bad_frames" in after_events(trusted, "fmt", lambda: listener(trusted, 2).get("problems", {})))
+    wait_until(
+        lambda: "bad_frames" in after_events(trusted, "fmt", lambda: listener(trusted, 2).get("problems", {})),
+        timeout=20,
+    )
     problem = listener(trusted, 2)["problems"]["bad_frames"]
     assert "do not decode as kvrouter" in problem
     assert "they decode as vllm: register it with format 'vllm'" in problem
@@ -229,5 +238,5 @@ def test_a_wrong_format_and_a_wrong_rank_are_named_end_to_end(trusted: Running, 
         (found,) = [r for r in trusted.ok("GET", "/workers") if r["instance_id"] == 2]
         return dict(found["listeners"]["1"].get("problems") or {})
 
-    wait_until(lambda: "wrong_rank" in after_events(trusted, "rank", wrong_rank))
+    wait_until(lambda: "wrong_rank" in after_events(trusted, "rank", wrong_rank), timeout=20)
     assert f"dp rank 0's events arrive on {two.events[0]}, the port of worker 2:1" in wrong_rank()["wrong_rank"]

@@ -1421,12 +1421,24 @@ def overlap_shards(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int, out: C
     """``query_shards`` with the answer dense: ``out[tier, bit_slots[k * rows + bit]] = depth`` for every bit
     of an asked shard that holds a block (bits whose slot is -1 skipped); ``out`` is ``[ntiers, slots]``,
     zeroed by the caller. Returns how many asked shards failed (their status says why)."""
+    return _overlap_shards(ctx, local, ntiers, out, out[0, :0])[0]  # an empty view: notes nothing
+
+
+@_inlined
+def _overlap_shards(
+    ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int, out: Counts, written: Counts
+) -> tuple[int, int]:
+    """``overlap_shards``, also noting in ``written`` the slot of every column written (one entry per
+    slot: its slowest tier is written whenever a faster one is, the masks being cumulative), so a caller
+    keeping ``out`` can zero those columns again instead of all of it. Returns ``(failed shards, entries
+    noted)``; -1 entries when ``written`` was too short (the caller zeroes all of ``out``). An empty
+    ``written`` notes nothing. Inlined into the router's decision (``routing/_kernels.py``)."""
     shards, rows = ctx[CTX_SHARDS], ctx[CTX_ROWS]
     control = _table(ctx, CTX_CONTROL)
     state = carray(_counts_at(ctx[CTX_STATE]), (max(shards, 1), 3))
     bit_slots = carray(_counts_at(ctx[CTX_BIT_SLOTS]), (shards * rows,))
     work, scratch = _buffers(ctx, local.size, ntiers)
-    failed = 0
+    failed = noted = 0
     for shard in range(shards):  # hot path: one walk per shard, no Python step between
         if state[shard, ASK] == 0:
             continue
@@ -1449,7 +1461,13 @@ def overlap_shards(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int, out: C
                     slot = bit_slots[first + bit]
                     if slot >= 0:
                         out[tier, slot] = scores[tier, bit]
-    return failed
+                        if tier == ntiers - 1 and written.size and noted >= 0:
+                            if noted < written.size:
+                                written[noted] = slot
+                                noted += 1
+                            else:
+                                noted = -1
+    return failed, noted
 
 
 @_kernel

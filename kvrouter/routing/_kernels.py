@@ -26,7 +26,7 @@ from numba.np.numpy_support import carray
 
 from ..hashing._xxh3 import chain_hashes
 from ..hashing.blocks import XXH3_SEED
-from ..index._kernels import _counts_at, _floats_at, _words_at, overlap_shards  # the reader's pointer intrinsics
+from ..index._kernels import _counts_at, _floats_at, _overlap_shards, _words_at  # the reader's intrinsics
 from . import _active
 
 __all__ = ["BOUND_WORDS", "COLUMNS", "NPARAMS", "cost_and_choose", "decide", "decide_on_shards", "sample"]
@@ -82,10 +82,16 @@ SAMPLE: Final = -2
 # dispatcher types and unboxes every array argument, 1.4 µs a call for the dozen a decision reads; one
 # context array costs a tenth of that. The router rebinds an entry whenever it, or its slot manager,
 # replaces that array, before the next call (``router.py``), so no address outlives its array.
-B_SEQS, B_CANDIDATES, B_LOADS, B_WORK, B_HOLDERS, B_SCRATCH, B_CAPACITIES, B_PARAMS, B_OUT, B_TIES, B_TRUST = range(
-    0, 33, 3
-)
-BOUND_WORDS: Final = 33
+B_SEQS, B_CANDIDATES, B_LOADS, B_WORK, B_HOLDERS, B_SCRATCH, B_CAPACITIES, B_PARAMS, B_OUT, B_TIES = range(0, 30, 3)
+B_TRUST: Final = 30
+B_WRITTEN: Final = 33
+BOUND_WORDS: Final = 36
+WRITTEN_COUNT: Final = B_WRITTEN + 2
+"""``B_WRITTEN`` names a vector, so its third word holds instead how many of its entries the last
+:func:`decide_on_shards` noted: the slots whose columns of ``overlaps`` it wrote, which the next call
+zeroes again before its walk; -1 when not known (all of ``overlaps`` is zeroed then). At 1,024 workers
+zeroing the whole ``(4, slots)`` array was 32 KB of stores per decision, for the 16 columns a walk
+writes."""
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -198,12 +204,24 @@ def decide_on_shards(
 ) -> tuple[int, int, int, int, int]:
     """The shared-memory index's walk over every shard into ``overlaps`` (``index/_kernels.overlap_shards``,
     on the reader's context ``ctx``), then :func:`decide`: a whole decision in one call
-    (``IndexReader.overlaps_and``). Returns ``(failed shards, head, skip, count, device)``; with failed
-    shards the decision saw a partial answer and the caller decides again once the reader mended it."""
-    overlaps[:] = 0
-    failed = overlap_shards(ctx, local, ntiers, overlaps)
+    (``IndexReader.overlaps_and``). ``overlaps`` keeps the last decision's answer until the next call
+    zeroes the columns it wrote (``WRITTEN_COUNT``). Returns ``(failed shards, head, skip, count,
+    device)``; with failed shards nothing is decided: the caller decides once the reader mended the
+    answer (with walks that note nothing, so the next call zeroes all of ``overlaps``)."""
+    written = _vector(bound, B_WRITTEN)
+    noted = bound[WRITTEN_COUNT]
+    if noted < 0:
+        overlaps[:] = 0
+    for j in range(noted):
+        for tier in range(overlaps.shape[0]):
+            overlaps[tier, written[j]] = 0
+    failed, noted = _overlap_shards(ctx, local, ntiers, overlaps, written)
+    if failed:
+        bound[WRITTEN_COUNT] = -1
+        return failed, 0, 0, 0, 0
+    bound[WRITTEN_COUNT] = noted
     head, skip, count, device = decide(local, overlaps, bound, isl, age, explain)
-    return failed, head, skip, count, device
+    return 0, head, skip, count, device
 
 
 Weights = tuple[float, float, float, float, float, float, float, float, float, float, float, float, float, float]
@@ -260,12 +278,14 @@ def _terms(
     if decay_w != 0.0 and track_prefill != 0.0:
         queued = max(0, active - least)
         decay = 1.0 / (1.0 + decay_w * queued / block / request_blocks)
-    credit = (
-        credit_w * decay * device
-        + host_w * max(0, host - device)
-        + disk_w * max(0, disk - host)
-        + shared_w * max(0, shared - disk)
-    )
+    credit = 0.0  # what the sum below gives for a worker holding nothing, every weight being finite and >= 0
+    if device != 0 or host != 0 or disk != 0 or shared != 0:  # most workers of a large fleet hold nothing
+        credit = (
+            credit_w * decay * device
+            + host_w * max(0, host - device)
+            + disk_w * max(0, disk - host)
+            + shared_w * max(0, shared - disk)
+        )
     if trust != 1.0:
         credit *= trust
     adjusted = raw - credit
@@ -330,9 +350,9 @@ def cost_and_choose(
         params: the ``P_*`` scalars.
         out: ``(COLUMNS, len(candidates))``, written: a row per term, so a decision over thousands of
             candidates writes contiguous rows, not a cache line per candidate. Every candidate gets its
-            ``C_BUSY`` and ``C_TOTAL``; the other terms only ``head`` and ``ties[:count]`` at temperature
-            0 unless ``explain`` (what the caller reads): at 1,024 candidates the stores of every term
-            were half the decision.
+            ``C_TOTAL``, and its ``C_BUSY`` when a busy threshold is set or every term is written; the
+            other terms only ``head`` and ``ties[:count]`` at temperature 0 unless ``explain`` (what the
+            caller reads): at 1,024 candidates the stores of every term were half the decision.
         ties: ``len(candidates)`` scratch; at temperature 0, ``ties[:count]`` are the candidates (positions)
             tied with ``head`` after it, in order.
         trust: per slot, the credit factor (1 unless the slot's worker is marked untrusted); empty when
@@ -351,26 +371,38 @@ def cost_and_choose(
     decode_limit = params[P_DECODE_LIMIT]
     prefill_limit = params[P_PREFILL_LIMIT]
     has_capacity = capacities.size > 0 and not math.isnan(decode_limit)
+    limited = has_capacity or not math.isnan(prefill_limit)
+    every = explain or params[P_TEMPERATURE] != 0.0
     decay_now = 0.0
     if params[P_WORK_WEIGHT] != 0.0:  # one factor for every slot: the work is kept scaled to one epoch
         decay_now = math.exp(-max(0.0, params[P_WORK_AGE]) / params[P_WORK_WINDOW])
     least = np.iinfo(np.int64).max
-    eligible = 0
+    eligible = k
     recent_sum = 0.0
-    for i in range(k):
-        slot = candidates[i]
-        decode_busy = has_capacity and capacities[i] != 0.0 and blocks[slot] > decode_limit * capacities[i]
-        busy = decode_busy or (not math.isnan(prefill_limit) and prefill[slot] > prefill_limit)
-        out[C_BUSY, i] = 1.0 if busy else 0.0
-        if not busy:
-            eligible += 1
-            recent_sum += work[slot] * decay_now
-            if prefill[slot] < least:
-                least = prefill[slot]
+    if limited:
+        eligible = 0
+        for i in range(k):
+            slot = candidates[i]
+            decode_busy = has_capacity and capacities[i] != 0.0 and blocks[slot] > decode_limit * capacities[i]
+            busy = decode_busy or (not math.isnan(prefill_limit) and prefill[slot] > prefill_limit)
+            out[C_BUSY, i] = 1.0 if busy else 0.0
+            if not busy:
+                eligible += 1
+                recent_sum += work[slot] * decay_now
+                if prefill[slot] < least:
+                    least = prefill[slot]
+    else:  # no threshold: every candidate is eligible; the busy row is written only for whoever reads it
+        if every:
+            out[C_BUSY, :] = 0.0
+        if params[P_WORK_WEIGHT] != 0.0 or (params[P_DECAY] != 0.0 and params[P_TRACK_PREFILL] != 0.0):
+            for i in range(k):  # the mean recent work and the least queued prefill, when a term reads them
+                slot = candidates[i]
+                recent_sum += work[slot] * decay_now
+                if prefill[slot] < least:
+                    least = prefill[slot]
     if eligible == 0:
         return NO_WORKER, 0, 0
     mean_recent = recent_sum / eligible
-    every = explain or params[P_TEMPERATURE] != 0.0
     weigh = trust.size > 0  # empty unless some candidate's credit is weighted down: no load per candidate then
     weights = _weights(params)
     work_weight = params[P_WORK_WEIGHT]
@@ -397,7 +429,7 @@ def cost_and_choose(
             _fill(out, i, terms)
         else:
             out[C_TOTAL, i] = total
-        if out[C_BUSY, i] != 0.0:
+        if limited and out[C_BUSY, i] != 0.0:
             continue
         if head < 0:
             head, best, draws, skip, count = i, total, 1, 1, 0

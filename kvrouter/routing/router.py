@@ -163,7 +163,9 @@ class Router:
         self._seqs = np.empty(64, dtype=np.uint64)
         """The last prompt's sequence hashes, written by the decision kernel (grown to the longest prompt)."""
         self._overlaps = np.zeros((NTIERS, 0), dtype=np.int64)
-        """The index's answer, written by the decision kernel (sized to the numbering)."""
+        self._written = np.empty(0, dtype=np.int64)
+        """The index's answer, written by the decision kernel, and the slots whose columns it wrote, zeroed by
+        the next decision (both sized to the numbering)."""
         self._out = np.empty((kernels.COLUMNS, 0), dtype=np.float64)
         self._ties = np.empty(0, dtype=np.int64)
         """The kernel's outputs, sized to the candidates."""
@@ -329,6 +331,7 @@ class Router:
         slots.ready()
         if self._overlaps.shape[1] != len(slots.numbering):
             self._overlaps = np.zeros((NTIERS, len(slots.numbering)), dtype=np.int64)
+            self._written = np.empty(len(slots.numbering), dtype=np.int64)
         self._fill_trust()  # sized to the numbering too
         for entry, array in (
             (kernels.B_SEQS, self._seqs),
@@ -342,8 +345,10 @@ class Router:
             (kernels.B_OUT, self._out),
             (kernels.B_TIES, self._ties),
             (kernels.B_TRUST, self._trust),
+            (kernels.B_WRITTEN, self._written),
         ):
             self._bind(entry, array)
+        self._bound[kernels.WRITTEN_COUNT] = -1  # not known: the next decision zeroes all of the overlaps
         self._stamp = (slots.numbering.version, slots.generation)
 
     def _bind(self, entry: int, array: npt.NDArray[Any]) -> None:

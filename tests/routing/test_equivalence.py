@@ -307,3 +307,33 @@ def test_the_fast_router_on_the_engine_decides_as_the_oracle(
         engine.remove_worker(worker_id)
     engine.flush()  # each example starts from an empty index
     run_stream(config, seed, None, stream, fast_index=engine)
+
+
+def test_each_decision_on_the_engine_sees_its_own_prompts_overlaps_only(engine: Engine) -> None:
+    """The decision kernel keeps the last answer in its overlaps array and zeroes only the columns it wrote:
+    a worker that held the last prompt and holds none of this one must count 0 again."""
+    for worker_id in WORKER_IDS:
+        engine.remove_worker(worker_id)
+    held = {(1, 0): [0, 0, 0, 0], (2, 0): [1, 1, 1], (3, 1): [2, 2]}
+    for worker, path in held.items():
+        store(engine, worker, StorageTier.DEVICE, path)
+    store(engine, (3, 1), StorageTier.HOST, [2, 2, 2, 2])
+    engine.flush()
+    fleet = (*held, (4, 0))
+    router = Router(block_size=B, seed=1)
+    for path in ([0, 0, 0, 0], [1, 1, 1, 1], [2, 2, 2, 2], [0, 0, 0, 0], [4, 4], [2, 2, 0, 0]):
+        selection = router.select(engine, fleet, tokens=prompt_tokens(path, 0), explain=True)
+        assert selection.explanation is not None
+        seen = {row.worker: (row.overlap.device, row.overlap.host) for row in selection.explanation}
+        expected = {
+            worker: (_leading(held.get(worker, []), path), _leading([2, 2, 2, 2] if worker == (3, 1) else [], path))
+            for worker in fleet
+        }
+        assert seen == {w: (d, max(d, h)) for w, (d, h) in expected.items()}, path
+
+
+def _leading(held: Sequence[int], path: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(held), len(path)) and held[n] == path[n]:
+        n += 1
+    return n

@@ -221,8 +221,8 @@ class IndexReader:
         """:meth:`overlaps` into ``out`` and the caller's work on it in one compiled call: ``kernel(ctx,
         local, ntiers, out, *args)`` must start with ``failed = overlap_shards(ctx, local, ntiers, out)``
         (which zeroes nothing: the kernel zeroes ``out`` first, or the columns it knows the last call
-        wrote) and return a tuple starting with ``failed``. The router's decision is such a kernel: one call and one dispatch where two cost
-        twice the fixed price (``routing/_kernels.py``).
+        wrote) and return a tuple starting with ``failed``. The router's decision is such a kernel: one
+        call and one dispatch where two cost twice the fixed price (``routing/_kernels.py``).
 
         Returns:
             The kernel's tuple, and whether shards failed and were mended into ``out`` afterwards (the

@@ -105,18 +105,42 @@ class DecisionRecord:
         return explanation(self.keys, self.overlaps, self.terms, self.head, self.temperature)
 
 
-@dataclass(slots=True)
 class Selection:
     """The chosen worker, its device overlap and cost, and (when asked) every candidate's explanation or
-    a record to explain later. Not frozen, as ``Cost``: one is built on every decision; treat it as read
-    only."""
+    a record to explain later. Read only.
 
-    worker: WorkerKey
-    overlap_blocks: int
-    cost: Cost
-    isl_tokens: int
-    explanation: tuple[WorkerExplanation, ...] | None = None
-    record: DecisionRecord | None = None
+    ``cost`` is the chosen worker's :class:`Cost`, or the decision kernel's column of its terms
+    (``_kernels.C_*`` order), made a ``Cost`` when first read: building it took a microsecond, a tenth of
+    a decision at 16 workers, and a caller that only routes (the simulator, the proxy) never reads it."""
+
+    __slots__ = ("_cost", "_terms", "explanation", "isl_tokens", "overlap_blocks", "record", "worker")
+
+    def __init__(
+        self,
+        worker: WorkerKey,
+        overlap_blocks: int,
+        cost: Cost | list[float],
+        isl_tokens: int,
+        explanation: tuple[WorkerExplanation, ...] | None = None,
+        record: DecisionRecord | None = None,
+    ) -> None:
+        self.worker = worker
+        self.overlap_blocks = overlap_blocks
+        self._cost: Cost | None = cost if isinstance(cost, Cost) else None
+        self._terms: list[float] | None = None if isinstance(cost, Cost) else cost
+        self.isl_tokens = isl_tokens
+        self.explanation = explanation
+        self.record = record
+
+    @property
+    def cost(self) -> Cost:
+        if self._cost is None:
+            assert self._terms is not None
+            self._cost = _cost(self._terms)
+        return self._cost
+
+    def __repr__(self) -> str:
+        return f"Selection(worker={self.worker!r}, overlap_blocks={self.overlap_blocks}, cost={self.cost!r})"
 
 
 class Router:
@@ -169,6 +193,8 @@ class Router:
         self._out = np.empty((kernels.COLUMNS, 0), dtype=np.float64)
         self._ties = np.empty(0, dtype=np.int64)
         """The kernel's outputs, sized to the candidates."""
+        self._columns = self._out.T
+        """``_out`` by candidate, so a candidate's terms are a row (its ``tolist`` is quicker than a column's)."""
         self._bound = np.zeros(kernels.BOUND_WORDS, dtype=np.int64)
         """The decision kernel's view of the arrays above and the slot manager's, by address (``B_*``)."""
         self._stamp = (-1, -1)
@@ -289,8 +315,8 @@ class Router:
             device = overlaps.item(0, self._candidates.item(head))
         else:  # the oracle's reservoir pass (``selection.choose``) over the kernel's ties, drawing as often
             draw = self.rng.random
-            for _ in range(skip):
-                draw()
+            if skip:  # draws that cannot matter: each takes two 32-bit words, as getrandbits(64) does
+                self.rng.getrandbits(64 * skip)
             if count:
                 ties = self._ties
                 for j in range(count):
@@ -308,7 +334,7 @@ class Router:
         held = overlaps[:, self._candidates] if terms else None
         kept = DecisionRecord(keys, out.copy(), held, head, temperature) if record and held is not None else None
         explained = explanation(keys, held, out, head, temperature) if explain and held is not None else None
-        return Selection(chosen, device, _cost(out[:, head]), isl, explained, kept)
+        return Selection(chosen, device, self._columns[head].tolist(), isl, explained, kept)
 
     def _take(self, workers: Iterable[WorkerKey]) -> None:
         """Make ``workers`` the candidates: deduplicated in order, slotted (assigned on first sight), bound.
@@ -320,6 +346,7 @@ class Router:
         self._bind(kernels.B_CANDIDATES, self._candidates)
         if len(self._ties) != len(keys):
             self._out = np.empty((kernels.COLUMNS, len(keys)), dtype=np.float64)
+            self._columns = self._out.T
             self._ties = np.empty(len(keys), dtype=np.int64)
             self._bind(kernels.B_OUT, self._out)
             self._bind(kernels.B_TIES, self._ties)
@@ -385,8 +412,9 @@ def explanation(
     chance = [0.0] * len(keys)
     for position, p in zip(eligible, probabilities(totals, temperature), strict=True):
         chance[position] = p
+    columns = out.T.tolist()
     return tuple(
-        WorkerExplanation(keys[i], _overlap(overlaps, i), _cost(out[:, i]), chance[i], i == head, bool(busy[i]))
+        WorkerExplanation(keys[i], _overlap(overlaps, i), _cost(columns[i]), chance[i], i == head, bool(busy[i]))
         for i in range(len(keys))
     )
 
@@ -427,6 +455,6 @@ def _overlap(overlaps: npt.NDArray[np.int64], slot: int) -> Overlap:
     return Overlap(device, host, disk, shared)
 
 
-def _cost(row: npt.NDArray[np.float64]) -> Cost:
-    raw, credit, adjusted, prefill_cost, decode, request_cost, total, _, work_factor = row.tolist()
+def _cost(terms: list[float]) -> Cost:
+    raw, credit, adjusted, prefill_cost, decode, request_cost, total, _, work_factor = terms
     return Cost(raw, credit, adjusted, prefill_cost, int(decode), request_cost, total, work_factor)

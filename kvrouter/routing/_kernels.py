@@ -413,7 +413,7 @@ def cost_and_choose(
     best = 0.0
     draws = skip = count = 0
     for i in range(k):
-        slot = candidates[i]
+        slot = np.uint64(candidates[i])  # unsigned: numba then indexes without a negative-index wrap
         terms = _terms(
             (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot]),
             (prefill[slot], requests[slot], blocks[slot], leading[slot]),

@@ -178,6 +178,9 @@ class Router:
             clock=clock,
         )
         self._params = _params(self.config, block_size, self.slots)
+        self._approximate = not self.config.use_kv_events
+        """Decisions are written into the index (``use_kv_events=False``); the config is read once, as
+        ``_params`` reads it."""
         self._last_workers: tuple[WorkerKey, ...] | None = None
         """The last candidate tuple seen, kept with its deduplicated keys and slots: a caller passing the
         same tuple each time (the fleet) pays for the keys -> slots conversion once."""
@@ -283,7 +286,8 @@ class Router:
         if len(self._seqs) < n:
             self._seqs = np.empty(max(n, 2 * len(self._seqs)), dtype=np.uint64)
             self._bind(kernels.B_SEQS, self._seqs)
-        if (slots.numbering.version, slots.generation) != self._stamp:
+        numbering = slots.numbering
+        if numbering.version != self._stamp[0] or slots.generation != self._stamp[1]:
             self._rebind()
         capacity = None
         if capacities and self.config.active_decode_blocks_threshold is not None:
@@ -296,10 +300,10 @@ class Router:
             if fused is not None and n:
                 overlaps = self._overlaps
                 (_, head, skip, count, device), again = fused(
-                    kernels.decide_on_shards, local, slots.numbering, NTIERS, overlaps, self._bound, isl, age, terms
+                    kernels.decide_on_shards, local, numbering, NTIERS, overlaps, self._bound, isl, age, terms
                 )  # again: a shard answered late, so decide on the whole, mended answer
             else:
-                overlaps = self._overlaps_of(index, local, slots.numbering)
+                overlaps = self._overlaps_of(index, local, numbering)
                 again = True
             if again:
                 head, skip, count, device = kernels.decide(local, overlaps, self._bound, isl, age, terms)
@@ -314,10 +318,11 @@ class Router:
             head = kernels.sample(out, self.config.router_temperature, u, self._ties, np.empty(len(keys)))
             device = overlaps.item(0, self._candidates.item(head))
         else:  # the oracle's reservoir pass (``selection.choose``) over the kernel's ties, drawing as often
-            draw = self.rng.random
+            rng = self.rng
             if skip:  # draws that cannot matter: each takes two 32-bit words, as getrandbits(64) does
-                self.rng.getrandbits(64 * skip)
+                rng.getrandbits(64 * skip)
             if count:
+                draw = rng.random
                 ties = self._ties
                 for j in range(count):
                     if draw() * (j + 2) < 1.0:
@@ -326,14 +331,16 @@ class Router:
         chosen = keys[head]
         if request_id is not None:
             slots.add_request(request_id, chosen, self._seqs[:n], isl, device)
-        if not self.config.use_kv_events:
+        if self._approximate:
             if not isinstance(index, ApproxIndex):
                 raise ConfigError("use_kv_events=False needs an ApproxIndex to record decisions in")
             index.record_routing(chosen, local.tolist())
-        temperature = self.config.router_temperature
-        held = overlaps[:, self._candidates] if terms else None
-        kept = DecisionRecord(keys, out.copy(), held, head, temperature) if record and held is not None else None
-        explained = explanation(keys, held, out, head, temperature) if explain and held is not None else None
+        kept = explained = None
+        if terms:
+            temperature = self.config.router_temperature
+            held = overlaps[:, self._candidates]
+            kept = DecisionRecord(keys, out.copy(), held, head, temperature) if record else None
+            explained = explanation(keys, held, out, head, temperature) if explain else None
         return Selection(chosen, device, self._columns[head].tolist(), isl, explained, kept)
 
     def _take(self, workers: Iterable[WorkerKey]) -> None:

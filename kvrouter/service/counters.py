@@ -22,6 +22,9 @@ tokens hashed to blocks; the decision (``Router.select``: index walk, costs, cho
 and encoded; and all of it, from the body read to the encoded answer."""
 REUSE_FIELDS: Final = ("reports", "exact", "over", "under", "predicted_tokens", "actual_tokens")
 """``ServiceCounters.reuse``'s per-worker figures, in order (``accuracy.py``)."""
+_SUMMED: Final = ("decisions", "reservations", "overlap_blocks", "prompt_blocks", "overloaded", "no_worker",
+                  "expired_reservations", "connections", "handovers")  # fmt: skip
+"""The plain integer counts :meth:`ServiceCounters.add` sums."""
 SHADOW_FIELDS: Final = ("decisions", "agreements", "overlap_blocks", "live_overlap_blocks", "cost", "live_cost")
 """``ServiceCounters.shadow``'s per-policy sums, in order (``shadow.py``): ``cost`` and ``live_cost`` over the
 decisions whose shadow pick was a live candidate."""
@@ -125,11 +128,8 @@ class ServiceCounters:
 
     def add(self, other: ServiceCounters) -> None:
         """Add ``other``'s counts to these (every figure here is a sum over decisions or requests)."""
-        for name in ("decisions", "reservations", "overlap_blocks", "prompt_blocks", "overloaded", "no_worker"):
+        for name in _SUMMED:
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.expired_reservations += other.expired_reservations
-        self.connections += other.connections
-        self.handovers += other.handovers
         _add(self.selections, other.selections)
         _add(self.http_requests, other.http_requests)
         _add(self.http_errors, other.http_errors)

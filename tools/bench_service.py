@@ -20,7 +20,11 @@ so both are known to route on the same index content.
 
 Load: ``wrk`` (``tools/install_wrk.sh`` installs it from the system's packages), one thread, a Lua script
 cycling the 200 ``/select`` bodies (``{"model_name", "token_ids"}``, 5-6 KB each), at 1, 8 and 64
-connections for ``--seconds`` each, the two servers alternating point by point after a warm-up. wrk is
+connections for ``--seconds`` each, the two servers alternating point by point after a warm-up; the
+concurrency-8 point, the ratios', is measured in ``--rounds`` rounds (5), the side that goes first
+alternating from round to round. Why rounds: on this 2-core VM one 10 s point's p99 of the same build
+ranged from 1.6 to 4.1 ms in consecutive runs (the VM's speed shifts within minutes), so one pair of
+points decided the ratio by chance more than by the servers. wrk is
 C and its thread's CPU time is measured (``wait4`` rusage): it is reported beside each point, so a
 generator near one full core would show. Per point: requests/s, p50 and p99 latency (wrk's own
 histogram), server CPU per request (the server's process and children, from ``/proc``), errors.
@@ -42,8 +46,11 @@ against a ROUTER that answers at once (``_zmq_echo`` mode): that ceiling, far ab
 figures, shows the generator is not what limits them. The reference has no fast path: no ratio.
 
 Ratios (> 1: kvrouter better), at concurrency 8: ``select_throughput`` = kvrouter ÷ reference requests/s,
-``select_p99`` = reference ÷ kvrouter p99. Goal ≥ 1 on both (issue 11). ``--quick`` is a smoke test for
-the test suite (32 prompts, 1 s points, no timing meaning). The default run takes about 2 minutes.
+``select_p99`` = reference ÷ kvrouter p99, each the median over the rounds of the ratio within a round
+(the two sides of a round ran seconds apart); the table's concurrency-8 rows are each side's medians,
+and the rounds are listed under it. Goal ≥ 1 on both (issue 11). ``--quick`` is a smoke test for
+the test suite (32 prompts, 1 s points, no timing meaning). The default run takes about 3
+minutes.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -88,6 +96,7 @@ CONCURRENCY: Final = (1, 8, 64)
 RATIO_CONCURRENCY: Final = 8
 SECONDS: Final = 10.0
 WARMUP_SECONDS: Final = 3.0
+ROUNDS: Final = 5
 QUICK: Final = {"seconds": 1.0, "warmup": 0.5, "bodies": 32}
 MODEL: Final = "bench"
 VERIFY_SAMPLES: Final = 8
@@ -654,7 +663,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     script = folder / "select.lua"
     script.write_text(LUA % {"bodies": bodies})
     publishers = Publishers(WORKERS)
-    points: dict[str, dict[int, dict[str, Any]]] = {side: {} for side in args.sides}
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {side: {} for side in args.sides}
     fast: dict[int, dict[str, Any]] = {}
     ceiling: dict[str, Any] = {}
     breakdown: dict[str, float] = {}
@@ -674,29 +683,35 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                 ceiling = echo_ceiling(bodies, min(args.seconds, 3.0))
                 run_zmq(kvrouter.zmq, bodies, RATIO_CONCURRENCY, args.warmup, kvrouter)
             for connections in sorted({*args.concurrency, *args.fastpath_concurrency}):
-                for server in started:
-                    if connections not in args.concurrency:
-                        continue
-                    ours = server.name == "kvrouter" and connections == RATIO_CONCURRENCY
-                    before = scrape(server) if ours else {}
-                    points[server.name][connections] = run_wrk(server, script, connections, args.seconds)
-                    if ours:
-                        breakdown = phases(before, scrape(server))
+                if connections in args.concurrency:
+                    rounds = args.rounds if connections == RATIO_CONCURRENCY else 1
+                    ours = kvrouter is not None and connections == RATIO_CONCURRENCY
+                    before = scrape(kvrouter) if ours and kvrouter is not None else {}
+                    for turn in range(rounds):  # who goes first alternates: neither side always follows the other
+                        for server in started if turn % 2 == 0 else started[::-1]:
+                            runs[server.name].setdefault(connections, []).append(
+                                run_wrk(server, script, connections, args.seconds)
+                            )
+                    if ours and kvrouter is not None:
+                        breakdown = phases(before, scrape(kvrouter))
                 if kvrouter is not None and kvrouter.zmq is not None and connections in args.fastpath_concurrency:
                     fast[connections] = run_zmq(
                         kvrouter.zmq, bodies, connections, args.seconds, kvrouter, args.fastpath_tokens
                     )
     finally:
         publishers.close()
-    ours, theirs = (points.get(side, {}).get(RATIO_CONCURRENCY) for side in ("kvrouter", "reference"))
+    points = {name: {c: median_point(rs) for c, rs in by_c.items()} for name, by_c in runs.items()}
+    ours_runs, theirs_runs = (runs.get(side, {}).get(RATIO_CONCURRENCY) for side in ("kvrouter", "reference"))
     ratios = {}
-    if ours and theirs:
+    if ours_runs and theirs_runs:  # paired by round: the two sides of a round ran a few seconds apart
+        pairs = list(zip(ours_runs, theirs_runs, strict=True))
         ratios = {
-            "select_throughput": ours["rps"] / theirs["rps"],
-            "select_p99": theirs["p99_ms"] / ours["p99_ms"],
+            "select_throughput": statistics.median(o["rps"] / t["rps"] for o, t in pairs),
+            "select_p99": statistics.median(t["p99_ms"] / o["p99_ms"] for o, t in pairs),
         }
     return {
         "points": {name: {str(c): p for c, p in by_c.items()} for name, by_c in points.items()},
+        "rounds": {name: list(by_c.get(RATIO_CONCURRENCY, [])) for name, by_c in runs.items()},
         "fastpath": {
             "points": {str(c): p for c, p in fast.items()},
             "generator": "python DEALER sockets (tools/bench_service.py _zmq_load), one process, one thread",
@@ -715,6 +730,18 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     }
 
 
+def median_point(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """One point from a point's rounds: the median of each figure, errors summed (a single round as it is)."""
+    if len(points) == 1:
+        return points[0]
+    merged: dict[str, Any] = {"connections": points[0]["connections"], "rounds": len(points)}
+    for key in ("rps", "p50_ms", "p99_ms", "server_cpu_us", "wrk_cpu_share", "wrk_cpu_us"):
+        merged[key] = statistics.median(p[key] for p in points)
+    merged["requests"] = sum(p["requests"] for p in points)
+    merged["errors"] = sum(p["errors"] for p in points)
+    return merged
+
+
 def print_table(result: dict[str, Any]) -> None:
     header = ("server", "conns", "req/s", "p50 ms", "p99 ms", "srv CPU µs/req", "wrk CPU", "errors")
     print("{:<10} {:>5} {:>9} {:>8} {:>8} {:>15} {:>8} {:>6}".format(*header))
@@ -724,6 +751,10 @@ def print_table(result: dict[str, Any]) -> None:
                 f"{name:<10} {c:>5} {p['rps']:>9.0f} {p['p50_ms']:>8.2f} {p['p99_ms']:>8.2f} "
                 f"{p['server_cpu_us']:>15.0f} {p['wrk_cpu_share']:>7.0%} {p['errors']:>6}"
             )
+    for name, rounds in result["rounds"].items():
+        if len(rounds) > 1:
+            figures = "; ".join(f"{p['rps']:.0f} req/s p99 {p['p99_ms']:.2f} ms" for p in rounds)
+            print(f"{name} at concurrency {RATIO_CONCURRENCY}, round by round (the row above: medians): {figures}")
     fast = result.get("fastpath") or {}
     for c, p in fast.get("points", {}).items():
         print(
@@ -775,6 +806,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=SECONDS, help="per measured point")
     parser.add_argument("--warmup", type=float, default=WARMUP_SECONDS, help="per server, at concurrency 8")
+    parser.add_argument(
+        "--rounds", type=int, default=ROUNDS, help="measured rounds of the concurrency-8 point (the ratios' median)"
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument(
         "--fastpath-concurrency",

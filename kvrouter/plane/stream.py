@@ -109,12 +109,18 @@ class Unit(NamedTuple):
 GUESS_FRAMES: Final = 8
 """Bad frames of a stream tried against the other formats, to name the one its worker sends."""
 TAIL_CHECK_S: Final = 2.0
-"""A vLLM / SGLang stream quiet this long after a batch asks the replay socket once for anything past its
-cursor. A gap shows only when a later batch arrives: the last batches before a silence (dropped at a full
-high-water mark, or published while a joining SUB was still connecting, after the join's replay had
-answered) would otherwise stay missing for as long as the engine stays silent. One replay round trip
-per quiet period and worker; the local indexers of kvrouter workers answer the same question only with a
-full dump, so they are not asked."""
+"""A stream quiet this long after a batch asks its recovery endpoint (the replay socket, or a kvrouter
+worker's local indexer) for anything past its cursor. A gap shows only when a later batch arrives: the
+last batches before a silence (dropped at a full high-water mark, published while a joining SUB was still
+connecting after the join's replay had answered, or published while the NATS relay was reconnecting)
+would otherwise stay missing for as long as the engine stays silent. A local indexer answers from its
+ring of recent events (an empty ``events`` reply when nothing is missing). While the stream stays quiet
+the question is asked again, the wait doubling up to ``TAIL_CHECK_MAX_S``: a loss after an answered
+check is found within that bound. The worker's trust state does not change while one is asked, and one
+that goes unanswered marks nothing lost."""
+TAIL_CHECK_MAX_S: Final = 64.0
+"""The longest quiet wait between two tail checks of one stream: a quiet fleet of 4,096 workers asks its
+engines about 64 questions a second in all [s]."""
 
 
 @dataclass(slots=True)
@@ -179,7 +185,10 @@ class Stream:
         self._buffer: dict[int, Unit] = {}
         self._retry_at: float | None = None
         self._tail_at: float | None = None
-        """When to ask the replay socket for what came after the cursor (``TAIL_CHECK_S``); None: not due."""
+        """When to ask the recovery endpoint for what came after the cursor (``TAIL_CHECK_S``); None: not due."""
+        self._tail_wait = TAIL_CHECK_S
+        """The quiet period before that question: doubled after each that found nothing, up to
+        ``TAIL_CHECK_MAX_S``, and back to ``TAIL_CHECK_S`` when a batch arrives."""
         self._events_seen = 0
         if writer.register(self.key) < 0:
             raise BadEvent(f"{self._where}: no free worker row in shard {writer.shard}")
@@ -344,7 +353,8 @@ class Stream:
 
     def _quiet_check(self, now: float) -> None:
         """Ask again for what follows the cursor once the stream has been quiet (``TAIL_CHECK_S``)."""
-        if self._recovery_endpoint is not None and self.spec.format != "kvrouter":
+        if self._recovery_endpoint is not None:
+            self._tail_wait = TAIL_CHECK_S
             self._tail_at = now + TAIL_CHECK_S
 
     def _restarted(self, why: str) -> None:
@@ -434,7 +444,8 @@ class Stream:
             client.request(start or 0)
         self._recovery = _Recovery(client, start, gap, now + self._config.recovery_timeout, tail=tail)
         self._watch(client.socket, self)
-        self._set_state(WORKER_RESTORING)
+        if not tail:  # a routine question, not a restore: routing keeps the worker's trust meanwhile
+            self._set_state(WORKER_RESTORING)
         log.info("recovery started %s from=%s endpoint=%s", self._where, start, self._recovery_endpoint)
 
     def _hold(self, unit: Unit, now: float) -> None:
@@ -507,6 +518,9 @@ class Stream:
                 recovery.missing = "a batch of the reply was unusable"
             else:
                 units.append(unit)
+        if recovery.tail and not recovery.gap and self._tail_lost(answer, units):
+            self._bump(W_GAPS_DETECTED)  # events the SUB never saw, and nothing after them told us
+            recovery.gap = True
         if answer.reply == "tree_dump":
             if self.cursor is not None and answer.last_event_id is not None and answer.last_event_id < self.cursor:
                 self._bump(W_RESTARTS)  # a dump behind our cursor: the worker restarted
@@ -540,26 +554,40 @@ class Stream:
                 self._apply(unit, recovered=True)
         self._finish(now)
 
+    def _tail_lost(self, answer: QueryReply, units: list[Unit]) -> bool:
+        """Whether a tail check's answer holds events past the cursor: a dump of a later history, or events
+        at or after the expected id."""
+        if answer.reply == "tree_dump":
+            return answer.last_event_id != self.cursor
+        expected = self._expected()
+        return any(unit.last >= expected for unit in units)
+
     def _finish(self, now: float, why: str | None = None) -> None:
         """End the recovery: account its gap, then apply the buffered live units in order."""
         recovery = self._recovery
         assert recovery is not None
         self._close_client(recovery)
         missing = why or recovery.missing
+        routine = recovery.tail and not recovery.gap  # a tail check that found nothing missing (or no answer)
         if recovery.gap:
             if missing is None:
                 self._bump(W_GAPS_RECOVERED)
                 log.info("gap recovered %s cursor=%s", self._where, self.cursor)
             else:
                 self._lose(missing)
-        elif why is not None:
+        elif why is not None and not routine:
             self._exact = False  # a restore that failed: the worker may hold blocks we never heard of
             log.warning("restore failed %s: %s; the worker is partial", self._where, why)
+        elif why is not None:
+            log.info("quiet-tail check unanswered %s: %s", self._where, why)  # nothing known lost
         self.joining = False
-        if why is not None and self.spec.format == "kvrouter":
+        if why is not None and self.spec.format == "kvrouter" and not routine:
             self._retry_at = now + self._config.restore_retry
-        if why is None and not recovery.tail:
-            self._quiet_check(now)  # a join's SUB may still have been connecting when its replay answered
+        if routine:  # ask again while the stream stays quiet, less and less often
+            self._tail_wait = min(2 * self._tail_wait, TAIL_CHECK_MAX_S)
+            self._tail_at = now + self._tail_wait
+        elif why is None:
+            self._quiet_check(now)  # a join's SUB may still have been connecting; a tail check found losses
         self._drain(now, can_recover=why is None, accounted=recovery.gap and missing is not None)
 
     def _close_client(self, recovery: _Recovery) -> None:

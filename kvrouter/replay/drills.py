@@ -35,8 +35,9 @@ The NATS drills run on a :class:`~kvrouter.replay.replicas.ReplicaStack` (two ``
   the peers, and KV events published meanwhile by the engines (on NATS in this stack) by the replicas'
   relays. Seen when every replica reported the connection lost; whole again when every replica has
   reconnected and re-synced (``/ready`` 200) and every event-id gap is settled. An engine's lost events
-  show as a gap only at its next event: a workload that ends inside the outage leaves them unseen, and
-  the drill then fails ``converged`` (the index lacks blocks the engine holds), as it should.
+  show as a gap at its next event, or, when the workload ends inside the outage, at the quiet-tail check
+  two seconds after its last relayed batch, which asks the engine's local indexer over ZMQ, not NATS
+  (``plane/stream.py``'s ``TAIL_CHECK_S``).
 - ``replica-kill``: the second replica and every process of it get SIGKILL (no drain, no goodbye), its
   leftovers in ``/dev/shm`` are swept, and it is started again on the same port, the engines registered
   on it; requests sent to it meanwhile fail (counted in ``errors``). It restores its index from the

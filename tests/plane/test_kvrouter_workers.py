@@ -17,6 +17,7 @@ from kvrouter import Engine, KvPublisher, RadixIndex
 from kvrouter.engine import WorkerStats
 from kvrouter.events.model import WorkerKey
 from kvrouter.plane import PlaneConfig, WorkerSpec
+from kvrouter.plane.stream import TAIL_CHECK_S
 
 BLOCK = 4
 WORKER = 5
@@ -136,6 +137,30 @@ def test_batches_lost_on_the_wire_are_recovered_by_query(publisher: KvPublisher,
             engine_.step(send=False)
         engine_.step()
         pump(publisher, caught_up(engine, publisher), "the recovery")
+        assert matches_truth(engine, publisher.index)
+        stats = worker(engine)
+        assert stats.gaps_detected - before.gaps_detected == 1
+        assert (stats.gaps_recovered - before.gaps_recovered, stats.gaps_lost, stats.state) == (1, 0, "exact")
+
+
+@pytest.mark.parametrize("dropped", [3, 40], ids=["in-ring", "older-than-ring"])
+def test_the_last_batches_before_a_silence_are_fetched_by_the_quiet_tail_check(publisher: KvPublisher, dropped: int):
+    """No later batch reveals these gaps: the stream, quiet for ``TAIL_CHECK_S``, asks the local indexer for
+    what follows its cursor (Events from the ring, or a TreeDump once the ring no longer reaches back), as
+    after a NATS relay's reconnection. A quiet stream that lost nothing is asked too, and nothing changes."""
+    engine_ = StepEngine(publisher, seed=4)
+    with Engine(shards=1) as engine:
+        engine.add_worker(spec_of(publisher))
+        pump(publisher, lambda: worker(engine).state == "exact", "the join")
+        engine_.step()
+        pump(publisher, caught_up(engine, publisher), "the first event")
+        quiet_until = time.monotonic() + TAIL_CHECK_S + 1.0
+        pump(publisher, lambda: time.monotonic() > quiet_until, "a quiet period with nothing lost")
+        before = worker(engine)
+        assert (before.gaps_detected, before.state) == (0, "exact")
+        for _ in range(dropped):
+            engine_.step(send=False)
+        pump(publisher, caught_up(engine, publisher), "the tail check")
         assert matches_truth(engine, publisher.index)
         stats = worker(engine)
         assert stats.gaps_detected - before.gaps_detected == 1

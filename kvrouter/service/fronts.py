@@ -443,14 +443,14 @@ class Fronts:
         transport.abort()  # the front has its own copy of the connection; this one closes without a word
         return True
 
-    def take_connections(self, factory: Callable[[], asyncio.Protocol]) -> None:
+    def take_connections(self, factory: Callable[[], asyncio.BaseProtocol]) -> None:
         """Another front: serve every connection front 0 deals it with a protocol from ``factory``."""
         assert self.spec is not None
         inbox = self._inbox = socket.socket(fileno=self.spec.connections)
         inbox.setblocking(False)
         asyncio.get_running_loop().add_reader(inbox.fileno(), self._arrive, factory)
 
-    def _arrive(self, factory: Callable[[], asyncio.Protocol]) -> None:
+    def _arrive(self, factory: Callable[[], asyncio.BaseProtocol]) -> None:
         inbox = self._inbox
         assert inbox is not None
         loop = asyncio.get_running_loop()

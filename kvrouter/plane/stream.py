@@ -116,8 +116,9 @@ connecting after the join's replay had answered, or published while the NATS rel
 would otherwise stay missing for as long as the engine stays silent. A local indexer answers from its
 ring of recent events (an empty ``events`` reply when nothing is missing). While the stream stays quiet
 the question is asked again, the wait doubling up to ``TAIL_CHECK_MAX_S``: a loss after an answered
-check is found within that bound. The worker's trust state does not change while one is asked, and one
-that goes unanswered marks nothing lost."""
+check is found within that bound. The worker's trust state does not change while one is asked, one that
+goes unanswered marks nothing lost, and one still unanswered when the next batch arrives in order is
+dropped: that batch is applied at once, not held behind the question."""
 TAIL_CHECK_MAX_S: Final = 64.0
 """The longest quiet wait between two tail checks of one stream: a quiet fleet of 4,096 workers asks its
 engines about 64 questions a second in all [s]."""
@@ -249,10 +250,19 @@ class Stream:
         unit = self._unit_of_live(frames)
         if unit is None:
             return
-        if self._recovery is not None:
+        recovery = self._recovery
+        if recovery is not None and recovery.tail and self._moot(recovery, unit):
+            self._close_client(recovery)  # the batch need not wait behind the question
+            recovery = None
+        if recovery is not None:
             self._hold(unit, now)
         else:
             self._arrive(unit, now)
+
+    def _moot(self, recovery: _Recovery, unit: Unit) -> bool:
+        """Whether a tail check in flight is moot once ``unit`` arrived: the stream is not quiet any more,
+        the check found nothing yet, and the batch follows the cursor (nothing before it went missing)."""
+        return not recovery.gap and not self._buffer and unit.first == self._expected()
 
     def _unit_of_live(self, frames: list[bytes]) -> Unit | None:
         if len(frames) != 3 or len(frames[1]) != 8:

@@ -167,6 +167,27 @@ def test_the_last_batches_before_a_silence_are_fetched_by_the_quiet_tail_check(p
         assert (stats.gaps_recovered - before.gaps_recovered, stats.gaps_lost, stats.state) == (1, 0, "exact")
 
 
+def test_a_batch_arriving_while_a_tail_check_goes_unanswered_is_applied_at_once(publisher: KvPublisher):
+    """The worker stops answering queries (nothing serves its query socket) and goes quiet, so the stream's
+    tail check waits for an answer; the next batch, in order, is applied without waiting for the check's
+    30 s timeout, and nothing is counted lost or partial."""
+    engine_ = StepEngine(publisher, seed=5)
+    with Engine(shards=1, plane=PlaneConfig(recovery_timeout=30.0)) as engine:
+        engine.add_worker(spec_of(publisher))
+        pump(publisher, lambda: worker(engine).state == "exact", "the join")
+        engine_.step()
+        pump(publisher, caught_up(engine, publisher), "the first event")
+        time.sleep(TAIL_CHECK_S + 0.5)  # the check is asked, and left unanswered
+        engine_.step()
+        deadline = time.monotonic() + 10.0
+        while not caught_up(engine, publisher)():
+            assert time.monotonic() < deadline, "the batch waited behind the unanswered tail check"
+            time.sleep(0.01)
+        assert matches_truth(engine, publisher.index)
+        stats = worker(engine)
+        assert (stats.gaps_detected, stats.gaps_lost, stats.state) == (0, 0, "exact")
+
+
 def test_an_engine_restart_is_a_fresh_worker_state(publisher: KvPublisher):
     engine_ = StepEngine(publisher, seed=3)
     with Engine(shards=1) as engine:

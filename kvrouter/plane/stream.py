@@ -139,6 +139,11 @@ class _Recovery:
     tail: bool = False
     """A quiet-tail check (``TAIL_CHECK_S``): anything it brings back was lost on the wire, a gap."""
 
+    @property
+    def routine(self) -> bool:
+        """A tail check that has found nothing missing (yet)."""
+        return self.tail and not self.gap
+
 
 def _decoder(spec: WorkerSpec) -> Callable[[bytes, int], RawBatch]:
     """The payload → arrays function of the worker's format (decoding stays out of the writer)."""
@@ -251,18 +256,13 @@ class Stream:
         if unit is None:
             return
         recovery = self._recovery
-        if recovery is not None and recovery.tail and self._moot(recovery, unit):
-            self._close_client(recovery)  # the batch need not wait behind the question
-            recovery = None
+        if recovery is not None and recovery.routine and not self._buffer and unit.first == self._expected():
+            self._close_client(recovery)  # the stream is not quiet any more and nothing before this batch
+            recovery = None  # went missing: the check is moot, and the batch need not wait behind it
         if recovery is not None:
             self._hold(unit, now)
         else:
             self._arrive(unit, now)
-
-    def _moot(self, recovery: _Recovery, unit: Unit) -> bool:
-        """Whether a tail check in flight is moot once ``unit`` arrived: the stream is not quiet any more,
-        the check found nothing yet, and the batch follows the cursor (nothing before it went missing)."""
-        return not recovery.gap and not self._buffer and unit.first == self._expected()
 
     def _unit_of_live(self, frames: list[bytes]) -> Unit | None:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -501,9 +501,8 @@ class Stream:
         expected = self._expected()
         if unit.last < expected:
             return  # applied already: a live unit got here first
-        if recovery.tail and not recovery.gap:  # a batch the SUB never saw, and nothing after it told us
-            self._bump(W_GAPS_DETECTED)
-            recovery.gap = True
+        if recovery.routine:
+            self._tail_found(recovery)
         if unit.first > expected:
             if not recovery.gap:  # a join after the engine's buffer forgot its beginning
                 self._bump(W_GAPS_DETECTED)
@@ -528,9 +527,8 @@ class Stream:
                 recovery.missing = "a batch of the reply was unusable"
             else:
                 units.append(unit)
-        if recovery.tail and not recovery.gap and self._tail_lost(answer, units):
-            self._bump(W_GAPS_DETECTED)  # events the SUB never saw, and nothing after them told us
-            recovery.gap = True
+        if recovery.routine and self._tail_lost(answer, units):
+            self._tail_found(recovery)
         if answer.reply == "tree_dump":
             if self.cursor is not None and answer.last_event_id is not None and answer.last_event_id < self.cursor:
                 self._bump(W_RESTARTS)  # a dump behind our cursor: the worker restarted
@@ -564,6 +562,11 @@ class Stream:
                 self._apply(unit, recovered=True)
         self._finish(now)
 
+    def _tail_found(self, recovery: _Recovery) -> None:
+        """A tail check brought back events the SUB never saw, and nothing after them told us: a gap."""
+        self._bump(W_GAPS_DETECTED)
+        recovery.gap = True
+
     def _tail_lost(self, answer: QueryReply, units: list[Unit]) -> bool:
         """Whether a tail check's answer holds events past the cursor: a dump of a later history, or events
         at or after the expected id."""
@@ -578,7 +581,7 @@ class Stream:
         assert recovery is not None
         self._close_client(recovery)
         missing = why or recovery.missing
-        routine = recovery.tail and not recovery.gap  # a tail check that found nothing missing (or no answer)
+        routine = recovery.routine  # nothing found missing, or no answer
         if recovery.gap:
             if missing is None:
                 self._bump(W_GAPS_RECOVERED)

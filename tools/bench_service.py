@@ -685,15 +685,15 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             for connections in sorted({*args.concurrency, *args.fastpath_concurrency}):
                 if connections in args.concurrency:
                     rounds = args.rounds if connections == RATIO_CONCURRENCY else 1
-                    ours = kvrouter is not None and connections == RATIO_CONCURRENCY
-                    before = scrape(kvrouter) if ours and kvrouter is not None else {}
+                    ours = kvrouter if connections == RATIO_CONCURRENCY else None  # its phases are timed here
+                    before = scrape(ours) if ours is not None else {}
                     for turn in range(rounds):  # who goes first alternates: neither side always follows the other
                         for server in started if turn % 2 == 0 else started[::-1]:
                             runs[server.name].setdefault(connections, []).append(
                                 run_wrk(server, script, connections, args.seconds)
                             )
-                    if ours and kvrouter is not None:
-                        breakdown = phases(before, scrape(kvrouter))
+                    if ours is not None:
+                        breakdown = phases(before, scrape(ours))
                 if kvrouter is not None and kvrouter.zmq is not None and connections in args.fastpath_concurrency:
                     fast[connections] = run_zmq(
                         kvrouter.zmq, bodies, connections, args.seconds, kvrouter, args.fastpath_tokens

@@ -88,6 +88,15 @@ def caught_up(engine: Engine, publisher: KvPublisher) -> Callable[[], bool]:
     return done
 
 
+def follow(engine: Engine, publisher: KvPublisher, steps: StepEngine, events: int, what: str) -> None:
+    """Register the worker, wait for its join, then publish ``events`` steps and wait until they are applied."""
+    engine.add_worker(spec_of(publisher))
+    pump(publisher, lambda: worker(engine).state == "exact", "the join")
+    for _ in range(events):
+        steps.step()
+    pump(publisher, caught_up(engine, publisher), what)
+
+
 def pump(publisher: KvPublisher, condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
     """Answer the router's queries (the engine's loop would) until ``condition`` holds."""
     deadline = time.monotonic() + timeout
@@ -128,10 +137,7 @@ def test_batches_lost_on_the_wire_are_recovered_by_query(publisher: KvPublisher,
     """A range still in the ring comes back as Events; one older than the ring as a TreeDump."""
     engine_ = StepEngine(publisher, seed=2)
     with Engine(shards=1) as engine:
-        engine.add_worker(spec_of(publisher))
-        pump(publisher, lambda: worker(engine).state == "exact", "the join")
-        engine_.step()
-        pump(publisher, caught_up(engine, publisher), "the first event")
+        follow(engine, publisher, engine_, 1, "the first event")
         before = worker(engine)
         for _ in range(dropped):
             engine_.step(send=False)
@@ -150,10 +156,7 @@ def test_the_last_batches_before_a_silence_are_fetched_by_the_quiet_tail_check(p
     after a NATS relay's reconnection. A quiet stream that lost nothing is asked too, and nothing changes."""
     engine_ = StepEngine(publisher, seed=4)
     with Engine(shards=1) as engine:
-        engine.add_worker(spec_of(publisher))
-        pump(publisher, lambda: worker(engine).state == "exact", "the join")
-        engine_.step()
-        pump(publisher, caught_up(engine, publisher), "the first event")
+        follow(engine, publisher, engine_, 1, "the first event")
         quiet_until = time.monotonic() + TAIL_CHECK_S + 1.0
         pump(publisher, lambda: time.monotonic() > quiet_until, "a quiet period with nothing lost")
         before = worker(engine)
@@ -173,10 +176,7 @@ def test_a_batch_arriving_while_a_tail_check_goes_unanswered_is_applied_at_once(
     30 s timeout, and nothing is counted lost or partial."""
     engine_ = StepEngine(publisher, seed=5)
     with Engine(shards=1, plane=PlaneConfig(recovery_timeout=30.0)) as engine:
-        engine.add_worker(spec_of(publisher))
-        pump(publisher, lambda: worker(engine).state == "exact", "the join")
-        engine_.step()
-        pump(publisher, caught_up(engine, publisher), "the first event")
+        follow(engine, publisher, engine_, 1, "the first event")
         time.sleep(TAIL_CHECK_S + 0.5)  # the check is asked, and left unanswered
         engine_.step()
         deadline = time.monotonic() + 10.0
@@ -191,11 +191,7 @@ def test_a_batch_arriving_while_a_tail_check_goes_unanswered_is_applied_at_once(
 def test_an_engine_restart_is_a_fresh_worker_state(publisher: KvPublisher):
     engine_ = StepEngine(publisher, seed=3)
     with Engine(shards=1) as engine:
-        engine.add_worker(spec_of(publisher))
-        pump(publisher, lambda: worker(engine).state == "exact", "the join")
-        for _ in range(10):
-            engine_.step()
-        pump(publisher, caught_up(engine, publisher), "the first life")
+        follow(engine, publisher, engine_, 10, "the first life")
         assert worker(engine).cached_blocks > 0
         publisher.reset()
         engine_.leaves.clear()
@@ -213,11 +209,7 @@ def test_a_restart_whose_first_batches_were_lost_is_told_from_a_late_copy_by_ask
     """Ids behind the cursor but not from 0: the worker's local indexer answers TooNew, so it did restart."""
     engine_ = StepEngine(publisher, seed=5)
     with Engine(shards=1) as engine:
-        engine.add_worker(spec_of(publisher))
-        pump(publisher, lambda: worker(engine).state == "exact", "the join")
-        for _ in range(20):
-            engine_.step()
-        pump(publisher, caught_up(engine, publisher), "the first life")
+        follow(engine, publisher, engine_, 20, "the first life")
         publisher.reset()
         engine_.leaves.clear()
         for _ in range(3):  # the new incarnation's first batches never arrive

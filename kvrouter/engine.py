@@ -529,7 +529,7 @@ class Engine:
         slots: WorkerSlots,
         ntiers: int,
         out: npt.NDArray[np.int64],
-        *args: Any,
+        args: tuple[Any, ...] = (),
     ) -> tuple[tuple[int, ...], bool]:
         """:meth:`IndexReader.overlaps_and` under the query lock: the overlaps and a compiled consumer of
         them in one call (the router's decision).
@@ -541,7 +541,7 @@ class Engine:
             reader = self._reader
             if reader is None:
                 raise EngineError("the engine is not running: use it inside `with Engine(...)`, or call start()")
-            return reader.overlaps_and(kernel, local, slots, ntiers, out, *args)
+            return reader.overlaps_and(kernel, local, slots, ntiers, out, args)
 
     def _query_reader(self) -> IndexReader:
         """The engine's reader, under ``_query_lock``: set from a successful start until close."""
@@ -658,9 +658,9 @@ class EngineView:
         slots: WorkerSlots,
         ntiers: int,
         out: npt.NDArray[np.int64],
-        *args: Any,
+        args: tuple[Any, ...] = (),
     ) -> tuple[tuple[int, ...], bool]:
-        return self._reader.overlaps_and(kernel, local, slots, ntiers, out, *args)
+        return self._reader.overlaps_and(kernel, local, slots, ntiers, out, args)
 
     def reader_handle(self) -> ReaderHandle:
         return self.handle

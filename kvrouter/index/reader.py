@@ -216,7 +216,7 @@ class IndexReader:
         slots: WorkerSlots,
         ntiers: int,
         out: npt.NDArray[np.int64],
-        *args: Any,
+        args: tuple[Any, ...] = (),
     ) -> tuple[tuple[int, ...], bool]:
         """:meth:`overlaps` into ``out`` and the caller's work on it in one compiled call: ``kernel(ctx,
         local, ntiers, out, *args)`` must start with ``failed = overlap_shards(ctx, local, ntiers, out)``
@@ -232,7 +232,7 @@ class IndexReader:
             self._slots, self._slots_version = slots, slots.version
             for shard in range(self.control.shards):
                 self._map_slots(shard)
-        result = kernel(self._ctx, local, ntiers, out, *args)
+        result = kernel(self._ctx, local, ntiers, out, *args)  # args a tuple: packed once, by the router
         if result[0]:
             self._retry(lambda: kernels.overlap_shards(self._ctx, local, ntiers, out))
             return result, True

@@ -9,27 +9,39 @@ hold here: arrays in, scalars or preallocated arrays out, no Python objects, no 
 The arithmetic is the oracle's (``cost.worker_cost``, ``selection.choose`` / ``probabilities``), operation
 for operation and in the same order, so the totals are bit-identical and ties fall the same way: numba
 neither reassociates nor fuses floating-point operations unless ``fastmath`` asks it to, and the sums
-are sequential as Python 3.11's ``sum`` of floats is. The random source stays in Python: at temperature
-0 the kernel reports which draws of the oracle's reservoir pass would matter (``cost_and_choose``), above 0
-the caller draws first and passes the uniform in.
+are sequential as Python 3.11's ``sum`` of floats is. The draws are the oracle's ``random.Random``'s,
+made on its state in an array (``_twister.py``): at temperature 0 the decision makes the reservoir
+pass's draws itself (``cost_and_choose`` says which would matter); above 0 the caller draws the uniform
+once it knows someone is eligible and passes it to :func:`sample`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
-from numba import njit
+from numba import njit, types
 from numba.np.numpy_support import carray
 
 from ..hashing._xxh3 import chain_hashes
 from ..hashing.blocks import XXH3_SEED
 from ..index._kernels import _counts_at, _floats_at, _overlap_shards, _words_at  # the reader's intrinsics
-from . import _active
+from . import _active, _twister
 
-__all__ = ["BOUND_WORDS", "COLUMNS", "NPARAMS", "cost_and_choose", "decide", "decide_on_shards", "sample"]
+__all__ = [
+    "BOUND_WORDS",
+    "COLUMNS",
+    "NPARAMS",
+    "cost_and_choose",
+    "decide",
+    "decide_on_shards",
+    "entry_points",
+    "sample",
+]
 
 # params: one float64 vector, so the call unboxes one array instead of a dozen scalars
 P_ISL: Final = 0
@@ -85,7 +97,9 @@ SAMPLE: Final = -2
 B_SEQS, B_CANDIDATES, B_LOADS, B_WORK, B_HOLDERS, B_SCRATCH, B_CAPACITIES, B_PARAMS, B_OUT, B_TIES = range(0, 30, 3)
 B_TRUST: Final = 30
 B_WRITTEN: Final = 33
-BOUND_WORDS: Final = 36
+B_TWISTER: Final = 36
+"""The router's random state (``_twister.STATE_WORDS`` words)."""
+BOUND_WORDS: Final = 39
 WRITTEN_COUNT: Final = B_WRITTEN + 2
 """``B_WRITTEN`` names a vector, so its third word holds instead how many of its entries the last
 :func:`decide_on_shards` noted: the slots whose columns of ``overlaps`` it wrote, which the next call
@@ -155,10 +169,11 @@ def decide(
     isl: float,
     age: float,
     explain: bool,
-) -> tuple[int, int, int, int]:
-    """:func:`_decide` on the router's arrays named by ``bound`` (``B_*``). Returns ``(head, skip, count,
-    device)``: :func:`cost_and_choose`'s answer and, when ``head`` is a position, the device overlap of its
-    candidate (a numpy scalar read from Python costs more than the rest of the return)."""
+) -> tuple[int, int]:
+    """:func:`_decide` on the router's arrays named by ``bound`` (``B_*``), then at temperature 0 the oracle's
+    reservoir pass over the ties, drawing from the router's state. Returns ``(head, device)``: the chosen
+    position (or ``NO_WORKER`` / ``SAMPLE``, as :func:`cost_and_choose`) and, for a position, the device
+    overlap of its candidate (a numpy scalar read from Python costs more than the rest of the return)."""
     seqs = carray(_words_at(bound[B_SEQS]), (bound[B_SEQS + 1],))
     candidates = _vector(bound, B_CANDIDATES)
     loads = _matrix(bound, B_LOADS)
@@ -188,7 +203,14 @@ def decide(
         trust,
         explain,
     )
-    return head, skip, count, overlaps[0, candidates[head]] if head >= 0 else 0
+    if head < 0:
+        return head, 0
+    twister = carray(_words_at(bound[B_TWISTER]), (_twister.STATE_WORDS,))
+    _twister.advance(twister, 2 * skip)  # draws that cannot matter: two words each, as getrandbits(64) takes
+    for j in range(count):
+        if _twister.uniform(twister) * (j + 2) < 1.0:
+            head = ties[j]
+    return head, overlaps[0, candidates[head]]
 
 
 @njit(cache=True, nogil=True)
@@ -201,13 +223,13 @@ def decide_on_shards(
     isl: float,
     age: float,
     explain: bool,
-) -> tuple[int, int, int, int, int]:
+) -> tuple[int, int, int]:
     """The shared-memory index's walk over every shard into ``overlaps`` (``index/_kernels.overlap_shards``,
     on the reader's context ``ctx``), then :func:`decide`: a whole decision in one call
     (``IndexReader.overlaps_and``). ``overlaps`` keeps the last decision's answer until the next call
-    zeroes the columns it wrote (``WRITTEN_COUNT``). Returns ``(failed shards, head, skip, count,
-    device)``; with failed shards nothing is decided: the caller decides once the reader mended the
-    answer (with walks that note nothing, so the next call zeroes all of ``overlaps``)."""
+    zeroes the columns it wrote (``WRITTEN_COUNT``). Returns ``(failed shards, head, device)``; with failed
+    shards nothing is decided: the caller decides once the reader mended the answer (with walks that
+    note nothing, so the next call zeroes all of ``overlaps``)."""
     written = _vector(bound, B_WRITTEN)
     noted = bound[WRITTEN_COUNT]
     if noted < 0:
@@ -218,10 +240,35 @@ def decide_on_shards(
     failed, noted = _overlap_shards(ctx, local, ntiers, overlaps, written)
     if failed:
         bound[WRITTEN_COUNT] = -1
-        return failed, 0, 0, 0, 0
+        return failed, 0, 0
     bound[WRITTEN_COUNT] = noted
-    head, skip, count, device = decide(local, overlaps, bound, isl, age, explain)
-    return 0, head, skip, count, device
+    head, device = decide(local, overlaps, bound, isl, age, explain)
+    return 0, head, device
+
+
+_INTS = types.Array(types.int64, 1, "C")
+_WORDS = types.Array(types.uint64, 1, "C")
+_OVERLAPS = types.Array(types.int64, 2, "C")
+DECIDE_ARGS: Final = (_WORDS, _OVERLAPS, _INTS, types.float64, types.float64, types.boolean)
+"""What :func:`decide` takes: ``local``, ``overlaps``, ``bound`` C-contiguous, ``isl``, ``age``, ``explain``."""
+ON_SHARDS_ARGS: Final = (_INTS, _WORDS, types.int64, _OVERLAPS, _INTS, types.float64, types.float64, types.boolean)
+"""What :func:`decide_on_shards` takes: the reader's ``ctx``, ``local``, ``ntiers``, then as :func:`decide`."""
+
+Decider = Callable[..., tuple[int, ...]]
+
+
+@functools.cache
+def entry_points() -> tuple[Decider, Decider]:
+    """:func:`decide` and :func:`decide_on_shards` compiled for exactly the argument types above (loaded from
+    numba's cache when there), as callables that skip the dispatcher.
+
+    Why: numba's dispatcher types every argument and looks the signature up on each call, about a
+    microsecond for these eight, a tenth of a 16-worker decision. The entry point only unboxes. The cost:
+    it trusts its caller, as a C function does: an array of another dtype or layout is read as if it were
+    right, where the dispatcher would have compiled another version. The router passes only arrays it
+    made to these types (``local`` through ``local_hash_array``), so it calls these; tests and tools call
+    the dispatchers. Compiled on first use, not at import: a cold numba cache takes seconds per kernel."""
+    return decide.compile(DECIDE_ARGS), decide_on_shards.compile(ON_SHARDS_ARGS)
 
 
 Weights = tuple[float, float, float, float, float, float, float, float, float, float, float, float, float, float]

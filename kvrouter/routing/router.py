@@ -39,7 +39,7 @@ from ..hashing import block_hashes_array, local_hash_array
 from ..index import ApproxIndex
 from ..index.dense import WorkerSlots, overlaps_from_tiers
 from ..index.reader import IndexReader
-from . import _kernels as kernels
+from . import _kernels as kernels, _twister
 from .config import RouterConfig
 from .cost import Cost, Overlap
 from .selection import probabilities
@@ -167,7 +167,8 @@ class Router:
     ) -> None:
         self.config = config or RouterConfig()
         self.block_size = block_size
-        self.rng = random.Random(seed)
+        self._twister = np.array(random.Random(seed).getstate()[1], dtype=np.uint64)
+        """The tie-break / sampling generator's state, drawn from by the decision kernel (``_twister.py``)."""
         self._clock = clock
         self._next_sweep = clock() + SWEEP_INTERVAL_SECS
         self.slots = slots or SlotManager(
@@ -202,10 +203,22 @@ class Router:
         """The decision kernel's view of the arrays above and the slot manager's, by address (``B_*``)."""
         self._stamp = (-1, -1)
         """The numbering's version and the slot manager's generation ``_bound`` was made at."""
+        self._decide: kernels.Decider = kernels.decide
+        self._decide_on_shards: kernels.Decider = kernels.decide_on_shards
+        """The kernels, made their compiled entry points by the first decision's ``_rebind`` (``entry_points``:
+        a microsecond less a call; the arrays passed are made to their types here)."""
         self._untrusted: frozenset[WorkerKey] = frozenset()
         self._trust = np.ones(0, dtype=np.float64)
         """Per slot, the overlap credit's factor: ``untrusted_overlap_weight`` for the untrusted, else 1; left
         empty (and the kernel reads no factor) while no worker is untrusted or the weight is 1."""
+
+    @property
+    def rng(self) -> random.Random:
+        """A copy of the generator the decisions draw from, as it is now: the oracle's ``random.Random``
+        given the same seed and the same decisions is in this state."""
+        copy = random.Random()
+        copy.setstate((random.Random.VERSION, tuple(self._twister.tolist()), None))
+        return copy
 
     @property
     def untrusted(self) -> frozenset[WorkerKey]:
@@ -299,35 +312,24 @@ class Router:
         try:
             if fused is not None and n:
                 overlaps = self._overlaps
-                (_, head, skip, count, device), again = fused(
-                    kernels.decide_on_shards, local, numbering, NTIERS, overlaps, self._bound, isl, age, terms
+                (_, head, device), again = fused(
+                    self._decide_on_shards, local, numbering, NTIERS, overlaps, (self._bound, isl, age, terms)
                 )  # again: a shard answered late, so decide on the whole, mended answer
             else:
                 overlaps = self._overlaps_of(index, local, numbering)
                 again = True
             if again:
-                head, skip, count, device = kernels.decide(local, overlaps, self._bound, isl, age, terms)
+                head, device = self._decide(local, overlaps, self._bound, isl, age, terms)
         finally:
             if capacity is not None:
                 self._bind(kernels.B_CAPACITIES, self._no_capacity)
         out = self._out
-        if head < 0:
+        if head < 0:  # at temperature 0 the kernel drew the reservoir pass's numbers and chose
             if head == kernels.NO_WORKER:
                 raise NoWorkerAvailable(f"all {len(keys)} candidate workers are over a busy threshold")
-            u = self.rng.random()
+            u = _twister.uniform(self._twister)
             head = kernels.sample(out, self.config.router_temperature, u, self._ties, np.empty(len(keys)))
             device = overlaps.item(0, self._candidates.item(head))
-        else:  # the oracle's reservoir pass (``selection.choose``) over the kernel's ties, drawing as often
-            rng = self.rng
-            if skip:  # draws that cannot matter: each takes two 32-bit words, as getrandbits(64) does
-                rng.getrandbits(64 * skip)
-            if count:
-                draw = rng.random
-                ties = self._ties
-                for j in range(count):
-                    if draw() * (j + 2) < 1.0:
-                        head = ties.item(j)
-                device = overlaps.item(0, self._candidates.item(head))
         chosen = keys[head]
         if request_id is not None:
             slots.add_request(request_id, chosen, self._seqs[:n], isl, device)
@@ -363,6 +365,7 @@ class Router:
         slot, and bind everything anew."""
         slots = self.slots
         slots.ready()
+        self._decide, self._decide_on_shards = kernels.entry_points()
         if self._overlaps.shape[1] != len(slots.numbering):
             self._overlaps = np.zeros((NTIERS, len(slots.numbering)), dtype=np.int64)
             self._written = np.empty(len(slots.numbering), dtype=np.int64)
@@ -380,6 +383,7 @@ class Router:
             (kernels.B_TIES, self._ties),
             (kernels.B_TRUST, self._trust),
             (kernels.B_WRITTEN, self._written),
+            (kernels.B_TWISTER, self._twister),
         ):
             self._bind(entry, array)
         self._bound[kernels.WRITTEN_COUNT] = -1  # not known: the next decision zeroes all of the overlaps

@@ -441,10 +441,12 @@ def cost_and_choose(
     else:  # no threshold: every candidate is eligible; the busy row is written only for whoever reads it
         if every:
             out[C_BUSY, :] = 0.0
-        if params[P_WORK_WEIGHT] != 0.0 or (params[P_DECAY] != 0.0 and params[P_TRACK_PREFILL] != 0.0):
-            for i in range(k):  # the mean recent work and the least queued prefill, when a term reads them
+        if params[P_WORK_WEIGHT] != 0.0:
+            for i in range(k):
+                recent_sum += work[candidates[i]] * decay_now
+        if params[P_DECAY] != 0.0 and params[P_TRACK_PREFILL] != 0.0:
+            for i in range(k):
                 slot = candidates[i]
-                recent_sum += work[slot] * decay_now
                 if prefill[slot] < least:
                     least = prefill[slot]
     if eligible == 0:
@@ -461,7 +463,7 @@ def cost_and_choose(
     draws = skip = count = 0
     for i in range(k):
         slot = np.uint64(candidates[i])  # unsigned: numba then indexes without a negative-index wrap
-        terms = _terms(
+        total = _terms(  # only the total: compiled inline, the other terms are never computed here
             (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot]),
             (prefill[slot], requests[slot], blocks[slot], leading[slot]),
             trust[slot] if weigh else 1.0,
@@ -470,12 +472,8 @@ def cost_and_choose(
             mean_recent,
             work_weight,
             weights,
-        )
-        total = terms[6]
-        if every:
-            _fill(out, i, terms)
-        else:
-            out[C_TOTAL, i] = total
+        )[6]
+        out[C_TOTAL, i] = total
         if limited and out[C_BUSY, i] != 0.0:
             continue
         if head < 0:
@@ -486,17 +484,15 @@ def cost_and_choose(
             ties[count] = i
             count += 1
             draws += 1
+    for j in range(k if every else count + 1):  # every candidate's terms, or the chosen's and its ties'
+        i = j if every else (head if j == 0 else ties[j - 1])
+        slot = np.uint64(candidates[i])
+        overlap = (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot])
+        loads = (prefill[slot], requests[slot], blocks[slot], leading[slot])
+        weight = trust[slot] if weigh else 1.0
+        _fill(out, i, _terms(overlap, loads, weight, work[slot] * decay_now, least, mean_recent, work_weight, weights))
     if params[P_TEMPERATURE] != 0.0:
         return SAMPLE, 0, 0
-    if not every:
-        for j in range(-1, count):
-            i = head if j < 0 else ties[j]
-            slot = candidates[i]
-            overlap = (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot])
-            loads = (prefill[slot], requests[slot], blocks[slot], leading[slot])
-            factor = work[slot] * decay_now
-            weight = trust[slot] if weigh else 1.0
-            _fill(out, i, _terms(overlap, loads, weight, factor, least, mean_recent, work_weight, weights))
     return head, skip, count
 
 

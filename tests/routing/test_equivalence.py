@@ -33,6 +33,7 @@ from kvrouter.events.model import EngineHash, LocalHash, StorageTier, Stored, St
 from kvrouter.hashing import block_hashes, sequence_hashes
 from kvrouter.index import ApproxIndex, RadixIndex
 from kvrouter.routing import ReferenceRouter, ReferenceSlotManager, Router, RouterConfig, Selection, SlotManager
+from kvrouter.routing.config import KVROUTER_CONFIG
 from tests.clock import FakeClock
 
 B = 4
@@ -337,3 +338,38 @@ def _leading(held: Sequence[int], path: Sequence[int]) -> int:
     while n < min(len(held), len(path)) and held[n] == path[n]:
         n += 1
     return n
+
+
+def test_a_large_fleet_on_the_engine_decides_as_the_oracle(engine: Engine) -> None:
+    """Hundreds of candidates on the engine, a few holding the prompt in the index and a few others only in
+    booked requests (leading active blocks without any overlap; prefilled, so those blocks alone set them
+    apart): the same picks, terms and draws as the oracle on a ``RadixIndex`` fed the same events."""
+    for worker_id in WORKER_IDS:
+        engine.remove_worker(worker_id)
+    oracle_index = RadixIndex()
+    fleet = tuple((w, 0) for w in range(300))
+    for w in range(0, 300, 25):
+        for index in (engine, oracle_index):
+            store(index, (w, 0), StorageTier.DEVICE, [1, 2, 0, 1][: 1 + w % 4])
+    engine.flush()
+    try:
+        for config in (RouterConfig(), KVROUTER_CONFIG):
+            clock = FakeClock()  # the recent-work term decays with time: both read one clock
+            fast = Router(config, block_size=B, seed=5, clock=clock)
+            oracle = ReferenceRouter(config, block_size=B, seed=5, clock=clock)
+            for w in range(3, 300, 41):  # held only in flight: leading blocks without overlap
+                seq = sequence_hashes(block_hashes(prompt_tokens([1, 2, 0, 1], 0), B))
+                for router in (fast, oracle):  # prefilled: only the active blocks set them apart
+                    router.slots.add_request(f"w{w}", (w, 0), seq, 16, 0)
+                    router.slots.mark_prefill_completed(f"w{w}")
+            for n in range(40):
+                path = [1, 2, 0, 1, n % 3][: 2 + n % 4]
+                tokens = prompt_tokens(path, 1)
+                mine = fast.select(engine, fleet, tokens=tokens, request_id=f"r{n}", explain=n % 9 == 0)
+                theirs = oracle.select(oracle_index, fleet, tokens=tokens, request_id=f"r{n}", explain=n % 9 == 0)
+                assert_same(mine, theirs)
+                assert fast.rng.getstate() == oracle.rng.getstate()
+    finally:
+        for w in range(0, 300, 25):
+            engine.remove_worker(w)
+        engine.flush()

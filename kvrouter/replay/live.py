@@ -340,8 +340,11 @@ class _Player:
         self.context.term()
 
 
-async def replay_live(recording: Recording, url: str | None, speed: float, *, shards: int = 2) -> LiveReport:
-    """Play ``recording`` against the router at ``url`` (None: a ``kvrouter up`` started for it) at ``speed``.
+async def replay_live(
+    recording: Recording, url: str | None, speed: float, *, shards: int = 2, logs: str | None = None
+) -> LiveReport:
+    """Play ``recording`` against the router at ``url`` (None: a ``kvrouter up`` started for it, its log kept
+    in ``logs`` when given) at ``speed``.
 
     Raises:
         ReplayError: the router could not be started.
@@ -350,7 +353,7 @@ async def replay_live(recording: Recording, url: str | None, speed: float, *, sh
     if url is None:
         seed = recording.header.get("seed")  # the recorded routers' seed: ties broken alike
         flags = router_flags(recording.header.get("router") or {})
-        stack = LocalStack(StackConfig(mock_workers=0, shards=shards, router_seed=seed, router_args=flags))
+        stack = LocalStack(StackConfig(mock_workers=0, shards=shards, router_seed=seed, router_args=flags, logs=logs))
         await stack.start()
         url = stack.url
     try:

@@ -32,7 +32,6 @@ import os
 import signal
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Final
 
 from ..index.sweep import sweep_leftovers
@@ -114,7 +113,7 @@ class ReplicaStack(LocalStack):
             binary = nats_server_binary()
             if binary is None:
                 raise ReplayError(self.available(None) or "no nats-server")
-            self.nats = NatsServer(binary, Path(self._dir.name))
+            self.nats = NatsServer(binary, self.folder)
             await self.nats.start()
             self.nats_url = self.nats.url
         sync = ("--router-replica-sync", "--nats-url", self.nats_url, "--namespace", self.namespace,

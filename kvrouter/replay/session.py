@@ -20,6 +20,7 @@ import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Final
 
 from rich.console import Console
@@ -63,6 +64,8 @@ class ReplayOptions:
     model_name: str = "default"
     record: str | None = None
     """``--record FILE``: the started router records the whole invocation (``kvrouter up --record``)."""
+    logs: str | None = None
+    """``--keep-logs DIR``: the stacks' logs go there (the replica stack's to ``DIR/replicas``) and stay."""
 
 
 @dataclass(slots=True)
@@ -102,6 +105,7 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
         shards=options.shards,
         speedup_ratio=options.speed,
         model_name=options.model_name,
+        logs=options.logs,
     )
     stack: Stack
     victim_index: int | None = None
@@ -179,7 +183,8 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
         else:
             await stack.close()  # never started: its temporary directory goes now, not at exit
         if on_stack:
-            replicas = ReplicaStack(config, nats_url=options.nats_url)
+            logs = None if options.logs is None else str(Path(options.logs) / "replicas")
+            replicas = ReplicaStack(replace(config, logs=logs), nats_url=options.nats_url)
             try:
                 with console.status("starting the replica stack (NATS, kvrouter up replicas, mock engines)..."):
                     await replicas.start()

@@ -1,14 +1,14 @@
 """The live stack a drill runs against: ``kvrouter up`` and ``kvrouter mock-worker`` processes, or a running one.
 
 **Real processes.** :class:`LocalStack` starts ``python -m kvrouter up --port 0 --mock-workers 0`` in its
-own session (its stderr in a temporary log file, named when something fails), then the mock engines
-(``service/embedded.py``'s :func:`start_mock`, vLLM format with a replay socket, ``--exit-with-parent``)
-and registers them through ``POST /register`` with their ``http_endpoint``, as an operator's engines
-join. Faults are then injected only through what an operator has: the mocks' control routes, signals to
-processes, and the control segment ``kvrouter-<pid>-ctl`` read-only (which applier writes which shard).
-Rejected: an in-process ``Service`` (an applier SIGKILL or a router restart would then be simulated,
-not done) and ``kvrouter up``'s own demo mocks (their ports are printed, but they die with the router,
-so a router restart could not keep them).
+own session (its stderr in a log file, temporary unless ``--keep-logs``, named when something fails),
+then the mock engines (``service/embedded.py``'s :func:`start_mock`, vLLM format with a replay socket,
+``--exit-with-parent``) and registers them through ``POST /register`` with their ``http_endpoint``, as
+an operator's engines join. Faults are then injected only through what an operator has: the mocks'
+control routes, signals to processes, and the control segment ``kvrouter-<pid>-ctl`` read-only (which
+applier writes which shard). Rejected: an in-process ``Service`` (an applier SIGKILL or a router restart
+would then be simulated, not done) and ``kvrouter up``'s own demo mocks (their ports are printed, but
+they die with the router, so a router restart could not keep them).
 
 :class:`AttachedStack` (``--url``) knows only HTTP: the workers ``GET /workers`` lists with an
 ``http_endpoint`` that answers a mock's ``/cache``. Drills needing a process of their own are skipped.
@@ -91,6 +91,9 @@ class StackConfig:
     small subscriber queues)."""
     mock_args: tuple[tuple[int, tuple[str, ...]], ...] = ()
     """(worker id, more ``kvrouter mock-worker`` flags) for the engines started with them."""
+    logs: str | None = None
+    """A directory for the stack's logs (``up.log``: every router's stderr; ``nats.log``), made if missing
+    and left in place (``--keep-logs``); None: a temporary directory, removed with the stack."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,8 +310,14 @@ class LocalStack(Stack):
         self.config = config
         self.up: asyncio.subprocess.Process | None = None
         self.processes: list[MockProcess] = []
-        self._dir = tempfile.TemporaryDirectory(prefix="kvrouter-replay-")
-        self.log_path = Path(self._dir.name) / "up.log"
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        if config.logs:
+            self.folder = Path(config.logs)
+            self.folder.mkdir(parents=True, exist_ok=True)
+        else:
+            self._dir = tempfile.TemporaryDirectory(prefix="kvrouter-replay-")
+            self.folder = Path(self._dir.name)
+        self.log_path = self.folder / "up.log"
         self._drainer: asyncio.Task[None] | None = None
         self._router_starts = 0
         """Routers started so far (each records to its own file with ``record``)."""
@@ -389,7 +398,8 @@ class LocalStack(Stack):
         return f"{exited}; its log ends: {self._log_tail()}"
 
     def _log_tail(self, lines: int = 5) -> str:
-        """The last lines of the routers' stderr (the file goes with the stack's temporary directory)."""
+        """The last lines of the routers' stderr (the file goes with the stack's temporary directory, unless
+        ``logs`` named one to keep)."""
         try:
             text = self.log_path.read_text(errors="replace").strip().splitlines()
         except OSError as exc:
@@ -484,7 +494,8 @@ class LocalStack(Stack):
         await super().close()
         await stop_mocks(self.processes)
         await self._stop_router()
-        self._dir.cleanup()
+        if self._dir is not None:
+            self._dir.cleanup()
 
 
 class AttachedStack(Stack):

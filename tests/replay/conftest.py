@@ -23,16 +23,20 @@ RUN_TIMEOUT_S = 300.0
 
 def run_replay(out: Path, drills: list[str], requests: int, *, drop_env: tuple[str, ...] = ()) -> dict[str, Any]:
     """``kvrouter replay --drill drills`` at x8 (``KVROUTER_*`` and ``drop_env`` left out of its environment),
-    its ``--json`` document with ``exit_code``, ``output`` and ``plot`` (the ``--plot`` file) added."""
+    its ``--json`` document with ``exit_code``, ``output``, ``plot`` (the ``--plot`` file) and ``logs`` (the
+    ``--keep-logs`` directory, beside ``out``) added."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_") and k not in drop_env}
+    logs = out.with_suffix(".logs")
     command = [sys.executable, "-m", "kvrouter", "replay", "--drill", ",".join(drills), "--requests", str(requests),
-               "--speed", "8", "--json", str(out), "--plot", str(out.with_suffix(".png"))]  # fmt: skip
+               "--speed", "8", "--json", str(out), "--plot", str(out.with_suffix(".png")),
+               "--keep-logs", str(logs)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert out.exists(), done.stdout + done.stderr
     document: dict[str, Any] = json.loads(out.read_text())
     document["exit_code"] = done.returncode
     document["output"] = done.stdout + done.stderr
     document["plot"] = out.with_suffix(".png")
+    document["logs"] = logs
     return document
 
 

@@ -88,6 +88,14 @@ def test_the_slow_consumer_drill_overflowed_the_victims_queue_and_replay_filled_
     assert gaps["detected"] == gaps["recovered"] + gaps["lost"]
 
 
+def test_the_routers_log_is_kept_where_asked(report):
+    """``--keep-logs``: the stack's routers wrote their stderr there (the router-restart drill ran two), and
+    it stays after the run."""
+    log = (report["logs"] / "up.log").read_text()
+    assert log.count("SIGTERM, stopping") >= 1, log[-2000:]
+    assert not (report["logs"] / "replicas").exists()  # no replica drill ran
+
+
 def test_the_plot_is_a_png(report):
     assert report["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -89,3 +89,10 @@ def test_the_table_says_what_each_replica_counted_and_the_plot_is_a_png(report):
     for name in DRILLS:
         assert f"{name}: 2 replicas; loads agree; every loss counted; replica 0: disconnects" in report["output"]
     assert report["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_replicas_and_the_nats_servers_logs_are_kept_where_asked(report):
+    """``--keep-logs``: the replica stack's logs under ``replicas/``, both replicas' stderr in one file."""
+    folder = report["logs"] / "replicas"
+    assert (folder / "nats.log").stat().st_size > 0
+    assert (folder / "up.log").read_text().count("SIGTERM, stopping") >= 2

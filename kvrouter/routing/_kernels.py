@@ -264,10 +264,12 @@ def entry_points() -> tuple[Decider, Decider]:
 
     Why: numba's dispatcher types every argument and looks the signature up on each call, about a
     microsecond for these eight, a tenth of a 16-worker decision. The entry point only unboxes. The cost:
-    it trusts its caller, as a C function does: an array of another dtype or layout is read as if it were
-    right, where the dispatcher would have compiled another version. The router passes only arrays it
-    made to these types (``local`` through ``local_hash_array``), so it calls these; tests and tools call
-    the dispatchers. Compiled on first use, not at import: a cold numba cache takes seconds per kernel."""
+    it trusts its caller more than the dispatcher does. Unboxing refuses an array whose items have
+    another size, but reads a strided view as if it were contiguous, and ``uint64`` as ``int64``, where the
+    dispatcher would have compiled another version. The router passes only arrays it made to these
+    types (``local`` through ``local_hash_array``, an array index's answer through
+    ``np.ascontiguousarray``), so it calls these; tests and tools call the dispatchers. Compiled on first
+    use, not at import: a cold numba cache takes seconds per kernel."""
     return decide.compile(DECIDE_ARGS), decide_on_shards.compile(ON_SHARDS_ARGS)
 
 

@@ -401,8 +401,8 @@ class Router:
     ) -> npt.NDArray[np.int64]:
         """``(tiers, slots)`` overlaps: straight from an array index, else from its dict answer."""
         overlaps = getattr(index, "overlaps", None)  # an ArrayOverlapSource (a Protocol isinstance costs µs)
-        if overlaps is not None:
-            return overlaps(local, numbering, NTIERS)  # type: ignore[no-any-return]
+        if overlaps is not None:  # made C-contiguous int64: the kernel's entry point reads it as such, unchecked
+            return np.ascontiguousarray(overlaps(local, numbering, NTIERS), dtype=np.int64)
         # The engine and its reader take the array as it is; the Python indexes walk ints.
         query: Any = local if isinstance(index, IndexReader) or _is_engine(index) else local.tolist()
         return overlaps_from_tiers(index.find_matches_by_tier(query), numbering, NTIERS)

@@ -1,13 +1,18 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 
 from kvrouter.errors import ConfigError, NoWorkerAvailable
-from kvrouter.events.model import EngineHash, LocalHash, StorageTier, Stored, StoredBlock
+from kvrouter.events.model import EngineHash, LocalHash, StorageTier, Stored, StoredBlock, WorkerKey
 from kvrouter.hashing import block_hashes
 from kvrouter.index import ApproxIndex, RadixIndex
+from kvrouter.index.dense import WorkerSlots, overlaps_from_tiers
 from kvrouter.routing import Router, RouterConfig
 from tests.clock import FakeClock
 
@@ -189,3 +194,33 @@ def test_an_untrusted_workers_overlap_credit_is_weighted_down():
     assert router.select(index, [W1, W2, W3], tokens=tokens).worker == W2
     with pytest.raises(ConfigError, match="untrusted_overlap_weight"):
         RouterConfig(untrusted_overlap_weight=1.5)
+
+
+class _ArrayAnswers:
+    """An ``ArrayOverlapSource`` answering as another index may: a Fortran-ordered array (the router asks
+    ``overlaps`` first; the dict answer is there for the protocol's sake)."""
+
+    def __init__(self, index: RadixIndex) -> None:
+        self.index = index
+
+    def overlaps(self, local: npt.NDArray[np.uint64], slots: WorkerSlots, ntiers: int) -> npt.NDArray[Any]:
+        answer = overlaps_from_tiers(self.index.find_matches_by_tier(local.tolist()), slots, ntiers)
+        return np.asfortranarray(answer)
+
+    def find_matches_by_tier(self, local_hashes: Sequence[int]) -> dict[StorageTier, dict[WorkerKey, int]]:
+        raise AssertionError("the router asks an array index for arrays")
+
+
+def test_an_array_index_answering_in_another_layout_decides_as_the_dict_answer():
+    """The decision kernel reads the overlaps unchecked (its entry point): the router makes any array
+    answer C-contiguous ``int64`` first, so the layout an index chooses cannot change a decision."""
+    tokens = list(range(8 * B))
+    local = block_hashes(tokens, B)
+    index = RadixIndex()
+    _cache(index, 2, local[:6])
+    _cache(index, 3, local[:2], StorageTier.HOST)
+    fleet = (W1, W2, W3)
+    mine = Router(block_size=B, seed=1).select(_ArrayAnswers(index), fleet, tokens=tokens, explain=True)
+    theirs = Router(block_size=B, seed=1).select(index, fleet, tokens=tokens, explain=True)
+    assert mine.worker == theirs.worker == W2
+    assert mine.explanation == theirs.explanation

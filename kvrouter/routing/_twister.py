@@ -16,13 +16,14 @@ call itself, cold, was most of the cost).
 
 from __future__ import annotations
 
+import random
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 from numba import njit
 
-__all__ = ["STATE_WORDS", "advance", "uniform"]
+__all__ = ["STATE_WORDS", "advance", "generator", "state", "uniform"]
 
 N: Final = 624
 """Words of the twister's state."""
@@ -36,6 +37,18 @@ _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
 _B = np.uint64(0x9D2C5680)
 _C = np.uint64(0xEFC60000)
+
+
+def state(rng: random.Random) -> npt.NDArray[np.uint64]:
+    """``rng``'s state as the array the draws below advance."""
+    return np.array(rng.getstate()[1], dtype=np.uint64)
+
+
+def generator(words: npt.NDArray[np.uint64]) -> random.Random:
+    """A ``random.Random`` in the state ``words`` holds (a copy: drawing from it leaves ``words`` as it is)."""
+    rng = random.Random()
+    rng.setstate((random.Random.VERSION, tuple(words.tolist()), None))
+    return rng
 
 
 @njit(cache=True, nogil=True)

@@ -167,7 +167,7 @@ class Router:
     ) -> None:
         self.config = config or RouterConfig()
         self.block_size = block_size
-        self._twister = np.array(random.Random(seed).getstate()[1], dtype=np.uint64)
+        self._twister = _twister.state(random.Random(seed))
         """The tie-break / sampling generator's state, drawn from by the decision kernel (``_twister.py``)."""
         self._clock = clock
         self._next_sweep = clock() + SWEEP_INTERVAL_SECS
@@ -216,9 +216,7 @@ class Router:
     def rng(self) -> random.Random:
         """A copy of the generator the decisions draw from, as it is now: the oracle's ``random.Random``
         given the same seed and the same decisions is in this state."""
-        copy = random.Random()
-        copy.setstate((random.Random.VERSION, tuple(self._twister.tolist()), None))
-        return copy
+        return _twister.generator(self._twister)
 
     @property
     def untrusted(self) -> frozenset[WorkerKey]:
@@ -401,7 +399,7 @@ class Router:
     ) -> npt.NDArray[np.int64]:
         """``(tiers, slots)`` overlaps: straight from an array index, else from its dict answer."""
         overlaps = getattr(index, "overlaps", None)  # an ArrayOverlapSource (a Protocol isinstance costs µs)
-        if overlaps is not None:  # made C-contiguous int64: the kernel's entry point reads it as such, unchecked
+        if overlaps is not None:  # C-contiguous int64: the kernel's entry point reads any layout as contiguous
             return np.ascontiguousarray(overlaps(local, numbering, NTIERS), dtype=np.int64)
         # The engine and its reader take the array as it is; the Python indexes walk ints.
         query: Any = local if isinstance(index, IndexReader) or _is_engine(index) else local.tolist()

@@ -7,11 +7,11 @@ import random
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from kvrouter.routing._twister import STATE_WORDS, advance, uniform
+from kvrouter.routing._twister import STATE_WORDS, advance, generator, state, uniform
 
 
 def state_of(rng: random.Random) -> np.ndarray:
-    words = np.array(rng.getstate()[1], dtype=np.uint64)
+    words = state(rng)
     assert words.size == STATE_WORDS
     return words
 
@@ -41,6 +41,5 @@ def test_a_state_mid_block_is_taken_back_by_setstate() -> None:
     mt = state_of(rng)
     for _ in range(5):
         uniform(mt)
-    copy = random.Random()
-    copy.setstate((random.Random.VERSION, tuple(mt.tolist()), None))
+    copy = generator(mt)
     assert [copy.random() for _ in range(700)] == [uniform(mt) for _ in range(700)]

@@ -192,6 +192,7 @@ def replay(
     ] = False,
 ) -> None:
     """Run fault drills against a live stack: gaps, time to converge, wrong answers, routing quality."""
+    logs = None if keep_logs is None else str(keep_logs)
     if from_path is not None or live or router:
         source = ctx.get_parameter_source("speed")
         given = source is not None and source.name != "DEFAULT"
@@ -205,7 +206,7 @@ def replay(
                 speed=speed if given else 1.0,
                 shards=shards,
                 allow_cut=allow_cut,
-                logs=None if keep_logs is None else str(keep_logs),
+                logs=logs,
             )
         )
     if record is not None and url is not None:
@@ -227,7 +228,7 @@ def replay(
         shards=shards,
         num_gpu_blocks=num_gpu_blocks,
         record=None if record is None else str(record),
-        logs=None if keep_logs is None else str(keep_logs),
+        logs=logs,
     )
     console = Console()
     if not console.is_terminal:  # a pipe or a CI log: the table's full width rather than 80 wrapped columns

@@ -24,10 +24,10 @@ connections for ``--seconds`` each, the two servers alternating point by point a
 concurrency-8 point, the ratios', is measured in ``--rounds`` rounds (5), the side that goes first
 alternating from round to round. Why rounds: on this 2-core VM one 10 s point's p99 of the same build
 ranged from 1.6 to 4.1 ms in consecutive runs (the VM's speed shifts within minutes), so one pair of
-points decided the ratio by chance more than by the servers. wrk is
-C and its thread's CPU time is measured (``wait4`` rusage): it is reported beside each point, so a
-generator near one full core would show. Per point: requests/s, p50 and p99 latency (wrk's own
-histogram), server CPU per request (the server's process and children, from ``/proc``), errors.
+points decided the ratio by chance more than by the servers. wrk is C and its thread's CPU time is
+measured (``wait4`` rusage): it is reported beside each point, so a generator near one full core would
+show. Per point: requests/s, p50 and p99 latency (wrk's own histogram), server CPU per request (the
+server's process and children, from ``/proc``), errors.
 
 Where a kvrouter request's time goes: ``/metrics`` is scraped before and after the concurrency-8 point;
 the routing-overhead histogram's per-phase sums over the requests between (of the front that answers
@@ -49,8 +49,7 @@ Ratios (> 1: kvrouter better), at concurrency 8: ``select_throughput`` = kvroute
 ``select_p99`` = reference ÷ kvrouter p99, each the median over the rounds of the ratio within a round
 (the two sides of a round ran seconds apart); the table's concurrency-8 rows are each side's medians,
 and the rounds are listed under it. Goal ≥ 1 on both (issue 11). ``--quick`` is a smoke test for
-the test suite (32 prompts, 1 s points, no timing meaning). The default run takes about 3
-minutes.
+the test suite (32 prompts, 1 s points, no timing meaning). The default run takes about 3 minutes.
 """
 
 from __future__ import annotations

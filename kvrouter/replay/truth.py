@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import aiohttp
+
 from .stack import Stack
 
 __all__ = ["PROBE_INTERVAL_S", "WINDOW_S", "ProbeLog", "index_equals_engines", "probe"]
@@ -106,8 +108,8 @@ async def probe(stack: Stack, prompts: Sequence[list[int]], log_to: ProbeLog, st
         try:
             await asyncio.gather(*(engine(mock.http, mock.worker_id) for mock in stack.mocks))
             await asyncio.gather(*(router(base, i, prompt) for i, prompt in enumerate(prompts)))
-        except (OSError, TimeoutError, KeyError, IndexError) as exc:
-            if not log_to.failed:
+        except (OSError, TimeoutError, KeyError, IndexError, aiohttp.ClientError) as exc:
+            if not log_to.failed:  # a router draining (router-restart) closes a probe's connection mid-request
                 log.info("probe round failed error=%r (logged once)", exc)
             log_to.failed += 1
         with contextlib.suppress(TimeoutError):
@@ -115,7 +117,7 @@ async def probe(stack: Stack, prompts: Sequence[list[int]], log_to: ProbeLog, st
     # one last engine sample, so the last answers have a sample after them
     try:
         await asyncio.gather(*(engine(mock.http, mock.worker_id) for mock in stack.mocks))
-    except (OSError, TimeoutError, KeyError, IndexError):
+    except (OSError, TimeoutError, KeyError, IndexError, aiohttp.ClientError):
         log_to.failed += 1
 
 

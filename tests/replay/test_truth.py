@@ -10,6 +10,7 @@ import asyncio
 import time
 
 from kvrouter.replay import LocalStack
+from kvrouter.replay.stack import Stack
 from kvrouter.replay.truth import PROBE_INTERVAL_S, WINDOW_S, ProbeLog, index_equals_engines, probe
 
 TIMEOUT_S = 30.0
@@ -68,3 +69,36 @@ def test_an_answer_is_right_when_it_matches_any_engine_state_of_its_window():
     assert WINDOW_S == 0.25
     assert log.wrong() == [10.45, 10.3]
     assert log.wrong(since=10.4) == [10.45]
+
+
+def test_a_probe_whose_connection_is_closed_mid_request_is_counted_and_probing_goes_on():
+    """A router draining for a restart closes a keep-alive connection with a probe on it: aiohttp raises
+    ``ServerDisconnectedError``, which is no ``OSError``. The round is counted failed and the probes go
+    on; until this was caught, it ended the whole ``kvrouter replay`` run ("stopped answering")."""
+
+    async def main() -> ProbeLog:
+        async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")  # the request's head, then no answer at all
+            writer.close()
+
+        server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        stack = Stack(f"http://127.0.0.1:{port}", "default", 16)
+        log = ProbeLog()
+        stop = asyncio.Event()
+        task = asyncio.create_task(probe(stack, [PROMPT], log, stop))
+        try:
+            deadline = time.monotonic() + TIMEOUT_S
+            while log.failed < 3 and time.monotonic() < deadline:
+                await asyncio.sleep(PROBE_INTERVAL_S)
+            stop.set()
+            await task
+        finally:
+            await stack.close()
+            server.close()
+            await server.wait_closed()
+        return log
+
+    log = asyncio.run(main())
+    assert log.failed >= 3
+    assert log.answers == []

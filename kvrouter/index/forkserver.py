@@ -6,8 +6,9 @@ supervisor's process has a monitor thread and ZMQ's threads, and the service add
 threads; restarts happen from the monitor thread. So the supervisor forks this server first thing,
 before it makes any thread or ZMQ context of its own, and every applier is forked from here instead:
 always from one thread, always from the same clean state. The server also compiles (or loads from
-numba's cache) the appliers' kernels before it forks anything (``warm_up``), so no applier compiles,
-and a restart is writing within milliseconds.
+numba's cache) the appliers' kernels before it forks any applier (``warm_up``, which forks one helper
+to compile half of them on the other core), so no applier compiles, and a restart is writing within
+milliseconds.
 
 Protocol, over two ``multiprocessing`` connections (pickled tuples on socketpairs):
 
@@ -48,25 +49,71 @@ __all__ = ["ForkServer", "warm_up"]
 
 log = logging.getLogger(__name__)
 
+PR_SET_PDEATHSIG: Final = 1
+"""``prctl``'s option number (``<linux/prctl.h>``)."""
 PARENT_CHECK_S: Final = 1.0
+"""How long the server waits for a request or an exit before it checks that its parent is the supervisor."""
 CLOSE_GRACE_S: Final = 2.0
 """How long :meth:`ForkServer.close` waits for the server to leave by itself before killing it: it leaves
 within ``PARENT_CHECK_S`` when idle, never while it compiles."""
-"""How long the server waits for a request or an exit before it checks that its parent is the supervisor."""
 
 
 def warm_up() -> None:
     """Compile, or load from numba's cache, every kernel an applier runs, with the argument types it runs
-    them with: a tiny shard in private memory through the table kernels (store, a re-store that moves a
-    hash, a run of events, a store that needs room, remove, a match, an eviction, clear), the private-map
-    rehash, the live-copy of a growth with its match stamps, and block and chain hashing from every token
-    form an engine decoder hands over."""
-    from array import array
+    them with.
 
-    from ..events.codecs import sglang, vllm
+    On a cold cache this is a minute of one core's work in two halves of about equal size that share no
+    kernel: the table kernels and the decoders' and hashing kernels. A helper forked first compiles the
+    second half into the cache on the other core while this process compiles the first, then this process
+    loads the second from the cache (a fraction of a second), so the appliers start about half a minute
+    sooner. The helper only fills the cache: if it cannot be forked or fails, this process compiles that
+    half itself, as before. It dies with this process (a close mid-start kills the server)."""
+    helper = _fork_helper(_warm_codecs)
+    _warm_tables()
+    if helper is not None:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(helper, 0)
+    _warm_codecs()
+
+
+def _fork_helper(work: Callable[[], None]) -> int | None:
+    """Fork a child that runs ``work`` and exits (no atexit hook, nothing of this process's closed), killed
+    by the kernel if this process dies first; None when the fork fails."""
+    parent = os.getpid()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        log.warning("fork server: no warm-up helper (%s): this process compiles every kernel", exc)
+        return None
+    if pid:
+        return pid
+    code = 1
+    try:
+        _die_with_parent()
+        if os.getppid() == parent:  # else the parent died before the line above took effect
+            work()
+            code = 0
+    except BaseException:
+        log.exception("fork server: the warm-up helper failed; the server compiles its half instead")
+    finally:
+        os._exit(code)
+
+
+def _die_with_parent() -> None:
+    """``PR_SET_PDEATHSIG``: SIGKILL this process when the thread that forked it exits (Linux)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+
+
+def _warm_tables() -> None:
+    """The table kernels on a tiny shard in private memory: stores and removes as the decoder hands them
+    over, a run of events, a match, an eviction, clear, the private-map rehash, and the live-copy of a
+    growth with its match stamps."""
     from ..events.codecs.kvrouter import Decoder, Encoder
     from ..events.model import EngineHash, EventBatch, LocalHash, Removed, Stored, StoredBlock
-    from ..hashing import block_hashes_array, sequence_hashes_array
     from . import _kernels as kernels
     from .layout import H_CAPACITY, H_NWORDS, MIN_CAPACITY, TIERS, shard_words
     from .writer import pack_run
@@ -106,8 +153,6 @@ def warm_up() -> None:
     run = Decoder().decode_raw(payload).events  # ShardWriter.apply_batch's runs of several events
     statuses = np.zeros(len(run), dtype=np.int64)
     kernels.apply_run(shard, emap, emeta, refs, rmeta, cached, 0, 0, *pack_run(run), 0, statuses)
-    for engine, local in ((np.arange(3, dtype=np.uint64), np.arange(3, dtype=np.uint64)),):  # ShardWriter.apply
-        kernels.store(shard, emap, emeta, refs, rmeta, cached, 0, 0, True, np.uint64(10), engine, local)
     matched = np.zeros(MIN_CAPACITY, dtype=np.uint64)
     touched = np.frombuffer(np.arange(3, dtype="<u8").tobytes(), dtype="<u8")  # read-only, as the applier's
     kernels.touch(shard, matched, touched, np.uint64(1))
@@ -120,6 +165,20 @@ def warm_up() -> None:
     grown = table()
     kernels.copy_live(shard, grown)
     kernels.carry_matched(shard, grown, matched, np.zeros(MIN_CAPACITY, dtype=np.uint64))
+    block = np.zeros(32, dtype=np.uint64)
+    kernels.begin_rows_change(block)
+    kernels.end_rows_change(block)
+
+
+def _warm_codecs() -> None:
+    """Block and chain hashing from every token form an engine decoder hands over, and the engine decoders'
+    compiled pre-pass over msgpack (``_prescan.py``)."""
+    from array import array
+
+    from ..events.codecs import sglang, vllm
+    from ..events.model import EngineHash, EventBatch, LocalHash, Removed, Stored, StoredBlock
+    from ..hashing import block_hashes_array, sequence_hashes_array
+
     for tokens in ([1, 2, 3, 4], array("I", [1, 2, 3, 4]), np.arange(4, dtype=np.uint32)):
         block_hashes_array(tokens, 2)
     sequence_hashes_array([1, 2])
@@ -129,9 +188,6 @@ def warm_up() -> None:
         for encoding in ("map", "array"):
             payload = codec.Encoder(encoding).encode(engine_batch)
             codec.Decoder(1, 2).decode_raw(payload)
-    block = np.zeros(32, dtype=np.uint64)
-    kernels.begin_rows_change(block)
-    kernels.end_rows_change(block)
 
 
 class ForkServer:

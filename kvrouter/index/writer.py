@@ -109,7 +109,14 @@ GROWN_LOAD: Final = MAX_LOAD * 0.75
 INITIAL_CAPACITY: Final = 1 << 16
 """Slots of a new shard table (3 MiB at 64 workers): a fleet's working set fills it in seconds, and
 starting there skips six doublings (each a copy and fresh page faults). Tests start smaller."""
-_NONE: Final = np.empty(0, dtype=np.uint64)
+
+
+def _frozen(array: Table) -> Table:
+    array.flags.writeable = False
+    return array
+
+
+_NONE: Final = _frozen(np.empty(0, dtype=np.uint64))
 AFTER_EVICTION: Final = frozenset({BlockNotFound.kind, ParentNotFound.kind})
 """Error kinds an evicted block can cause (see ``ShardWriter._excuse``; the logical replay applies the same
 rule)."""
@@ -122,14 +129,18 @@ _ERRORS: Final = {
 
 
 def raw_event(event: KvEvent) -> RawEvent:
-    """A model event as the arrays ``apply_batch`` takes (token ids left out: the writer never reads them)."""
+    """A model event as the arrays ``apply_batch`` takes (token ids left out: the writer never reads them).
+
+    The arrays are read-only, as a decoder's views of a frame are: numba types a read-only array apart
+    from a writable one, so writable arrays here would compile every kernel they reach a second time
+    (``store`` alone takes 11 s on a cold cache) for the tests that feed model events."""
     match event:
         case Stored(parent=parent, blocks=blocks):
-            engine = np.fromiter((b.engine_hash for b in blocks), dtype=np.uint64, count=len(blocks))
-            local = np.fromiter((b.local_hash for b in blocks), dtype=np.uint64, count=len(blocks))
+            engine = _frozen(np.fromiter((b.engine_hash for b in blocks), dtype=np.uint64, count=len(blocks)))
+            local = _frozen(np.fromiter((b.local_hash for b in blocks), dtype=np.uint64, count=len(blocks)))
             return RawEvent("S", event.event_id, event.tier, parent, engine, local, None)
         case Removed(engine_hashes=hashes):
-            engine = np.fromiter(hashes, dtype=np.uint64, count=len(hashes))
+            engine = _frozen(np.fromiter(hashes, dtype=np.uint64, count=len(hashes)))
             return RawEvent("R", event.event_id, event.tier, None, engine, _NONE, None)
         case Cleared():
             return RawEvent("C", event.event_id, event.tier, None, _NONE, _NONE, None)

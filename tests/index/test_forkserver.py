@@ -93,3 +93,95 @@ def test_warm_up_compiles_every_kernel_signature_the_applier_path_uses():
     done = subprocess.run([sys.executable, "-c", APPLIER_PATH], capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "{}"
+
+
+WARM_ALONE = """
+import os
+from kvrouter.events.codecs import _prescan
+from kvrouter.hashing import _xxh3
+from kvrouter.index import _kernels as kernels
+from kvrouter.index import forkserver
+
+def no_fork():
+    raise OSError(11, "Resource temporarily unavailable")
+
+os.fork = no_fork
+forkserver.warm_up()
+print(len(_prescan.lift_arrays.signatures), len(_xxh3.hash_blocks.signatures), len(kernels.store.signatures))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_warm_up_without_its_helper_loads_both_halves_itself():
+    """No helper can be forked: the server compiles (here: loads) the decoders' and hashing kernels too,
+    and says why."""
+    done = subprocess.run([sys.executable, "-c", WARM_ALONE], capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr
+    prescan, hashing, store = map(int, done.stdout.split())
+    assert prescan >= 1
+    assert hashing >= 1
+    assert store == 1  # model events and decoded ones: one store signature
+    assert "no warm-up helper" in done.stderr
+
+
+WARM_REAPED = """
+import os
+from kvrouter.index.forkserver import warm_up
+
+warm_up()
+try:
+    print(os.waitpid(-1, os.WNOHANG))
+except ChildProcessError:
+    print("no child")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_warm_up_reaps_its_helper():
+    done = subprocess.run([sys.executable, "-c", WARM_REAPED], capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "no child"
+
+
+HELPER_ORPHANED = """
+import os, signal, sys, time
+from kvrouter.index.forkserver import _fork_helper
+
+helper = _fork_helper(lambda: time.sleep(60))
+print(helper, flush=True)
+time.sleep(0.5)  # the helper is past its prctl
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_helper_dies_with_the_server_that_forked_it(wait_until: WaitUntil):
+    """A close mid-start kills the compiling server: its helper must not compile on for minutes, unowned."""
+    done = subprocess.run([sys.executable, "-c", HELPER_ORPHANED], capture_output=True, text=True, timeout=30)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    helper = int(done.stdout)
+
+    def gone() -> bool:
+        try:
+            return _status(helper)["State"].startswith("Z")  # dead, its new parent not yet reaping
+        except FileNotFoundError:
+            return True
+
+    wait_until(gone, what="the helper killed with its parent", timeout=10)
+
+
+HELPER_FAILING = """
+import os
+from kvrouter.index.forkserver import _fork_helper
+
+helper = _fork_helper(lambda: 1 / 0)
+print(os.waitstatus_to_exitcode(os.waitpid(helper, 0)[1]))
+"""
+
+
+def test_a_failing_helper_exits_1_and_says_why():
+    done = subprocess.run([sys.executable, "-c", HELPER_FAILING], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"
+    assert "warm-up helper failed" in done.stderr
+    assert "ZeroDivisionError" in done.stderr

@@ -551,8 +551,11 @@ class Engine:
         return reader
 
     def reader_handle(self) -> ReaderHandle:
-        """A picklable handle for :func:`attach` in another process."""
-        return ReaderHandle(self._running().control.name)
+        """A picklable handle for :func:`attach` in another process (or an :class:`EngineView` in this one).
+        Valid from :meth:`start` on, before the appliers are up: their shards read as empty until then."""
+        if self._supervisor is None:
+            raise EngineError("the engine is not started: call start() first")
+        return ReaderHandle(self._supervisor.control.name)
 
     def unanswered(self) -> frozenset[int]:
         """:meth:`IndexReader.unanswered`: the shards the last query could not read (``--record`` keeps them

@@ -44,6 +44,8 @@ from kvrouter.events.model import (
 from kvrouter.hashing import sequence_hashes_array
 from kvrouter.index import RadixIndex
 from kvrouter.index.dense import WorkerSlots, overlaps_from_tiers
+from kvrouter.routing import Router
+from kvrouter.routing.config import KVROUTER_CONFIG
 from tests.index.contract import error_kind, replay
 
 SHARD_COUNTS = (1, 2, 4)
@@ -429,6 +431,34 @@ def test_a_forked_child_that_closes_or_exits_leaves_the_parents_engine_alone(
     assert out.strip() == "parent ok"
     assert shm_entries(parent.pid) == []
     assert glob.glob(os.path.join(tempfile.gettempdir(), f"kvrouter-{parent.pid}-*")) == []
+
+
+def test_a_view_reads_the_empty_shards_while_the_appliers_start():
+    """``kvrouter up`` compiles its front's kernels on such a view while the fork server compiles the
+    appliers': before ``finish_start`` the handle is valid and the view answers as an empty index does,
+    then sees what the appliers apply."""
+    engine = Engine(shards=2)
+    with pytest.raises(EngineError, match="not started"):
+        engine.reader_handle()
+    engine.start(wait=False)
+    try:
+        view = EngineView(engine.reader_handle())
+        try:
+            assert view.find_matches([1, 2, 3]) == {}
+            slots = WorkerSlots()
+            slot = slots.slot((1, 0))
+            out = view.overlaps(np.array([1, 2, 3], dtype=np.uint64), slots, 1)
+            assert out[:, slot].tolist() == [0]
+            chosen = Router(KVROUTER_CONFIG, block_size=16, seed=0).select(view, ((1, 0),), tokens=list(range(64)))
+            assert (chosen.worker, chosen.overlap_blocks) == ((1, 0), 0)
+            engine.finish_start()
+            engine.apply_event(1, Stored(1, None, (StoredBlock(EngineHash(1), LocalHash(1)),)))
+            engine.flush()
+            assert view.find_matches([1, 2, 3]) == {(1, 0): 1}
+        finally:
+            view.close()
+    finally:
+        engine.close()
 
 
 def test_an_engine_view_feeds_the_cap_from_its_own_socket_and_never_waits(wait_until: Callable[..., None]):

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import threading
 import time
 import uuid
 from collections import deque
@@ -75,6 +76,10 @@ __all__ = ["PHASES", "SelectResult", "Service", "ServiceCounters"]
 
 log = logging.getLogger(__name__)
 
+ABANDON_START_S: Final = 1.0
+"""How long a stop in the middle of the start waits for the start to end before leaving it behind: the
+engine's close ends a wait for the appliers at once, but the front's compile (seconds to a minute on a
+cold numba cache) cannot be cut short, and SIGTERM must end ``kvrouter up`` within 10 s."""
 MATCHED_LIMIT: Final = 256
 """Decisions whose matched blocks one health tick feeds to the index cap's order (``Service.feed_matches``):
 past it a tick's further decisions are left out (a busy router's recency is then a sample, which is all an
@@ -261,15 +266,55 @@ class Service:
             self.engine.start(wait=False)
         self._forked = True
 
+    def _start_off_loop(self) -> asyncio.Future[None]:
+        """:meth:`_finish_start` on a daemon thread of its own, not the loop's executor (which the loop joins
+        when it closes): a compile cannot be interrupted, and a stop in the middle of one must not wait for
+        it, so a stopped start is left to end (or be cut short by the exit) on its own."""
+        loop = self._loop
+        assert loop is not None
+        done: asyncio.Future[None] = loop.create_future()
+
+        def settle(error: BaseException | None) -> None:
+            if not done.done():
+                if error is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(error)
+
+        def start() -> None:
+            error: BaseException | None = None
+            try:
+                self._finish_start()
+            except BaseException as exc:
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+                loop.call_soon_threadsafe(settle, error)
+
+        threading.Thread(target=start, name="kvrouter-start", daemon=True).start()
+        return done
+
     def _finish_start(self) -> None:
-        """On a worker thread: the appliers up, then one decision and one query on throwaway state, so the
-        front's kernels are compiled (or loaded from the cache) before ``/ready`` says so."""
-        if isinstance(self.engine, Engine):
-            self.engine.finish_start()
+        """On a worker thread: one decision and one query on throwaway state, so the front's kernels are
+        compiled (or loaded from the cache) before ``/ready`` says so, then the appliers up.
+
+        An engine's fork server compiles the appliers' kernels meanwhile, in its own processes: the front's
+        go through a view of the engine's still empty shards, so both compile at once on a cold cache."""
+        engine = self.engine
+        if isinstance(engine, Engine):
+            view = EngineView(engine.reader_handle())
+            try:
+                self._warm(view)
+            finally:
+                view.close()
+            engine.finish_start()
+        else:
+            self._warm(engine)
+
+    def _warm(self, index: Engine | EngineView) -> None:
         router = Router(self.config.router, block_size=16, seed=0)
-        router.select(self.engine, ((0, 0),), tokens=list(range(64)))
+        router.select(index, ((0, 0),), tokens=list(range(64)))
         fastparse.warm()
-        self.engine.find_matches([1, 2, 3])
+        index.find_matches([1, 2, 3])
 
     def stop(self) -> None:
         """Ask :meth:`run` to drain and return; safe from any thread or a signal handler, idempotent."""
@@ -348,14 +393,14 @@ class Service:
             log.info("service listening url=%s shards=%d", self.url, config.shards)
             if on_listening is not None:
                 on_listening(self.url)
-            starting = asyncio.ensure_future(self._loop.run_in_executor(None, self._finish_start))
+            starting = self._start_off_loop()
             stopped = asyncio.ensure_future(self._stop_event.wait())
             await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
-            if not starting.done():  # stopped while starting: closing the engine ends the start
+            if not starting.done():  # stopped while starting: closing the engine ends a wait for the appliers
                 stopped.cancel()
                 self.engine.close()
-                with contextlib.suppress(EngineError):
-                    await starting
+                with contextlib.suppress(EngineError, TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(starting), ABANDON_START_S)
                 return
             stopped.cancel()
             starting.result()  # raises EngineError when the appliers did not come up

@@ -107,9 +107,12 @@ SAME = [
 
 def test_the_lane_answers_as_aiohttp_does(running: Running, raw: Raw, wait_until: Any) -> None:
     running.workers[1].complete(PROMPT[: 3 * BLOCK], max_tokens=2)  # worker 2 caches 3 blocks: no tie to break
-    wait_until(
-        lambda: running.ok("POST", "/select", SAME[0][1])["overlap"]["gpu"] == 3 * BLOCK, what="worker 2 indexed"
-    )
+
+    def settled() -> bool:  # indexed, and trusted: a health tick may move a trust state between two answers
+        answer = running.ok("POST", "/select", SAME[1][1])
+        return answer["overlap"]["gpu"] == 3 * BLOCK and set(answer["explain"]["trust"].values()) == {"exact"}
+
+    wait_until(settled, what="worker 2 indexed, both workers trusted")
     before = handed_over(running)
     ours = []
     for path, body in SAME:

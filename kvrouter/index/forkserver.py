@@ -39,7 +39,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing import connection
 from multiprocessing.connection import Connection
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import numpy as np
 
@@ -53,9 +53,11 @@ PR_SET_PDEATHSIG: Final = 1
 """``prctl``'s option number (``<linux/prctl.h>``)."""
 PARENT_CHECK_S: Final = 1.0
 """How long the server waits for a request or an exit before it checks that its parent is the supervisor."""
+LEAVE_S: Final = 0.2
+"""How long :meth:`ForkServer.close` waits for the server to leave by itself (an idle one sees its pipe
+close at once; one that compiles never does) before it sends SIGTERM."""
 CLOSE_GRACE_S: Final = 2.0
-"""How long :meth:`ForkServer.close` waits for the server to leave by itself before killing it: it leaves
-within ``PARENT_CHECK_S`` when idle, never while it compiles."""
+"""How long :meth:`ForkServer.close` waits after its SIGTERM before it kills the server."""
 
 
 def warm_up() -> None:
@@ -67,13 +69,37 @@ def warm_up() -> None:
     second half into the cache on the other core while this process compiles the first, then this process
     loads the second from the cache (a fraction of a second), so the appliers start about half a minute
     sooner. The helper only fills the cache: if it cannot be forked or fails, this process compiles that
-    half itself, as before. It dies with this process (a close mid-start kills the server)."""
+    half itself, as before. It never outlives this process: a SIGTERM in the middle (how
+    :meth:`ForkServer.close` ends a compiling server) kills and reaps it first, and should this process die
+    otherwise, the kernel kills it."""
     helper = _fork_helper(_warm_codecs)
-    _warm_tables()
     if helper is not None:
-        with contextlib.suppress(ChildProcessError):
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: _end_with(helper))
+        try:
+            _warm_tables()
             os.waitpid(helper, 0)
+        except BaseException:
+            _reap(helper)
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    else:
+        _warm_tables()
     _warm_codecs()
+
+
+def _end_with(helper: int) -> NoReturn:
+    """SIGTERM in the middle of ``warm_up`` (:meth:`ForkServer.close`): the helper first, reaped here, so
+    nothing of the server's outlives it, not even as a zombie waiting for init."""
+    _reap(helper)
+    os._exit(0)
+
+
+def _reap(helper: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(helper, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(helper, 0)
 
 
 def _fork_helper(work: Callable[[], None]) -> int | None:
@@ -89,6 +115,7 @@ def _fork_helper(work: Callable[[], None]) -> int | None:
         return pid
     code = 1
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the server's handler, which reaps this process
         _die_with_parent()
         if os.getppid() == parent:  # else the parent died before the line above took effect
             work()
@@ -262,20 +289,28 @@ class ForkServer:
 
     def close(self) -> None:
         """End the server (its children, if any are left, see their parent go) and reap it. A server still
-        compiling its kernels (``warm_up``: minutes on a cold numba cache) reads no request and cannot see
-        its pipe close, so after ``CLOSE_GRACE_S`` it is killed: closing an engine mid-start stays quick."""
+        compiling its kernels (``warm_up``: a minute on a cold numba cache) reads no request and cannot see
+        its pipe close, so after ``LEAVE_S`` it is asked with SIGTERM (it kills and reaps its helper, then
+        exits), and after ``CLOSE_GRACE_S`` more it is killed: closing an engine mid-start stays quick."""
         if self._requests is not None:
             self._requests.close()
             self._requests = None
             self.reports.close()
-            deadline = time.monotonic() + CLOSE_GRACE_S
             with contextlib.suppress(ChildProcessError):
-                while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
-                    if time.monotonic() > deadline:
-                        os.kill(self.pid, signal.SIGKILL)
-                        os.waitpid(self.pid, 0)
-                        break
-                    time.sleep(0.01)
+                if self._exited_within(LEAVE_S):
+                    return
+                os.kill(self.pid, signal.SIGTERM)
+                if not self._exited_within(CLOSE_GRACE_S):
+                    os.kill(self.pid, signal.SIGKILL)
+                    os.waitpid(self.pid, 0)
+
+    def _exited_within(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
 
 def _serve(requests: Connection, reports: Connection, target: Callable[..., None], supervisor: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -185,3 +186,32 @@ def test_a_failing_helper_exits_1_and_says_why():
     assert done.stdout.strip() == "1"
     assert "warm-up helper failed" in done.stderr
     assert "ZeroDivisionError" in done.stderr
+
+
+CLOSED_MID_COMPILE = """
+import json, os, time
+from kvrouter.engine import Engine
+
+engine = Engine(shards=1)
+engine.start(wait=False)  # the fork server compiles, on this empty cache, with its helper
+time.sleep(1.0)
+below = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and os.path.exists(f"/proc/{pid}/stat")
+         and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+helpers = [int(p) for server in below for p in open(f"/proc/{server}/task/{server}/children").read().split()]
+engine.close()
+print(json.dumps({"servers": len(below), "helpers": len(helpers),
+                  "left": [pid for pid in below + helpers if os.path.exists(f"/proc/{pid}")]}))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_server_closed_mid_compile_reaps_its_helper_before_it_exits(tmp_path):
+    """An engine closed while its fork server compiles on a cold cache: the server gets SIGTERM, kills and
+    reaps its helper, and is reaped by the close, so nothing is left when ``close`` returns, not even a
+    zombie waiting for init (``kvrouter up`` stopped mid-start checks this too)."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cold-cache")}
+    done = subprocess.run(
+        [sys.executable, "-c", CLOSED_MID_COMPILE], capture_output=True, text=True, timeout=50, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"servers": 1, "helpers": 1, "left": []}

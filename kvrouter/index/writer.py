@@ -109,14 +109,7 @@ GROWN_LOAD: Final = MAX_LOAD * 0.75
 INITIAL_CAPACITY: Final = 1 << 16
 """Slots of a new shard table (3 MiB at 64 workers): a fleet's working set fills it in seconds, and
 starting there skips six doublings (each a copy and fresh page faults). Tests start smaller."""
-
-
-def _frozen(array: Table) -> Table:
-    array.flags.writeable = False
-    return array
-
-
-_NONE: Final = _frozen(np.empty(0, dtype=np.uint64))
+_NONE: Final = np.empty(0, dtype=np.uint64)
 AFTER_EVICTION: Final = frozenset({BlockNotFound.kind, ParentNotFound.kind})
 """Error kinds an evicted block can cause (see ``ShardWriter._excuse``; the logical replay applies the same
 rule)."""
@@ -129,21 +122,29 @@ _ERRORS: Final = {
 
 
 def raw_event(event: KvEvent) -> RawEvent:
-    """A model event as the arrays ``apply_batch`` takes (token ids left out: the writer never reads them).
-
-    The arrays are read-only, as a decoder's views of a frame are: numba types a read-only array apart
-    from a writable one, so writable arrays here would compile every kernel they reach a second time
-    (``store`` alone takes 11 s on a cold cache) for the tests that feed model events."""
+    """A model event as the arrays ``apply_batch`` takes (token ids left out: the writer never reads them)."""
     match event:
         case Stored(parent=parent, blocks=blocks):
-            engine = _frozen(np.fromiter((b.engine_hash for b in blocks), dtype=np.uint64, count=len(blocks)))
-            local = _frozen(np.fromiter((b.local_hash for b in blocks), dtype=np.uint64, count=len(blocks)))
+            engine = np.fromiter((b.engine_hash for b in blocks), dtype=np.uint64, count=len(blocks))
+            local = np.fromiter((b.local_hash for b in blocks), dtype=np.uint64, count=len(blocks))
             return RawEvent("S", event.event_id, event.tier, parent, engine, local, None)
         case Removed(engine_hashes=hashes):
-            engine = _frozen(np.fromiter(hashes, dtype=np.uint64, count=len(hashes)))
+            engine = np.fromiter(hashes, dtype=np.uint64, count=len(hashes))
             return RawEvent("R", event.event_id, event.tier, None, engine, _NONE, None)
         case Cleared():
             return RawEvent("C", event.event_id, event.tier, None, _NONE, _NONE, None)
+
+
+def _read_only(array: Table) -> Table:
+    """``array``, or a read-only view of it. ``store`` and ``remove`` are compiled (``warm_up``) for the
+    decoders' read-only views of a frame, and numba types a writable array apart: one would compile the
+    kernel again (``store``: 11 s on a cold cache) in the applier, mid-stream. Writable ones come from
+    model events (``raw_event``) and an engine decoder's own arrays (computed local hashes, the empty
+    placeholder of a dropped event, hashes msgpack read as a list)."""
+    if array.flags.writeable:
+        array = array.view()
+        array.flags.writeable = False
+    return array
 
 
 def pack_run(events: Sequence[RawEvent]) -> tuple[npt.NDArray[np.uint8], Table, npt.NDArray[np.int64], Table, Table]:
@@ -375,13 +376,16 @@ class ShardWriter:
         if event.tag == "S":
             parent = event.parent
             has_parent, parent_word = parent is not None, np.uint64(parent or 0)
-            status = kernels.store(*self._maps(), bit, tier, has_parent, parent_word, event.engine, event.local)
+            engine, local = _read_only(event.engine), _read_only(event.local)
+            status = kernels.store(*self._maps(), bit, tier, has_parent, parent_word, engine, local)
             if status == kernels.NEED_ROOM:
-                self._make_room(len(event.engine))
-                status = kernels.store(*self._maps(), bit, tier, has_parent, parent_word, event.engine, event.local)
+                self._make_room(len(engine))
+                status = kernels.store(*self._maps(), bit, tier, has_parent, parent_word, engine, local)
             return _ERRORS.get(status)
         if event.tag == "R":
-            return BlockNotFound.kind if kernels.remove(*self._maps(), bit, tier, event.engine) >= 0 else None
+            return (
+                BlockNotFound.kind if kernels.remove(*self._maps(), bit, tier, _read_only(event.engine)) >= 0 else None
+            )
         kernels.clear_holder(*self._maps(), bit, tier)
         return None
 

@@ -58,6 +58,9 @@ __all__ = ["EPILOG", "ROUTER_FLAGS", "load_toml", "up"]
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+SLOW_START_S: Final = 5.0
+"""After this long without the index up, say why: a warm start takes about 2 s, a first run on a cold
+numba cache about a minute of compiling, and silence meanwhile looks like a hang."""
 """Each stops the service cleanly; SIGHUP too, so closing the terminal (or its tmux) does not kill it
 mid-flight with its segments and demo engines left behind."""
 
@@ -947,12 +950,26 @@ async def _run(service: Service, config: ServiceConfig, embedded: Embedded | Non
     started: asyncio.Task[None] | None = None
     failed = False
 
+    def on_slow_start() -> None:
+        if not stopping.is_set():
+            typer.echo(
+                "kvrouter up: still starting: the first run compiles its kernels into numba's cache "
+                "(about a minute on 2 cores; later starts take seconds). /health answers meanwhile."
+            )
+            sys.stdout.flush()
+
+    slow_start: asyncio.TimerHandle | None = None
+
     def on_listening(url: str) -> None:
+        nonlocal slow_start
         typer.echo(f"kvrouter up: API at {url}", err=False)
         sys.stdout.flush()
+        slow_start = loop.call_later(SLOW_START_S, on_slow_start)
 
     def on_ready(url: str) -> None:
         nonlocal started
+        if slow_start is not None:
+            slow_start.cancel()
         typer.echo("kvrouter up: the index is up", err=False)
         if service.fastpath is not None:
             typer.echo(f"kvrouter up: ZMQ fast path at {service.fastpath.endpoint}")
@@ -974,6 +991,8 @@ async def _run(service: Service, config: ServiceConfig, embedded: Embedded | Non
     try:
         await service.run(on_ready=on_ready, on_listening=on_listening)
     finally:
+        if slow_start is not None:
+            slow_start.cancel()
         if started is not None and not started.done():
             started.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -247,6 +247,7 @@ def test_health_answers_while_a_cold_cache_compiles_and_a_stop_then_ends_the_sta
     assert refused.value.code == 503
     assert "engine starting" in json.loads(refused.value.read())["reasons"]
     assert not any("the index is up" in line for line in up.seen)
+    up.expect(re.compile(r"still starting: the first run compiles"), START_TIMEOUT_S)  # not a silent minute
     stop_and_check(up, signal.SIGTERM, shm_entries)
 
 

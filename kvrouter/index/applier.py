@@ -180,7 +180,8 @@ def run_applier(
         config: the event plane's bounds and timers.
         budget: the (worker, block) entries the shard may hold (its share of the index cap; 0: no cap).
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when appliers stop
+    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C and systemd signal the whole group at once:
+        signal.signal(signum, signal.SIG_IGN)  # the supervisor decides when appliers stop
     parent = os.getppid()
     fence = _take_fence(lock_path(owner_pid, shard), parent)
     if fence is None:

@@ -315,8 +315,9 @@ class ForkServer:
 
 def _serve(requests: Connection, reports: Connection, target: Callable[..., None], supervisor: int) -> None:
     """The server's loop: fork on request, reap and report exits, leave with the supervisor."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when its processes stop
-    warm_up()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C and systemd signal the whole group at once:
+        signal.signal(signum, signal.SIG_IGN)  # the supervisor decides when its processes stop
+    warm_up()  # SIGTERM mid-compile still ends the server (see ForkServer.close)
     children: dict[int, int] = {}  # pidfd -> pid
     while True:
         ready = connection.wait([requests, *children], timeout=PARENT_CHECK_S)

@@ -43,8 +43,11 @@ STATUS_LINE = re.compile(r"decisions/s .* (\d+) decisions, (\d+) errors")
 class Up:
     """A running ``kvrouter up`` with its stdout read line by line into a queue (stderr to a file)."""
 
-    def __init__(self, *args: str, stderr: Path, env_extra: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *args: str, stderr: Path, env_extra: dict[str, str] | None = None, session: bool = False
+    ) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")} | (env_extra or {})
+        self.stderr_path = stderr
         self._stderr = stderr.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvrouter", "up", "--port", "0", *args],
@@ -54,6 +57,7 @@ class Up:
             stderr=self._stderr,
             stdin=subprocess.DEVNULL,
             text=True,
+            start_new_session=session,  # a process group of its own, to be signalled whole
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
@@ -99,8 +103,8 @@ class Up:
 def start_up(tmp_path: Path) -> Iterator[Callable[..., Up]]:
     started: list[Up] = []
 
-    def start(*args: str, env: dict[str, str] | None = None) -> Up:
-        up = Up(*args, stderr=tmp_path / f"up-{len(started)}.err", env_extra=env)
+    def start(*args: str, env: dict[str, str] | None = None, session: bool = False) -> Up:
+        up = Up(*args, stderr=tmp_path / f"up-{len(started)}.err", env_extra=env, session=session)
         started.append(up)
         return up
 
@@ -164,9 +168,14 @@ def kill_and_sweep(tree: list[tuple[int, str]]) -> None:
     sweep_leftovers()
 
 
-def stop_and_check(up: Up, signum: int, shm_entries: Callable[[int], list[str]]) -> None:
+def stop_and_check(up: Up, signum: int, shm_entries: Callable[[int], list[str]], *, group: bool = False) -> None:
+    """Signal ``kvrouter up`` (``group``: its whole process group, as systemd's stop and ``kill -- -pgid``
+    do); it must exit 0 within the bound and leave no process and no segment."""
     tree = descendants(up.proc.pid)
-    up.proc.send_signal(signum)
+    if group:
+        os.killpg(up.proc.pid, signum)
+    else:
+        up.proc.send_signal(signum)
     try:
         code = up.proc.wait(timeout=EXIT_BOUND_S)
     except subprocess.TimeoutExpired:
@@ -197,6 +206,18 @@ def test_up_routes_the_demo_workload_and_stops_cleanly_on_sigterm(start_up, shm_
     assert sorted(load["worker_id"] for group in loads for load in group["loads"]) == [1, 2]
     assert len(descendants(up.proc.pid)) >= 2 + 2  # two mock engines, fork server and appliers
     stop_and_check(up, signal.SIGTERM, shm_entries)
+
+
+def test_a_sigterm_to_the_whole_process_group_is_one_clean_stop(start_up, shm_entries):
+    """systemd's default stop (``KillMode=control-group``) and ``kill -TERM -- -<pgid>`` signal every process
+    at once. The appliers and the fork server leave their stop to the supervisor, as they do Ctrl-C's
+    SIGINT: the drain keeps its index, and nothing dies before it is asked to."""
+    up = start_up("--mock-workers", "2", "--shards", "2", "--status-secs", "1", "--client-rate", "6", session=True)
+    up.expect(STATUS_LINE, START_TIMEOUT_S, accept=lambda m: int(m[1]) >= 3)
+    stop_and_check(up, signal.SIGTERM, shm_entries, group=True)
+    log = up.stderr_path.read_text()
+    assert "died" not in log, log[-2000:]
+    assert "restart" not in log, log[-2000:]
 
 
 def test_up_without_a_demo_serves_and_stops_on_sigint(start_up, shm_entries):

@@ -560,7 +560,31 @@ class Stream:
                 if unit.first > self._expected():
                     recovery.missing = f"the reply starts at {unit.first}, after the missing {self._expected()}"
                 self._apply(unit, recovered=True)
+        if answer.last_event_id is not None:
+            self._drop_unreachable(answer.last_event_id)
         self._finish(now)
+
+    def _drop_unreachable(self, last: int) -> None:
+        """Drop the buffered live units that do not follow on from the worker's own last event id ``last``
+        without a hole. The worker's answer is the truth about its history. A unit past a hole it cannot
+        fill is an earlier life's: the engine restarted while a gap's query was in flight. Kept, each drain
+        would take it for a new gap and ask again, for ever. A live unit that was only lost behind the
+        answer comes back through the next gap or the quiet-tail check."""
+        reach = last + 1
+        kept: dict[int, Unit] = {}
+        for first in sorted(self._buffer):
+            unit = self._buffer[first]
+            if first <= reach:
+                kept[first] = unit
+                reach = max(reach, unit.last + 1)
+        if len(kept) < len(self._buffer):
+            log.info(
+                "dropped %d buffered batches %s: past the worker's last event id %d and a hole it cannot fill",
+                len(self._buffer) - len(kept),
+                self._where,
+                last,
+            )
+            self._buffer = kept
 
     def _tail_found(self, recovery: _Recovery) -> None:
         """A tail check brought back events the SUB never saw, and nothing after them told us: a gap."""

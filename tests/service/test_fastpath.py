@@ -133,8 +133,14 @@ def loads(fast: FastRunning) -> dict[int, dict[str, Any]]:
 def test_select_and_query_over_dealer_agree_with_http(fast: FastRunning, client: Client, wait_until):
     warm = prompt(7, blocks=4, tail=0)
     fast.workers[1].complete(warm, max_tokens=2)  # worker 2 caches the prompt's 4 blocks
-    wait_until(lambda: indexed(fast, warm, 2), what="worker 2 indexed")
     request = {"model_name": MODEL, "token_ids": [*warm, 11, 12, 13], "explain": True, "fallbacks": 1}
+
+    def settled() -> bool:  # indexed, and trusted: a health tick may move a trust state between two answers
+        return indexed(fast, warm, 2) and set(
+            fast.call("POST", "/select", request)[1]["explain"]["trust"].values()
+        ) == {"exact"}
+
+    wait_until(settled, what="worker 2 indexed, both workers trusted")
     _, by_http, _ = fast.call("POST", "/select", request)
     by_zmq = client.call({"op": "select", "id": 7, **request})
     assert by_zmq.pop("id") == 7

@@ -58,11 +58,11 @@ __all__ = ["EPILOG", "ROUTER_FLAGS", "load_toml", "up"]
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Each stops the service cleanly; SIGHUP too, so closing the terminal (or its tmux) does not kill it
+mid-flight with its segments and demo engines left behind."""
 SLOW_START_S: Final = 5.0
 """After this long without the index up, say why: a warm start takes about 2 s, a first run on a cold
 numba cache about a minute of compiling, and silence meanwhile looks like a hang."""
-"""Each stops the service cleanly; SIGHUP too, so closing the terminal (or its tmux) does not kill it
-mid-flight with its segments and demo engines left behind."""
 
 _SERVER: Final = "Server"
 _WORKERS: Final = "Workers"

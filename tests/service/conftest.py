@@ -37,6 +37,12 @@ MODEL = "m"
 TOKEN = "s3cret"
 
 
+def all_trusted(answer: dict[str, Any]) -> bool:
+    """Every worker of an ``explain`` answer is trusted ``exact``: wait for it before comparing two answers,
+    since a health tick may move a trust state between them (the explanation carries it)."""
+    return set(answer["explain"]["trust"].values()) == {"exact"}
+
+
 def http(
     url: str,
     method: str = "GET",

@@ -22,7 +22,7 @@ from kvrouter.hashing import block_hashes
 from kvrouter.routing.config import RouterConfig
 from kvrouter.service import Service, ServiceConfig
 from kvrouter.service.fastpath import FRAME_SLACK, MAGIC, FastPath
-from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, serving
+from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, all_trusted, serving
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -135,10 +135,8 @@ def test_select_and_query_over_dealer_agree_with_http(fast: FastRunning, client:
     fast.workers[1].complete(warm, max_tokens=2)  # worker 2 caches the prompt's 4 blocks
     request = {"model_name": MODEL, "token_ids": [*warm, 11, 12, 13], "explain": True, "fallbacks": 1}
 
-    def settled() -> bool:  # indexed, and trusted: a health tick may move a trust state between two answers
-        return indexed(fast, warm, 2) and set(
-            fast.call("POST", "/select", request)[1]["explain"]["trust"].values()
-        ) == {"exact"}
+    def settled() -> bool:
+        return indexed(fast, warm, 2) and all_trusted(fast.call("POST", "/select", request)[1])
 
     wait_until(settled, what="worker 2 indexed, both workers trusted")
     _, by_http, _ = fast.call("POST", "/select", request)

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import pytest
 
 from kvrouter.service import lane as lane_module
-from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, http
+from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, all_trusted, http
 
 
 class Raw:
@@ -108,9 +108,9 @@ SAME = [
 def test_the_lane_answers_as_aiohttp_does(running: Running, raw: Raw, wait_until: Any) -> None:
     running.workers[1].complete(PROMPT[: 3 * BLOCK], max_tokens=2)  # worker 2 caches 3 blocks: no tie to break
 
-    def settled() -> bool:  # indexed, and trusted: a health tick may move a trust state between two answers
+    def settled() -> bool:
         answer = running.ok("POST", "/select", SAME[1][1])
-        return answer["overlap"]["gpu"] == 3 * BLOCK and set(answer["explain"]["trust"].values()) == {"exact"}
+        return answer["overlap"]["gpu"] == 3 * BLOCK and all_trusted(answer)
 
     wait_until(settled, what="worker 2 indexed, both workers trusted")
     before = handed_over(running)

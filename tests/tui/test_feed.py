@@ -104,11 +104,13 @@ def shm(runtime: Path, running: Running) -> Iterator[ShmFeed]:
 
 
 def settled(snapshot: Snapshot) -> bool:
-    """Both workers indexed with blocks, an explained decision, the registrations in the log."""
+    """Both workers indexed with blocks, an explained decision and the warm-up's decisions counted (the
+    counters are published on their own tick), the registrations in the log."""
     return (
         len(snapshot.workers) == 2
         and all(w.cached_blocks > 0 for w in snapshot.workers)
         and any(d.candidates for d in snapshot.decisions)
+        and snapshot.decisions_total >= 3
         and sum(e.kind == "registered" for e in snapshot.events) == 2
     )
 

@@ -11,9 +11,9 @@ seed and reading a clock held at each record's time, exactly as the live router 
 The index at a decision: an event batch counts as seen by a decision when its apply finished before the
 decision began. A batch whose apply overlapped the decision's index walk (it began before the decision
 ended and finished after it began) may or may not have been seen live; when the replayed index's overlaps
-differ from the recorded ones, such batches are applied before the decision, and kept so if that makes
-the overlaps agree (``races``). Any remaining difference is counted in ``index_differs`` and reported with
-the decisions it concerns: a decision can then differ because the index did, not the router.
+differ from the recorded ones, the fewest such records (per shard, in order) that make them agree are
+applied before the decision (``races``). Any remaining difference is counted in ``index_differs`` and
+reported with the decisions it concerns: a decision can then differ because the index did, not the router.
 
 What a changed router cannot change: the events. They are what the engines did with the recorded
 decisions; a router that sends a request elsewhere would have made other engines cache it. The replay
@@ -326,14 +326,11 @@ class LogicalReplay:
         if down:  # shards the live walk could not read: their workers had overlap 0 for this decision
             index = _Unanswered(index, {key for key, shard in self.shard_of.items() if shard in down})
         recorded_overlaps = record.get("ov")
-        if recorded_overlaps is not None:
-            mine = self._overlaps(index, local, candidates)
-            if mine != recorded_overlaps:
-                raced = self._race(record, later, taken)
-                if raced and self._overlaps(index, local, candidates) == recorded_overlaps:
-                    report.races += 1
-                else:
-                    report.index_differs += 1
+        if recorded_overlaps is not None and self._overlaps(index, local, candidates) != recorded_overlaps:
+            if self._race(record, index, local, candidates, later, taken):
+                report.races += 1
+            else:
+                report.index_differs += 1
         router = partition.router
         router.set_untrusted((int(w), int(r)) for w, r in record.get("untr") or ())
         capacities = None if record.get("cap") is None else {(int(w), int(r)): int(c) for w, r, c in record["cap"]}
@@ -368,20 +365,49 @@ class LogicalReplay:
         else:
             self._differ(record, worker, error, recorded_worker, recorded_error)
 
-    def _race(self, record: Mapping[str, Any], later: Sequence[Mapping[str, Any]], taken: set[int]) -> bool:
-        """Apply the batches whose apply overlapped this decision (see the module docstring); whether any."""
+    def _race(
+        self,
+        record: Mapping[str, Any],
+        index: Any,
+        local: npt.NDArray[np.uint64],
+        candidates: Sequence[WorkerKey],
+        later: Sequence[Mapping[str, Any]],
+        taken: set[int],
+    ) -> bool:
+        """Apply, shard by shard, the fewest index records whose apply overlapped this decision that make the
+        shard's candidates' overlaps agree with the recorded ones (see the module docstring); whether all agree.
+
+        Shard by shard, because the live walk read each shard at its own instant; record by record, because
+        a batch's ``evict`` records land after its events (``ShardWriter._evict`` runs at the batch's end), so
+        a walk may have seen a batch's blocks but not yet its eviction. Records of a shard apply in order:
+        the walk saw a prefix of what its applier wrote."""
+        recorded = record["ov"]
         began, ended = int(record["t"]), int(record.get("t1", record["t"]))
-        found = False
+        raced: dict[int | None, list[Mapping[str, Any]]] = {}
         for other in later:
             if other["t"] > ended + RACE_WINDOW_NS:
                 break
-            if other["k"] not in INDEX_KINDS or other["n"] in taken:
-                continue
-            if int(other.get("t0", other["t"])) <= ended and other["t"] >= began:
+            overlapped = int(other.get("t0", other["t"])) <= ended and other["t"] >= began
+            if overlapped and other["k"] in INDEX_KINDS and other["n"] not in taken:
+                raced.setdefault(other.get("shard"), []).append(other)
+        shard_of: dict[WorkerKey, int | None] = {**self.shard_of}
+        for shard, records in raced.items():
+            shard_of.update(((int(other["w"]), int(other["r"])), shard) for other in records)
+        columns: dict[int | None, list[int]] = {}
+        for column, key in enumerate(candidates):
+            columns.setdefault(shard_of.get(key), []).append(column)
+
+        def agrees(shard: int | None) -> bool:
+            mine = self._overlaps(index, local, candidates)
+            return all(mine[tier][c] == recorded[tier][c] for tier in range(len(mine)) for c in columns.get(shard, ()))
+
+        for shard, records in raced.items():
+            for other in records:
+                if agrees(shard):
+                    break
                 taken.add(other["n"])
                 self._apply_index_record(other)
-                found = True
-        return found
+        return bool(raced) and self._overlaps(index, local, candidates) == recorded
 
     def _differ(
         self,

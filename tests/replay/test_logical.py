@@ -195,9 +195,10 @@ def test_a_cut_short_or_other_version_recording_and_a_bad_router_change_are_usag
     assert result.exit_code == 2
 
 
-def _raced(applied_from: int) -> Recording:
+def _raced(applied_from: int, *, raced_by: tuple[dict[str, Any], ...] = ()) -> Recording:
     """A decision at t 1000..2000 whose recorded overlaps saw worker 2's batch, applied from ``applied_from`` to 2500
-    (the recording of the moment a batch lands while a decision walks the index)."""
+    (the recording of the moment a batch lands while a decision walks the index); ``raced_by``: more index
+    records in the same window that the decision did not see."""
     blocks = tuple(StoredBlock(EngineHash(100 + h), LocalHash(h)) for h in (11, 12, 13, 14))
     payload = kvrouter_codec.Encoder().encode(EventBatch((Stored(2, None, blocks),)))
     seen = RadixIndex()
@@ -211,8 +212,9 @@ def _raced(applied_from: int) -> Recording:
          "h": np.array([11, 12, 13, 14], dtype="<u8").tobytes(), "isl": 4 * BLOCK, "lora": None,
          "cand": [[1, 0], [2, 0]], "cap": None, "untr": [], "w": [2, 0], "o": 4, "ov": overlaps, "err": None},
         {"k": "ev", "n": 3, "t": 2500, "t0": applied_from, "w": 2, "r": 0, "fmt": "kvrouter", "bs": BLOCK,
-         "skip": 0, "p": payload},
+         "skip": 0, "p": payload, "shard": 1},
     ]  # fmt: skip
+    records += [{**other, "n": 4 + k} for k, other in enumerate(raced_by)]
     header = {"kind": "header", "version": VERSION, "seed": 1, "router": dataclasses.asdict(RouterConfig())}
     return Recording(Path("raced.kvr"), header, records)
 
@@ -225,6 +227,22 @@ def test_a_batch_applied_while_a_decision_walked_the_index_counts_as_seen_when_t
     late = replay_recording(_raced(applied_from=2100))  # began after the decision ended: it cannot have been
     assert late.races == 0
     assert late.index_differs == 1
+
+
+def test_a_racing_batch_counts_as_seen_without_its_eviction_or_another_shards_batch():
+    """The live walk reads each shard at its own instant, and the cap evicts at a batch's end: a decision
+    can see a batch's blocks but not the eviction recorded after it, nor a batch another shard applied in
+    the same window. The replay applies the fewest records of each shard that make the overlaps agree."""
+    eviction = {"k": "evict", "t": 2500, "t0": 1500, "w": 2, "r": 0, "tier": 0, "shard": 1,
+                "h": np.array([114], dtype="<u8").tobytes()}  # fmt: skip
+    other = kvrouter_codec.Encoder().encode(
+        EventBatch((Stored(1, None, (StoredBlock(EngineHash(211), LocalHash(11)),)),))
+    )
+    elsewhere = {"k": "ev", "t": 2400, "t0": 1400, "w": 1, "r": 0, "fmt": "kvrouter", "bs": BLOCK, "skip": 0,
+                 "p": other, "shard": 0}  # fmt: skip
+    report = replay_recording(_raced(applied_from=1500, raced_by=(eviction, elsewhere)))
+    assert (report.races, report.index_differs, report.matched, report.event_errors) == (1, 0, 1, 0)
+    assert report.evictions == 1  # applied after the decision, in its turn
 
 
 def _unread(down: list[int]) -> Recording:

@@ -13,10 +13,11 @@ so a table under endless booking and freeing never degrades and never needs a sw
 - ``holders``: ``[sequence hash, holder count, bitset...]``, the slots holding the hash as a bitset
   ``ceil(slots / 64)`` words wide (empty while the count is 0). The decision goes through it.
 
-Why a bitset per held hash: a new prompt's walk (:func:`leading`) needs, per block, whether each slot
-still in the running holds it (one load and a mask), and the first block's holders as a list (one pass
-over its words). The cost is a table probe per block plus one test per (slot still matching, block):
-linear in the matched blocks times the workers matching, nothing for workers holding none of the prompt.
+Why a bitset per held hash: a new prompt's walk (:func:`leading`) needs, per block, which slots still in
+the running hold it (one AND per bitset word still matching), and the first block's holders as a list
+(one pass over its words). The cost is a table probe per block plus one AND per (word still matching,
+block) and one bit scan per slot where its run ends: linear in the matched blocks, nothing for workers
+holding none of the prompt.
 Memory is one bit per slot per active hash, the layout of the shard index's own table, so it never
 exceeds what the index spends on the same blocks once they are cached. Rejected: the first version, a
 Python dict of big-int bitsets (13 µs for a 64-block prompt at 16 workers: a dict probe and a big-int AND
@@ -32,6 +33,8 @@ from typing import Any, Final, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 from numba import njit
+
+from ..index._kernels import _lowest_bit, _prefetch_line  # the reader's intrinsics, as the decision kernel takes them
 
 __all__ = ["add", "held_run", "holder_table", "leading", "pair_table", "remove", "room", "widen"]
 
@@ -64,6 +67,9 @@ H_BITS: Final = 2
 HOLDER_WORDS: Final = 2
 """Words of a ``holders`` row before its bitset."""
 MIN_ROWS: Final = 64
+PREFETCH_AHEAD: Final = 8
+"""Blocks whose home row :func:`leading` asks the cache for before it probes them: the prompt's hashes are
+known in advance, so their probes' misses can overlap instead of following one another."""
 MAX_LOAD: Final = 0.5
 """Rows in use over capacity beyond which :func:`room` doubles a table: linear probing stays short."""
 
@@ -233,64 +239,65 @@ def held_run(pairs: Rows, seqs: Rows, slot: int) -> int:
     return seqs.size
 
 
-@_inlined
-def _trailing_zeros(low: np.uint64) -> int:
-    """The bit number of ``low``, a single set bit."""
-    n = 0
-    if low & np.uint64(0xFFFFFFFF00000000):
-        n += 32
-    if low & np.uint64(0xFFFF0000FFFF0000):
-        n += 16
-    if low & np.uint64(0xFF00FF00FF00FF00):
-        n += 8
-    if low & np.uint64(0xF0F0F0F0F0F0F0F0):
-        n += 4
-    if low & np.uint64(0xCCCCCCCCCCCCCCCC):
-        n += 2
-    if low & np.uint64(0xAAAAAAAAAAAAAAAA):
-        n += 1
-    return n
-
-
 @_kernel
 def leading(holders: Rows, seqs: Rows, out: Slots, touched: Slots, alive: Slots) -> int:
     """Per slot, the leading blocks of the prompt ``seqs`` its active requests hold, written to ``out`` for
     the slots holding the first block (the others are left as they are: 0). Those slots go to
-    ``touched``, their number is returned, so the caller can zero them again; ``alive`` is scratch. Both
-    hold at least as many entries as there are slots."""
+    ``touched``, their number is returned, so the caller can zero them again. ``touched`` holds at least
+    as many entries as there are slots; ``alive``, scratch, as many and at least 2.
+
+    The slots still matching are kept a bitset word at a time, as ``(word, bits)`` pairs in ``alive`` (at
+    most one pair per 64 slots, so they fit): a block costs one probe and one AND per word still
+    matching, and a bit scan only for the slots that stop there. Testing each slot's bit instead cost a
+    test per slot per block, most of a 16-worker decision's time in the walk."""
     if seqs.size == 0:
         return 0
+    rows = holders.reshape(holders.size)
+    width = holders.shape[1]
+    mask = np.uint64(holders.shape[0] - 1)
+    for depth in range(min(PREFETCH_AHEAD, seqs.size)):
+        _prefetch_line(rows, _i64(seqs[depth] & mask) * width)
     at = _holder(holders, seqs[0])
     if holders[at, H_COUNT] == _ZERO:
         return 0
     n = 0
+    live = 0
     for w in range(holders.shape[1] - HOLDER_WORDS):
         bits = holders[at, HOLDER_WORDS + w]
-        base = w * 64
+        if bits == _ZERO:
+            continue
+        alive[2 * live] = w
+        alive[2 * live + 1] = _i64(bits)
+        live += 1
         while bits != _ZERO:
-            low = bits & (~bits + _ONE)
-            touched[n] = base + _trailing_zeros(low)
+            touched[n] = w * 64 + _lowest_bit(bits)
             n += 1
-            bits ^= low
-    alive[:n] = touched[:n]
-    count = n
-    for depth in range(1, seqs.size):  # hot path: one probe a block, one bit test per slot still matching
+            bits &= bits - _ONE
+    for depth in range(1, seqs.size):  # hot path: one probe a block, one AND per word still matching
+        if depth + PREFETCH_AHEAD < seqs.size:
+            _prefetch_line(rows, _i64(seqs[depth + PREFETCH_AHEAD] & mask) * width)
         at = _holder(holders, seqs[depth])
+        held = holders[at, H_COUNT] != _ZERO
         kept = 0
-        if holders[at, H_COUNT] != _ZERO:
-            for j in range(count):
-                slot = alive[j]
-                if (holders[at, HOLDER_WORDS + (slot >> 6)] >> np.uint64(slot & 63)) & _ONE:
-                    alive[kept] = slot
-                    kept += 1
-                else:
-                    out[slot] = depth
-        else:
-            for j in range(count):
-                out[alive[j]] = depth
-        count = kept
-        if count == 0:
+        for k in range(live):
+            w = alive[2 * k]
+            bits = np.uint64(alive[2 * k + 1])
+            still = bits & holders[at, HOLDER_WORDS + w] if held else _ZERO
+            gone = bits ^ still
+            while gone != _ZERO:  # these slots' runs end here
+                out[w * 64 + _lowest_bit(gone)] = depth
+                gone &= gone - _ONE
+            if still != _ZERO:
+                alive[2 * kept] = w
+                alive[2 * kept + 1] = _i64(still)
+                kept += 1
+        live = kept
+        if live == 0:
             return n
-    for j in range(count):
-        out[alive[j]] = seqs.size
+    for k in range(live):
+        w = alive[2 * k]
+        bits = np.uint64(alive[2 * k + 1])
+        while bits != _ZERO:
+            out[w * 64 + _lowest_bit(bits)] = seqs.size
+            bits &= bits - _ONE
     return n

@@ -83,3 +83,40 @@ def test_leading_counts_each_slots_run() -> None:
     n = active.leading(holders, prompt, out, touched, np.zeros(200, dtype=np.int64))
     assert sorted(touched[:n].tolist()) == [3, 150]
     assert (out[3], out[150], out[7]) == (10, 4, 0)
+
+
+WIDE = 150
+"""Three bitset words: a run may end in any of them, at bit 63 and at bit 0 of the next."""
+request = st.tuples(
+    st.sampled_from([0, 1, 62, 63, 64, 65, 127, 128, 149]),
+    st.integers(0, 11),  # first block taken from the prompt
+    st.integers(0, 12),  # one past the last
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(request, max_size=14), st.integers(1, 12))
+def test_leading_matches_each_slots_run_in_a_model(requests: list[tuple[int, int, int]], length: int) -> None:
+    """Every slot's leading run of the prompt, over slots that stop at different blocks in different words."""
+    prompt = np.arange(1, length + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    pairs, holders, used = active.pair_table(), active.widen(active.holder_table(), WIDE), np.zeros(2, dtype=np.int64)
+    held: dict[int, set[int]] = {}
+    for slot, first, end in requests:
+        seqs = prompt[first:end]
+        if not len(seqs):
+            continue
+        pairs = active.room(pairs, int(used[0]), len(seqs), pairs=True)
+        holders = active.room(holders, int(used[1]), len(seqs), pairs=False)
+        active.add(pairs, holders, used, seqs, slot)
+        held.setdefault(slot, set()).update(seqs.tolist())
+    expected = {}
+    for slot, hashes in held.items():
+        run = 0
+        while run < length and int(prompt[run]) in hashes:
+            run += 1
+        if run:
+            expected[slot] = run
+    out, touched, alive = (np.zeros(WIDE, dtype=np.int64) for _ in range(3))
+    n = active.leading(holders, prompt, out, touched, alive)
+    assert sorted(touched[:n].tolist()) == sorted(expected)
+    assert {slot: int(run) for slot, run in enumerate(out) if run} == expected

@@ -178,6 +178,9 @@ class Router:
             assume_kv_reuse=self.config.router_assume_kv_reuse,
             clock=clock,
         )
+        self._now = self.slots.clock
+        """The slot manager's clock, read once here: its property's frame cost a microsecond a decision once
+        evicted."""
         self._params = _params(self.config, block_size, self.slots)
         self._approximate = not self.config.use_kv_events
         """Decisions are written into the index (``use_kv_events=False``); the config is read once, as
@@ -281,10 +284,17 @@ class Router:
             local = block_hashes_array(tokens, self.block_size, lora_name=lora_name)
             isl = len(tokens) if isl_tokens is None else isl_tokens
         else:
-            local = local_hash_array(local_hashes)
+            local = (  # hot path: a uint64 array as it is, without local_hash_array's frame (µs once evicted)
+                local_hashes  # type: ignore[assignment]  # its dtype is checked here, where mypy cannot see it
+                if type(local_hashes) is np.ndarray
+                and local_hashes.dtype is _U64
+                and local_hashes.ndim == 1
+                and local_hashes.flags.c_contiguous
+                else local_hash_array(local_hashes)
+            )
             isl = len(local) * self.block_size if isl_tokens is None else isl_tokens
         slots = self.slots
-        now = slots.clock()
+        now = self._now()
         if now >= self._next_sweep:
             slots.sweep()
             self._next_sweep = now + SWEEP_INTERVAL_SECS
@@ -341,7 +351,15 @@ class Router:
             held = overlaps[:, self._candidates]
             kept = DecisionRecord(keys, out.copy(), held, head, temperature) if record else None
             explained = explanation(keys, held, out, head, temperature) if explain else None
-        return Selection(chosen, device, self._columns[head].tolist(), isl, explained, kept)
+        selection = _new(Selection)  # its fields set here: an __init__ frame cost a microsecond once evicted
+        selection.worker = chosen
+        selection.overlap_blocks = device
+        selection._cost = None
+        selection._terms = self._columns[head].tolist()
+        selection.isl_tokens = isl
+        selection.explanation = explained
+        selection.record = kept
+        return selection
 
     def _take(self, workers: Iterable[WorkerKey]) -> None:
         """Make ``workers`` the candidates: deduplicated in order, slotted (assigned on first sight), bound.
@@ -426,6 +444,10 @@ def explanation(
         WorkerExplanation(keys[i], _overlap(overlaps, i), _cost(columns[i]), chance[i], i == head, bool(busy[i]))
         for i in range(len(keys))
     )
+
+
+_U64: Final = np.dtype(np.uint64)
+_new: Final = object.__new__
 
 
 def _is_engine(index: object) -> bool:

@@ -328,7 +328,7 @@ class Engine:
         try:
             supervisor.complete_start()
             self._wait_up(supervisor)
-            reader = IndexReader(supervisor.control.name)
+            reader = IndexReader(supervisor.control.name, self._query_lock)
             with self._query_lock:
                 self._reader = reader
         except BaseException:
@@ -522,17 +522,11 @@ class Engine:
         with self._query_lock:
             return self._query_reader().overlaps(local, slots, ntiers)
 
-    def overlaps_and(
-        self,
-        kernel: Callable[..., tuple[int, ...]],
-        local: npt.NDArray[np.uint64],
-        slots: WorkerSlots,
-        ntiers: int,
-        out: npt.NDArray[np.int64],
-        args: tuple[Any, ...] = (),
-    ) -> tuple[tuple[int, ...], bool]:
-        """:meth:`IndexReader.overlaps_and` under the query lock: the overlaps and a compiled consumer of
-        them in one call (the router's decision).
+    def decision_walk(self) -> Callable[..., tuple[tuple[int, ...], bool]]:
+        """The reader's :meth:`IndexReader.overlaps_and`, bound: the overlaps and a compiled consumer of them
+        (the router's decision) in one call. It takes the query lock itself, and raises ``EngineError`` once
+        the engine closed: a method of the engine around it cost every decision a frame (about a
+        microsecond, once the caller's other work evicted it).
 
         Raises:
             EngineError: the engine is not running.
@@ -541,7 +535,7 @@ class Engine:
             reader = self._reader
             if reader is None:
                 raise EngineError("the engine is not running: use it inside `with Engine(...)`, or call start()")
-            return reader.overlaps_and(kernel, local, slots, ntiers, out, args)
+            return reader.overlaps_and
 
     def _query_reader(self) -> IndexReader:
         """The engine's reader, under ``_query_lock``: set from a successful start until close."""
@@ -654,16 +648,8 @@ class EngineView:
     def overlaps(self, local: npt.NDArray[np.uint64], slots: WorkerSlots, ntiers: int) -> npt.NDArray[np.int64]:
         return self._reader.overlaps(local, slots, ntiers)
 
-    def overlaps_and(
-        self,
-        kernel: Callable[..., tuple[int, ...]],
-        local: npt.NDArray[np.uint64],
-        slots: WorkerSlots,
-        ntiers: int,
-        out: npt.NDArray[np.int64],
-        args: tuple[Any, ...] = (),
-    ) -> tuple[tuple[int, ...], bool]:
-        return self._reader.overlaps_and(kernel, local, slots, ntiers, out, args)
+    def decision_walk(self) -> Callable[..., tuple[tuple[int, ...], bool]]:
+        return self._reader.overlaps_and
 
     def reader_handle(self) -> ReaderHandle:
         return self.handle

@@ -345,6 +345,23 @@ def test_caller_errors_raise_at_once_and_nothing_is_sent():
 
 
 @pytest.mark.timeout(120)
+def test_a_router_that_decided_on_an_engine_raises_once_the_engine_closed():
+    """The router keeps the engine's decision walk (the reader's ``overlaps_and``) between decisions: after
+    the close it must refuse, not walk unmapped segments; before the start it refuses as every query does."""
+    router = Router(KVROUTER_CONFIG, block_size=16, seed=1)
+    local = np.array([11, 12, 13], dtype=np.uint64)
+    unstarted = Engine(shards=1)
+    with pytest.raises(EngineError, match="not running"):
+        router.select(unstarted, ((1, 0),), local_hashes=local)
+    with Engine(shards=1) as engine:
+        engine.apply_event(1, Stored(1, None, tuple(StoredBlock(EngineHash(h), LocalHash(h)) for h in (11, 12))))
+        engine.flush()
+        assert router.select(engine, ((1, 0), (2, 0)), local_hashes=local).worker == (1, 0)
+    with pytest.raises(EngineError, match="not running"):
+        router.select(engine, ((1, 0), (2, 0)), local_hashes=local)
+
+
+@pytest.mark.timeout(120)
 def test_flush_times_out_while_an_applier_is_stopped_and_succeeds_after():
     with Engine(shards=2) as engine:
         pid = engine.stats()[1].pid

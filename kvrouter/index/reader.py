@@ -41,13 +41,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ConfigError
+from ..errors import ConfigError, EngineError
 from ..events.model import StorageTier, WorkerKey
 from ..hashing import local_hash_array
 from ..hashing.chain import local_hash_words
@@ -74,9 +75,13 @@ Table = npt.NDArray[np.uint64]
 
 class IndexReader:
     """Answers ``find_matches`` / ``find_matches_by_tier`` like ``RadixIndex``, and ``overlaps`` as arrays by
-    ``WorkerSlots`` slot, from shared memory. Not thread-safe: one thread at a time per reader."""
+    ``WorkerSlots`` slot, from shared memory. Not thread-safe: one thread at a time per reader, but for
+    :meth:`overlaps_and`, which takes ``lock`` (the engine's query lock, so that the router can call it
+    without a method of the engine around it)."""
 
-    def __init__(self, control_name: str) -> None:
+    def __init__(self, control_name: str, lock: threading.Lock | None = None) -> None:
+        self._lock = threading.Lock() if lock is None else lock
+        self._closed = False
         self.control = Control.attach(control_name)
         shards, rows = self.control.shards, self.control.rows
         self._rows = rows
@@ -227,18 +232,28 @@ class IndexReader:
         Returns:
             The kernel's tuple, and whether shards failed and were mended into ``out`` afterwards (the
             caller's work then saw a partial ``out`` and must be redone on the mended one).
+
+        Raises:
+            EngineError: the reader is closed (its engine closed).
         """
-        if slots is not self._slots or slots.version != self._slots_version:
-            self._slots, self._slots_version = slots, slots.version
-            for shard in range(self.control.shards):
-                self._map_slots(shard)
-        result = kernel(self._ctx, local, ntiers, out, *args)  # args a tuple: packed once, by the router
-        if result[0]:
-            self._retry(lambda: kernels.overlap_shards(self._ctx, local, ntiers, out))
-            return result, True
-        if self._torn:
-            self._torn.clear()
-        return result, False
+        with self._lock:
+            if self._closed:
+                raise EngineError("the engine is not running: its index reader is closed")
+            if slots is not self._slots or slots.version != self._slots_version:
+                self._slots, self._slots_version = slots, slots.version
+                for shard in range(self.control.shards):
+                    self._map_slots(shard)
+            result = kernel(self._ctx, local, ntiers, out, *args)  # args a tuple: packed once, by the router
+            if result[0]:
+                self._retry(lambda: kernels.overlap_shards(self._ctx, local, ntiers, out))
+                return result, True
+            if self._torn:
+                self._torn.clear()
+            return result, False
+
+    def decision_walk(self) -> Callable[..., tuple[tuple[int, ...], bool]]:
+        """:meth:`overlaps_and`, bound: what the router calls for every decision on this index."""
+        return self.overlaps_and
 
     def unanswered(self) -> frozenset[int]:
         """The shards the last query gave up on (a slot or the rows left mid-write by a dead writer): their
@@ -410,6 +425,8 @@ class IndexReader:
         self._ctx[at], self._ctx[at + 1] = words.ctypes.data, words.size
 
     def close(self) -> None:
+        with self._lock:  # an overlaps_and in flight on another thread ends before the mappings go
+            self._closed = True
         self._ctx[kernels.CTX_SHARDS] = 0  # a query after close walks nothing and reads no mapping
         for shard, segment in enumerate(self._segments):
             self._set_table(shard, self._no_table)

@@ -210,6 +210,9 @@ class Router:
         self._decide_on_shards: kernels.Decider = kernels.decide_on_shards
         """The kernels, made their compiled entry points by the first decision's ``_rebind`` (``entry_points``:
         a microsecond less a call; the arrays passed are made to their types here)."""
+        self._walked: object = None
+        self._walk: Callable[..., tuple[tuple[int, ...], bool]] | None = None
+        """The last index seen and its ``decision_walk()`` (None: it has none, it answers dicts or arrays)."""
         self._untrusted: frozenset[WorkerKey] = frozenset()
         self._trust = np.ones(0, dtype=np.float64)
         """Per slot, the overlap credit's factor: ``untrusted_overlap_weight`` for the untrusted, else 1; left
@@ -316,7 +319,11 @@ class Router:
             self._bind(kernels.B_CAPACITIES, capacity)  # for this call only
         age = now - slots.work_epoch
         terms = explain or record  # the kernel writes every candidate's terms, not only the winner's
-        fused = getattr(index, "overlaps_and", None)  # the engine or its reader: the walk inside the decision
+        if index is not self._walked:  # the engine or its reader: the walk inside the decision, looked up once
+            walk = getattr(index, "decision_walk", None)
+            self._walk = None if walk is None else walk()
+            self._walked = index
+        fused = self._walk
         try:
             if fused is not None and n:
                 overlaps = self._overlaps

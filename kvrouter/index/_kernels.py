@@ -964,11 +964,12 @@ def copy_live(old: Table, new: Table) -> None:
 
 
 @_inlined
-def _lookup(table: Table, key: np.uint64, ntiers: int, masks: Table) -> int:
+def _lookup(table: Table, key: np.uint64, ntiers: int, masks: Table, cols: Table, ncols: int) -> int:
     """Find ``key`` and copy its first ``ntiers`` masks, each OR-ed with the faster tiers', into ``masks``,
-    all from one consistent version of the slot. 1: found; 0: absent; -1: a slot stayed mid-write for
-    ``STUCK_SPINS`` reads (its writer died there, or was preempted) or was rewritten for
-    ``MAX_READ_RETRIES`` reads in a row."""
+    all from one consistent version of the slot: every word (``ncols`` < 0), or only the words of the
+    ``ncols`` mask columns listed in ``cols`` (a column: the same word of every tier). 1: found; 0: absent;
+    -1: a slot stayed mid-write for ``STUCK_SPINS`` reads (its writer died there, or was preempted) or was
+    rewritten for ``MAX_READ_RETRIES`` reads in a row."""
     nwords = _i64(table[H_NWORDS])
     width = SLOT_MASKS + TIERS * nwords
     mask = np.uint64(table[H_CAPACITY] - _ONE)
@@ -981,10 +982,17 @@ def _lookup(table: Table, key: np.uint64, ntiers: int, masks: Table) -> int:
             _fence()
             current = _load(table, base)
             if current == key:
-                for t in range(ntiers):
-                    for w in range(nwords):
-                        held = _load(table, base + SLOT_MASKS + t * nwords + w)
-                        masks[t * nwords + w] = held if t == 0 else held | masks[(t - 1) * nwords + w]
+                if ncols < 0:
+                    for t in range(ntiers):
+                        for w in range(nwords):
+                            held = _load(table, base + SLOT_MASKS + t * nwords + w)
+                            masks[t * nwords + w] = held if t == 0 else held | masks[(t - 1) * nwords + w]
+                else:
+                    for c in range(ncols):
+                        w = _i64(cols[c])
+                        for t in range(ntiers):
+                            held = _load(table, base + SLOT_MASKS + t * nwords + w)
+                            masks[t * nwords + w] = held if t == 0 else held | masks[(t - 1) * nwords + w]
             _fence()
             after = _load(table, base + SLOT_VERSION)
             if before == after and (before & _ONE) == _ZERO:
@@ -1002,8 +1010,9 @@ def _lookup(table: Table, key: np.uint64, ntiers: int, masks: Table) -> int:
 
 @_kernel
 def lookup(table: Table, key: np.uint64, ntiers: int, masks: Table) -> int:
-    """``_lookup`` for callers outside this module (the seqlock stress test); the walk inlines it."""
-    return _lookup(table, key, ntiers, masks)
+    """``_lookup`` of every word, for callers outside this module (the seqlock stress test); the walk
+    inlines it."""
+    return _lookup(table, key, ntiers, masks, masks[:0], -1)
 
 
 PREFETCH_AHEAD: Final = 16
@@ -1020,7 +1029,7 @@ still ``PREFETCH_AHEAD``). Prefetching 64 ahead all along instead cost 512-block
 @_inlined
 def scratch_words(ntiers: int, nwords: int, blocks: int) -> int:
     """Words of ``walk``'s scratch for masks ``nwords`` wide and a query of ``blocks`` blocks."""
-    return 3 * ntiers * nwords + 1 + blocks
+    return 3 * ntiers * nwords + nwords + 1 + blocks
 
 
 @_inlined
@@ -1035,10 +1044,13 @@ def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Count
 
     ``local`` holds the query's local hashes; the sequence hashes are chained here, only as far as the
     walk goes. ``scores`` is ``[ntiers, nwords * 64]``; ``scratch`` holds ``scratch_words`` words (running
-    masks, the first block's masks, sequence hashes). Only the bits holding the first block get a score
-    (every one of them, at least 1), and ``_first(scratch, ...)`` says which: the callers read those and
-    nothing else, so no score is zeroed and no bit of a wide, mostly idle fleet scanned (at 4,096
-    workers that was 16,384 words zeroed and scanned per shard and query). Returns the blocks walked, or
+    masks, the first block's masks, the mask columns still live, sequence hashes). After the first block
+    a probe reads and ANDs only the columns (a word of every tier) with a worker left: at 1,024 workers
+    and four tiers a slot's masks are 64 words on nine cache lines, of which 16 holders touch four. Only
+    the bits holding the first block get a score (every one of them, at least 1), and ``_first(scratch,
+    ...)`` says which: the callers read those and nothing else, so no score is zeroed and no bit of a
+    wide, mostly idle fleet scanned (at 4,096 workers that was 16,384 words zeroed and scanned per shard
+    and query). Returns the blocks walked, or
     -1 when a slot stayed mid-write. The walk ends at the first block the shard does not hold, or as soon
     as no worker of the shard is left.
     """
@@ -1050,9 +1062,11 @@ def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Count
     alive = scratch[: ntiers * nwords]
     seen = scratch[ntiers * nwords : 2 * ntiers * nwords]
     first = _first(scratch, ntiers, nwords)
-    seqs = scratch[3 * ntiers * nwords : 3 * ntiers * nwords + n]
+    cols = scratch[3 * ntiers * nwords : 3 * ntiers * nwords + nwords]
+    seqs = scratch[3 * ntiers * nwords + nwords : 3 * ntiers * nwords + nwords + n]
     alive[:] = _ZERO
     first[:] = _ZERO
+    ncols = -1  # the first probe reads every column; later ones only the columns with a worker left
     chained = 0
     for i in range(n):  # hot path: one seqlocked probe per block
         while chained < n and (chained <= i + PREFETCH_AHEAD or chained < PREFETCH_FIRST):
@@ -1062,24 +1076,32 @@ def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Count
             _prefetch_line(table, base)  # the misses of the next blocks overlap, without holding up this one
             _prefetch_line(table, base + last)
             chained += 1
-        status = _lookup(table, _table_key(seqs[i]), ntiers, seen)
+        status = _lookup(table, _table_key(seqs[i]), ntiers, seen, cols, ncols)
         if status < 0:
             return -1
         if status == 0:
             _finish(alive, scores, ntiers, nwords, i)
             return i
-        left = False
-        for j in range(ntiers * nwords):
-            before_mask = seen[j] if i == 0 else alive[j]
-            now = before_mask & seen[j]
-            if i > 0:
-                _drop(scores, j // nwords, (j % nwords) * 64, before_mask & ~now, i)
-            else:
-                first[j] = now
-            alive[j] = now
-            if now != _ZERO:
-                left = True
-        if not left:
+        kept = 0
+        for c in range(nwords if ncols < 0 else ncols):
+            w = c if ncols < 0 else _i64(cols[c])
+            left = False
+            for t in range(ntiers):
+                j = t * nwords + w
+                before_mask = seen[j] if i == 0 else alive[j]
+                now = before_mask & seen[j]
+                if i > 0:
+                    _drop(scores, t, w * 64, before_mask & ~now, i)
+                else:
+                    first[j] = now
+                alive[j] = now
+                if now != _ZERO:
+                    left = True
+            if left:
+                cols[kept] = np.uint64(w)
+                kept += 1
+        ncols = kept
+        if ncols == 0:
             return i + 1
     _finish(alive, scores, ntiers, nwords, n)
     return n

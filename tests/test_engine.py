@@ -345,6 +345,28 @@ def test_caller_errors_raise_at_once_and_nothing_is_sent():
 
 
 @pytest.mark.timeout(120)
+def test_runs_ending_in_the_second_mask_word_are_scored_where_they_end():
+    """70 workers widen a shard's masks to two words; three of them hold one prefix to different depths,
+    one in the first word and two in the second. After the first block the walk reads only the columns
+    with a worker left: each run must still end where the worker's blocks end, as the oracle says."""
+    prefix = list(range(501, 511))
+    held = {1: 10, 66: 6, 70: 3}
+    oracle = RadixIndex()
+    with Engine(shards=1) as engine:
+        for worker in range(1, 71):  # first events in id order: worker w gets bit w - 1
+            own = Stored(worker, None, (StoredBlock(EngineHash(100_000 + worker), LocalHash(90_000 + worker)),))
+            engine.apply_event(worker, own)
+            oracle.apply_event(worker, own)
+        for worker, depth in held.items():
+            chain = tuple(StoredBlock(EngineHash(1000 * worker + h), LocalHash(h)) for h in prefix[:depth])
+            engine.apply_event(worker, Stored(worker, None, chain))
+            oracle.apply_event(worker, Stored(worker, None, chain))
+        engine.flush()
+        assert engine.find_matches(prefix) == oracle.find_matches(prefix) == {(w, 0): d for w, d in held.items()}
+        assert engine.find_matches_by_tier(prefix) == oracle.find_matches_by_tier(prefix)
+
+
+@pytest.mark.timeout(120)
 def test_a_router_that_decided_on_an_engine_raises_once_the_engine_closed():
     """The router keeps the engine's decision walk (the reader's ``overlaps_and``) between decisions: after
     the close it must refuse, not walk unmapped segments; before the start it refuses as every query does."""

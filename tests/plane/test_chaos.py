@@ -62,7 +62,8 @@ def last_id(cache: dict[str, Any], rank: int) -> int | None:
 
 
 def lagging(engine: Engine, workers: list[Worker]) -> list[str]:
-    """Every (worker, dp_rank) whose row is not at its engine's last id, with both sides."""
+    """Every (worker, dp_rank) whose row is not at its engine's last id, or has a gap without an outcome yet
+    (a gap's count is written after the batches that close it), with both sides."""
     rows = engine.workers()
     behind = []
     for worker in workers:
@@ -70,7 +71,12 @@ def lagging(engine: Engine, workers: list[Worker]) -> list[str]:
         for rank in range(len(cache["ranks"])):
             key = (cache["worker_id"], rank)
             row = rows.get(key)
-            if row is None or row.state == "restoring" or row.last_id != last_id(cache, rank):
+            if (
+                row is None
+                or row.state == "restoring"
+                or row.last_id != last_id(cache, rank)
+                or row.gaps_detected != row.gaps_recovered + row.gaps_lost
+            ):
                 behind.append(f"{key}: engine at {last_id(cache, rank)}, router {row}")
     return behind
 

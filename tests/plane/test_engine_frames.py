@@ -60,9 +60,17 @@ def scores(engine: Engine, query: list[int]) -> list[list[int]]:
 
 
 def applied(engine: Engine, rank: int, seq: int) -> Callable[[], bool]:
+    """The rank's row is at ``seq``, and every gap it detected has an outcome (a gap's count is written
+    after the batches that close it, so the last id can show first)."""
+
     def done() -> bool:
         row = engine.workers().get((WORKER_ID, rank))
-        return row is not None and row.last_id == seq and row.state != "restoring"
+        return (
+            row is not None
+            and row.last_id == seq
+            and row.state != "restoring"
+            and row.gaps_detected == row.gaps_recovered + row.gaps_lost
+        )
 
     return done
 

@@ -88,6 +88,23 @@ def caught_up(engine: Engine, publisher: KvPublisher) -> Callable[[], bool]:
     return done
 
 
+def accounted(engine: Engine, publisher: KvPublisher, before: WorkerStats | None = None) -> Callable[[], bool]:
+    """:func:`caught_up`, and every gap detected (since ``before``) has ended ``recovered`` or ``lost``. The
+    stream writes a gap's outcome after the batches that close it (``_finish`` after the apply), so a
+    reader can see the last id before the count: waiting for the ids alone raced the count (CI, once)."""
+    applied = caught_up(engine, publisher)
+
+    def done() -> bool:
+        if not applied():
+            return False
+        now = worker(engine)
+        then = (0, 0, 0) if before is None else (before.gaps_detected, before.gaps_recovered, before.gaps_lost)
+        ended = now.gaps_recovered - then[1] + now.gaps_lost - then[2]
+        return now.gaps_detected - then[0] == ended
+
+    return done
+
+
 def follow(engine: Engine, publisher: KvPublisher, steps: StepEngine, events: int, what: str) -> None:
     """Register the worker, wait for its join, then publish ``events`` steps and wait until they are applied."""
     engine.add_worker(spec_of(publisher))
@@ -125,7 +142,7 @@ def test_a_worker_joining_late_is_restored_from_its_dump_then_follows_live(publi
         pump(publisher, lambda: matches_truth(engine, publisher.index), "the join restore")
         for _ in range(20):
             engine_.step()
-        pump(publisher, caught_up(engine, publisher), "live events")
+        pump(publisher, accounted(engine, publisher), "live events")
         assert matches_truth(engine, publisher.index)
         stats = worker(engine)
         assert (stats.state, stats.gaps_lost) == ("exact", 0)
@@ -142,7 +159,7 @@ def test_batches_lost_on_the_wire_are_recovered_by_query(publisher: KvPublisher,
         for _ in range(dropped):
             engine_.step(send=False)
         engine_.step()
-        pump(publisher, caught_up(engine, publisher), "the recovery")
+        pump(publisher, accounted(engine, publisher, before), "the recovery")
         assert matches_truth(engine, publisher.index)
         stats = worker(engine)
         assert stats.gaps_detected - before.gaps_detected == 1
@@ -163,7 +180,7 @@ def test_the_last_batches_before_a_silence_are_fetched_by_the_quiet_tail_check(p
         assert (before.gaps_detected, before.state) == (0, "exact")
         for _ in range(dropped):
             engine_.step(send=False)
-        pump(publisher, caught_up(engine, publisher), "the tail check")
+        pump(publisher, accounted(engine, publisher, before), "the tail check")
         assert matches_truth(engine, publisher.index)
         stats = worker(engine)
         assert stats.gaps_detected - before.gaps_detected == 1

@@ -966,10 +966,10 @@ def copy_live(old: Table, new: Table) -> None:
 @_inlined
 def _lookup(table: Table, key: np.uint64, ntiers: int, masks: Table, cols: Table, ncols: int) -> int:
     """Find ``key`` and copy its first ``ntiers`` masks, each OR-ed with the faster tiers', into ``masks``,
-    all from one consistent version of the slot: every word (``ncols`` < 0), or only the words of the
-    ``ncols`` mask columns listed in ``cols`` (a column: the same word of every tier). 1: found; 0: absent;
-    -1: a slot stayed mid-write for ``STUCK_SPINS`` reads (its writer died there, or was preempted) or was
-    rewritten for ``MAX_READ_RETRIES`` reads in a row."""
+    all from one consistent version of the slot: the words of the ``ncols`` mask columns listed in ``cols``
+    (a column: the same word of every tier). 1: found; 0: absent; -1: a slot stayed mid-write for
+    ``STUCK_SPINS`` reads (its writer died there, or was preempted) or was rewritten for
+    ``MAX_READ_RETRIES`` reads in a row."""
     nwords = _i64(table[H_NWORDS])
     width = SLOT_MASKS + TIERS * nwords
     mask = np.uint64(table[H_CAPACITY] - _ONE)
@@ -982,17 +982,11 @@ def _lookup(table: Table, key: np.uint64, ntiers: int, masks: Table, cols: Table
             _fence()
             current = _load(table, base)
             if current == key:
-                if ncols < 0:
+                for c in range(ncols):
+                    w = _i64(cols[c])
                     for t in range(ntiers):
-                        for w in range(nwords):
-                            held = _load(table, base + SLOT_MASKS + t * nwords + w)
-                            masks[t * nwords + w] = held if t == 0 else held | masks[(t - 1) * nwords + w]
-                else:
-                    for c in range(ncols):
-                        w = _i64(cols[c])
-                        for t in range(ntiers):
-                            held = _load(table, base + SLOT_MASKS + t * nwords + w)
-                            masks[t * nwords + w] = held if t == 0 else held | masks[(t - 1) * nwords + w]
+                        held = _load(table, base + SLOT_MASKS + t * nwords + w)
+                        masks[t * nwords + w] = held if t == 0 else held | masks[(t - 1) * nwords + w]
             _fence()
             after = _load(table, base + SLOT_VERSION)
             if before == after and (before & _ONE) == _ZERO:
@@ -1010,9 +1004,10 @@ def _lookup(table: Table, key: np.uint64, ntiers: int, masks: Table, cols: Table
 
 @_kernel
 def lookup(table: Table, key: np.uint64, ntiers: int, masks: Table) -> int:
-    """``_lookup`` of every word, for callers outside this module (the seqlock stress test); the walk
+    """``_lookup`` of every column, for callers outside this module (the seqlock stress test); the walk
     inlines it."""
-    return _lookup(table, key, ntiers, masks, masks[:0], -1)
+    nwords = _i64(table[H_NWORDS])
+    return _lookup(table, key, ntiers, masks, np.arange(nwords).astype(np.uint64), nwords)
 
 
 PREFETCH_AHEAD: Final = 16
@@ -1066,7 +1061,9 @@ def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Count
     seqs = scratch[3 * ntiers * nwords + nwords : 3 * ntiers * nwords + nwords + n]
     alive[:] = _ZERO
     first[:] = _ZERO
-    ncols = -1  # the first probe reads every column; later ones only the columns with a worker left
+    for w in range(nwords):  # the first probe reads every column; later ones only those with a worker left
+        cols[w] = np.uint64(w)
+    ncols = nwords
     chained = 0
     for i in range(n):  # hot path: one seqlocked probe per block
         while chained < n and (chained <= i + PREFETCH_AHEAD or chained < PREFETCH_FIRST):
@@ -1083,8 +1080,8 @@ def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Count
             _finish(alive, scores, ntiers, nwords, i)
             return i
         kept = 0
-        for c in range(nwords if ncols < 0 else ncols):
-            w = c if ncols < 0 else _i64(cols[c])
+        for c in range(ncols):
+            w = _i64(cols[c])
             left = False
             for t in range(ntiers):
                 j = t * nwords + w

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final
@@ -67,7 +67,7 @@ from .index.layout import (
     Control,
     unpack_seen,
 )
-from .index.reader import IndexReader
+from .index.reader import DecisionWalk, IndexReader
 from .index.supervisor import STOP_TIMEOUT, Supervisor
 from .plane.config import PlaneConfig
 from .plane.registry import FORMATS, WorkerSpec
@@ -522,20 +522,17 @@ class Engine:
         with self._query_lock:
             return self._query_reader().overlaps(local, slots, ntiers)
 
-    def decision_walk(self) -> Callable[..., tuple[tuple[int, ...], bool]]:
-        """The reader's :meth:`IndexReader.overlaps_and`, bound: the overlaps and a compiled consumer of them
-        (the router's decision) in one call. It takes the query lock itself, and raises ``EngineError`` once
-        the engine closed: a method of the engine around it cost every decision a frame (about a
+    def decision_walk(self) -> DecisionWalk:
+        """The reader's :class:`DecisionWalk`: the router walks the index inside its compiled decision, under
+        the query lock, or through :meth:`IndexReader.overlaps_and`, which raises ``EngineError`` once the
+        engine closed. A method of the engine around the walk cost every decision a frame (about a
         microsecond, once the caller's other work evicted it).
 
         Raises:
             EngineError: the engine is not running.
         """
         with self._query_lock:
-            reader = self._reader
-            if reader is None:
-                raise EngineError("the engine is not running: use it inside `with Engine(...)`, or call start()")
-            return reader.overlaps_and
+            return self._query_reader().decision_walk()
 
     def _query_reader(self) -> IndexReader:
         """The engine's reader, under ``_query_lock``: set from a successful start until close."""
@@ -648,8 +645,8 @@ class EngineView:
     def overlaps(self, local: npt.NDArray[np.uint64], slots: WorkerSlots, ntiers: int) -> npt.NDArray[np.int64]:
         return self._reader.overlaps(local, slots, ntiers)
 
-    def decision_walk(self) -> Callable[..., tuple[tuple[int, ...], bool]]:
-        return self._reader.overlaps_and
+    def decision_walk(self) -> DecisionWalk:
+        return self._reader.decision_walk()
 
     def reader_handle(self) -> ReaderHandle:
         return self.handle

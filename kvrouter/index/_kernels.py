@@ -92,6 +92,7 @@ __all__ = [
     "CTX_FOUND",
     "CTX_KEYS",
     "CTX_KEY_HASHES",
+    "CTX_MAPPED",
     "CTX_NWORDS",
     "CTX_QUERY",
     "CTX_ROWS",
@@ -1165,7 +1166,11 @@ CTX_QUERY = 15
 """Address and length of the reader's query buffer (``uint64``), where ``match_list`` converts a list."""
 CTX_KEY_HASHES = 17
 """Address of the reader's ``hash()`` of each worker key (``int64``, beside ``CTX_KEYS``' list)."""
-CTX_TABLES = 18
+CTX_MAPPED = 18
+"""The ``WorkerSlots.version`` the bit -> slot maps follow (unique to one numbering), 0 before the first
+map and once the reader closed: a caller walking by ``ctx`` alone (the router's decision) checks it and
+goes through the reader when it is not its numbering's."""
+CTX_TABLES = 19
 """Shard ``k``'s table: address at ``CTX_TABLES + 2 * k``, length in words after it."""
 LIST_REFUSED: Final = -(1 << 62)
 """``match_list``'s answer for a list it did not convert (an item not an int in [0, 2**64), or more items

@@ -8,11 +8,14 @@ leaves keeps its number (its counters go back to zero), so an array indexed by s
 renumbering. The cost is one slot per worker ever seen, a few bytes each.
 
 ``version`` moves whenever a slot is added, so whoever derives a table from the numbering (a shard's
-mask bit -> slot map) knows when to rebuild it.
+mask bit -> slot map) knows when to rebuild it. It is drawn from one process-wide counter, so no two
+numberings ever show the same version: a table stamped with a version names its numbering too (the
+reader's context, which a compiled decision checks without asking Python which numbering it follows).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -21,6 +24,9 @@ import numpy.typing as npt
 from ..events.model import StorageTier, WorkerKey
 
 __all__ = ["WorkerSlots", "overlaps_from_tiers"]
+
+_VERSIONS = itertools.count(1)
+"""Every numbering's versions, process-wide (0 is none: what a table following no numbering shows)."""
 
 
 class WorkerSlots:
@@ -31,8 +37,8 @@ class WorkerSlots:
         self._keys: list[WorkerKey] = []
         self._ids = np.empty(0, dtype=np.uint64)
         self._ranks = np.empty(0, dtype=np.uint64)
-        self.version = 0
-        """Bumped whenever a slot is added."""
+        self.version = next(_VERSIONS)
+        """Moves (to a number no numbering had) whenever a slot is added."""
         for worker in workers:
             self.slot(worker)
 
@@ -41,7 +47,7 @@ class WorkerSlots:
         if slot is None:
             slot = self._slots[worker] = len(self._keys)
             self._keys.append(worker)
-            self.version += 1
+            self.version = next(_VERSIONS)
         return slot
 
     def slots(self, workers: Iterable[WorkerKey]) -> npt.NDArray[np.int64]:

@@ -43,7 +43,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -73,11 +73,29 @@ _ROW_USED, _ROW_ID, _ROW_RANK = 0, 1, 2
 Table = npt.NDArray[np.uint64]
 
 
+class DecisionWalk(NamedTuple):
+    """What a router needs to walk the index inside its own compiled decision (``routing/_kernels.py``).
+
+    The router calls the kernel on ``ctx`` itself, under ``lock``, while ``given_up`` is empty and
+    ``ctx[kernels.CTX_MAPPED]`` is its numbering's version (which the kernel checks); otherwise, and when a
+    shard fails the walk, it calls ``overlaps_and``, which maps the numbering, raises once the reader
+    closed, and mends late shards. Why not always ``overlaps_and``: its frame (a lock, three checks, the
+    call) cost a 16-worker decision about a microsecond once the caller's other work evicted it, a tenth
+    of the decision."""
+
+    ctx: npt.NDArray[np.int64]
+    lock: threading.Lock
+    given_up: set[int]
+    """The shards the reader's last query gave up on (read only): while any, ``overlaps_and`` asks again
+    and clears them."""
+    overlaps_and: Callable[..., tuple[tuple[int, ...], bool]]
+
+
 class IndexReader:
     """Answers ``find_matches`` / ``find_matches_by_tier`` like ``RadixIndex``, and ``overlaps`` as arrays by
     ``WorkerSlots`` slot, from shared memory. Not thread-safe: one thread at a time per reader, but for
-    :meth:`overlaps_and`, which takes ``lock`` (the engine's query lock, so that the router can call it
-    without a method of the engine around it)."""
+    :meth:`overlaps_and` and the router's walk by the context (:meth:`decision_walk`), which take ``lock``
+    (the engine's query lock, so that the router can walk without a method of the engine around it)."""
 
     def __init__(self, control_name: str, lock: threading.Lock | None = None) -> None:
         self._lock = threading.Lock() if lock is None else lock
@@ -205,9 +223,7 @@ class IndexReader:
             return out
         hashes = local_hash_array(local)
         if slots is not self._slots or slots.version != self._slots_version:
-            self._slots, self._slots_version = slots, slots.version
-            for shard in range(self.control.shards):
-                self._map_slots(shard)
+            self._follow(slots)
         if kernels.overlap_shards(self._ctx, hashes, ntiers, out):
             self._retry(lambda: kernels.overlap_shards(self._ctx, hashes, ntiers, out))
         elif self._torn:
@@ -240,9 +256,7 @@ class IndexReader:
             if self._closed:
                 raise EngineError("the engine is not running: its index reader is closed")
             if slots is not self._slots or slots.version != self._slots_version:
-                self._slots, self._slots_version = slots, slots.version
-                for shard in range(self.control.shards):
-                    self._map_slots(shard)
+                self._follow(slots)
             result = kernel(self._ctx, local, ntiers, out, *args)  # args a tuple: packed once, by the router
             if result[0]:
                 self._retry(lambda: kernels.overlap_shards(self._ctx, local, ntiers, out))
@@ -251,9 +265,9 @@ class IndexReader:
                 self._torn.clear()
             return result, False
 
-    def decision_walk(self) -> Callable[..., tuple[tuple[int, ...], bool]]:
-        """:meth:`overlaps_and`, bound: what the router calls for every decision on this index."""
-        return self.overlaps_and
+    def decision_walk(self) -> DecisionWalk:
+        """What the router walks this index with, inside its decision (:class:`DecisionWalk`)."""
+        return DecisionWalk(self._ctx, self._lock, self._torn, self.overlaps_and)
 
     def unanswered(self) -> frozenset[int]:
         """The shards the last query gave up on (a slot or the rows left mid-write by a dead writer): their
@@ -396,6 +410,13 @@ class IndexReader:
         self._state[shard, kernels.GENERATION] = generation
         return True
 
+    def _follow(self, slots: WorkerSlots) -> None:
+        """Make every shard's bit -> slot map follow ``slots``, and say so in the context."""
+        self._slots, self._slots_version = slots, slots.version
+        for shard in range(self.control.shards):
+            self._map_slots(shard)
+        self._ctx[kernels.CTX_MAPPED] = slots.version
+
     def _map_slots(self, shard: int) -> None:
         """The shard's bit -> slot map from its rows as last read, for the current ``WorkerSlots``."""
         assert self._slots is not None
@@ -425,8 +446,9 @@ class IndexReader:
         self._ctx[at], self._ctx[at + 1] = words.ctypes.data, words.size
 
     def close(self) -> None:
-        with self._lock:  # an overlaps_and in flight on another thread ends before the mappings go
+        with self._lock:  # a decision walking on another thread ends before the mappings go
             self._closed = True
+            self._ctx[kernels.CTX_MAPPED] = 0  # a router walking by the context alone comes to overlaps_and
         self._ctx[kernels.CTX_SHARDS] = 0  # a query after close walks nothing and reads no mapping
         for shard, segment in enumerate(self._segments):
             self._set_table(shard, self._no_table)

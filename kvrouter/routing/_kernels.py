@@ -29,7 +29,7 @@ from numba.np.numpy_support import carray
 
 from ..hashing._xxh3 import chain_hashes
 from ..hashing.blocks import XXH3_SEED
-from ..index._kernels import _counts_at, _floats_at, _overlap_shards, _words_at  # the reader's intrinsics
+from ..index._kernels import CTX_MAPPED, _counts_at, _floats_at, _overlap_shards, _words_at  # the reader's own
 from . import _active, _twister
 
 __all__ = [
@@ -86,6 +86,9 @@ _SEED: Final = np.uint64(XXH3_SEED)
 
 NO_WORKER: Final = -1
 """``head`` when every candidate is busy."""
+REFUSED: Final = -1
+""":func:`decide_on_shards`' failed shards when it walked nothing: the reader's bit -> slot maps follow
+another numbering than the router's, or none (the reader closed)."""
 SAMPLE: Final = -2
 """``head`` above temperature 0 when some candidate is eligible: draw, then call :func:`sample`."""
 
@@ -99,7 +102,9 @@ B_TRUST: Final = 30
 B_WRITTEN: Final = 33
 B_TWISTER: Final = 36
 """The router's random state (``_twister.STATE_WORDS`` words)."""
-BOUND_WORDS: Final = 39
+B_VERSION: Final = 39
+"""One word: the version of the router's numbering (``WorkerSlots.version``), the slots ``overlaps`` is by."""
+BOUND_WORDS: Final = 40
 WRITTEN_COUNT: Final = B_WRITTEN + 2
 """``B_WRITTEN`` names a vector, so its third word holds instead how many of its entries the last
 :func:`decide_on_shards` noted: the slots whose columns of ``overlaps`` it wrote, which the next call
@@ -225,11 +230,15 @@ def decide_on_shards(
     explain: bool,
 ) -> tuple[int, int, int]:
     """The shared-memory index's walk over every shard into ``overlaps`` (``index/_kernels.overlap_shards``,
-    on the reader's context ``ctx``), then :func:`decide`: a whole decision in one call
-    (``IndexReader.overlaps_and``). ``overlaps`` keeps the last decision's answer until the next call
-    zeroes the columns it wrote (``WRITTEN_COUNT``). Returns ``(failed shards, head, device)``; with failed
-    shards nothing is decided: the caller decides once the reader mended the answer (with walks that
-    note nothing, so the next call zeroes all of ``overlaps``)."""
+    on the reader's context ``ctx``), then :func:`decide`: a whole decision in one call (the router's, by
+    ``ctx`` under the reader's lock, or through ``IndexReader.overlaps_and``). ``overlaps`` keeps the last
+    decision's answer until the next call zeroes the columns it wrote (``WRITTEN_COUNT``). Returns
+    ``(failed shards, head, device)``; with failed shards nothing is decided: the caller decides once the
+    reader mended the answer (with walks that note nothing, so the next call zeroes all of ``overlaps``).
+    ``REFUSED`` failed shards when the reader's maps are not by the router's numbering (``B_VERSION``):
+    nothing was walked, the caller goes through the reader."""
+    if ctx[CTX_MAPPED] != bound[B_VERSION]:
+        return REFUSED, 0, 0
     written = _vector(bound, B_WRITTEN)
     noted = bound[WRITTEN_COUNT]
     if noted < 0:

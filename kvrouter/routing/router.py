@@ -38,7 +38,7 @@ from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes_array, local_hash_array
 from ..index import ApproxIndex
 from ..index.dense import WorkerSlots, overlaps_from_tiers
-from ..index.reader import IndexReader
+from ..index.reader import DecisionWalk, IndexReader
 from . import _kernels as kernels, _twister
 from .config import RouterConfig
 from .cost import Cost, Overlap
@@ -211,7 +211,7 @@ class Router:
         """The kernels, made their compiled entry points by the first decision's ``_rebind`` (``entry_points``:
         a microsecond less a call; the arrays passed are made to their types here)."""
         self._walked: object = None
-        self._walk: Callable[..., tuple[tuple[int, ...], bool]] | None = None
+        self._walk: DecisionWalk | None = None
         """The last index seen and its ``decision_walk()`` (None: it has none, it answers dicts or arrays)."""
         self._untrusted: frozenset[WorkerKey] = frozenset()
         self._trust = np.ones(0, dtype=np.float64)
@@ -323,13 +323,20 @@ class Router:
             walk = getattr(index, "decision_walk", None)
             self._walk = None if walk is None else walk()
             self._walked = index
-        fused = self._walk
+        walk = self._walk
         try:
-            if fused is not None and n:
+            if walk is not None and n:
                 overlaps = self._overlaps
-                (_, head, device), again = fused(
-                    self._decide_on_shards, local, numbering, NTIERS, overlaps, (self._bound, isl, age, terms)
-                )  # again: a shard answered late, so decide on the whole, mended answer
+                decide = self._decide_on_shards
+                failed = kernels.REFUSED
+                with walk.lock:  # hot path: the walk and the decision in one call, no frame of the reader's
+                    if not walk.given_up:
+                        failed, head, device = decide(walk.ctx, local, NTIERS, overlaps, self._bound, isl, age, terms)
+                again = False
+                if failed:  # another numbering's maps, a closed reader or a late shard: the reader's own path
+                    (_, head, device), again = walk.overlaps_and(
+                        decide, local, numbering, NTIERS, overlaps, (self._bound, isl, age, terms)
+                    )  # again: a shard answered late, so decide on the whole, mended answer
             else:
                 overlaps = self._overlaps_of(index, local, numbering)
                 again = True
@@ -410,6 +417,7 @@ class Router:
         ):
             self._bind(entry, array)
         self._bound[kernels.WRITTEN_COUNT] = -1  # not known: the next decision zeroes all of the overlaps
+        self._bound[kernels.B_VERSION] = slots.numbering.version
         self._stamp = (slots.numbering.version, slots.generation)
 
     def _bind(self, entry: int, array: npt.NDArray[Any]) -> None:

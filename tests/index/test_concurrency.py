@@ -49,6 +49,7 @@ from kvrouter.index.layout import (
 )
 from kvrouter.index.reader import IndexReader
 from kvrouter.index.writer import ShardWriter
+from kvrouter.routing import Router
 
 HOT_SLOTS = 64
 NWORDS = 4
@@ -406,6 +407,37 @@ def test_a_writer_dead_mid_write_makes_the_shard_recovering_at_once_and_a_live_o
         finally:
             finisher.join()
         assert reader.writer_checks >= checks + 3
+        assert reader.recovering() == set()
+    finally:
+        reader.close()
+        writer.close(unlink=True)
+        control.close()
+        control.unlink()
+
+
+def test_a_router_deciding_while_a_shard_is_given_up_asks_it_again_and_clears_it():
+    """The router walks the reader's context by itself only while no shard is given up: a decision after the
+    writer finished goes through the reader, which sees the shard answer and reports it recovered (walking
+    by the context alone, the shard would stay reported recovering however long it answered)."""
+    owner = (os.getpid() << 20) + 960_000 + next(_names)
+    control = Control.create(control_name(owner), 1)
+    writer = ShardWriter(control, 0, owner)
+    reader = IndexReader(control.name)
+    try:
+        writer.apply(Stored(1, None, (StoredBlock(EngineHash(7), LocalHash(42)),)))
+        router = Router(block_size=16, seed=3)
+        fleet = ((9, 0), (1, 0))
+        local = np.array([42, 43], dtype=np.uint64)
+        assert router.select(reader, fleet, local_hashes=local).overlap_blocks == 1
+        table = writer.table
+        slot = int(np.uint64(42) & np.uint64(int(table[H_CAPACITY]) - 1))
+        base = HEADER_WORDS + slot * (SLOT_MASKS + TIERS * int(table[H_NWORDS]))
+        table[base + SLOT_VERSION] += 1  # left odd by a writer that is gone (no applier's pid): given up
+        assert router.select(reader, fleet, local_hashes=local).overlap_blocks == 0
+        assert reader.recovering() == {0}
+        table[base + SLOT_VERSION] += 1
+        chosen = router.select(reader, fleet, local_hashes=local)
+        assert (chosen.worker, chosen.overlap_blocks) == ((1, 0), 1)
         assert reader.recovering() == set()
     finally:
         reader.close()

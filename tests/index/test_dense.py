@@ -13,10 +13,23 @@ def test_slots_are_dense_stable_and_versioned():
     assert [slots.slot((7, 0)), slots.slot((3, 1))] == [0, 1]
     assert slots.version == version  # seen before: nothing assigned
     assert slots.slot((5, 0)) == 2
-    assert slots.version == version + 1
+    assert slots.version != version
     assert (slots.ids.tolist(), slots.ranks.tolist()) == ([7, 3, 5], [0, 1, 0])
     assert slots.slots([(5, 0), (9, 9)]).tolist() == [2, 3]
     assert (slots.get((8, 8)), slots.key(3), len(slots), (9, 9) in slots) == (None, (9, 9), 4, True)
+
+
+def test_no_two_numberings_show_the_same_version():
+    """A reader stamps its bit -> slot maps with the numbering's version alone, so equal versions of two
+    numberings would let a decision read another numbering's slots."""
+    first, second = WorkerSlots([(1, 0)]), WorkerSlots([(1, 0)])
+    seen = {first.version, second.version}
+    for worker in range(2, 6):
+        first.slot((worker, 0))
+        second.slot((worker, 0))
+        seen |= {first.version, second.version}
+    assert len(seen) == 10
+    assert 0 not in seen
 
 
 def test_overlaps_from_tiers_matches_the_index_answer():

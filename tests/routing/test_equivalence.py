@@ -333,6 +333,26 @@ def test_each_decision_on_the_engine_sees_its_own_prompts_overlaps_only(engine: 
         assert seen == {w: (d, max(d, h)) for w, (d, h) in expected.items()}, path
 
 
+def test_routers_with_their_own_numberings_take_turns_on_one_engine(engine: Engine) -> None:
+    """The router walks the reader's context only while the reader's bit -> slot maps follow its own
+    numbering: two routers numbering the fleet in opposite orders, deciding in turn, each see every
+    worker's own overlap (read by the other's slots, the holder's overlap lands on another worker)."""
+    for worker_id in WORKER_IDS:
+        engine.remove_worker(worker_id)
+    held = {(1, 0): [0, 0, 0, 0], (2, 0): [1, 1], (3, 1): [2]}
+    for worker, path in held.items():
+        store(engine, worker, StorageTier.DEVICE, path)
+    engine.flush()
+    fleet = (*held, (4, 0))
+    routers = [(Router(block_size=B, seed=1), fleet), (Router(block_size=B, seed=1), fleet[::-1])]
+    for turn, path in enumerate(([0, 0, 0, 0], [1, 1, 0, 0], [2, 0], [0, 0, 0, 0], [1, 1, 1])):
+        for router, candidates in routers if turn % 2 else routers[::-1]:
+            selection = router.select(engine, candidates, tokens=prompt_tokens(path, 0), explain=True)
+            assert selection.explanation is not None
+            seen = {row.worker: row.overlap.device for row in selection.explanation}
+            assert seen == {w: _leading(held.get(w, []), path) for w in fleet}, (path, candidates)
+
+
 def _leading(held: Sequence[int], path: Sequence[int]) -> int:
     n = 0
     while n < min(len(held), len(path)) and held[n] == path[n]:

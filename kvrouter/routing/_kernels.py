@@ -332,12 +332,12 @@ def _terms(
     device, host, disk, shared = overlap
     active, requests, blocks, leading = loads
     raw = (active + isl) / block if track_prefill != 0.0 else 0.0
-    decay = 1.0
-    if decay_w != 0.0 and track_prefill != 0.0:
-        queued = max(0, active - least)
-        decay = 1.0 / (1.0 + decay_w * queued / block / request_blocks)
     credit = 0.0  # what the sum below gives for a worker holding nothing, every weight being finite and >= 0
     if device != 0 or host != 0 or disk != 0 or shared != 0:  # most workers of a large fleet hold nothing
+        decay = 1.0  # the credit's alone: its three divisions were most of a non-holder's terms
+        if decay_w != 0.0 and track_prefill != 0.0:
+            queued = max(0, active - least)
+            decay = 1.0 / (1.0 + decay_w * queued / block / request_blocks)
         credit = (
             credit_w * decay * device
             + host_w * max(0, host - device)

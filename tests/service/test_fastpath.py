@@ -21,7 +21,7 @@ import zmq
 from kvrouter.hashing import block_hashes
 from kvrouter.routing.config import RouterConfig
 from kvrouter.service import Service, ServiceConfig
-from kvrouter.service.fastpath import FRAME_SLACK, MAGIC, FastPath
+from kvrouter.service.fastpath import FRAME_SLACK, MAGIC, YIELD_EVERY, FastPath
 from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, all_trusted, serving
 
 pytestmark = pytest.mark.timeout(120)
@@ -216,6 +216,31 @@ def test_req_clients_are_answered(fast: FastRunning):
             assert reply["worker_id"] in (1, 2)
     finally:
         req.close()
+
+
+def test_a_burst_longer_than_one_turn_is_answered_in_full_and_in_order(fast: FastRunning):
+    """The loop answers ``YIELD_EVERY`` messages a turn and must come back for the rest by itself: the
+    socket's descriptor signals an arrival once, not while messages wait. Two clients' bursts, sent
+    before either reads, each get every reply, in the order sent."""
+    burst = 3 * YIELD_EVERY + 5
+    body = {"op": "query", "model_name": MODEL, "token_ids": prompt(3, 2)}
+    clients = [fast.client(), fast.client()]
+    try:
+        for client in clients:
+            for n in range(burst):
+                client.send([MAGIC, msgpack.packb({**body, "id": n})])
+        for client in clients:
+            ids = []
+            for _ in range(burst):
+                frames = client.recv(timeout_ms=10_000)
+                assert frames is not None, f"{len(ids)} of {burst} replies, then none"
+                reply = msgpack.unpackb(frames[1])
+                assert "error" not in reply, reply
+                ids.append(reply["id"])
+            assert ids == list(range(burst))
+    finally:
+        for client in clients:
+            client.close()
 
 
 def test_malformed_messages_get_errors_and_the_socket_keeps_serving(fast: FastRunning, client: Client):

@@ -8,20 +8,14 @@ clients that add the empty delimiter frame are answered with it); the body is th
 route answers, or ``{"error": ..., "status": n}``. Frames and ops: ``docs/zmq-fast-path.md``.
 
 Design choices:
-- One ROUTER socket on the service's own event loop, no thread: every op is a few microseconds of
-  synchronous work on state the loop owns (partitions, reservations), so a thread would need a lock
-  around all of it or a hand-off per message, and gain nothing on two cores. The same
+- One ``zmq.asyncio`` ROUTER socket on the service's own event loop, no thread: every op is a few
+  microseconds of synchronous work on state the loop owns (partitions, reservations), so a thread would
+  need a lock around all of it or a hand-off per message, and gain nothing on two cores. The same
   :class:`~kvrouter.service.app.Service` methods and ``validation.py`` parsers as HTTP answer, so both
   paths decide, validate and refuse alike.
-- A plain (blocking-API) socket whose file descriptor the loop watches (``add_reader``): on a wake-up
-  the callback reads, answers and sends with ``NOBLOCK`` until the socket says nothing more is waiting.
-  The first version awaited ``zmq.asyncio`` futures (a future, a task wake-up and a poller update per
-  message and per reply), and a message cost the front nearly twice what an HTTP ``/select`` costs it:
-  480 against 270 µs of CPU a request, one client, ``tools/bench_service.py``'s workload on one front.
-  The fast path was the slower of the two; now it costs 270.
-- Messages are served in arrival order; after ``YIELD_EVERY`` messages in a row the loop is given a
-  turn (the rest are read on its next pass), so HTTP, the health loop and signals are never starved by
-  a busy fast-path client.
+- Messages are served one at a time, in arrival order; after ``YIELD_EVERY`` messages in a row the loop
+  is given a turn (an ``await`` on a ready ZMQ future does not yield), so HTTP, the health loop and
+  signals are never starved by a busy fast-path client.
 - Refusals never close the socket or end the loop: a malformed envelope, a body that is not a msgpack
   map, an unknown op, a wrong token or a refused request each get an error reply and are counted
   (:class:`FastPathCounters`); an unexpected exception is a 500 reply, logged once per kind.
@@ -41,16 +35,18 @@ uses).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final
 
 import msgpack
 import numpy as np
 import zmq
+import zmq.asyncio
 
 from ..errors import KvRouterError, ServiceError
 from .answers import select_json
@@ -69,9 +65,6 @@ OPS: Final = ("select", "select_and_reserve", "query", "query_by_hash", "prefill
 WRITE_OPS: Final = frozenset({"select_and_reserve", "prefill_complete", "free"})
 """Ops that need the token when one is set (as the HTTP write routes)."""
 YIELD_EVERY: Final = 64
-RECV_RETRY_SECS: Final = 0.01
-"""After an unexpected receive error: when to read again (the descriptor signals edges, not levels, so
-nothing else would)."""
 FRAME_SLACK: Final = 64 << 10
 """libzmq's MAXMSGSIZE is ``max_body_bytes`` plus this: frames a little over the limit get a 413 reply;
 far over it, the peer is disconnected before the frame is buffered."""
@@ -113,11 +106,9 @@ class FastPath:
         self.endpoint = ""
         """``tcp://host:port`` once bound."""
         self.counters = FastPathCounters()
-        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
-        self._socket: zmq.Socket[bytes] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._fd = -1
-        """The socket's descriptor while the loop watches it."""
+        self._context: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
         self._logged: set[str] = set()
         self._packer = msgpack.Packer(default=_default)
         limit = service.config.max_body_bytes
@@ -139,7 +130,7 @@ class FastPath:
         Raises:
             zmq.ZMQError: the address is taken or not local.
         """
-        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        context = zmq.asyncio.Context()
         sock = context.socket(zmq.ROUTER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
@@ -156,15 +147,16 @@ class FastPath:
             context.term()
             raise
         self._context, self._socket = context, sock
-        self._loop = asyncio.get_running_loop()
-        self._fd = sock.fileno()
-        self._loop.add_reader(self._fd, self._serve)
-        self._loop.call_soon(self._serve)  # what arrived before the watch began signals no new edge
+        self._task = asyncio.create_task(self._serve(sock), name="kvrouter-fastpath")
         log.info("fastpath listening endpoint=%s", self.endpoint)
 
     async def close(self) -> None:
         """Stop serving and close the socket (LINGER 0: unsent replies are dropped). Idempotent."""
-        self._unwatch()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         sock, self._socket = self._socket, None
         if sock is not None:
             sock.close(linger=0)
@@ -174,41 +166,32 @@ class FastPath:
 
     # -- serving --------------------------------------------------------------------------------
 
-    def _unwatch(self) -> None:
-        loop, self._loop = self._loop, None
-        if loop is not None and self._fd >= 0 and not loop.is_closed():
-            loop.remove_reader(self._fd)
-        self._fd = -1
-
-    def _serve(self) -> None:
-        """The loop's callback: answer what is waiting, up to ``YIELD_EVERY`` messages, then let the loop run
-        (and come back on its next pass when more is waiting: the descriptor will not signal it again)."""
-        sock, loop = self._socket, self._loop
-        if sock is None or loop is None:
-            return  # closed since this was scheduled
-        for _ in range(YIELD_EVERY):
+    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        served = 0
+        while True:
             try:
-                if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                    return
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+                frames = await sock.recv_multipart(copy=True)
+            except asyncio.CancelledError:
+                raise
             except zmq.ZMQError as exc:
                 if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                    self._unwatch()
                     return
                 self._log_once("recv", "fastpath recv failed errno=%s", exc.errno)
-                loop.call_later(RECV_RETRY_SECS, self._serve)
-                return
+                await asyncio.sleep(0.01)
+                continue
             try:
                 reply = self.handle(frames)
                 if reply is not None:
-                    sock.send_multipart(reply, zmq.NOBLOCK)
+                    await sock.send_multipart(reply, flags=zmq.NOBLOCK)
+            except asyncio.CancelledError:
+                raise
             except zmq.Again:
                 self._log_once("send", "fastpath reply dropped (peer queue full)")
             except Exception as exc:  # the loop must survive anything
                 self._log_once(f"serve:{type(exc).__name__}", "fastpath message failed kind=%s", type(exc).__name__)
-        loop.call_soon(self._serve)
+            served += 1
+            if served % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
 
     def handle(self, frames: list[bytes]) -> list[bytes] | None:
         """One message (as the ROUTER reads it, identity first) to its reply frames; None: no peer."""

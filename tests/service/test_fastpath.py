@@ -230,7 +230,7 @@ def test_a_burst_longer_than_one_turn_is_answered_in_full_and_in_order(fast: Fas
             for n in range(burst):
                 client.send([MAGIC, msgpack.packb({**body, "id": n})])
         for client in clients:
-            ids = []
+            ids: list[int] = []
             for _ in range(burst):
                 frames = client.recv(timeout_ms=10_000)
                 assert frames is not None, f"{len(ids)} of {burst} replies, then none"

@@ -343,15 +343,28 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
         return Worker(proc, fields["http"], fields["events"].split(","), fields["replay"].split(","))
 
     yield start
-    codes = []
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            codes.append(proc.wait(MOCK_TIMEOUT))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            codes.append(proc.wait())
-        if proc.stdout is not None:
-            proc.stdout.close()
-    assert codes == [0] * len(procs), f"exit codes {codes}"
+    codes = [stop_mock_process(proc) for proc in procs]
+    errors = [(tmp_path / f"worker{i}.err").read_text()[-STACKS_SHOWN:] for i, code in enumerate(codes) if code]
+    assert codes == [0] * len(procs), f"exit codes {codes}; stderr: {errors}"
+
+
+STACKS_SHOWN = 6000
+"""Characters of a failed mock worker's stderr an assertion shows: its thread stacks, when it hung."""
+
+
+def stop_mock_process(proc: subprocess.Popen[str]) -> int:
+    """SIGTERM, which must end a mock worker with 0 within ``MOCK_TIMEOUT``; one that does not is asked
+    for its thread stacks (SIGUSR1, written to its stderr) before it is killed, so the failure says where
+    it hung."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(MOCK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        proc.kill()
+        code = proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return code

@@ -9,10 +9,13 @@ bound the command prints one line to stdout and flushes it, for whoever started 
 With ``--dp-size`` above 1, ``events`` and ``replay`` list one endpoint per rank, comma-separated
 (rank r on port + r, vLLM's rule); ``replay=none`` when there is no replay / query socket. SIGINT and
 SIGTERM stop the HTTP server and every engine thread and close their sockets; the exit status is 0.
+SIGUSR1 writes every thread's stack to stderr and changes nothing else: what a worker that does not stop
+is doing, for whoever is about to kill it (the tests do, before SIGKILL).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -193,6 +196,7 @@ def mock_worker(
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)  # fd 2, whatever replaced sys.stderr
     try:
         try:
             engine = MockEngine(config)
@@ -222,5 +226,6 @@ def mock_worker(
                 server.server_close()
                 http_thread.join()
     finally:
+        faulthandler.unregister(signal.SIGUSR1)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

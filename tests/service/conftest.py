@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -30,7 +29,7 @@ import pytest
 import kvrouter
 from kvrouter.routing.config import RouterConfig
 from kvrouter.service import Service, ServiceConfig
-from tests.conftest import MOCK_SPEEDUP, MOCK_TIMEOUT, Worker
+from tests.conftest import MOCK_SPEEDUP, MOCK_TIMEOUT, STACKS_SHOWN, Worker, stop_mock_process
 
 BLOCK = 16
 MODEL = "m"
@@ -91,16 +90,7 @@ def start_mock(worker_id: int, err: Path, *, speedup: str = MOCK_SPEEDUP) -> Wor
 
 
 def stop_mock(worker: Worker) -> int:
-    if worker.proc.poll() is None:
-        worker.proc.send_signal(signal.SIGTERM)
-    try:
-        code = worker.proc.wait(MOCK_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        worker.proc.kill()
-        code = worker.proc.wait()
-    if worker.proc.stdout is not None:
-        worker.proc.stdout.close()
-    return code
+    return stop_mock_process(worker.proc)
 
 
 @dataclass
@@ -179,7 +169,12 @@ def serving(config: ServiceConfig, folder: Path, run_type: type[Running] = Runni
         else:
             service.engine.close()
         codes = [stop_mock(worker) for worker in workers]
-        assert codes == [0] * len(workers)
+        errors = {
+            wid: (folder / f"worker{wid}.err").read_text()[-STACKS_SHOWN:]
+            for wid, code in zip((1, 2), codes, strict=False)
+            if code
+        }
+        assert codes == [0] * len(workers), f"exit codes {codes}; stderr: {errors}"
     leftovers = sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{os.getpid()}-"))
     assert leftovers == [], leftovers
 

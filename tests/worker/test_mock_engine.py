@@ -8,6 +8,7 @@ to it, subscribes to its KV events and decodes them with the vLLM decoder, as a 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import struct
 import urllib.error
@@ -343,6 +344,21 @@ def test_a_client_resetting_its_connection_is_not_a_traceback_and_the_worker_kee
     logged = (tmp_path / "worker0.err").read_text()
     assert "Traceback" not in logged
     assert logged.count("mock http connection failed") <= 1
+
+
+def test_sigusr1_writes_every_threads_stack_and_the_worker_keeps_serving(start_worker, tmp_path, wait_until):
+    """What the tests ask a worker that does not stop on SIGTERM before they kill it; the fixture then
+    checks that SIGTERM still ends it with 0."""
+    worker = start_worker()
+    err = tmp_path / "worker0.err"
+    worker.proc.send_signal(signal.SIGUSR1)
+
+    def dumped() -> bool:  # written a frame at a time: wait for the main thread's, the http one's, the engine's
+        stacks = err.read_text()
+        return "Current thread 0x" in stacks and "serve_forever" in stacks and "mock_engine.py" in stacks
+
+    wait_until(dumped, timeout=TIMEOUT)
+    assert worker.complete([1, 2, 3], 1)["usage"]["completion_tokens"] == 1  # still serving
 
 
 def test_bad_control_requests_get_400_and_unknown_routes_404(start_worker):

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -362,22 +363,36 @@ def test_a_reused_worker_row_never_names_a_worker_that_did_not_hold_the_blocks(w
     assert hits >= WANTED_HITS, "the reader hardly ever met a holder: the race was not exercised"
 
 
-def test_a_writer_dead_mid_write_makes_the_shard_recovering_at_once_and_a_live_one_is_waited_for(
-    wait_until: Callable[..., None],
-):
-    owner = (os.getpid() << 20) + 950_000 + next(_names)
+@contextlib.contextmanager
+def _one_block_shard(offset: int) -> Iterator[tuple[Control, IndexReader, npt.NDArray[np.uint64], int]]:
+    """A one-shard index no applier ever took up (pid word 0), written from this process, holding block 42
+    on worker 1: the control block, a reader, the shard's table and where block 42's slot version sits (a
+    test leaves it odd, as a writer killed between its two version stores would). Everything is closed
+    and unlinked on the way out."""
+    owner = (os.getpid() << 20) + offset + next(_names)
     control = Control.create(control_name(owner), 1)
     writer = ShardWriter(control, 0, owner)
     reader = IndexReader(control.name)
     try:
         writer.apply(Stored(1, None, (StoredBlock(EngineHash(7), LocalHash(42)),)))
-        assert reader.find_matches([42]) == {(1, 0): 1}
         table = writer.table
         slot = int(np.uint64(42) & np.uint64(int(table[H_CAPACITY]) - 1))
-        base = HEADER_WORDS + slot * (SLOT_MASKS + TIERS * int(table[H_NWORDS]))
+        yield control, reader, table, HEADER_WORDS + slot * (SLOT_MASKS + TIERS * int(table[H_NWORDS])) + SLOT_VERSION
+    finally:
+        reader.close()
+        writer.close(unlink=True)
+        control.close()
+        control.unlink()
+
+
+def test_a_writer_dead_mid_write_makes_the_shard_recovering_at_once_and_a_live_one_is_waited_for(
+    wait_until: Callable[..., None],
+):
+    with _one_block_shard(950_000) as (control, reader, table, version):
+        assert reader.find_matches([42]) == {(1, 0): 1}
         assert reader.writer_checks == 0
         # no applier ever took the shard up (pid word 0): the writer is gone, the slot stays odd
-        table[base + SLOT_VERSION] += 1  # left odd, as by a writer killed between its two version stores
+        table[version] += 1  # left odd, as by a writer killed between its two version stores
         assert reader.find_matches([42]) == {}
         assert reader.recovering() == {0}
         assert reader.writer_checks == 1  # one short spin, one look at the writer, given up
@@ -385,7 +400,7 @@ def test_a_writer_dead_mid_write_makes_the_shard_recovering_at_once_and_a_live_o
         assert reader.overlaps(np.array([42], dtype=np.uint64), slots, 2).tolist() == [[0, 0], [0, 0]]
         assert reader.recovering() == {0}
         assert reader.writer_checks == 2
-        table[base + SLOT_VERSION] += 1
+        table[version] += 1
         assert reader.overlaps(np.array([42], dtype=np.uint64), slots, 2).tolist() == [[0, 1], [0, 1]]
         assert reader.recovering() == set()
         assert reader.find_matches([42]) == {(1, 0): 1}
@@ -393,12 +408,12 @@ def test_a_writer_dead_mid_write_makes_the_shard_recovering_at_once_and_a_live_o
         # a live writer (this process) preempted mid-write: the reader keeps asking until it finishes
         control.set_pid(0, os.getpid())
         control.set_status(0, STATUS_UP)
-        table[base + SLOT_VERSION] += 1
+        table[version] += 1
         checks = reader.writer_checks
 
         def finish_the_write() -> None:
             wait_until(lambda: reader.writer_checks >= checks + 3, what="the reader to wait for the writer")
-            table[base + SLOT_VERSION] += 1
+            table[version] += 1
 
         finisher = threading.Thread(target=finish_the_write)
         finisher.start()
@@ -408,39 +423,21 @@ def test_a_writer_dead_mid_write_makes_the_shard_recovering_at_once_and_a_live_o
             finisher.join()
         assert reader.writer_checks >= checks + 3
         assert reader.recovering() == set()
-    finally:
-        reader.close()
-        writer.close(unlink=True)
-        control.close()
-        control.unlink()
 
 
 def test_a_router_deciding_while_a_shard_is_given_up_asks_it_again_and_clears_it():
     """The router walks the reader's context by itself only while no shard is given up: a decision after the
     writer finished goes through the reader, which sees the shard answer and reports it recovered (walking
     by the context alone, the shard would stay reported recovering however long it answered)."""
-    owner = (os.getpid() << 20) + 960_000 + next(_names)
-    control = Control.create(control_name(owner), 1)
-    writer = ShardWriter(control, 0, owner)
-    reader = IndexReader(control.name)
-    try:
-        writer.apply(Stored(1, None, (StoredBlock(EngineHash(7), LocalHash(42)),)))
+    with _one_block_shard(960_000) as (_, reader, table, version):
         router = Router(block_size=16, seed=3)
         fleet = ((9, 0), (1, 0))
         local = np.array([42, 43], dtype=np.uint64)
         assert router.select(reader, fleet, local_hashes=local).overlap_blocks == 1
-        table = writer.table
-        slot = int(np.uint64(42) & np.uint64(int(table[H_CAPACITY]) - 1))
-        base = HEADER_WORDS + slot * (SLOT_MASKS + TIERS * int(table[H_NWORDS]))
-        table[base + SLOT_VERSION] += 1  # left odd by a writer that is gone (no applier's pid): given up
+        table[version] += 1  # left odd by a writer that is gone (no applier's pid): given up
         assert router.select(reader, fleet, local_hashes=local).overlap_blocks == 0
         assert reader.recovering() == {0}
-        table[base + SLOT_VERSION] += 1
+        table[version] += 1
         chosen = router.select(reader, fleet, local_hashes=local)
         assert (chosen.worker, chosen.overlap_blocks) == ((1, 0), 1)
         assert reader.recovering() == set()
-    finally:
-        reader.close()
-        writer.close(unlink=True)
-        control.close()
-        control.unlink()

@@ -222,8 +222,7 @@ class IndexReader:
         if len(local) == 0 or len(slots) == 0:
             return out
         hashes = local_hash_array(local)
-        if slots is not self._slots or slots.version != self._slots_version:
-            self._follow(slots)
+        self._follow(slots)
         if kernels.overlap_shards(self._ctx, hashes, ntiers, out):
             self._retry(lambda: kernels.overlap_shards(self._ctx, hashes, ntiers, out))
         elif self._torn:
@@ -255,8 +254,7 @@ class IndexReader:
         with self._lock:
             if self._closed:
                 raise EngineError("the engine is not running: its index reader is closed")
-            if slots is not self._slots or slots.version != self._slots_version:
-                self._follow(slots)
+            self._follow(slots)
             result = kernel(self._ctx, local, ntiers, out, *args)  # args a tuple: packed once, by the router
             if result[0]:
                 self._retry(lambda: kernels.overlap_shards(self._ctx, local, ntiers, out))
@@ -411,7 +409,10 @@ class IndexReader:
         return True
 
     def _follow(self, slots: WorkerSlots) -> None:
-        """Make every shard's bit -> slot map follow ``slots``, and say so in the context."""
+        """Make every shard's bit -> slot map follow ``slots``, and say so in the context, unless they do
+        already (a version names one numbering: ``WorkerSlots``)."""
+        if slots.version == self._slots_version:
+            return
         self._slots, self._slots_version = slots, slots.version
         for shard in range(self.control.shards):
             self._map_slots(shard)

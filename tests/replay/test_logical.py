@@ -50,6 +50,16 @@ def _listening(run: Running) -> bool:
     return len(listeners) == 2 and all(listener.get("state") == "exact" for listener in listeners)
 
 
+def _frame_spans(raw: bytes) -> list[tuple[int, int]]:
+    """(start, end) of every frame after the magic: where a test may cut or drop one."""
+    spans, at = [], len(MAGIC)
+    while at < len(raw):
+        end = at + 4 + int.from_bytes(raw[at : at + 4], "little")
+        spans.append((at, end))
+        at = end
+    return spans
+
+
 def _complete(url: str, tokens: list[int]) -> int:
     body = f'{{"model": "{MODEL}", "prompt": {tokens}, "max_tokens": 2}}'.encode()
     request = urllib.request.Request(url + "/v1/completions", data=body, method="POST")
@@ -158,12 +168,10 @@ def test_a_replay_mirrors_the_recorded_evictions_and_says_when_a_recording_has_n
         result.output.split()
     )
     raw = path.read_bytes()
-    at, kept = len(MAGIC), [MAGIC]
-    while at < len(raw):
-        end = at + 4 + int.from_bytes(raw[at : at + 4], "little")
+    kept = [MAGIC]
+    for at, end in _frame_spans(raw):
         if msgpack.unpackb(raw[at + 4 : end], raw=False).get("k") != "evict":
             kept.append(raw[at:end])
-        at = end
     older = tmp_path / "older.kvr"
     older.write_bytes(b"".join(kept))
     result = runner.invoke(app, ["replay", "--from", str(older)])
@@ -174,14 +182,15 @@ def test_a_replay_mirrors_the_recorded_evictions_and_says_when_a_recording_has_n
 def test_a_cut_short_or_other_version_recording_and_a_bad_router_change_are_usage_errors(recorded, tmp_path):
     path, _ = recorded
     whole = path.read_bytes()
+    middle = next(at for at, end in _frame_spans(whole) if end > len(whole) // 2)
     cut = tmp_path / "cut.kvr"
-    cut.write_bytes(whole[: len(whole) // 2])
+    cut.write_bytes(whole[: middle + 5])  # the middle frame's length and one byte of its body
     result = runner.invoke(app, ["replay", "--from", str(cut)])
     assert result.exit_code == 2
-    assert "truncated at byte" in result.output
+    assert f"truncated at byte {middle}:" in " ".join(result.output.split())
     result = runner.invoke(app, ["replay", "--from", str(cut), "--allow-cut"])
     assert result.exit_code == 0, result.output
-    assert "cut short at byte" in result.output
+    assert f"cut short at byte {middle}:" in " ".join(result.output.split())
     header_length = int.from_bytes(whole[len(MAGIC) : len(MAGIC) + 4], "little")
     header = msgpack.unpackb(whole[len(MAGIC) + 4 : len(MAGIC) + 4 + header_length])
     other = tmp_path / "v2.kvr"

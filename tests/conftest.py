@@ -352,19 +352,24 @@ STACKS_SHOWN = 6000
 """Characters of a failed mock worker's stderr an assertion shows: its thread stacks, when it hung."""
 
 
-def stop_mock_process(proc: subprocess.Popen[str]) -> int:
-    """SIGTERM, which must end a mock worker with 0 within ``MOCK_TIMEOUT``; one that does not is asked
-    for its thread stacks (SIGUSR1, written to its stderr) before it is killed, so the failure says where
-    it hung."""
+def stop_process(proc: subprocess.Popen[str], timeout: float) -> int:
+    """SIGTERM, which must end a kvrouter process within ``timeout``; one that does not is asked for its
+    thread stacks (SIGUSR1, written to its stderr: ``kvrouter/cli/stacks.py``) before it is killed, so the
+    failure says where it hung. Its exit status."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
-        code = proc.wait(MOCK_TIMEOUT)
+        return proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGUSR1)
         time.sleep(1.0)
         proc.kill()
-        code = proc.wait()
+        return proc.wait()
+
+
+def stop_mock_process(proc: subprocess.Popen[str]) -> int:
+    """``stop_process`` for a mock worker, its stdout closed."""
+    code = stop_process(proc, MOCK_TIMEOUT)
     if proc.stdout is not None:
         proc.stdout.close()
     return code

@@ -3,6 +3,7 @@
 Front 0 starts it (``service/fronts.py``) and writes a pickled :class:`~kvrouter.service.fronts.FrontSpec`
 on its stdin; it maps front 0's engine, joins the local bus, takes the registry, binds the shared port
 and prints one ready line. SIGINT, SIGTERM or SIGHUP drain it and stop it; so does front 0's exit.
+SIGUSR1 writes its thread stacks to stderr.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from ..service.app import Service
 from ..service.fronts import READY_LINE, FrontSpec
 from . import configure_logging
+from .stacks import stacks_on_sigusr1
 from .up import STOP_SIGNALS
 
 
@@ -37,7 +39,8 @@ def main() -> int:
 
         await service.run(on_ready=on_ready)
 
-    asyncio.run(run())
+    with stacks_on_sigusr1():
+        asyncio.run(run())
     return 0
 
 

@@ -15,7 +15,6 @@ is doing, for whoever is about to kill it (the tests do, before SIGKILL).
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ from ..errors import ConfigError
 from ..worker.engine_publisher import DEFAULT_HWM
 from ..worker.mock_engine import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_GPU_BLOCKS, FORMATS, MockEngine, MockEngineConfig
 from ..worker.mock_http import MockHttpServer
+from .stacks import stacks_on_sigusr1
 
 __all__ = ["mock_worker", "ready_line"]
 
@@ -196,36 +196,37 @@ def mock_worker(
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)  # fd 2, whatever replaced sys.stderr
     try:
-        try:
-            engine = MockEngine(config)
-        except ConfigError as exc:
-            typer.echo(f"kvrouter mock-worker: {exc}", err=True)
-            raise typer.Exit(2) from exc
-        with engine:
+        with stacks_on_sigusr1():
             try:
-                server = MockHttpServer(engine, host, port)
-            except OSError as exc:
-                typer.echo(f"kvrouter mock-worker: cannot listen on {host}:{port}: {exc}", err=True)
+                engine = MockEngine(config)
+            except ConfigError as exc:
+                typer.echo(f"kvrouter mock-worker: {exc}", err=True)
                 raise typer.Exit(2) from exc
-            engine.start()
-            http_thread = threading.Thread(target=server.serve_forever, args=(_POLL_S,), name="mock-http", daemon=True)
-            http_thread.start()
-            try:
-                print(ready_line(server.url, engine.endpoints), flush=True)
-                log.info("mock worker ready worker=%d url=%s dp_size=%d", worker_id, server.url, dp_size)
-                parent = os.getppid()
-                while not stop.wait(_POLL_S):
-                    if exit_with_parent and os.getppid() != parent:  # reparented: whoever started us died
-                        log.warning("mock worker's parent is gone worker=%d parent=%d: stopping", worker_id, parent)
-                        break
-                log.info("mock worker stopping worker=%d", worker_id)
-            finally:
-                server.shutdown()
-                server.server_close()
-                http_thread.join()
+            with engine:
+                try:
+                    server = MockHttpServer(engine, host, port)
+                except OSError as exc:
+                    typer.echo(f"kvrouter mock-worker: cannot listen on {host}:{port}: {exc}", err=True)
+                    raise typer.Exit(2) from exc
+                engine.start()
+                http_thread = threading.Thread(
+                    target=server.serve_forever, args=(_POLL_S,), name="mock-http", daemon=True
+                )
+                http_thread.start()
+                try:
+                    print(ready_line(server.url, engine.endpoints), flush=True)
+                    log.info("mock worker ready worker=%d url=%s dp_size=%d", worker_id, server.url, dp_size)
+                    parent = os.getppid()
+                    while not stop.wait(_POLL_S):
+                        if exit_with_parent and os.getppid() != parent:  # reparented: whoever started us died
+                            log.warning("mock worker's parent is gone worker=%d parent=%d: stopping", worker_id, parent)
+                            break
+                    log.info("mock worker stopping worker=%d", worker_id)
+                finally:
+                    server.shutdown()
+                    server.server_close()
+                    http_thread.join()
     finally:
-        faulthandler.unregister(signal.SIGUSR1)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

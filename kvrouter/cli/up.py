@@ -47,6 +47,7 @@ from ..index.layout import MAX_INDEX_BLOCKS
 from ..plane.config import SUBSCRIBER_HWM, PlaneConfig
 from ..plane.registry import WorkerSpec, parse_workers
 from ..routing.config import KVROUTER_CONFIG
+from .stacks import cancel_stacks_later, stacks_later, stacks_on_sigusr1
 
 if TYPE_CHECKING:
     from ..service.app import Service
@@ -60,6 +61,9 @@ log = logging.getLogger(__name__)
 STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """Each stops the service cleanly; SIGHUP too, so closing the terminal (or its tmux) does not kill it
 mid-flight with its segments and demo engines left behind."""
+STOP_AFTER_DRAIN_S: Final = 5.0
+"""A stop still running this long after the drain (10 s after the signal, by default) has hung somewhere:
+every thread's stack goes to stderr (``cli/stacks.py``), and the stop carries on."""
 SLOW_START_S: Final = 5.0
 """After this long without the index up, say why: a warm start takes about 2 s, a first run on a cold
 numba cache about a minute of compiling, and silence meanwhile looks like a hang."""
@@ -924,10 +928,13 @@ def serve(config: ServiceConfig, demo: EmbeddedConfig | None) -> int:
         return 1
     embedded = None if demo is None else Embedded(demo, decisions=lambda: service.counters.decisions)
     try:
-        return asyncio.run(_run(service, config, embedded))
+        with stacks_on_sigusr1():
+            return asyncio.run(_run(service, config, embedded))
     except KvRouterError as exc:  # the appliers did not come up; the service closed what it opened
         typer.echo(f"kvrouter up: the engine did not start: {exc}", err=True)
         return 1
+    finally:
+        cancel_stacks_later()
 
 
 async def _run(service: Service, config: ServiceConfig, embedded: Embedded | None) -> int:
@@ -940,6 +947,7 @@ async def _run(service: Service, config: ServiceConfig, embedded: Embedded | Non
             return
         stopping.set()
         typer.echo(f"kvrouter up: {signal.Signals(signum).name}, stopping", err=True)
+        stacks_later(config.drain_secs + STOP_AFTER_DRAIN_S)  # a stop that hangs says where before it is killed
         if embedded is not None:
             embedded.stop_client()  # first, so the drain has nothing of ours to wait for
         service.stop()

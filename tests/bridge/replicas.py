@@ -13,7 +13,6 @@ import json
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, Worker
+from tests.conftest import ROOT, Worker, stop_process
 
 START_TIMEOUT_S = 300.0
 """A cold numba cache compiles every kernel first, on 2 shared cores."""
@@ -149,16 +148,8 @@ class Replica:
         return sync
 
     def stop(self) -> None:
-        """SIGTERM, SIGKILL after a bound; stdout and stderr closed. Idempotent."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        """SIGTERM; after a bound, its stacks asked for, then SIGKILL; stdout and stderr closed. Idempotent."""
+        stop_process(self.proc, STOP_TIMEOUT_S)
         self._reader.join(timeout=5)
         if self.proc.stdout is not None:
             self.proc.stdout.close()

@@ -27,6 +27,7 @@ from kvrouter.hashing import block_hashes
 from kvrouter.worker.publisher import KvPublisher
 from tests.bridge.conftest import NatsServer
 from tests.bridge.replicas import BLOCK, MODEL, Replica, call, shm_of
+from tests.conftest import STACKS_SHOWN
 from tests.service.test_up import descendants, kill_and_sweep
 
 WORKER = 5
@@ -114,7 +115,7 @@ def stopping(*started: Replica) -> Iterator[None]:
         for replica in started:
             replica.stop()
     for replica in started:
-        assert replica.proc.returncode == 0, (replica.name, replica.stderr_path.read_text()[-3000:])
+        assert replica.proc.returncode == 0, (replica.name, replica.stderr_path.read_text()[-STACKS_SHOWN:])
         assert shm_of(replica.proc.pid) == []
 
 
@@ -305,7 +306,7 @@ def test_a_bad_snapshot_is_counted_and_reset_states_purges_both_and_the_replica_
         for replica in started:
             replica.stop()
     for replica in started:
-        assert replica.proc.returncode == 0, replica.stderr_path.read_text()[-3000:]
+        assert replica.proc.returncode == 0, replica.stderr_path.read_text()[-STACKS_SHOWN:]
         assert shm_of(replica.proc.pid) == []
 
 

@@ -237,6 +237,22 @@ def test_up_stops_cleanly_on_sighup_too(start_up, shm_entries):
     stop_and_check(up, signal.SIGHUP, shm_entries)
 
 
+def test_sigusr1_writes_every_threads_stack_and_up_keeps_serving(start_up, shm_entries, wait_until):
+    """What an operator (or a test about to kill it) asks a router that seems hung; a stop in time then
+    writes no stacks of its own (``cli/stacks.py``'s watchdog is cancelled)."""
+    up = start_up("--mock-workers", "0", "--shards", "1")
+    url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
+    up.expect(re.compile(r"curl -s http://\S+/metrics"), START_TIMEOUT_S)
+    up.proc.send_signal(signal.SIGUSR1)
+    wait_until(lambda: 'cli/up.py", line' in up.stderr_path.read_text(), timeout=30, what="the stacks")
+    stacks = up.stderr_path.read_text()
+    assert "Current thread 0x" in stacks
+    assert "in serve" in stacks  # the main thread's frames, down to the loop it waits in
+    assert get(url + "/health")[0] == 200
+    stop_and_check(up, signal.SIGTERM, shm_entries)
+    assert "Timeout (" not in up.stderr_path.read_text()
+
+
 def test_the_demos_mock_engines_exit_when_kvrouter_up_is_killed(start_up, shm_entries):
     up = start_up("--mock-workers", "2", "--shards", "1", "--client-rate", "0")
     up.expect(URL_LINE, START_TIMEOUT_S)

@@ -16,7 +16,7 @@ import faulthandler
 import signal
 from collections.abc import Iterator
 
-__all__ = ["cancel_stacks_later", "stacks_later", "stacks_on_sigusr1"]
+__all__ = ["stacks_later", "stacks_on_sigusr1"]
 
 _STDERR = 2
 """fd 2, not ``sys.stderr``: a test runner or a log handler may have replaced the object, not the fd."""
@@ -33,10 +33,8 @@ def stacks_on_sigusr1() -> Iterator[None]:
 
 
 def stacks_later(seconds: float) -> None:
-    """Write every thread's stack to fd 2 once, ``seconds`` from now, unless :func:`cancel_stacks_later`
-    comes first (the stop finished in time). Arming again replaces the previous deadline."""
+    """Write every thread's stack to fd 2 once, ``seconds`` from now, unless the process has exited by then.
+
+    Never cancelled: the interpreter's exit cancels it after joining the remaining threads and running the
+    ``atexit`` hooks, so a stop that hangs there is covered too."""
     faulthandler.dump_traceback_later(seconds, file=_STDERR)
-
-
-def cancel_stacks_later() -> None:
-    faulthandler.cancel_dump_traceback_later()

@@ -47,7 +47,7 @@ from ..index.layout import MAX_INDEX_BLOCKS
 from ..plane.config import SUBSCRIBER_HWM, PlaneConfig
 from ..plane.registry import WorkerSpec, parse_workers
 from ..routing.config import KVROUTER_CONFIG
-from .stacks import cancel_stacks_later, stacks_later, stacks_on_sigusr1
+from .stacks import stacks_later, stacks_on_sigusr1
 
 if TYPE_CHECKING:
     from ..service.app import Service
@@ -62,8 +62,9 @@ STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """Each stops the service cleanly; SIGHUP too, so closing the terminal (or its tmux) does not kill it
 mid-flight with its segments and demo engines left behind."""
 STOP_AFTER_DRAIN_S: Final = 5.0
-"""A stop still running this long after the drain (10 s after the signal, by default) has hung somewhere:
-every thread's stack goes to stderr (``cli/stacks.py``), and the stop carries on."""
+"""A stop still running this long after the drain (10 s after the signal, by default; the process's exit
+included) has hung somewhere: every thread's stack goes to stderr (``cli/stacks.py``), and the stop
+carries on."""
 SLOW_START_S: Final = 5.0
 """After this long without the index up, say why: a warm start takes about 2 s, a first run on a cold
 numba cache about a minute of compiling, and silence meanwhile looks like a hang."""
@@ -933,8 +934,6 @@ def serve(config: ServiceConfig, demo: EmbeddedConfig | None) -> int:
     except KvRouterError as exc:  # the appliers did not come up; the service closed what it opened
         typer.echo(f"kvrouter up: the engine did not start: {exc}", err=True)
         return 1
-    finally:
-        cancel_stacks_later()
 
 
 async def _run(service: Service, config: ServiceConfig, embedded: Embedded | None) -> int:

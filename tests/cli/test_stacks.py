@@ -1,5 +1,6 @@
 """``cli/stacks.py`` in a real child process: the stop watchdog writes every thread's stack once its time
-is up and the process carries on; cancelled in time, it writes nothing."""
+is up, in the main program or while the exit waits for a thread, and the process carries on; a process
+that exits in time writes nothing."""
 
 from __future__ import annotations
 
@@ -10,26 +11,25 @@ from tests.conftest import ROOT
 
 CHILD = """
 import sys, threading, time
-from kvrouter.cli.stacks import cancel_stacks_later, stacks_later
+from kvrouter.cli.stacks import stacks_later
 
-def stuck_in_a_side_thread():
-    time.sleep(1.5)
+def stuck_in_a_side_thread(seconds):
+    time.sleep(seconds)
 
 def stuck_stopping(seconds):
     time.sleep(seconds)
 
-side = threading.Thread(target=stuck_in_a_side_thread, daemon=True)
-side.start()
-stacks_later(float(sys.argv[1]))
-stuck_stopping(float(sys.argv[2]))
-cancel_stacks_later()
+after_s, main_s, side_s = map(float, sys.argv[1:])
+threading.Thread(target=stuck_in_a_side_thread, args=(side_s,)).start()  # not a daemon: the exit joins it
+stacks_later(after_s)
+stuck_stopping(main_s)
 print("carried on", flush=True)
 """
 
 
-def _run(after_s: float, stuck_s: float) -> subprocess.CompletedProcess[str]:
+def _run(after_s: float, main_s: float, side_s: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", CHILD, str(after_s), str(stuck_s)],
+        [sys.executable, "-c", CHILD, str(after_s), str(main_s), str(side_s)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -39,7 +39,7 @@ def _run(after_s: float, stuck_s: float) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_stop_that_overruns_writes_every_threads_stack_and_carries_on():
-    done = _run(0.2, 1.0)
+    done = _run(0.2, 1.0, 1.0)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "carried on\n"
     assert "Timeout (0:00:00.200000)!" in done.stderr
@@ -47,8 +47,15 @@ def test_a_stop_that_overruns_writes_every_threads_stack_and_carries_on():
     assert "in stuck_in_a_side_thread" in done.stderr  # and every other thread
 
 
-def test_a_stop_in_time_writes_nothing():
-    done = _run(5.0, 0.1)
+def test_an_exit_that_waits_too_long_for_a_thread_writes_the_stacks_too():
+    done = _run(0.5, 0.0, 1.5)
+    assert done.returncode == 0, done.stderr
+    assert "in stuck_in_a_side_thread" in done.stderr
+    assert "in stuck_stopping" not in done.stderr  # the main program had ended
+
+
+def test_a_process_that_exits_in_time_writes_nothing():
+    done = _run(5.0, 0.1, 0.2)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "carried on\n"
     assert done.stderr == ""

@@ -352,6 +352,21 @@ STACKS_SHOWN = 6000
 """Characters of a failed mock worker's stderr an assertion shows: its thread stacks, when it hung."""
 
 
+def wait_for_stacks(stderr: Path, frames: Sequence[str], timeout: float) -> str:
+    """What a process wrote to ``stderr`` once it holds every one of ``frames`` (SIGUSR1's thread stacks,
+    written a frame at a time); fails showing the tail of ``stderr``. Not "Current thread": faulthandler
+    marks the thread the kernel delivered the signal to, which may be none of Python's (a libzmq I/O
+    thread), and then marks none."""
+    deadline = time.monotonic() + timeout
+    while True:
+        written = stderr.read_text()
+        if all(frame in written for frame in frames):
+            return written
+        if time.monotonic() > deadline:
+            pytest.fail(f"no stacks with {list(frames)} after {timeout}s; stderr: {written[-STACKS_SHOWN:]}")
+        time.sleep(0.05)
+
+
 def stop_process(proc: subprocess.Popen[str], timeout: float) -> int:
     """SIGTERM, which must end a kvrouter process within ``timeout``; one that does not is asked for its
     thread stacks (SIGUSR1, written to its stderr: ``kvrouter/cli/stacks.py``) before it is killed, so the

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from kvrouter.index.sweep import sweep_leftovers
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_for_stacks
 
 START_TIMEOUT_S = 120.0
 """Cold numba caches on 2 shared cores: the engine and the mock engines compile before they answer."""
@@ -237,17 +237,14 @@ def test_up_stops_cleanly_on_sighup_too(start_up, shm_entries):
     stop_and_check(up, signal.SIGHUP, shm_entries)
 
 
-def test_sigusr1_writes_every_threads_stack_and_up_keeps_serving(start_up, shm_entries, wait_until):
+def test_sigusr1_writes_every_threads_stack_and_up_keeps_serving(start_up, shm_entries):
     """What an operator (or a test about to kill it) asks a router that seems hung; a stop in time then
     writes no stacks of its own (``cli/stacks.py``'s watchdog is cancelled)."""
     up = start_up("--mock-workers", "0", "--shards", "1")
     url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
     up.expect(re.compile(r"curl -s http://\S+/metrics"), START_TIMEOUT_S)
     up.proc.send_signal(signal.SIGUSR1)
-    wait_until(lambda: 'cli/up.py", line' in up.stderr_path.read_text(), timeout=30, what="the stacks")
-    stacks = up.stderr_path.read_text()
-    assert "Current thread 0x" in stacks
-    assert "in serve" in stacks  # the main thread's frames, down to the loop it waits in
+    wait_for_stacks(up.stderr_path, ('cli/up.py", line', "in serve", "in run_forever"), 30)  # the main thread's
     assert get(url + "/health")[0] == 200
     stop_and_check(up, signal.SIGTERM, shm_entries)
     assert "Timeout (" not in up.stderr_path.read_text()

@@ -26,7 +26,7 @@ from kvrouter.events.codecs import kvrouter as kvrouter_codec, vllm
 from kvrouter.events.codecs.frames import ReplayEnd, parse_live, parse_replay_reply, replay_request
 from kvrouter.events.codecs.query import QueryReply, QueryRequest, decode_reply, encode_request
 from kvrouter.events.model import KvEvent, Removed, Stored
-from tests.conftest import MOCK_TIMEOUT, MOCK_WORKER_ID, Worker, free_port
+from tests.conftest import MOCK_TIMEOUT, MOCK_WORKER_ID, Worker, free_port, wait_for_stacks
 
 BLOCK = 16
 WORKER = MOCK_WORKER_ID
@@ -346,18 +346,13 @@ def test_a_client_resetting_its_connection_is_not_a_traceback_and_the_worker_kee
     assert logged.count("mock http connection failed") <= 1
 
 
-def test_sigusr1_writes_every_threads_stack_and_the_worker_keeps_serving(start_worker, tmp_path, wait_until):
+def test_sigusr1_writes_every_threads_stack_and_the_worker_keeps_serving(start_worker, tmp_path):
     """What the tests ask a worker that does not stop on SIGTERM before they kill it; the fixture then
     checks that SIGTERM still ends it with 0."""
     worker = start_worker()
     err = tmp_path / "worker0.err"
     worker.proc.send_signal(signal.SIGUSR1)
-
-    def dumped() -> bool:  # written a frame at a time: wait for the main thread's, the http one's, the engine's
-        stacks = err.read_text()
-        return "Current thread 0x" in stacks and "serve_forever" in stacks and "mock_engine.py" in stacks
-
-    wait_until(dumped, timeout=TIMEOUT)
+    wait_for_stacks(err, ("cli/mock_worker.py", "serve_forever", "mock_engine.py"), TIMEOUT)  # main, http, engine
     assert worker.complete([1, 2, 3], 1)["usage"]["completion_tokens"] == 1  # still serving
 
 

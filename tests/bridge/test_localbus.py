@@ -71,7 +71,7 @@ def test_publish_subscribe_request_and_no_responders(tmp_path: Path) -> None:
             with pytest.raises(nats.errors.TimeoutError):
                 await one.request("silent", b"x", timeout=0.1)
             await silent.unsubscribe()
-            await one.flush()
+            await two.flush()  # the unsubscribing client's: a flush orders only what its own connection sent
             assert b.subscribers("silent") == 0
             with pytest.raises(nats.errors.NoRespondersError):
                 await one.request("silent", b"x", timeout=30.0)

@@ -349,7 +349,7 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
 
 
 STACKS_SHOWN = 6000
-"""Characters of a failed mock worker's stderr an assertion shows: its thread stacks, when it hung."""
+"""Characters of a failed kvrouter process's stderr an assertion shows: its thread stacks, when it hung."""
 
 
 def wait_for_stacks(stderr: Path, frames: Sequence[str], timeout: float) -> str:

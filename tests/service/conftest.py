@@ -33,6 +33,8 @@ from tests.conftest import MOCK_SPEEDUP, MOCK_TIMEOUT, STACKS_SHOWN, Worker, sto
 
 BLOCK = 16
 MODEL = "m"
+MOCK_IDS = (1, 2)
+"""``serving``'s two mock engines' instance ids (their stderr: ``worker<id>.err``)."""
 TOKEN = "s3cret"
 
 
@@ -144,10 +146,10 @@ def serving(config: ServiceConfig, folder: Path, run_type: type[Running] = Runni
     workers: list[Worker] = []
     thread: threading.Thread | None = None
     try:
-        workers = [start_mock(wid, folder / f"worker{wid}.err") for wid in (1, 2)]
+        workers = [start_mock(wid, folder / f"worker{wid}.err") for wid in MOCK_IDS]
         thread, url = serve(service)
         run = run_type(service, url, workers)
-        for wid, worker in zip((1, 2), workers, strict=True):
+        for wid, worker in zip(MOCK_IDS, workers, strict=True):
             run.ok(
                 "POST",
                 "/register",
@@ -171,7 +173,7 @@ def serving(config: ServiceConfig, folder: Path, run_type: type[Running] = Runni
         codes = [stop_mock(worker) for worker in workers]
         errors = {
             wid: (folder / f"worker{wid}.err").read_text()[-STACKS_SHOWN:]
-            for wid, code in zip((1, 2), codes, strict=False)
+            for wid, code in zip(MOCK_IDS, codes, strict=False)  # none when a mock did not start
             if code
         }
         assert codes == [0] * len(workers), f"exit codes {codes}; stderr: {errors}"

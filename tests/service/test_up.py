@@ -239,7 +239,7 @@ def test_up_stops_cleanly_on_sighup_too(start_up, shm_entries):
 
 def test_sigusr1_writes_every_threads_stack_and_up_keeps_serving(start_up, shm_entries):
     """What an operator (or a test about to kill it) asks a router that seems hung; a stop in time then
-    writes no stacks of its own (``cli/stacks.py``'s watchdog is cancelled)."""
+    writes no stacks of its own (it exits before ``cli/stacks.py``'s watchdog is due)."""
     up = start_up("--mock-workers", "0", "--shards", "1")
     url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
     up.expect(re.compile(r"curl -s http://\S+/metrics"), START_TIMEOUT_S)

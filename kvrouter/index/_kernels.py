@@ -835,11 +835,16 @@ def _recency(table: Table, emap: Map, matched: Table, row: int) -> int:
 @_kernel
 def touch(table: Table, matched: Table, seqs: npt.NDArray[np.uint64], stamp: np.uint64) -> int:
     """Blocks a decision matched: each sequence hash's slot gets ``stamp`` in ``matched`` (the writer's
-    private array beside the table, one word per slot). Returns how many were found."""
+    private array beside the table, one word per slot). Returns how many distinct blocks were found.
+
+    ``seqs`` may name a block more than once (the chains of prompts sharing a system prompt, as the front
+    sends them): every call has a stamp of its own, so a slot already at ``stamp`` is a repeat and is
+    counted once. Deduplicating here, a compare per block, is what let the front stop sorting the chains
+    on its event loop (``Service.feed_matches``)."""
     found = 0
     for i in range(seqs.size):  # hot path: one probe per block
         slot = _find(table, _table_key(seqs[i]))
-        if slot >= 0:
+        if slot >= 0 and matched[slot] != stamp:
             matched[slot] = stamp
             found += 1
     return found

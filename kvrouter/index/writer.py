@@ -323,7 +323,8 @@ class ShardWriter:
     def touch(self, seqs: npt.NDArray[np.uint64]) -> int:
         """Blocks the front's decisions matched (sequence hashes): each is now the most recently used for
         the cap's order, for every worker of this shard holding it. Nothing without a cap. Returns how
-        many were in the table, counted in the shard's ``S_TOUCHED``."""
+        many distinct blocks were in the table (``seqs`` may repeat one), counted in the shard's
+        ``S_TOUCHED``."""
         if not self.budget:
             return 0
         self._emeta[kernels.M_STAMP] += 1

@@ -1150,10 +1150,12 @@ class Service:
         """Send the blocks the decisions since the last call matched to their workers' appliers, one message
         per worker (the health loop calls it on every tick): the "matched" half of the index cap's least
         recently used order. Off the decision path, which only appends one tuple; the chains are hashed
-        here, deduplicated per worker, ``FEED_SLICE`` prompts at a time with the loop let go between slices:
-        done at once, a tick's feeding held every request behind it for about 2 ms twice a second, which
-        was most of ``bench_service``'s p99 at concurrency 8. Another front of ``--fronts N`` sends them
-        from its own process (``EngineView.touch``)."""
+        here, ``FEED_SLICE`` prompts at a time with the loop let go between slices: done at once, a tick's
+        feeding held every request behind it for about 2 ms twice a second, which was most of
+        ``bench_service``'s p99 at concurrency 8. A worker's chains go as they are, repeats and all: the
+        applier's ``touch`` counts a block once per message, and sorting them out here (``np.unique``,
+        about 90 µs a worker) was two thirds of a tick's feeding on the loop. Another front of
+        ``--fronts N`` sends them from its own process (``EngineView.touch``)."""
         matched, self._matched = self._matched, []
         deepest: dict[tuple[WorkerKey, bytes], tuple[npt.NDArray[np.uint64], int]] = {}
         for worker, local, overlap in matched:  # a prompt matched again and again is hashed once, at its deepest
@@ -1166,7 +1168,7 @@ class Service:
             if n % FEED_SLICE == 0:
                 await asyncio.sleep(0)
         for n, (worker, chains) in enumerate(by_worker.items(), 1):
-            self.engine.touch(worker, np.unique(np.concatenate(chains)))
+            self.engine.touch(worker, np.concatenate(chains))
             if n % FEED_SLICE == 0:
                 await asyncio.sleep(0)
 

@@ -327,6 +327,24 @@ def test_a_matched_chain_outlives_a_newer_one_across_growth():
         index.close()
 
 
+def test_a_block_named_twice_in_one_match_message_is_counted_once():
+    """The front sends a worker's matched chains as they are: prompts under one system prompt name its
+    blocks again and again. Each message stamps a block once and counts it once; the next message counts
+    it again (it was matched again)."""
+    index = InProcessShards(1, budget=1000)
+    try:
+        writer = index.writers[0]
+        blocks = tuple(StoredBlock(EngineHash(i), LocalHash(i)) for i in range(10))
+        index.apply_event(1, Stored(1, None, blocks))
+        system = sequence_hashes(list(range(6)))
+        chains = np.array([*system, *sequence_hashes(list(range(10))), *system, 12345], dtype=np.uint64)
+        assert writer.touch(chains) == 10  # 23 hashes: 10 distinct blocks held, one never stored
+        assert writer.touch(np.array(system, dtype=np.uint64)) == 6
+        assert read_shards(index.control)[0].touched == 16
+    finally:
+        index.close()
+
+
 def test_matches_change_nothing_without_a_cap():
     index = InProcessShards(1)
     try:

@@ -436,12 +436,12 @@ class Service:
                 self._publish_stats(tasks)
             if self.decision_log is not None:
                 tasks.append(asyncio.create_task(self.decision_log.run(), name="kvrouter-decision-log"))
-            if on_ready is not None:
-                on_ready(self.url)
             # What the start left (numba's kernels and type system, aiohttp, the rest: about 140,000 tracked
             # objects) lives as long as the process: frozen, a full collection no longer walks it. Walked, one
             # held the loop, and every request on it, for 55-80 ms (0.01 ms frozen; 16 workers registered).
             gc.freeze()
+            if on_ready is not None:
+                on_ready(self.url)
             await self._stop_event.wait()
             self._stopping = True
             if fronts is not None and fronts.primary:

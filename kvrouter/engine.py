@@ -100,6 +100,11 @@ MAX_POLL_S: Final = 1e-3
 START_POLL_MAX_S: Final = 0.05
 """The start waits longer between polls: it lasts up to a numba compile [s]."""
 
+_TIER_WORDS: Final = tuple((tier.value, word) for tier, word in zip(StorageTier, W_CACHED_BY_TIER, strict=True))
+_EVICTED_WORDS: Final = tuple(zip(EVICT_REASONS, W_EVICTED_BY_REASON, strict=True))
+"""(key, row word) of ``WorkerStats``' two maps. Built once: iterating the tier enum and reading each
+``.value`` was a third of ``WorkerStats.of_row`` (4.2 of 12 µs), which every health tick pays per worker."""
+
 STATUS_NAMES: Final = {
     STATUS_STARTING: "starting",
     STATUS_UP: "up",
@@ -215,7 +220,7 @@ class WorkerStats:
             state=WORKER_STATES.get(row[W_STATE], "unknown"),
             stale=bool(row[W_STALE]),
             cached_blocks=row[W_CACHED],
-            cached_by_tier={tier.value: row[word] for tier, word in zip(StorageTier, W_CACHED_BY_TIER, strict=True)},
+            cached_by_tier={value: row[word] for value, word in _TIER_WORDS},
             last_id=None if row[W_LAST_ID] == NO_ID else row[W_LAST_ID],
             last_event_ns=row[W_LAST_EVENT_NS],
             gaps_detected=row[W_GAPS_DETECTED],
@@ -227,7 +232,7 @@ class WorkerStats:
             restarts=row[W_RESTARTS],
             events=row[W_EVENTS],
             **_seen(row[W_SEEN]),
-            evicted={reason: row[word] for reason, word in zip(EVICT_REASONS, W_EVICTED_BY_REASON, strict=True)},
+            evicted={reason: row[word] for reason, word in _EVICTED_WORDS},
         )
 
 

@@ -81,7 +81,9 @@ __all__ = [
     "attach",
     "default_shards",
     "read_shards",
+    "read_worker_rows",
     "read_workers",
+    "worker_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -569,6 +571,10 @@ class Engine:
         """Every (worker, dp_rank) of every shard as its row in the control segment shows it now."""
         return read_workers(self._running().control)
 
+    def worker_rows(self) -> list[tuple[int, npt.NDArray[np.uint64]]]:
+        """:meth:`workers` before the :class:`WorkerStats` are made (:func:`read_worker_rows`)."""
+        return read_worker_rows(self._running().control)
+
     def stats(self) -> list[ShardStats]:
         """Every shard's status, applier, segment and counters, read from the control segment."""
         return read_shards(self._running().control)
@@ -662,6 +668,9 @@ class EngineView:
     def workers(self) -> dict[WorkerKey, WorkerStats]:
         return read_workers(self._control)
 
+    def worker_rows(self) -> list[tuple[int, npt.NDArray[np.uint64]]]:
+        return read_worker_rows(self._control)
+
     def stats(self) -> list[ShardStats]:
         return read_shards(self._control)
 
@@ -685,18 +694,33 @@ def _seen(word: int) -> dict[str, Any]:
     }
 
 
+def read_worker_rows(control: Control) -> list[tuple[int, npt.NDArray[np.uint64]]]:
+    """(shard, its rows in use) for every shard of ``control``, copied at once: about 0.1 ms for thousands
+    of workers, where their :class:`WorkerStats` take about 8 µs each (``WorkerStats.of_row`` of a row's
+    ``tolist()``), so a caller on an event loop can make those in slices."""
+    taken: list[tuple[int, npt.NDArray[np.uint64]]] = []
+    for shard in range(control.shards):
+        rows = control.worker_rows(shard)
+        taken.append((shard, rows[rows[:, W_IN_USE] != 0]))
+    return taken
+
+
+def worker_key(row: Sequence[int]) -> WorkerKey:
+    """The (worker_id, dp_rank) a row of :func:`read_worker_rows` belongs to."""
+    return row[W_WORKER_ID], row[W_DP_RANK]
+
+
 def read_workers(control: Control) -> dict[WorkerKey, WorkerStats]:
     """Every (worker, dp_rank) of every shard of ``control`` as its row shows it now.
 
     A plain function of the control segment, so another process that attached it read-only
     (``Control.attach(name)``: ``kvrouter top``) reads what :meth:`Engine.workers` reads, without an engine.
     """
-    found: dict[WorkerKey, WorkerStats] = {}
-    for shard in range(control.shards):
-        rows = control.worker_rows(shard)
-        for row in rows[rows[:, W_IN_USE] != 0].tolist():
-            found[row[W_WORKER_ID], row[W_DP_RANK]] = WorkerStats.of_row(shard, row)
-    return found
+    return {
+        worker_key(row): WorkerStats.of_row(shard, row)
+        for shard, rows in read_worker_rows(control)
+        for row in rows.tolist()
+    }
 
 
 def read_shards(control: Control) -> list[ShardStats]:

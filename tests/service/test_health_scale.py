@@ -1,0 +1,86 @@
+"""The health tick at fleet scale: it reads, checks and judges every worker, and must let requests in
+between (``health.py``, ``HEALTH_SLICE``).
+
+A file of its own: the service here is this process's one engine (``--dist loadfile`` keeps other
+modules' services apart). Workers are registered without being followed (as another front mirrors
+front 0's registrations) and their rows are made by applying one event each, so thousands of workers
+cost no socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from kvrouter.engine import Engine
+from kvrouter.events.codecs.kvrouter import Encoder
+from kvrouter.events.model import EngineHash, EventBatch, LocalHash, Stored, StoredBlock
+from kvrouter.service.app import Service
+from kvrouter.service.config import ServiceConfig
+from kvrouter.service.health import HEALTH_SLICE
+from kvrouter.service.validation import Registration
+from tests.service.conftest import serve
+
+T = TypeVar("T")
+
+WORKERS = 3 * HEALTH_SLICE + 5
+SLICES = -(-WORKERS // HEALTH_SLICE)
+
+
+def on_loop(service: Service, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    loop = service._loop
+    assert loop is not None
+    return asyncio.run_coroutine_threadsafe(make(), loop).result(60)
+
+
+def test_a_tick_over_many_workers_lets_the_loop_serve_between_slices_and_misses_none():
+    service = Service(ServiceConfig(port=0, shards=1, drain_secs=0.5, health_interval_secs=3600.0))
+    service.start()  # forks the applier: before the service thread
+    engine = service.engine
+    assert isinstance(engine, Engine)  # front 0's: it applies and flushes
+    thread = None
+    try:
+        thread, _ = serve(service)
+
+        async def register() -> None:
+            encoder = Encoder()
+            for wid in range(WORKERS):
+                endpoint = f"tcp://127.0.0.1:{20_000 + wid}"
+                service.register(Registration(instance_id=wid, endpoint=endpoint, model_name="m"), follow=False)
+                stored = Stored(wid, None, (StoredBlock(EngineHash(wid + 1), LocalHash(wid + 1)),))
+                engine.apply_payload((wid, 0), encoder.encode(EventBatch((stored,), dp_rank=0)))
+
+        on_loop(service, register)
+        engine.flush(timeout=60)
+
+        async def tick() -> int:
+            """The stream step of one tick, and how many turns the loop gave a callback meanwhile."""
+            turns = 0
+            done = False
+
+            def ping() -> None:
+                nonlocal turns
+                if not done:
+                    turns += 1
+                    asyncio.get_running_loop().call_soon(ping)
+
+            asyncio.get_running_loop().call_soon(ping)
+            await service.health._streams()
+            done = True
+            return turns
+
+        turns = on_loop(service, tick)
+        assert turns >= 2 * SLICES  # a turn a slice at least, of the rows and of the trust checks
+        keys = {(wid, 0) for wid in range(WORKERS)}
+        assert keys <= service._streams.keys()
+        assert all(service.trust.state(key) is not None for key in keys)
+    finally:
+        service.stop()
+        if thread is not None:
+            thread.join(30)
+            assert not thread.is_alive(), "the service did not stop"
+        else:
+            engine.close()
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{os.getpid()}-")]

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Annotated, Final
 
@@ -190,10 +191,14 @@ def mock_worker(
         nats_url=nats_url,
         nats_subject=_kv_events_subject(namespace, component) if nats_url is not None else "",
     )
-    stop = threading.Event()
+    # The handler runs in the main thread between two bytecodes, possibly inside the wait below. A
+    # threading.Event there deadlocked: Event.wait holds its condition's lock while it wakes up, and the
+    # handler's Event.set waited for that same lock (a CI run's stacks showed exactly this). A list append
+    # takes no lock; the main thread sleeps and looks.
+    signals: list[int] = []
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        stop.set()
+        signals.append(signum)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -218,7 +223,8 @@ def mock_worker(
                     print(ready_line(server.url, engine.endpoints), flush=True)
                     log.info("mock worker ready worker=%d url=%s dp_size=%d", worker_id, server.url, dp_size)
                     parent = os.getppid()
-                    while not stop.wait(_POLL_S):
+                    while not signals:
+                        time.sleep(_POLL_S)
                         if exit_with_parent and os.getppid() != parent:  # reparented: whoever started us died
                             log.warning("mock worker's parent is gone worker=%d parent=%d: stopping", worker_id, parent)
                             break

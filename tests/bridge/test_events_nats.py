@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,7 +32,7 @@ from kvrouter.routing.config import RouterConfig
 from kvrouter.service import Service, ServiceConfig
 from kvrouter.worker.publisher import NATS_EVENT_BLOCKS, KvPublisher
 from tests.bridge.conftest import NatsServer
-from tests.service.conftest import Running, serve
+from tests.service.conftest import Running, own_segments, serve, stop_served
 
 BLOCK = 16
 MODEL = "m"
@@ -83,13 +82,8 @@ def nats_service(nats_server: NatsServer, tmp_path: Path) -> Iterator[Running]:
         thread, url = serve(service)
         yield Running(service, url)
     finally:
-        service.stop()
-        if thread is not None:
-            thread.join(30)
-            assert not thread.is_alive(), "the service did not stop"
-        else:
-            service.engine.close()
-    leftovers = sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{os.getpid()}-"))
+        stop_served(service, thread)
+    leftovers = own_segments()
     assert leftovers == [], leftovers
 
 

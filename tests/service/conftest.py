@@ -137,6 +137,22 @@ def serve(service: Service) -> tuple[threading.Thread, str]:
     return thread, url
 
 
+def stop_served(service: Service, thread: threading.Thread | None) -> None:
+    """Stop a service :func:`serve` runs and join its thread; without a thread (``serve`` never returned),
+    close the engine its ``start`` forked."""
+    service.stop()
+    if thread is not None:
+        thread.join(30)
+        assert not thread.is_alive(), "the service did not stop"
+    else:
+        service.engine.close()
+
+
+def own_segments() -> list[str]:
+    """This process's segments in ``/dev/shm``: none once its engine is closed."""
+    return sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{os.getpid()}-"))
+
+
 @contextlib.contextmanager
 def serving(config: ServiceConfig, folder: Path, run_type: type[Running] = Running) -> Iterator[Running]:
     """A service on ``config`` with two vLLM-format mock engines (replay sockets) registered in ``MODEL``;
@@ -164,12 +180,7 @@ def serving(config: ServiceConfig, folder: Path, run_type: type[Running] = Runni
             )
         yield run
     finally:
-        service.stop()
-        if thread is not None:
-            thread.join(30)
-            assert not thread.is_alive(), "the service did not stop"
-        else:
-            service.engine.close()
+        stop_served(service, thread)
         codes = [stop_mock(worker) for worker in workers]
         errors = {
             wid: (folder / f"worker{wid}.err").read_text()[-STACKS_SHOWN:]
@@ -177,7 +188,7 @@ def serving(config: ServiceConfig, folder: Path, run_type: type[Running] = Runni
             if code
         }
         assert codes == [0] * len(workers), f"exit codes {codes}; stderr: {errors}"
-    leftovers = sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{os.getpid()}-"))
+    leftovers = own_segments()
     assert leftovers == [], leftovers
 
 

@@ -7,11 +7,10 @@ tests together, so no other module's service is alive beside it.
 from __future__ import annotations
 
 import gc
-import os
 
 from kvrouter.service.app import Service
 from kvrouter.service.config import ServiceConfig
-from tests.service.conftest import serve
+from tests.service.conftest import own_segments, serve, stop_served
 
 
 def test_a_service_is_ready_with_what_its_start_left_frozen():
@@ -26,10 +25,5 @@ def test_a_service_is_ready_with_what_its_start_left_frozen():
         thread, _ = serve(service)
         assert gc.get_freeze_count() > 10_000
     finally:
-        service.stop()
-        if thread is not None:
-            thread.join(30)
-            assert not thread.is_alive(), "the service did not stop"
-        else:
-            service.engine.close()
-    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{os.getpid()}-")]
+        stop_served(service, thread)
+    assert own_segments() == []

@@ -10,7 +10,6 @@ cost no socket.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -21,7 +20,7 @@ from kvrouter.service.app import Service
 from kvrouter.service.config import ServiceConfig
 from kvrouter.service.health import HEALTH_SLICE
 from kvrouter.service.validation import Registration
-from tests.service.conftest import serve
+from tests.service.conftest import own_segments, serve, stop_served
 
 T = TypeVar("T")
 
@@ -77,10 +76,5 @@ def test_a_tick_over_many_workers_lets_the_loop_serve_between_slices_and_misses_
         assert keys <= service._streams.keys()
         assert all(service.trust.state(key) is not None for key in keys)
     finally:
-        service.stop()
-        if thread is not None:
-            thread.join(30)
-            assert not thread.is_alive(), "the service did not stop"
-        else:
-            engine.close()
-    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{os.getpid()}-")]
+        stop_served(service, thread)
+    assert own_segments() == []

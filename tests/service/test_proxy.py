@@ -26,7 +26,7 @@ from kvrouter.service import Service, ServiceConfig
 from kvrouter.service.affinity import SESSION_HEADER, Affinity
 from kvrouter.service.proxy import PROXY, WORKER_HEADER
 from tests.conftest import Worker, _wait_until, free_port
-from tests.service.conftest import BLOCK, TOKEN, Running, serve, start_mock, stop_mock
+from tests.service.conftest import BLOCK, TOKEN, Running, serve, start_mock, stop_mock, stop_served
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,12 +81,7 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         _wait_until(lambda: listening(service, 4), what="the engine following the four mock engines")
         yield run
     finally:
-        service.stop()
-        if thread is not None:
-            thread.join(30)
-            assert not thread.is_alive(), "the service did not stop"
-        else:
-            service.engine.close()
+        stop_served(service, thread)
         codes = [stop_mock(worker) for worker in workers]
         assert codes == [0] * len(workers)
 

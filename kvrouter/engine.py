@@ -34,6 +34,7 @@ from .errors import BadEvent, ConfigError, EngineError, FlushTimeout
 from .events.codecs.dynamo import event_from_dict
 from .events.codecs.kvrouter import Encoder
 from .events.model import EventBatch, KvEvent, StorageTier, WorkerKey
+from .index._kernels import match_list
 from .index.applier import EVENTS, clear_frames, flush_frames, touch_frames
 from .index.dense import WorkerSlots
 from .index.layout import (
@@ -67,7 +68,7 @@ from .index.layout import (
     Control,
     unpack_seen,
 )
-from .index.reader import DecisionWalk, IndexReader
+from .index.reader import DecisionWalk, IndexReader, ListMatch
 from .index.supervisor import STOP_TIMEOUT, Supervisor
 from .plane.config import PlaneConfig
 from .plane.registry import FORMATS, WorkerSpec
@@ -288,6 +289,8 @@ class Engine:
         self._creator_pid = 0
         """The process that started the engine: only it stops the appliers and removes the segments."""
         self._reader: IndexReader | None = None
+        self._list_match: ListMatch
+        """The reader's list path, set with ``_reader`` (read only while that is set)."""
         self._query_lock = threading.Lock()
         """The engine's reader remaps segments as they move: one query at a time through it."""
         self._encoder = Encoder()
@@ -337,7 +340,7 @@ class Engine:
             self._wait_up(supervisor)
             reader = IndexReader(supervisor.control.name, self._query_lock)
             with self._query_lock:
-                self._reader = reader
+                self._reader, self._list_match = reader, reader.list_match()
         except BaseException:
             self.close()
             raise
@@ -507,11 +510,19 @@ class Engine:
         Raises:
             EngineError: the engine is not running.
         """
-        with self._query_lock:  # hot path: the reader inline, not through _query_reader (a frame less)
+        lock = self._query_lock
+        lock.acquire()  # hot path: not `with`, and a list answered here (ListMatch): 1.5 µs of 9 once evicted
+        try:
             reader = self._reader
             if reader is None:
                 raise EngineError("the engine is not running: use it inside `with Engine(...)`, or call start()")
-            return reader.find_matches(local_hashes, early_exit)
+            if type(local_hashes) is not list or not local_hashes:
+                return reader.find_matches(local_hashes, early_exit)
+            ctx, answer, torn, finish = self._list_match
+            count = match_list(ctx, id(local_hashes))
+            return answer[0] if count >= 0 and not torn else finish(local_hashes, count)
+        finally:
+            lock.release()
 
     def find_matches_by_tier(self, local_hashes: Sequence[int]) -> dict[StorageTier, dict[WorkerKey, int]]:
         """Per tier, per worker, the leading query blocks held in that tier or a faster one."""

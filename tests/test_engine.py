@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvrouter.engine import TOUCH_QUEUE, Engine, EngineView, ReaderHandle, attach, default_shards
-from kvrouter.errors import EVENT_ERROR_KINDS, BadEvent, ConfigError, EngineError, FlushTimeout
+from kvrouter.errors import EVENT_ERROR_KINDS, BadEvent, ConfigError, EngineError, FlushTimeout, InvalidHashInput
 from kvrouter.events.codecs.kvrouter import Encoder
 from kvrouter.events.model import (
     Cleared,
@@ -342,6 +342,24 @@ def test_caller_errors_raise_at_once_and_nothing_is_sent():
         engine.find_matches([1])
     with pytest.raises(EngineError, match="not running"):
         Engine(shards=1).apply_event(1, Cleared(1))
+
+
+@pytest.mark.timeout(120)
+def test_lists_the_kernel_refuses_are_answered_or_refused_as_the_reader_does():
+    """``Engine.find_matches`` answers a list itself (``ListMatch``); a list the kernel does not convert
+    (longer than the reader's query buffer, or an item outside u64) goes on through the reader."""
+    from kvrouter.index.reader import SCRATCH_BLOCKS
+
+    long = SCRATCH_BLOCKS + 10
+    with Engine(shards=1) as engine:
+        chain = tuple(StoredBlock(EngineHash(10 + h), LocalHash(h)) for h in range(1, long + 1))
+        engine.apply_event(1, Stored(1, None, chain))
+        engine.flush()
+        assert engine.find_matches(list(range(1, long + 1))) == {(1, 0): long}
+        for bad in ([1, -1], [1, 2**64], [1, "2"]):
+            with pytest.raises(InvalidHashInput):
+                engine.find_matches(bad)  # type: ignore[arg-type]
+        assert engine.find_matches([1, 2]) == {(1, 0): 2}
 
 
 @pytest.mark.timeout(120)

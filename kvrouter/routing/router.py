@@ -329,9 +329,13 @@ class Router:
                 overlaps = self._overlaps
                 decide = self._decide_on_shards
                 failed = kernels.REFUSED
-                with walk.lock:  # hot path: the walk and the decision in one call, no frame of the reader's
+                lock = walk.lock
+                lock.acquire()  # hot path: the walk and the decision in one call, no frame of the reader's, no `with`
+                try:
                     if not walk.given_up:
                         failed, head, device = decide(walk.ctx, local, NTIERS, overlaps, self._bound, isl, age, terms)
+                finally:
+                    lock.release()
                 again = False
                 if failed:  # another numbering's maps, a closed reader or a late shard: the reader's own path
                     (_, head, device), again = walk.overlaps_and(

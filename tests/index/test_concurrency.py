@@ -192,12 +192,13 @@ def _churn(control_name_: str, owner: int, rounds: int) -> None:
 def test_queries_under_churn_growth_and_clear_see_only_states_the_index_held(wait_until: Callable[..., None]):
     owner = (os.getpid() << 20) + 900_000 + next(_names)
     control = Control.create(control_name(owner), 1)
-    writer = FORK.Process(target=_churn, args=(control.name, owner, 150))
-    writer.start()
     reader = IndexReader(control.name)
     query = list(range(1, 33))
+    writer = FORK.Process(target=_churn, args=(control.name, owner, 150))
     seen_partial = queries = 0
     try:
+        assert reader.find_matches(query) == {}  # loads the kernel first: 50-80 ms, longer than the writer's run
+        writer.start()
         wait_until(lambda: control.flushed(0) >= 1, what="worker 1's chain")
         while control.flushed(0) < 2 or queries == 0:
             scores = reader.find_matches(query)
@@ -208,7 +209,8 @@ def test_queries_under_churn_growth_and_clear_see_only_states_the_index_held(wai
         assert reader.find_matches([5000]) == {}  # worker 3 cleared
         assert control.epoch(0) > 2  # the table grew while being read
     finally:
-        writer.join(timeout=60)
+        if writer.pid is not None:
+            writer.join(timeout=60)
         reader.close()
         for name in {control.segment_name(0)}:
             if name:

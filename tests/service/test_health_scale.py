@@ -75,6 +75,15 @@ def test_a_tick_over_many_workers_lets_the_loop_serve_between_slices_and_misses_
         keys = {(wid, 0) for wid in range(WORKERS)}
         assert keys <= service._streams.keys()
         assert all(service.trust.state(key) is not None for key in keys)
+
+        # the next tick reads again only the row that changed: the others keep their stats objects
+        first = dict(service._streams)
+        more = Stored(7, EngineHash(8), (StoredBlock(EngineHash(10_007), LocalHash(10_007)),))
+        engine.apply_payload((7, 0), Encoder().encode(EventBatch((more,), dp_rank=0)))
+        engine.flush(timeout=60)
+        on_loop(service, tick)
+        assert (first[7, 0].cached_blocks, service._streams[7, 0].cached_blocks) == (1, 2)
+        assert all(service._streams[key] is first[key] for key in keys - {(7, 0)})
     finally:
         stop_served(service, thread)
     assert own_segments() == []

@@ -8,6 +8,7 @@ flushes before every query and reads an event's error kind from the per-kind cou
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import itertools
 import multiprocessing
@@ -423,6 +424,8 @@ def test_stats_name_status_segment_and_workers():
         engine.apply_event(1, Removed(1, (EngineHash(8),)))
         engine.flush()
         stats = engine.stats()
+        words_only = engine.stats(workers=False)
+    assert words_only == [dataclasses.replace(s, workers={}) for s in stats]  # the shards' words, no row read
     assert [s.status for s in stats] == ["up", "up"]
     assert [s.workers for s in stats] == [{(1, 0): 1, (3, 0): 1}, {(2, 0): 1}]
     assert [s.errors["block_not_found"] for s in stats] == [1, 0]

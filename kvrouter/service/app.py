@@ -493,7 +493,7 @@ class Service:
     def _evicted(self) -> int:
         """Entries the index cap evicted so far, over every shard (0 when the engine cannot say)."""
         try:
-            return sum(sum(shard.evicted.values()) for shard in self.engine.stats())
+            return sum(sum(shard.evicted.values()) for shard in self.engine.stats(workers=False))
         except EngineError:
             return 0
 

@@ -202,7 +202,7 @@ class Health:
         }
 
     def refresh_index(self) -> None:
-        stats = self.service.engine.stats()
+        stats = self.service.engine.stats(workers=False)
         for shard in stats:
             if self._shard_status.get(shard.shard) != shard.status:
                 if shard.shard in self._shard_status:
@@ -249,7 +249,7 @@ class Health:
             reasons.append("engine starting")
         else:
             try:
-                for shard in self.service.engine.stats():
+                for shard in self.service.engine.stats(workers=False):
                     shards[str(shard.shard)] = shard.status
                     index["blocks"] += shard.entries  # the cap (--max-index-blocks), its use and evictions
                     index["blocks_cap"] += shard.budget

@@ -1,5 +1,5 @@
-"""The health tick at fleet scale: it reads, checks and judges every worker, and must let requests in
-between (``health.py``, ``HEALTH_SLICE``).
+"""The health tick and the stats publish at fleet scale: they read, check and judge every worker, and
+must let requests in between (``health.py``'s ``HEALTH_SLICE``, ``stats.py``'s ``LOADS_SLICE``).
 
 A file of its own: the service here is this process's one engine (``--dist loadfile`` keeps other
 modules' services apart). Workers are registered without being followed (as another front mirrors
@@ -10,7 +10,7 @@ cost no socket.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from kvrouter.engine import Engine
@@ -19,6 +19,7 @@ from kvrouter.events.model import EngineHash, EventBatch, LocalHash, Stored, Sto
 from kvrouter.service.app import Service
 from kvrouter.service.config import ServiceConfig
 from kvrouter.service.health import HEALTH_SLICE
+from kvrouter.service.stats import LOADS_SLICE, all_loads, sliced_loads
 from kvrouter.service.validation import Registration
 from tests.service.conftest import own_segments, serve, stop_served
 
@@ -54,8 +55,8 @@ def test_a_tick_over_many_workers_lets_the_loop_serve_between_slices_and_misses_
         on_loop(service, register)
         engine.flush(timeout=60)
 
-        async def tick() -> int:
-            """The stream step of one tick, and how many turns the loop gave a callback meanwhile."""
+        async def turns_during(work: Callable[[], Awaitable[Any]]) -> int:
+            """How many turns the loop gave a callback while ``work`` ran."""
             turns = 0
             done = False
 
@@ -66,9 +67,13 @@ def test_a_tick_over_many_workers_lets_the_loop_serve_between_slices_and_misses_
                     asyncio.get_running_loop().call_soon(ping)
 
             asyncio.get_running_loop().call_soon(ping)
-            await service.health._streams()
+            await work()
             done = True
             return turns
+
+        async def tick() -> int:
+            """The stream step of one tick, and the loop's turns meanwhile."""
+            return await turns_during(service.health._streams)
 
         turns = on_loop(service, tick)
         assert turns >= 2 * SLICES  # a turn a slice at least, of the rows and of the trust checks
@@ -84,6 +89,19 @@ def test_a_tick_over_many_workers_lets_the_loop_serve_between_slices_and_misses_
         on_loop(service, tick)
         assert (first[7, 0].cached_blocks, service._streams[7, 0].cached_blocks) == (1, 2)
         assert all(service._streams[key] is first[key] for key in keys - {(7, 0)})
+
+        # the stats publisher's loads for the dashboard: every worker, the loop let in between slices
+        loads: list[dict[str, Any]] = []
+
+        async def publish() -> int:
+            async def gather() -> None:
+                loads.extend(await sliced_loads(service))
+
+            return await turns_during(gather)
+
+        assert on_loop(service, publish) >= -(-WORKERS // LOADS_SLICE)
+        assert {(load["worker_id"], load["dp_rank"]) for load in loads} == keys
+        assert loads == all_loads(service)
     finally:
         stop_served(service, thread)
     assert own_segments() == []

@@ -34,7 +34,6 @@ from .errors import BadEvent, ConfigError, EngineError, FlushTimeout
 from .events.codecs.dynamo import event_from_dict
 from .events.codecs.kvrouter import Encoder
 from .events.model import EventBatch, KvEvent, StorageTier, WorkerKey
-from .index._kernels import match_list
 from .index.applier import EVENTS, clear_frames, flush_frames, touch_frames
 from .index.dense import WorkerSlots
 from .index.layout import (
@@ -518,9 +517,9 @@ class Engine:
                 raise EngineError("the engine is not running: use it inside `with Engine(...)`, or call start()")
             if type(local_hashes) is not list or not local_hashes:
                 return reader.find_matches(local_hashes, early_exit)
-            ctx, answer, torn, finish = self._list_match
-            count = match_list(ctx, id(local_hashes))
-            return answer[0] if count >= 0 and not torn else finish(local_hashes, count)
+            found = self._list_match  # its fields by name: a tuple subclass unpacks by iterating
+            count = found.match(found.ctx, id(local_hashes))
+            return found.answer[0] if count >= 0 and not found.torn else found.finish(local_hashes, count)
         finally:
             lock.release()
 

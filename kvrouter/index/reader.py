@@ -93,11 +93,12 @@ class DecisionWalk(NamedTuple):
 
 class ListMatch(NamedTuple):
     """What :meth:`find_matches` does with a list, for a caller that holds the reader's lock and calls the
-    kernel itself: ``kernels.match_list(ctx, id(items))``; when that returns ``count >= 0`` and ``torn`` is
-    empty, the answer is ``answer[0]``, else ``finish(items, count)``. Why: the reader's frame, around the
-    engine's, cost a 64-block query about 0.6 µs of its 8 once the caller's other work evicted it
-    (``tools/bench_index.py``'s alternating figure)."""
+    kernel itself: ``match(ctx, id(items))`` (``kernels.match_list``, compiled); when that returns ``count
+    >= 0`` and ``torn`` is empty, the answer is ``answer[0]``, else ``finish(items, count)``. Why: the
+    reader's frame, around the engine's, cost a 64-block query about 0.6 µs of its 8 once the caller's
+    other work evicted it (``tools/bench_index.py``'s alternating figure)."""
 
+    match: Callable[[npt.NDArray[np.int64], int], int]
     ctx: npt.NDArray[np.int64]
     answer: list[dict[WorkerKey, int]]
     torn: set[int]
@@ -170,6 +171,8 @@ class IndexReader:
         for shard in range(shards):
             self._set_table(shard, self._no_table)
         self._torn: set[int] = set()
+        self._match_list = kernels.compiled(kernels.match_list, self._ctx, id(self._answer))
+        """``match_list`` for this context and a list's ``id()``, without numba's dispatch."""
         self.writer_checks = 0
         """How often a walk met a slot left mid-write and the reader asked whether the shard's writer lives."""
 
@@ -180,7 +183,7 @@ class IndexReader:
         if type(local_hashes) is list:  # hot path: one compiled call converts, walks and builds the dict
             if not local_hashes:
                 return {}
-            count = kernels.match_list(self._ctx, id(local_hashes))
+            count = self._match_list(self._ctx, id(local_hashes))
             if count >= 0 and not self._torn:
                 return self._answer[0]
             return self.list_answer(local_hashes, count)
@@ -290,7 +293,7 @@ class IndexReader:
 
     def list_match(self) -> ListMatch:
         """How :meth:`Engine.find_matches` answers a list without a frame of the reader's (:class:`ListMatch`)."""
-        return ListMatch(self._ctx, self._answer, self._torn, self.list_answer)
+        return ListMatch(self._match_list, self._ctx, self._answer, self._torn, self.list_answer)
 
     def unanswered(self) -> frozenset[int]:
         """The shards the last query gave up on (a slot or the rows left mid-write by a dead writer): their

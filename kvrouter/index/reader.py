@@ -8,7 +8,8 @@ buffers), so a call is dispatched in about 0.4 µs: numba types a read-only arra
 and a tuple of them, on its slow path (1.1-1.3 µs a call). The reader keeps every mapping whose address
 is in the context open: a remap puts the new address in, then closes the old segment. A list of local
 hashes goes in by its ``id()``: the kernel converts it into the reader's query buffer as ``array('L')``
-would (a list it refuses goes through ``local_hash_words``, which raises). Each shard's walk is checked
+would (a list it refuses goes through ``local_hash_words``, which raises), and that kernel is called
+through its compiled function (``kernels.compiled``), with no dispatch at all. Each shard's walk is checked
 against the shard's epoch and rows generation, and ``find_matches``' dict is built inside the kernel
 (``_PyDict_SetItem_KnownHash`` of the reader's worker-key tuples, their ``hash()`` taken once per rows
 generation) and handed back through ``_answer``: about 4 µs a 64-block query at 16 workers, 8 at 256.

@@ -19,7 +19,7 @@ a restarted service forgets its approximate index, which expires after ``router_
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
@@ -30,7 +30,7 @@ from ..routing.config import RouterConfig
 from ..routing.router import Router
 from ..routing.slots import DEFAULT_EXPIRY_SECS, SlotManager
 
-__all__ = ["Instance", "Partition"]
+__all__ = ["Instance", "Partition", "keys_of"]
 
 DEFAULT_GROUP: Final = "default"
 
@@ -70,6 +70,11 @@ class Instance:
             rank_endpoints=dict(self.ranks),
             rank_query_endpoints=dict(self.rank_queries),
         )
+
+
+def keys_of(instances: Iterable[Instance]) -> list[WorkerKey]:
+    """The (worker_id, dp_rank) of ``instances``, rank by rank in order."""
+    return [(inst.instance_id, rank) for inst in instances for rank in sorted(inst.ranks)]
 
 
 class Partition:
@@ -127,7 +132,7 @@ class Partition:
 
     def worker_keys(self) -> list[WorkerKey]:
         """Every registered (worker_id, dp_rank), healthy or not."""
-        return [(iid, rank) for iid, inst in self.instances.items() for rank in sorted(inst.ranks)]
+        return keys_of(self.instances.values())
 
     def rebuild(self) -> None:
         """Recompute the candidate tuple and the capacities after a change."""

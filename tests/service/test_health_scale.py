@@ -13,13 +13,15 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+import msgpack
+
 from kvrouter.engine import Engine
 from kvrouter.events.codecs.kvrouter import Encoder
 from kvrouter.events.model import EngineHash, EventBatch, LocalHash, Stored, StoredBlock
 from kvrouter.service.app import Service
 from kvrouter.service.config import ServiceConfig
 from kvrouter.service.health import HEALTH_SLICE
-from kvrouter.service.stats import LOADS_SLICE, all_loads, sliced_loads
+from kvrouter.service.stats import LOADS_SLICE, PackedLoads, all_loads, sliced_loads
 from kvrouter.service.validation import Registration
 from tests.service.conftest import own_segments, serve, stop_served
 
@@ -91,17 +93,21 @@ def test_a_tick_over_many_workers_lets_the_loop_serve_between_slices_and_misses_
         assert all(service._streams[key] is first[key] for key in keys - {(7, 0)})
 
         # the stats publisher's loads for the dashboard: every worker, the loop let in between slices
-        loads: list[dict[str, Any]] = []
+        gathered: list[PackedLoads] = []
 
         async def publish() -> int:
             async def gather() -> None:
-                loads.extend(await sliced_loads(service))
+                gathered.append(await sliced_loads(service))
 
             return await turns_during(gather)
 
         assert on_loop(service, publish) >= -(-WORKERS // LOADS_SLICE)
+        assert gathered == [all_loads(service)]
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(gathered[0].packed)
+        loads = list(unpacker)
+        assert len(loads) == gathered[0].entries
         assert {(load["worker_id"], load["dp_rank"]) for load in loads} == keys
-        assert loads == all_loads(service)
     finally:
         stop_served(service, thread)
     assert own_segments() == []

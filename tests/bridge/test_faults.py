@@ -24,7 +24,8 @@ import pytest
 
 from kvrouter.bridge import ReplicaSync, Subjects
 from kvrouter.bridge.codec import FREE, ActiveSequenceEvent, AddRequest, encode_event
-from tests.bridge.conftest import WORKERS, NatsServer
+from kvrouter.replay.natsd import NatsServer
+from tests.bridge.conftest import WORKERS
 from tests.bridge.replicas import MODEL, Replica, call, replicas, shm_of
 from tests.bridge.test_replica_sync import QUIET_S, agree, prompt, total
 from tests.bridge.test_sync import Host, book, running, until, view

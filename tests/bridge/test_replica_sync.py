@@ -21,8 +21,8 @@ import nats
 import pytest
 
 from kvrouter.index.layout import stats_name
-from kvrouter.replay.natsd import nats_server_binary
-from tests.bridge.conftest import WORKERS, NatsServer
+from kvrouter.replay.natsd import NatsServer, nats_server_binary
+from tests.bridge.conftest import WORKERS
 from tests.bridge.replicas import MODEL, Replica, call, replicas
 from tests.conftest import Worker
 from tui.feed import HttpFeed, ShmFeed

@@ -18,8 +18,8 @@ import numpy as np
 from kvrouter.bridge import ReplicaSync, Subjects
 from kvrouter.bridge.codec import FREE, MARK_PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest, encode_event
 from kvrouter.events.model import WorkerKey
+from kvrouter.replay.natsd import NatsServer
 from kvrouter.routing.slots import SlotManager
-from tests.bridge.conftest import NatsServer
 
 BLOCK = 4
 BOUND_S = 10.0

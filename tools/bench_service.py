@@ -307,7 +307,8 @@ def start_reference(folder: Path) -> Server:
             env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
         )
     server = Server("reference", f"http://127.0.0.1:{port}", process, log)
-    wait_http(server, "/health", START_TIMEOUT)
+    with stopped_on_failure(server):
+        wait_http(server, "/health", START_TIMEOUT)
     return server
 
 
@@ -331,16 +332,28 @@ def start_kvrouter(folder: Path, fronts: int) -> Server:
             stderr=subprocess.STDOUT,
         )
     server = Server("kvrouter", f"http://127.0.0.1:{port}", process, log, f"tcp://127.0.0.1:{zmq_port}")
-    wait_http(server, "/health", START_TIMEOUT)  # listening; the index comes up after (kvrouter up's order)
-    wait_http(
-        server,
-        "/ready",
-        START_TIMEOUT,
-        lambda status, body: (
-            isinstance(body, dict) and "engine starting" not in body.get("reasons", ["engine starting"])
-        ),
-    )
+    with stopped_on_failure(server):
+        wait_http(server, "/health", START_TIMEOUT)  # listening; the index comes up after (kvrouter up's order)
+        wait_http(
+            server,
+            "/ready",
+            START_TIMEOUT,
+            lambda status, body: (
+                isinstance(body, dict) and "engine starting" not in body.get("reasons", ["engine starting"])
+            ),
+        )
     return server
+
+
+@contextlib.contextmanager
+def stopped_on_failure(server: Server) -> Iterator[None]:
+    """A server that does not come up is stopped here: the caller never gets it to stop (a kvrouter that
+    never answered ``/health`` was left serving, with its segments, after the run had exited)."""
+    try:
+        yield
+    except BaseException:
+        stop(server)
+        raise
 
 
 def stop(server: Server) -> int:

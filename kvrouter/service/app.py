@@ -87,6 +87,13 @@ past it a tick's further decisions are left out (a busy router's recency is then
 order among millions of blocks needs), so neither the list nor the tick's work grows with the decision rate.
 The tick hashes on the event loop: at 4,096 a busy front stalled every request for about 10 ms twice a
 second (``bench_service``'s p99 at concurrency 8: 12.5 ms, 4.9 ms without feeding)."""
+SYNC_GRACE_S: Final = 0.5
+"""How long ``/reservations/{id}/prefill_complete`` and ``DELETE /reservations/{id}`` wait, with replica sync
+connected, for a reservation this replica (or front) has not heard of yet before answering 404. Its booking
+travels from the replica that made it over NATS or the local bus (milliseconds, tens on a loaded machine),
+while a client behind a load balancer that is not sticky may send its next call to another replica at once:
+without the wait that call was refused, and the reservation's prefill stayed counted on every replica."""
+SYNC_POLL_S: Final = 0.005
 FEED_SLICE: Final = 8
 """Prompts ``feed_matches`` hashes, or workers it sends their blocks, before it lets the event loop serve
 requests again (about 0.2 ms)."""
@@ -181,6 +188,8 @@ class Service:
         self._owner: dict[int, tuple[str, str]] = {}
         """instance_id -> its partition: ids are unique across partitions."""
         self._reservations: dict[str, _Reservation] = {}
+        self._heard_late = False
+        """A completion or free has waited for a peer's booking (:meth:`hear_of`): said once in the log."""
         self._decision_seq = 0
         self._event_seq = 0
         self.started_at = time.time()
@@ -1040,6 +1049,31 @@ class Service:
         reservation.reported = True
         block_size = reservation.partition.block_size
         return self.accuracy.observe(reservation.worker, reservation.predicted, cached_tokens, block_size)
+
+    def knows_reservation(self, selection_id: str) -> bool:
+        """Booked here, or by a peer and applied here (:meth:`_peer_reservation`)."""
+        return selection_id in self._reservations or self._peer_reservation(selection_id) is not None
+
+    async def hear_of(self, selection_id: str) -> None:
+        """Before completing or freeing a reservation not known here: with replica sync connected, wait up to
+        :data:`SYNC_GRACE_S` for a peer's booking of it to arrive (then the call applies as usual, or answers
+        404 as before). A call for a reservation known here, or with no sync or no connection, goes on at once."""
+        sync = self.sync
+        if sync is None or not sync.connected or self.knows_reservation(selection_id):
+            return
+        started = time.monotonic()
+        while time.monotonic() - started < SYNC_GRACE_S and not self._stopping:
+            await asyncio.sleep(SYNC_POLL_S)
+            if self.knows_reservation(selection_id):
+                if not self._heard_late:
+                    self._heard_late = True
+                    log.info(
+                        "reservation heard of late selection_id=%s waited_ms=%.0f: a call reached this replica "
+                        "before the peer's booking did (a balancer that is not sticky); waited (logged once)",
+                        selection_id,
+                        (time.monotonic() - started) * 1000,
+                    )
+                return
 
     def _peer_reservation(self, selection_id: str) -> _Reservation | None:
         """A reservation another replica booked and the sync applied here: with replica sync on, any

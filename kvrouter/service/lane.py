@@ -9,10 +9,12 @@ hash, decide, encode) is about 60 µs, so aiohttp's request machinery was more t
 What the lane takes, from every connection's first byte: ``POST /select``, ``/select_and_reserve``
 (``/route``), ``/reservations/{id}/prefill_complete`` and ``DELETE /reservations/{id}`` over HTTP/1.1 with
 a ``Content-Length`` body within the body limit, no ``Transfer-Encoding``, ``Expect``, ``Upgrade`` or
-``Connection`` other than keep-alive, while the service is not draining and (for the selections) has no
-router queue to wait in. It answers them at once, synchronously, through the same :class:`Routes`
-methods aiohttp's handlers call: one validator, one decision, one answer encoder, one error mapping,
-one set of per-route counters, so an answer is the same whichever layer gave it (``test_lane.py``).
+``Connection`` other than keep-alive, while the service is not draining, (for the selections) has no
+router queue to wait in and (for the reservations) knows the reservation or has no replica sync whose
+booking it could wait for (``Service.hear_of``). It answers them at once, synchronously, through the
+same :class:`Routes` methods aiohttp's handlers call: one validator, one decision, one answer encoder,
+one error mapping, one set of per-route counters, so an answer is the same whichever layer gave it
+(``test_lane.py``).
 
 What it does not take, it hands over: at the first request the lane does not take, the connection (its
 unread bytes included) becomes an aiohttp connection for the rest of its life, so every other route,
@@ -274,8 +276,8 @@ class LaneConnection(asyncio.BufferedProtocol):
         selection_id = ""
         if reserve is None:
             selection_id = self._selection_id(method, target)
-            if not selection_id:
-                return None
+            if not selection_id or (service.sync is not None and not service.knows_reservation(selection_id)):
+                return None  # aiohttp's handler waits for a peer's booking still on its way (Service.hear_of)
             route = "/reservations/{id}/prefill_complete" if method == b"POST" else "/reservations/{id}"
         else:
             if service.queue.threshold is not None:

@@ -406,11 +406,15 @@ class Routes:
         self.service.prefill_complete(selection_id, reused)
 
     async def _h_prefill_complete(self, request: web.Request) -> web.Response:
-        self.prefill_complete(request.match_info["id"], await request.read())
+        selection_id = request.match_info["id"]
+        await self.service.hear_of(selection_id)  # a peer's booking may still be on its way (SYNC_GRACE_S)
+        self.prefill_complete(selection_id, await request.read())
         return _json(OK)
 
     async def _h_free(self, request: web.Request) -> web.Response:
-        self.service.free(request.match_info["id"])
+        selection_id = request.match_info["id"]
+        await self.service.hear_of(selection_id)
+        self.service.free(selection_id)
         return _json(OK)
 
     async def _h_loads(self, request: web.Request) -> web.Response:

@@ -5,7 +5,8 @@ every call (reserve, prefill complete, free: any replica may complete or free an
 traffic stops every replica's ``/loads`` agrees on every worker's active blocks, prefill tokens and
 requests (a bounded wait for quiescence, no timing assertion). A replica started late (C) learns the
 load from a peer's snapshot, also for a worker it registers after joining. A replica stopped without
-freeing has its reservations expire on the others after ``--router-active-request-expiry-secs``. Own
+freeing has its reservations expire on the others after ``--router-active-request-expiry-secs``. A call
+that reaches a replica before the booking it completes waits for the booking (``SYNC_GRACE_S``). Own
 events are ignored, and a malformed message is counted and changes nothing. A replica whose NATS is not
 up yet says so on ``/ready`` and joins once it is.
 """
@@ -14,16 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import nats
 import pytest
 
+from kvrouter.bridge import ReplicaSync, Subjects
+from kvrouter.bridge.codec import MARK_PREFILL_COMPLETED
 from kvrouter.index.layout import stats_name
 from kvrouter.replay.natsd import NatsServer, nats_server_binary
+from kvrouter.service.app import SYNC_GRACE_S
 from tests.bridge.conftest import WORKERS
 from tests.bridge.replicas import MODEL, Replica, call, replicas
+from tests.bridge.test_sync import Host, book, running, until
 from tests.conftest import Worker
 from tui.feed import HttpFeed, ShmFeed
 
@@ -200,6 +206,43 @@ def test_a_late_replica_learns_the_load_also_for_a_worker_registered_after_it_jo
         c.post("/select_and_reserve", {"model_name": MODEL, "token_ids": prompt(111), "selection_id": "late111"})
         view = agree([a, b, c], wait_until, "after the late joiner's calls")
         assert total(view, 2) == total(expected, 2)
+
+
+def test_a_call_that_outruns_the_peers_booking_waits_for_it_and_an_unknown_one_is_404_after_the_grace(
+    pair: list[Replica], module_nats_server: NatsServer
+) -> None:
+    """A client behind a balancer that is not sticky books on one replica and may reach another before the
+    booking does. Here a third router (a bare ``ReplicaSync``) books 0.3 s after B was asked to complete the
+    reservation: B waits for it and completes it, rather than answering 404 and leaving the prefill counted."""
+    a, b = pair
+
+    async def main() -> None:
+        host = Host((1, 0))
+        peer = ReplicaSync(module_nats_server.url, Subjects("sync", "backend"), host, expiry_secs=60.0)
+        async with running(peer):
+
+            async def book_late() -> None:
+                await asyncio.sleep(0.3)
+                book(host, peer, "outrun", (1, 0), [7001, 7002], 32)
+
+            booking = asyncio.create_task(book_late())
+            started = time.monotonic()
+            status, body = await asyncio.to_thread(call, b.url + "/reservations/outrun/prefill_complete", "POST", {})
+            waited = time.monotonic() - started
+            await booking
+            assert status == 200, body
+            assert waited >= 0.25  # it answered once the booking had arrived, not before
+            completed = ((1, 0), "outrun", MARK_PREFILL_COMPLETED)
+            await until(lambda: completed in host.changes, "B's completion reaching the booking router")
+            status, body = await asyncio.to_thread(call, a.url + "/reservations/outrun", "DELETE")
+            assert status == 200, body
+            started = time.monotonic()
+            status, body = await asyncio.to_thread(call, b.url + "/reservations/nobody/prefill_complete", "POST", {})
+            assert status == 404, body
+            assert body == {"error": "reservation 'nobody' not found"}
+            assert time.monotonic() - started >= SYNC_GRACE_S
+
+    asyncio.run(main())
 
 
 def test_a_stopped_replicas_reservations_expire_on_the_others(

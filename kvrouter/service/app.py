@@ -1054,12 +1054,17 @@ class Service:
         """Booked here, or by a peer and applied here (:meth:`_peer_reservation`)."""
         return selection_id in self._reservations or self._peer_reservation(selection_id) is not None
 
+    def awaits_booking(self, selection_id: str) -> bool:
+        """A completion or free of this reservation would wait in :meth:`hear_of`: replica sync is connected
+        and the reservation is not known here (yet)."""
+        sync = self.sync
+        return sync is not None and sync.connected and not self.knows_reservation(selection_id)
+
     async def hear_of(self, selection_id: str) -> None:
         """Before completing or freeing a reservation not known here: with replica sync connected, wait up to
         :data:`SYNC_GRACE_S` for a peer's booking of it to arrive (then the call applies as usual, or answers
         404 as before). A call for a reservation known here, or with no sync or no connection, goes on at once."""
-        sync = self.sync
-        if sync is None or not sync.connected or self.knows_reservation(selection_id):
+        if not self.awaits_booking(selection_id):
             return
         started = time.monotonic()
         while time.monotonic() - started < SYNC_GRACE_S and not self._stopping:

@@ -21,7 +21,10 @@ Design choices:
   about 40 % of the front's samples on this path, more than the decision.
 - Messages are served one at a time, in arrival order; after ``YIELD_EVERY`` messages in a row the loop
   is given a turn before the socket is read again, so HTTP, the health loop and signals are never starved
-  by a busy fast-path client.
+  by a busy fast-path client. One exception, as over HTTP: with replica sync connected, a
+  ``prefill_complete`` or ``free`` naming a reservation not known here waits (in a task of its own, the
+  other messages served meanwhile) up to ``SYNC_GRACE_S`` for a peer's booking still on its way
+  (``Service.hear_of``), so its reply may come after later ones: the ``"id"`` tells them apart.
 - Refusals never close the socket or end the loop: a malformed envelope, a body that is not a msgpack
   map, an unknown op, a wrong token or a refused request each get an error reply and are counted
   (:class:`FastPathCounters`); an unexpected exception is a 500 reply, logged once per kind.
@@ -67,6 +70,8 @@ MAGIC: Final = b"kvr1"
 """Protocol frame: a client speaking another version is answered with a 400, not misread."""
 OPS: Final = ("select", "select_and_reserve", "query", "query_by_hash", "prefill_complete", "free")
 WRITE_OPS: Final = frozenset({"select_and_reserve", "prefill_complete", "free"})
+RESERVATION_OPS: Final = frozenset({"prefill_complete", "free"})
+"""The ops naming a reservation, which may wait for a peer's booking of it (``Service.hear_of``)."""
 """Ops that need the token when one is set (as the HTTP write routes)."""
 YIELD_EVERY: Final = 64
 FRAME_SLACK: Final = 64 << 10
@@ -116,6 +121,8 @@ class FastPath:
         self._fd = -1
         """The socket's ``ZMQ_FD`` while the loop watches it."""
         self._logged: set[str] = set()
+        self._waiting: set[asyncio.Task[None]] = set()
+        """Reservation ops waiting for a peer's booking (``_answer_later``), cancelled at close."""
         self._packer = msgpack.Packer(default=_default)
         limit = service.config.max_body_bytes
         self._limit = limit
@@ -160,6 +167,9 @@ class FastPath:
 
     async def close(self) -> None:
         """Stop serving and close the socket (LINGER 0: unsent replies are dropped). Idempotent."""
+        for task in list(self._waiting):
+            task.cancel()
+        await asyncio.gather(*self._waiting, return_exceptions=True)
         loop, self._loop = self._loop, None
         if loop is not None and self._fd >= 0:
             loop.remove_reader(self._fd)
@@ -199,8 +209,24 @@ class FastPath:
         if self._loop is not None:
             self._loop.call_soon(self._serve)
 
-    def handle(self, frames: list[bytes]) -> list[bytes] | None:
-        """One message (as the ROUTER reads it, identity first) to its reply frames; None: no peer."""
+    async def _answer_later(self, frames: list[bytes], selection_id: str) -> None:
+        """A reservation op :meth:`handle` put off: once the booking arrived or the grace ran out, answer it
+        as if it had just come in."""
+        await self.service.hear_of(selection_id)
+        sock = self._socket
+        reply = self.handle(frames, wait=False)
+        if reply is None or sock is None:
+            return
+        try:
+            sock.send_multipart(reply, zmq.NOBLOCK)
+        except zmq.Again:
+            self._log_once("send", "fastpath reply dropped (peer queue full)")
+        except zmq.ZMQError as exc:
+            self._log_once("send", "fastpath reply failed errno=%s", exc.errno)
+
+    def handle(self, frames: list[bytes], *, wait: bool = True) -> list[bytes] | None:
+        """One message (as the ROUTER reads it, identity first) to its reply frames; None: no peer, or a
+        reservation op left to wait for a peer's booking (``wait``; its reply is sent when it is made)."""
         if not frames or not frames[0]:
             return None  # no identity: nobody to answer
         envelope = [frames[0]]
@@ -239,6 +265,13 @@ class FastPath:
             if op in WRITE_OPS and not self._authorized(body):
                 counters.unauthorized += 1
                 raise ServiceError(401, "missing or wrong token")
+            if wait and op in RESERVATION_OPS and self._loop is not None:
+                selection_id = _selection_id(body)
+                if self.service.awaits_booking(selection_id):
+                    task = self._loop.create_task(self._answer_later(frames, selection_id))
+                    self._waiting.add(task)
+                    task.add_done_callback(self._waiting.discard)
+                    return None
             answer = handler(body)
         except ServiceError as exc:
             answer = {"error": str(exc), "status": exc.status}

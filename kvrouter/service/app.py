@@ -94,6 +94,8 @@ travels from the replica that made it over NATS or the local bus (milliseconds, 
 while a client behind a load balancer that is not sticky may send its next call to another replica at once:
 without the wait that call was refused, and the reservation's prefill stayed counted on every replica."""
 SYNC_POLL_S: Final = 0.005
+"""How often :meth:`Service.hear_of` looks again. A poll, not a wake-up from the sync's ``synced`` callback:
+the wait is rare and bounded, and a poll keeps no waiters to clean up when a booking never comes."""
 FEED_SLICE: Final = 8
 """Prompts ``feed_matches`` hashes, or workers it sends their blocks, before it lets the event loop serve
 requests again (about 0.2 ms)."""

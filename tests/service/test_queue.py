@@ -10,6 +10,7 @@ order they come out in is the policy's.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -114,6 +115,11 @@ def prompt(n: int, seed: int) -> list[int]:
     return [seed * 1000 + i for i in range(n)]
 
 
+FRESH_SEEDS = itertools.count(100)
+"""Each reserved request's own prompt: one that shares a prefix with an earlier one would be (partly)
+cached, add fewer prefill tokens than the busy threshold, and let the next waiter through as well."""
+
+
 async def busy_partition(client: TestClient[Any, Any]) -> None:
     """One worker, busy above 1 prefill token, with one booked request ("blocker")."""
     response = await client.post("/register", json={"instance_id": 1, "model_name": MODEL, "block_size": BLOCK})
@@ -135,7 +141,7 @@ def with_client(service: Service, body: Callable[[TestClient[Any, Any]], Awaitab
 
 
 def reserve(client: TestClient[Any, Any], selection_id: str, n: int) -> asyncio.Task[ClientResponse]:
-    body = {"model_name": MODEL, "token_ids": prompt(n, hash(selection_id) % 97 + 1), "selection_id": selection_id}
+    body = {"model_name": MODEL, "token_ids": prompt(n, next(FRESH_SEEDS)), "selection_id": selection_id}
     return asyncio.ensure_future(client.post("/select_and_reserve", json=body))
 
 

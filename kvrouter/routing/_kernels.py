@@ -80,7 +80,11 @@ C_REQUEST_COST: Final = 5
 C_TOTAL: Final = 6
 C_BUSY: Final = 7
 C_WORK_FACTOR: Final = 8
-COLUMNS: Final = 9
+C_DECAY: Final = 9
+"""Scratch: each candidate's overlap credit decay (``overlap_score_credit_decay``), written before the
+costing pass when the decay is on. Apart from it because the decay's divisions inside the costing loop
+keep LLVM from vectorising it, even under a condition that holds for the whole loop."""
+COLUMNS: Final = 10
 
 _SEED: Final = np.uint64(XXH3_SEED)
 
@@ -282,7 +286,7 @@ def entry_points() -> tuple[Decider, Decider]:
     return decide.compile(DECIDE_ARGS), decide_on_shards.compile(ON_SHARDS_ARGS)
 
 
-Weights = tuple[float, float, float, float, float, float, float, float, float, float, float, float, float, float]
+Weights = tuple[float, float, float, float, float, float, float, float, float, float, float, float, float, float, float]
 """The per-decision scalars the terms read, out of ``params`` (``_weights``)."""
 
 
@@ -305,7 +309,17 @@ def _weights(params: npt.NDArray[np.float64]) -> Weights:
         params[P_NBLOCKS],
         params[P_REQUEST_WEIGHT],
         params[P_LMETRIC],
+        params[P_WORK_WEIGHT],
     )
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _decay(active: int, least: int, weights: Weights) -> float:
+    """The overlap credit's decay for a candidate with ``active`` queued prefill tokens, ``least`` being the
+    lowest over the eligible candidates (``cost.worker_cost``'s arithmetic)."""
+    block, request_blocks, decay_w = weights[1], weights[2], weights[4]
+    queued = max(0, active - least)
+    return 1.0 / (1.0 + decay_w * queued / block / request_blocks)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -313,31 +327,25 @@ def _terms(
     overlap: tuple[int, int, int, int],
     loads: tuple[int, int, int, int],
     trust: float,
+    decay: float,
     factor_of: float,
-    least: int,
     mean_recent: float,
-    work_weight: float,
     weights: Weights,
 ) -> tuple[float, float, float, float, float, float, float, float]:
     """One candidate's terms, ``cost.worker_cost``'s arithmetic in its order: ``(raw, credit, adjusted,
     prefill cost, decode blocks, request cost, total, work factor)``. ``overlap`` is the slot's per tier,
     ``loads`` its queued prefill, requests, active blocks and leading active blocks, ``trust`` its credit
-    factor (``untrusted_overlap_weight`` for a worker marked untrusted, else 1), ``factor_of`` its
-    decayed recent work; ``least`` the lowest queued prefill and ``mean_recent`` the mean recent work over
-    the eligible candidates. The one place the arithmetic lives: the pass over every candidate and the fill of the
-    chosen ones' columns both call it. Scalars only: an array argument costs an atomic incref and decref
-    per call even inlined, four times this function's arithmetic."""
-    isl, block, request_blocks, track_prefill, decay_w, credit_w, host_w, disk_w, shared_w, scale = weights[:10]
-    track_blocks, nblocks, request_w, lmetric = weights[10:]
+    factor (``untrusted_overlap_weight`` for a worker marked untrusted, else 1), ``decay`` its credit's
+    decay (:func:`_decay`, 1 when off), ``factor_of`` its decayed recent work; ``mean_recent`` the mean
+    recent work over the eligible candidates. The one place the arithmetic lives: the pass over every
+    candidate and the fill of the chosen ones' columns both call it, through :func:`_slot_terms`."""
+    isl, block, _, track_prefill, _, credit_w, host_w, disk_w, shared_w, scale = weights[:10]
+    track_blocks, nblocks, request_w, lmetric, work_weight = weights[10:]
     device, host, disk, shared = overlap
     active, requests, blocks, leading = loads
     raw = (active + isl) / block if track_prefill != 0.0 else 0.0
     credit = 0.0  # what the sum below gives for a worker holding nothing, every weight being finite and >= 0
     if device != 0 or host != 0 or disk != 0 or shared != 0:  # most workers of a large fleet hold nothing
-        decay = 1.0  # the credit's alone: its three divisions were most of a non-holder's terms
-        if decay_w != 0.0 and track_prefill != 0.0:
-            queued = max(0, active - least)
-            decay = 1.0 / (1.0 + decay_w * queued / block / request_blocks)
         credit = (
             credit_w * decay * device
             + host_w * max(0, host - device)
@@ -377,6 +385,54 @@ def _fill(
     out[C_REQUEST_COST, i] = request_cost
     out[C_TOTAL, i] = total
     out[C_WORK_FACTOR, i] = factor
+
+
+SlotState = tuple[
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.float64],
+    bool,
+    npt.NDArray[np.float64],
+    float,
+    float,
+    Weights,
+]
+"""What :func:`_slot_terms` reads: ``overlaps``, the slot manager's ``prefill``, ``requests``, ``blocks``,
+``leading``, ``trust`` and whether to weigh by it, ``work`` and its decay now, the mean recent work and
+the weights."""
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _slot_terms(
+    slot: np.uint64, decay: float, state: SlotState
+) -> tuple[float, float, float, float, float, float, float, float]:
+    """:func:`_terms` of the candidate in ``slot``, its loads read from the slot manager's arrays. Inlined, its
+    array arguments cost nothing: the compiled decision holds no more atomic (reference count)
+    instructions than with the loads written out at each call."""
+    overlaps, prefill, requests, blocks, leading, trust, weigh, work, decay_now, mean_recent, weights = state
+    return _terms(
+        (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot]),
+        (prefill[slot], requests[slot], blocks[slot], leading[slot]),
+        trust[slot] if weigh else 1.0,
+        decay,
+        work[slot] * decay_now,
+        mean_recent,
+        weights,
+    )
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _in_a_run(candidates: npt.NDArray[np.int64]) -> bool:
+    """Whether the candidates' slots are ``candidates[0]``, ``candidates[0] + 1``, ... (a fleet numbered as it
+    was seen is): one compare per candidate, where each load through ``candidates`` costs a gather."""
+    first = candidates[0]
+    run = True
+    for i in range(candidates.size):
+        run &= candidates[i] == first + i
+    return run
 
 
 @njit(cache=True, nogil=True)
@@ -465,7 +521,24 @@ def cost_and_choose(
     mean_recent = recent_sum / eligible
     weigh = trust.size > 0  # empty unless some candidate's credit is weighted down: no load per candidate then
     weights = _weights(params)
-    work_weight = params[P_WORK_WEIGHT]
+    decaying = params[P_DECAY] != 0.0 and params[P_TRACK_PREFILL] != 0.0
+    if decaying:  # a worker holding nothing gets no credit to decay: its three divisions are skipped
+        for i in range(k):
+            slot = candidates[i]
+            held = overlaps[0, slot] | overlaps[1, slot] | overlaps[2, slot] | overlaps[3, slot]
+            out[C_DECAY, i] = _decay(prefill[slot], least, weights) if held != 0 else 1.0
+    state = (overlaps, prefill, requests, blocks, leading, trust, weigh, work, decay_now, mean_recent, weights)
+    first = candidates[0]
+    if candidates[k - 1] - first == k - 1 and _in_a_run(candidates):
+        for i in range(k):  # slots first, first + 1, ...: every load is contiguous, so the loop is vectorised
+            out[C_TOTAL, i] = _slot_terms(  # only the total: compiled inline, the other terms are never computed
+                np.uint64(first + i),  # unsigned: numba then indexes without a negative-index wrap
+                out[C_DECAY, i] if decaying else 1.0,
+                state,
+            )[6]
+    else:  # a gather per load: no quicker vectorised, so the loop stays scalar
+        for i in range(k):
+            out[C_TOTAL, i] = _slot_terms(np.uint64(candidates[i]), out[C_DECAY, i] if decaying else 1.0, state)[6]
     # the oracle's reservoir pass (``selection.choose``) over the eligible totals, without its draws:
     # the first eligible is "equal to itself" (one draw that always picks it), a cheaper one restarts the
     # ties, an equal one is a tie (a draw each)
@@ -473,20 +546,9 @@ def cost_and_choose(
     best = 0.0
     draws = skip = count = 0
     for i in range(k):
-        slot = np.uint64(candidates[i])  # unsigned: numba then indexes without a negative-index wrap
-        total = _terms(  # only the total: compiled inline, the other terms are never computed here
-            (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot]),
-            (prefill[slot], requests[slot], blocks[slot], leading[slot]),
-            trust[slot] if weigh else 1.0,
-            work[slot] * decay_now,
-            least,
-            mean_recent,
-            work_weight,
-            weights,
-        )[6]
-        out[C_TOTAL, i] = total
         if limited and out[C_BUSY, i] != 0.0:
             continue
+        total = out[C_TOTAL, i]
         if head < 0:
             head, best, draws, skip, count = i, total, 1, 1, 0
         elif total < best:
@@ -497,11 +559,7 @@ def cost_and_choose(
             draws += 1
     for j in range(k if every else count + 1):  # every candidate's terms, or the chosen's and its ties'
         i = j if every else (head if j == 0 else ties[j - 1])
-        slot = np.uint64(candidates[i])
-        overlap = (overlaps[0, slot], overlaps[1, slot], overlaps[2, slot], overlaps[3, slot])
-        loads = (prefill[slot], requests[slot], blocks[slot], leading[slot])
-        weight = trust[slot] if weigh else 1.0
-        _fill(out, i, _terms(overlap, loads, weight, work[slot] * decay_now, least, mean_recent, work_weight, weights))
+        _fill(out, i, _slot_terms(np.uint64(candidates[i]), out[C_DECAY, i] if decaying else 1.0, state))
     if params[P_TEMPERATURE] != 0.0:
         return SAMPLE, 0, 0
     return head, skip, count

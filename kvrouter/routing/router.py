@@ -506,5 +506,5 @@ def _overlap(overlaps: npt.NDArray[np.int64], slot: int) -> Overlap:
 
 
 def _cost(terms: list[float]) -> Cost:
-    raw, credit, adjusted, prefill_cost, decode, request_cost, total, _, work_factor = terms
+    raw, credit, adjusted, prefill_cost, decode, request_cost, total, _, work_factor, _ = terms  # _kernels.C_*
     return Cost(raw, credit, adjusted, prefill_cost, int(decode), request_cost, total, work_factor)

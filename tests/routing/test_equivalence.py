@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import fields
@@ -272,19 +273,35 @@ def test_ties_and_sampling_draw_as_the_oracle(seed: int, stream: list[tuple[Any,
 
 
 def test_a_large_fleet_decides_as_the_oracle() -> None:
-    """Thousands of candidates, a few holding the prompt, a few loaded: the same pick and draws."""
+    """Thousands of candidates, a few holding the prompt, a few loaded: the same pick and draws. The
+    candidates come as the whole fleet, a run of slots from the middle of it, a run with a gap and a
+    shuffle: the decision kernel costs a run of slots in a vectorised loop and anything else one
+    candidate at a time, and both must agree with the oracle under every term (the credit's decay, the
+    recent work, a busy threshold, untrusted workers)."""
     index = RadixIndex()
     fleet = tuple((w, 0) for w in range(2000))
+    shuffled = list(fleet)
+    random.Random(7).shuffle(shuffled)
+    candidate_sets = (fleet, fleet[500:1500], fleet[:700] + fleet[701:1200], tuple(shuffled))
     for w in range(0, 2000, 125):
         store(index, (w, 0), StorageTier.DEVICE, [1, 2, 0, 1][: 1 + w % 4])
-    for config in (RouterConfig(), RouterConfig(router_temperature=0.5)):
-        fast = Router(config, block_size=B, seed=3)
-        oracle = ReferenceRouter(config, block_size=B, seed=3)
+    decaying = RouterConfig(
+        overlap_score_credit_decay=3.0, active_prefill_tokens_threshold=40, untrusted_overlap_weight=0.5
+    )
+    for config in (RouterConfig(), RouterConfig(router_temperature=0.5), decaying, KVROUTER_CONFIG):
+        clock = FakeClock()  # the recent-work term decays with time: both read one clock
+        fast = Router(config, block_size=B, seed=3, clock=clock)
+        oracle = ReferenceRouter(config, block_size=B, seed=3, clock=clock)
+        fast.slots.numbering.slots(list(fleet))  # slots 0.. in fleet order, before the bookings number theirs
+        for router in (fast, oracle):
+            router.set_untrusted(fleet[250:2000:250])
+            for w in range(375, 2000, 500):  # 4-block holders, 2 tokens queued: decayed, 2 blocks on an idle one win
+                router.slots.add_request(f"w{w}", (w, 0), sequence_hashes([w]), 2, 0)
         for n in range(40):
             path = [1, 2, 0, 1, n % 3]
-            mine = fast.select(index, fleet, tokens=prompt_tokens(path, 1), request_id=f"r{n}", explain=n % 7 == 0)
-            theirs = oracle.select(index, fleet, tokens=prompt_tokens(path, 1), request_id=f"r{n}", explain=n % 7 == 0)
-            assert_same(mine, theirs)
+            candidates = candidate_sets[n % len(candidate_sets)]
+            kwargs: dict[str, Any] = {"tokens": prompt_tokens(path, 1), "request_id": f"r{n}", "explain": n % 7 == 0}
+            assert_same(fast.select(index, candidates, **kwargs), oracle.select(index, candidates, **kwargs))
             assert fast.rng.getstate() == oracle.rng.getstate()
 
 

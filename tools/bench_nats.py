@@ -97,7 +97,6 @@ import random
 import re
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -203,12 +202,6 @@ def fail(message: str) -> SystemExit:
 
 
 # -- processes: the NATS server and the replicas ------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def stop_process(proc: subprocess.Popen[Any], signum: int, timeout: float) -> int:

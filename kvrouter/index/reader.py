@@ -89,7 +89,7 @@ class DecisionWalk(NamedTuple):
     given_up: set[int]
     """The shards the reader's last query gave up on (read only): while any, ``overlaps_and`` asks again
     and clears them."""
-    overlaps_and: Callable[..., tuple[tuple[int, ...], bool]]
+    overlaps_and: Callable[..., tuple[tuple[Any, ...], bool]]
 
 
 class ListMatch(NamedTuple):
@@ -256,18 +256,19 @@ class IndexReader:
 
     def overlaps_and(
         self,
-        kernel: Callable[..., tuple[int, ...]],
+        kernel: Callable[..., tuple[Any, ...]],
         local: npt.NDArray[np.uint64],
         slots: WorkerSlots,
         ntiers: int,
         out: npt.NDArray[np.int64],
         args: tuple[Any, ...] = (),
-    ) -> tuple[tuple[int, ...], bool]:
+    ) -> tuple[tuple[Any, ...], bool]:
         """:meth:`overlaps` into ``out`` and the caller's work on it in one compiled call: ``kernel(ctx,
         local, ntiers, out, *args)`` must start with ``failed = overlap_shards(ctx, local, ntiers, out)``
         (which zeroes nothing: the kernel zeroes ``out`` first, or the columns it knows the last call
-        wrote) and return a tuple starting with ``failed``. The router's decision is such a kernel: one
-        call and one dispatch where two cost twice the fixed price (``routing/_kernels.py``).
+        wrote) and return a tuple starting with ``failed``. The router's decision is such a kernel (with
+        ``ctx`` and ``out`` bound to it beforehand): one call and one dispatch where two cost twice the
+        fixed price (``routing/_kernels.py``).
 
         Returns:
             The kernel's tuple, and whether shards failed and were mended into ``out`` afterwards (the

@@ -86,6 +86,9 @@ costing pass when the decay is on. Apart from it because the decay's divisions i
 keep LLVM from vectorising it, even under a condition that holds for the whole loop."""
 COLUMNS: Final = 10
 
+Column = tuple[float, float, float, float, float, float, float, float, float, float]
+"""One candidate's ``COLUMNS`` terms, in ``C_*`` order."""
+
 _SEED: Final = np.uint64(XXH3_SEED)
 
 NO_WORKER: Final = -1
@@ -108,7 +111,11 @@ B_TWISTER: Final = 36
 """The router's random state (``_twister.STATE_WORDS`` words)."""
 B_VERSION: Final = 39
 """One word: the version of the router's numbering (``WorkerSlots.version``), the slots ``overlaps`` is by."""
-BOUND_WORDS: Final = 40
+B_CTX: Final = 40
+"""The context of the reader the router walks (``IndexReader.decision_walk``), for :func:`decide_on_shards`."""
+B_OVERLAPS: Final = 43
+"""The router's ``(tiers, slots)`` overlaps, which :func:`decide_on_shards` walks into."""
+BOUND_WORDS: Final = 46
 WRITTEN_COUNT: Final = B_WRITTEN + 2
 """``B_WRITTEN`` names a vector, so its third word holds instead how many of its entries the last
 :func:`decide_on_shards` noted: the slots whose columns of ``overlaps`` it wrote, which the next call
@@ -170,6 +177,25 @@ def _matrix(bound: npt.NDArray[np.int64], at: int) -> npt.NDArray[np.int64]:
     return carray(_counts_at(bound[at]), (bound[at + 1], bound[at + 2]))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _column(bound: npt.NDArray[np.int64], i: int) -> Column:
+    """Candidate ``i``'s column of ``out``: with no candidate chosen (``head`` < 0, failed shards), the first
+    candidate's, which the caller does not read."""
+    out = carray(_floats_at(bound[B_OUT]), (bound[B_OUT + 1], bound[B_OUT + 2]))
+    return (
+        out[0, i],
+        out[1, i],
+        out[2, i],
+        out[3, i],
+        out[4, i],
+        out[5, i],
+        out[6, i],
+        out[7, i],
+        out[8, i],
+        out[9, i],
+    )
+
+
 @njit(cache=True, nogil=True)
 def decide(
     local: npt.NDArray[np.uint64],
@@ -178,11 +204,12 @@ def decide(
     isl: float,
     age: float,
     explain: bool,
-) -> tuple[int, int]:
+) -> tuple[int, int, Column]:
     """:func:`_decide` on the router's arrays named by ``bound`` (``B_*``), then at temperature 0 the oracle's
-    reservoir pass over the ties, drawing from the router's state. Returns ``(head, device)``: the chosen
-    position (or ``NO_WORKER`` / ``SAMPLE``, as :func:`cost_and_choose`) and, for a position, the device
-    overlap of its candidate (a numpy scalar read from Python costs more than the rest of the return)."""
+    reservoir pass over the ties, drawing from the router's state. Returns ``(head, device, terms)``: the
+    chosen position (or ``NO_WORKER`` / ``SAMPLE``, as :func:`cost_and_choose`) and, for a position, the
+    device overlap of its candidate and its column of ``out`` (read from Python, a numpy scalar costs more
+    than the rest of the return, and the column's ``tolist`` twice its boxing here)."""
     seqs = carray(_words_at(bound[B_SEQS]), (bound[B_SEQS + 1],))
     candidates = _vector(bound, B_CANDIDATES)
     loads = _matrix(bound, B_LOADS)
@@ -213,36 +240,36 @@ def decide(
         explain,
     )
     if head < 0:
-        return head, 0
+        return head, 0, _column(bound, 0)
     twister = carray(_words_at(bound[B_TWISTER]), (_twister.STATE_WORDS,))
     _twister.advance(twister, 2 * skip)  # draws that cannot matter: two words each, as getrandbits(64) takes
     for j in range(count):
         if _twister.uniform(twister) * (j + 2) < 1.0:
             head = ties[j]
-    return head, overlaps[0, candidates[head]]
+    return head, overlaps[0, candidates[head]], _column(bound, head)
 
 
 @njit(cache=True, nogil=True)
 def decide_on_shards(
-    ctx: npt.NDArray[np.int64],
     local: npt.NDArray[np.uint64],
-    ntiers: int,
-    overlaps: npt.NDArray[np.int64],
     bound: npt.NDArray[np.int64],
     isl: float,
     age: float,
     explain: bool,
-) -> tuple[int, int, int]:
-    """The shared-memory index's walk over every shard into ``overlaps`` (``index/_kernels.overlap_shards``,
-    on the reader's context ``ctx``), then :func:`decide`: a whole decision in one call (the router's, by
-    ``ctx`` under the reader's lock, or through ``IndexReader.overlaps_and``). ``overlaps`` keeps the last
-    decision's answer until the next call zeroes the columns it wrote (``WRITTEN_COUNT``). Returns
-    ``(failed shards, head, device)``; with failed shards nothing is decided: the caller decides once the
-    reader mended the answer (with walks that note nothing, so the next call zeroes all of ``overlaps``).
-    ``REFUSED`` failed shards when the reader's maps are not by the router's numbering (``B_VERSION``):
-    nothing was walked, the caller goes through the reader."""
+) -> tuple[int, int, int, Column]:
+    """The shared-memory index's walk over every shard (``index/_kernels.overlap_shards``, on the reader's
+    context ``B_CTX``) into the router's ``B_OVERLAPS``, then :func:`decide`: a whole decision in one call
+    (the router's, under the reader's lock, or through ``IndexReader.overlaps_and``). The overlaps keep the
+    last decision's answer until the next call zeroes the columns it wrote (``WRITTEN_COUNT``). Returns
+    ``(failed shards, head, device, terms)``; with failed shards nothing is decided: the caller decides
+    once the reader mended the answer (with walks that note nothing, so the next call zeroes all of the
+    overlaps). ``REFUSED`` failed shards when the reader's maps are not by the router's numbering
+    (``B_VERSION``): nothing was walked, the caller goes through the reader. The context and the overlaps
+    are bound, not passed: each array argument costs the call about 35 ns to unbox."""
+    ctx = _vector(bound, B_CTX)
+    overlaps = _matrix(bound, B_OVERLAPS)
     if ctx[CTX_MAPPED] != bound[B_VERSION]:
-        return REFUSED, 0, 0
+        return REFUSED, 0, 0, _column(bound, 0)
     written = _vector(bound, B_WRITTEN)
     noted = bound[WRITTEN_COUNT]
     if noted < 0:
@@ -250,13 +277,13 @@ def decide_on_shards(
     for j in range(noted):
         for tier in range(overlaps.shape[0]):
             overlaps[tier, written[j]] = 0
-    failed, noted = _overlap_shards(ctx, local, ntiers, overlaps, written)
+    failed, noted = _overlap_shards(ctx, local, overlaps.shape[0], overlaps, written)
     if failed:
         bound[WRITTEN_COUNT] = -1
-        return failed, 0, 0
+        return failed, 0, 0, _column(bound, 0)
     bound[WRITTEN_COUNT] = noted
-    head, device = decide(local, overlaps, bound, isl, age, explain)
-    return 0, head, device
+    head, device, terms = decide(local, overlaps, bound, isl, age, explain)
+    return 0, head, device, terms
 
 
 _INTS = types.Array(types.int64, 1, "C")
@@ -264,19 +291,24 @@ _WORDS = types.Array(types.uint64, 1, "C")
 _OVERLAPS = types.Array(types.int64, 2, "C")
 DECIDE_ARGS: Final = (_WORDS, _OVERLAPS, _INTS, types.float64, types.float64, types.boolean)
 """What :func:`decide` takes: ``local``, ``overlaps``, ``bound`` C-contiguous, ``isl``, ``age``, ``explain``."""
-ON_SHARDS_ARGS: Final = (_INTS, _WORDS, types.int64, _OVERLAPS, _INTS, types.float64, types.float64, types.boolean)
-"""What :func:`decide_on_shards` takes: the reader's ``ctx``, ``local``, ``ntiers``, then as :func:`decide`."""
+ON_SHARDS_ARGS: Final = (_WORDS, _INTS, types.float64, types.float64, types.boolean)
+"""What :func:`decide_on_shards` takes: as :func:`decide`, without ``overlaps``."""
 
-Decider = Callable[..., tuple[int, ...]]
+Decider = Callable[
+    [npt.NDArray[np.uint64], npt.NDArray[np.int64], npt.NDArray[np.int64], float, float, bool], tuple[int, int, Column]
+]
+""":func:`decide`'s type."""
+OnShards = Callable[[npt.NDArray[np.uint64], npt.NDArray[np.int64], float, float, bool], tuple[int, int, int, Column]]
+""":func:`decide_on_shards`' type."""
 
 
 @functools.cache
-def entry_points() -> tuple[Decider, Decider]:
+def entry_points() -> tuple[Decider, OnShards]:
     """:func:`decide` and :func:`decide_on_shards` compiled for exactly the argument types above (loaded from
     numba's cache when there), as callables that skip the dispatcher.
 
     Why: numba's dispatcher types every argument and looks the signature up on each call, about a
-    microsecond for these eight, a tenth of a 16-worker decision. The entry point only unboxes. The cost:
+    microsecond for six arguments, a tenth of a 16-worker decision. The entry point only unboxes. The cost:
     it trusts its caller more than the dispatcher does. Unboxing refuses an array whose items have
     another size, but reads a strided view as if it were contiguous, and ``uint64`` as ``int64``, where the
     dispatcher would have compiled another version. The router passes only arrays it made to these

@@ -119,7 +119,7 @@ class Selection:
         self,
         worker: WorkerKey,
         overlap_blocks: int,
-        cost: Cost | list[float],
+        cost: Cost | Sequence[float],
         isl_tokens: int,
         explanation: tuple[WorkerExplanation, ...] | None = None,
         record: DecisionRecord | None = None,
@@ -127,7 +127,7 @@ class Selection:
         self.worker = worker
         self.overlap_blocks = overlap_blocks
         self._cost: Cost | None = cost if isinstance(cost, Cost) else None
-        self._terms: list[float] | None = None if isinstance(cost, Cost) else cost
+        self._terms: Sequence[float] | None = None if isinstance(cost, Cost) else cost
         self.isl_tokens = isl_tokens
         self.explanation = explanation
         self.record = record
@@ -207,7 +207,7 @@ class Router:
         self._stamp = (-1, -1)
         """The numbering's version and the slot manager's generation ``_bound`` was made at."""
         self._decide: kernels.Decider = kernels.decide
-        self._decide_on_shards: kernels.Decider = kernels.decide_on_shards
+        self._decide_on_shards: kernels.OnShards = kernels.decide_on_shards
         """The kernels, made their compiled entry points by the first decision's ``_rebind`` (``entry_points``:
         a microsecond less a call; the arrays passed are made to their types here)."""
         self._walked: object = None
@@ -323,6 +323,8 @@ class Router:
             walk = getattr(index, "decision_walk", None)
             self._walk = None if walk is None else walk()
             self._walked = index
+            if self._walk is not None:
+                self._bind(kernels.B_CTX, self._walk.ctx)  # kept alive by _walk
         walk = self._walk
         try:
             if walk is not None and n:
@@ -333,19 +335,19 @@ class Router:
                 lock.acquire()  # hot path: the walk and the decision in one call, no frame of the reader's, no `with`
                 try:
                     if not walk.given_up:
-                        failed, head, device = decide(walk.ctx, local, NTIERS, overlaps, self._bound, isl, age, terms)
+                        failed, head, device, column = decide(local, self._bound, isl, age, terms)
                 finally:
                     lock.release()
                 again = False
                 if failed:  # another numbering's maps, a closed reader or a late shard: the reader's own path
-                    (_, head, device), again = walk.overlaps_and(
-                        decide, local, numbering, NTIERS, overlaps, (self._bound, isl, age, terms)
+                    (_, head, device, column), again = walk.overlaps_and(
+                        self._on_walk, local, numbering, NTIERS, overlaps, (isl, age, terms)
                     )  # again: a shard answered late, so decide on the whole, mended answer
             else:
                 overlaps = self._overlaps_of(index, local, numbering)
                 again = True
             if again:
-                head, device = self._decide(local, overlaps, self._bound, isl, age, terms)
+                head, device, column = self._decide(local, overlaps, self._bound, isl, age, terms)
         finally:
             if capacity is not None:
                 self._bind(kernels.B_CAPACITIES, self._no_capacity)
@@ -356,6 +358,7 @@ class Router:
             u = _twister.uniform(self._twister)
             head = kernels.sample(out, self.config.router_temperature, u, self._ties, np.empty(len(keys)))
             device = overlaps.item(0, self._candidates.item(head))
+            column = tuple(self._columns[head].tolist())
         chosen = keys[head]
         if request_id is not None:
             slots.add_request(request_id, chosen, self._seqs[:n], isl, device)
@@ -373,11 +376,25 @@ class Router:
         selection.worker = chosen
         selection.overlap_blocks = device
         selection._cost = None
-        selection._terms = self._columns[head].tolist()
+        selection._terms = column
         selection.isl_tokens = isl
         selection.explanation = explained
         selection.record = kept
         return selection
+
+    def _on_walk(
+        self,
+        ctx: npt.NDArray[np.int64],
+        local: npt.NDArray[np.uint64],
+        ntiers: int,
+        out: npt.NDArray[np.int64],
+        isl: float,
+        age: float,
+        terms: bool,
+    ) -> tuple[int, int, int, kernels.Column]:
+        """The decision as ``IndexReader.overlaps_and`` calls its kernel: ``ctx`` (the walk's reader's) and ``out``
+        (``_overlaps``) are bound already (``B_CTX``, ``B_OVERLAPS``)."""
+        return self._decide_on_shards(local, self._bound, isl, age, terms)
 
     def _take(self, workers: Iterable[WorkerKey]) -> None:
         """Make ``workers`` the candidates: deduplicated in order, slotted (assigned on first sight), bound.
@@ -418,6 +435,7 @@ class Router:
             (kernels.B_TRUST, self._trust),
             (kernels.B_WRITTEN, self._written),
             (kernels.B_TWISTER, self._twister),
+            (kernels.B_OVERLAPS, self._overlaps),
         ):
             self._bind(entry, array)
         self._bound[kernels.WRITTEN_COUNT] = -1  # not known: the next decision zeroes all of the overlaps
@@ -505,6 +523,6 @@ def _overlap(overlaps: npt.NDArray[np.int64], slot: int) -> Overlap:
     return Overlap(device, host, disk, shared)
 
 
-def _cost(terms: list[float]) -> Cost:
+def _cost(terms: Sequence[float]) -> Cost:
     raw, credit, adjusted, prefill_cost, decode, request_cost, total, _, work_factor, _ = terms  # _kernels.C_*
     return Cost(raw, credit, adjusted, prefill_cost, int(decode), request_cost, total, work_factor)

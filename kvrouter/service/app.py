@@ -69,6 +69,7 @@ from .queue import RouterQueue
 from .recording import ServiceRecording, tap_endpoint
 from .routes import Routes
 from .shadow import ShadowChoice, Shadows
+from .sharing import Sharing
 from .stats import EXPLAIN_INTERVAL_S, StatsPublisher
 from .trust import Trust
 from .validation import Registration, SelectRequest, Unregistration, parse_registration, parse_unregistration
@@ -388,8 +389,10 @@ class Service:
             await runner.setup()
             assert runner.server is not None
             lane = self.lane = Lane(self._routes, runner.server)  # hot routes' own HTTP, aiohttp the rest (lane.py)
+            if fronts is not None:
+                lane.sharing = Sharing(lane)  # every front serves every connection (sharing.py)
             if fronts is not None and not fronts.primary:
-                fronts.take_connections(lane)  # front 0 listens, and deals this front its share (fronts.py)
+                fronts.take_connections(lane)  # front 0 listens, and sends this front a copy of each (fronts.py)
                 host, port = config.host, config.port
             else:
                 server = await self._loop.create_server(lane, config.host, config.port, reuse_address=True)

@@ -11,14 +11,14 @@ aiohttp's own work per request (``docs/http-api.md``); more fronts answer more. 
 - **Fronts 1..N-1** are ``python -m kvrouter.cli.front`` processes (spawned, not forked: the parent
   already runs threads and a loop), given a :class:`FrontSpec` on stdin. Each maps the engine's index
   read-only (:class:`~kvrouter.engine.EngineView`: the design card's lock-free readers).
-- **Connections are dealt round robin.** Front 0 listens on the port and accepts every connection; each
-  one in turn goes to the next front (front 0 included) over that front's Unix socketpair
-  (``SCM_RIGHTS``, :meth:`Fronts.deal`), and the front serves it as if it had accepted it. A front that
-  is not ready (starting, or starting again) is skipped. Rejected: ``SO_REUSEPORT`` on every front, which
-  the service used first: the kernel spreads connections by a hash of their addresses, so a client's few
-  keep-alive connections often land unevenly and stay so (``bench_service`` at concurrency 8, 8 wrk
-  connections over 2 fronts: splits of 3/5 and worse seen, 10,983 and 15,194 requests/s in two runs of
-  one build); dealt, 8 connections are 4 and 4.
+- **Every front serves every connection.** Front 0 listens on the port and accepts every connection; each
+  one goes to every other ready front over that front's Unix socketpair (``SCM_RIGHTS``,
+  :meth:`Fronts.deal`), and whichever front is free answers its next request (``sharing.py``: a lock
+  per request on the socket). Rejected first: ``SO_REUSEPORT`` on every front (the kernel spreads
+  connections by a hash of their addresses, so a client's few keep-alive connections often land unevenly
+  and stay so: splits of 3/5 and worse at ``bench_service``'s 8 connections over 2 fronts); then each
+  connection dealt to one front, round robin (even, 4 and 4, but a front's requests waited whenever the
+  kernel ran something else on its core: the p99 of ``sharing.py``'s measurements).
 - **Load views** agree the way replicas' do: each front runs the one
   :class:`~kvrouter.bridge.sync.ReplicaSync`, over the local bus (or over NATS with
   ``--router-replica-sync``, where the fronts are simply more replicas). Any front may complete or free
@@ -154,7 +154,6 @@ class Fronts:
         """Counter publications that did not decode (counted, logged once)."""
         self._channels: dict[int, socket.socket] = {}
         """Front 0: the ready fronts' socketpair ends, where :meth:`deal` sends their connections."""
-        self._turn = 0
         self._inbox: socket.socket | None = None
         """Another front: where its connections arrive."""
         self._arriving: set[asyncio.Task[Any]] = set()
@@ -423,25 +422,20 @@ class Fronts:
         self._channels[index] = channel
         self._ready.add(index)
 
-    def deal(self, transport: asyncio.Transport) -> bool:
-        """Front 0, for each connection it accepts: True when it went to another front (whose turn it is, if
-        that front is ready), False when front 0 serves it. Round robin: a client's keep-alive connections
-        spread evenly, whatever their addresses."""
-        self._turn = (self._turn + 1) % self.count
-        channel = self._channels.get(self._turn)
+    def deal(self, transport: asyncio.Transport) -> None:
+        """Front 0, for each connection it accepts: a copy to every ready front, which serves it with the
+        others (``sharing.py``). A front that cannot take it now (far behind, or gone) goes without."""
         sock = transport.get_extra_info("socket")
-        if channel is None or sock is None:
-            return False
-        try:
-            socket.send_fds(channel, [b"c"], [sock.fileno()])
-        except BlockingIOError:  # the front is far behind in taking its connections: serve this one here
-            return False
-        except OSError as exc:  # the front is gone; its process watch starts it again
-            log.warning("front unreachable front=%d error=%s: its connections stay on front 0", self._turn, exc)
-            self._channels.pop(self._turn).close()
-            return False
-        transport.abort()  # the front has its own copy of the connection; this one closes without a word
-        return True
+        if sock is None:
+            return
+        for index, channel in list(self._channels.items()):
+            try:
+                socket.send_fds(channel, [b"c"], [sock.fileno()])
+            except BlockingIOError:  # the front is far behind in taking its connections: the others serve it
+                continue
+            except OSError as exc:  # the front is gone; its process watch starts it again
+                log.warning("front unreachable front=%d error=%s: it gets no connections", index, exc)
+                self._channels.pop(index).close()
 
     def take_connections(self, factory: Callable[[], asyncio.BaseProtocol]) -> None:
         """Another front: serve every connection front 0 deals it with a protocol from ``factory``."""

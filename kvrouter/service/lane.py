@@ -53,6 +53,7 @@ from .routes import GATEWAY_HEADER, JSON, OK, UNAUTHORIZED
 
 if TYPE_CHECKING:
     from .routes import Routes
+    from .sharing import Sharing
 
 __all__ = ["Lane"]
 
@@ -93,9 +94,10 @@ class Lane:
         self._sweeper: asyncio.TimerHandle | None = None
         self.scratch = memoryview(bytearray(READ_BUFFER))
         """Every connection's reads land here (``get_buffer``) and are copied out at once (``buffer_updated``)."""
-        self.deal: Callable[[asyncio.Transport], bool] | None = None
-        """Front 0 of ``--fronts N``: gives a new connection to the front whose turn it is (``Fronts.deal``);
-        True when it did."""
+        self.deal: Callable[[asyncio.Transport], None] | None = None
+        """Front 0 of ``--fronts N``: sends every other front a copy of a new connection (``Fronts.deal``)."""
+        self.sharing: Sharing | None = None
+        """With ``--fronts N``, every front's: the connections it serves with the other fronts (``sharing.py``)."""
 
     def __call__(self) -> LaneConnection:
         """The protocol factory ``loop.create_server`` calls."""
@@ -109,13 +111,16 @@ class Lane:
         one on its idle connections at shutdown."""
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self.sharing is not None:
+            self.sharing.close()  # the copies it shares are dropped: the other fronts go on serving them
         for connection in list(self.connections):
             connection.close()
 
     def _sweep(self) -> None:
         idle_since = time.monotonic() - KEEPALIVE_S
+        sharing = self.sharing
         for connection in list(self.connections):
-            if connection.last_active < idle_since:
+            if connection.last_active < idle_since and (sharing is None or sharing.end(connection)):
                 connection.close()
         self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
 
@@ -160,28 +165,38 @@ class LaneConnection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.buffer = b""
         self.last_active = time.monotonic()
-        self._paused = False
+        self.paused = False
+        self.fd = -1
+        """The socket's descriptor in this front, while shared (``sharing.py``)."""
+        self.dropped = False
+        """This front's copy was closed without ending the connection (``Sharing.drop``)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
-        if self.lane.deal is not None and self.lane.deal(transport):
-            return  # another front serves it, and counts it
-        self.lane.routes.service.counters.connections += 1
+        lane = self.lane
+        if lane.deal is not None:
+            lane.deal(transport)
+        if lane.sharing is None or lane.deal is not None:  # counted once: by the front that accepted it
+            lane.routes.service.counters.connections += 1
         self.transport = transport
-        self.lane.connections.add(self)
+        lane.connections.add(self)
+        if lane.sharing is not None:
+            lane.sharing.watch(self, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.lane.sharing is not None and self.transport is not None:
+            self.lane.sharing.closing(self, self.transport)
         self.lane.connections.discard(self)
         self.transport = None
 
     def pause_writing(self) -> None:
         """The client reads slower than it sends: stop reading its requests until it catches up."""
-        self._paused = True
+        self.paused = True
         if self.transport is not None:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        self._paused = False
+        self.paused = False
         if self.transport is not None:
             self.transport.resume_reading()
             self._received(b"")
@@ -198,7 +213,7 @@ class LaneConnection(asyncio.BufferedProtocol):
 
     def _received(self, data: bytes) -> None:
         buffer = self.buffer + data if self.buffer else data
-        while buffer and not self._paused and self.transport is not None:
+        while buffer and not self.paused and self.transport is not None:
             head_end = buffer.find(b"\r\n\r\n")
             if head_end < 0:
                 if len(buffer) > HEAD_LIMIT:
@@ -337,7 +352,10 @@ class LaneConnection(asyncio.BufferedProtocol):
         self.lane.routes.service.counters.handovers += 1
         self.transport = None
         self.buffer = b""
-        handler = self.lane.aiohttp_server()
+        handler: asyncio.Protocol = self.lane.aiohttp_server()
+        sharing = self.lane.sharing
+        if sharing is not None:
+            handler = sharing.hand_over(self, transport, handler)
         transport.set_protocol(handler)
         handler.connection_made(transport)
         if buffer:

@@ -23,7 +23,7 @@ and encoded; and all of it, from the body read to the encoded answer."""
 REUSE_FIELDS: Final = ("reports", "exact", "over", "under", "predicted_tokens", "actual_tokens")
 """``ServiceCounters.reuse``'s per-worker figures, in order (``accuracy.py``)."""
 _SUMMED: Final = ("decisions", "reservations", "overlap_blocks", "prompt_blocks", "overloaded", "no_worker",
-                  "expired_reservations", "connections", "handovers")  # fmt: skip
+                  "expired_reservations", "connections", "handovers", "shared_failures")  # fmt: skip
 """The plain integer counts :meth:`ServiceCounters.add` sums."""
 SHADOW_FIELDS: Final = ("decisions", "agreements", "overlap_blocks", "live_overlap_blocks", "cost", "live_cost")
 """``ServiceCounters.shadow``'s per-policy sums, in order (``shadow.py``): ``cost`` and ``live_cost`` over the
@@ -49,9 +49,11 @@ class ServiceCounters:
     """Requests refused because the partition had no schedulable worker."""
     expired_reservations: int = 0
     connections: int = 0
-    """HTTP connections accepted (front 0 counts those it deals to another front once, as that front's)."""
+    """HTTP connections accepted (with ``--fronts N``, counted once: by front 0, which accepts them all)."""
     handovers: int = 0
     """Connections the hot lane gave to aiohttp (``lane.py``): their first request was not one it takes."""
+    shared_failures: int = 0
+    """Connections a front closed because serving its share of them raised (``sharing.py``; logged each)."""
     decision: Buckets = field(default_factory=Buckets)
     """Seconds per decision (``Router.select``)."""
     hit_rate: Buckets = field(default_factory=lambda: Buckets(HIT_RATE_BUCKETS))
@@ -84,6 +86,7 @@ class ServiceCounters:
             "expired_reservations": self.expired_reservations,
             "connections": self.connections,
             "handovers": self.handovers,
+            "shared_failures": self.shared_failures,
             "decision": self.decision.to_wire(),
             "hit_rate": self.hit_rate.to_wire(),
             "phases": {name: b.to_wire() for name, b in self.phases.items()},
@@ -109,6 +112,7 @@ class ServiceCounters:
             expired_reservations=int(wire["expired_reservations"]),
             connections=int(wire["connections"]),
             handovers=int(wire["handovers"]),
+            shared_failures=int(wire["shared_failures"]),
             decision=Buckets.from_wire(wire["decision"]),
             hit_rate=Buckets.from_wire(wire["hit_rate"], HIT_RATE_BUCKETS),
             phases={str(name): Buckets.from_wire(b) for name, b in wire["phases"].items()},

@@ -48,8 +48,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
+import logging
 import os
+import resource
 import select
 import socket
 import time
@@ -60,6 +63,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Sharing"]
 
+log = logging.getLogger(__name__)
+
 _WATCH: Final = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET
 _ENDED: Final = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
 
@@ -68,8 +73,10 @@ def _lock(fd: int) -> bool:
     """The request lock on ``fd``'s socket, if no other front holds it (this front may hold it already)."""
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1)
-    except OSError:  # EAGAIN / EACCES
-        return False
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):  # another front holds it
+            return False
+        raise
     return True
 
 
@@ -83,6 +90,7 @@ class Sharing:
 
     def __init__(self, lane: Lane) -> None:
         self._lane = lane
+        _raise_descriptor_limit()
         self._epoll = select.epoll()
         self._watched: dict[int, LaneConnection] = {}
         self._loop = asyncio.get_running_loop()
@@ -158,8 +166,15 @@ class Sharing:
     def _poll(self) -> None:
         for fd, events in self._epoll.poll(0):
             connection = self._watched.get(fd)
-            if connection is not None:
+            if connection is None:
+                continue
+            try:
                 self._serve(connection, events)
+            except Exception as exc:  # a failure here must not lose the other events of this poll
+                self._lane.routes.service.counters.shared_failures += 1
+                log.warning("shared connection closed fd=%d error=%r", fd, exc)
+                self._forget(connection)
+                connection.close()
 
     def _serve(self, connection: LaneConnection, events: int) -> None:
         """New bytes (or the end) on a shared connection: take the request if no other front has it."""
@@ -190,6 +205,16 @@ class Sharing:
             self.own(connection, connection.transport)  # a request still arriving, an answer not taken yet
         else:
             _unlock(fd)
+
+
+def _raise_descriptor_limit() -> None:
+    """Every front holds a descriptor for every connection, so N fronts need N times the descriptors one
+    did: the soft limit goes up to the hard one (often 1,024 and 524,288), as servers with many
+    connections do at start."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log.info("descriptor limit raised from %d to %d for shared connections", soft, hard)
 
 
 class _Owned(asyncio.Protocol):

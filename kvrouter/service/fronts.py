@@ -438,7 +438,7 @@ class Fronts:
                 self._channels.pop(index).close()
 
     def take_connections(self, factory: Callable[[], asyncio.BaseProtocol]) -> None:
-        """Another front: serve every connection front 0 deals it with a protocol from ``factory``."""
+        """Another front: serve its copy of every connection front 0 accepts, with a protocol from ``factory``."""
         assert self.spec is not None
         inbox = self._inbox = socket.socket(fileno=self.spec.connections)
         inbox.setblocking(False)

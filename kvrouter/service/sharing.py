@@ -33,8 +33,10 @@ How:
   stop) drops its copies without a shutdown, and the other fronts go on serving them.
 
 The cost, per request: the lock and unlock (about 1.4 µs together), and each other front's wake for
-bytes it leaves (its epoll, a refused lock), against a request's 50-90 µs of CPU: in the runs above requests/s
-differed from dealt connections' by -3 %, +28 % and -2 %, server CPU per request by +6, -7 and +5 µs. Not
+bytes it leaves (its epoll, a refused lock: 1.7 µs of it the refusal's ``OSError``), against a request's
+50-90 µs of CPU. In the runs above requests/s differed from dealt connections' by -3 %, +28 % and -2 %,
+server CPU per request by +6, -7 and +5 µs; in two single 5 s rounds at 15:37 by -26 % and -10 %
+(+27 and +8 µs). Not
 covered: a front that dies while it answers a request leaves that request unanswered on a connection that
 stays open (the other fronts hold it), where a dealt connection was reset with its front; the client's
 timeout ends it. Rejected: a lock word in shared memory taken by compare-and-swap (a dead front's lock

@@ -109,15 +109,14 @@ class Sharing:
 
     def owns(self, connection: LaneConnection) -> bool:
         """Whether ``connection`` is this front's own (or was never shared)."""
-        return connection.fd not in self._watched
+        return self._watched.get(connection.fd) is not connection
 
     def own(self, connection: LaneConnection, transport: asyncio.Transport) -> None:
         """Make the connection this front's own: called with the request lock held. Its transport reads
         it from now on (unless the lane paused it for a slow reader: its ``resume_writing`` does)."""
-        fd = connection.fd
-        if self._watched.pop(fd, None) is None:
+        if self.owns(connection):
             return
-        self._epoll.unregister(fd)
+        self._forget(connection)
         if not connection.paused:
             transport.resume_reading()
 
@@ -162,7 +161,8 @@ class Sharing:
         self._epoll.close()
 
     def _forget(self, connection: LaneConnection) -> None:
-        if self._watched.pop(connection.fd, None) is not None:
+        if self._watched.get(connection.fd) is connection:
+            del self._watched[connection.fd]
             self._epoll.unregister(connection.fd)
 
     def _poll(self) -> None:
@@ -187,7 +187,7 @@ class Sharing:
                 self.drop(connection)
             return
         scratch = self._lane.scratch
-        while connection.transport is not None and fd in self._watched and not connection.paused:
+        while connection.transport is not None and not self.owns(connection) and not connection.paused:
             try:
                 n = os.readv(fd, [scratch])
             except BlockingIOError:
@@ -201,7 +201,7 @@ class Sharing:
             connection.buffer_updated(n)  # answers every whole request; may hand the connection to aiohttp
             if n < len(scratch) and not events & _ENDED:  # all it held: later bytes wake every front again
                 break  # (edge-triggered); after the peer's end, read on to it
-        if fd not in self._watched or connection.transport is None:
+        if self.owns(connection) or connection.transport is None:
             return  # handed over (own() was called) or closed
         if connection.buffer or connection.paused or connection.transport.get_write_buffer_size():
             self.own(connection, connection.transport)  # a request still arriving, an answer not taken yet

@@ -33,7 +33,7 @@ How:
   stop) drops its copies without a shutdown, and the other fronts go on serving them.
 
 The cost, per request: the lock and unlock (about 1.4 µs together), and each other front's wake for
-bytes it leaves (its epoll, a refused lock: 1.7 µs of it the refusal's ``OSError``), against a request's
+bytes it leaves (its epoll; a refused lock, 1.7 µs with its ``OSError``), against a request's
 50-90 µs of CPU. In the runs above requests/s differed from dealt connections' by -3 %, +28 % and -2 %,
 server CPU per request by +6, -7 and +5 µs; in two single 5 s rounds at 15:37 by -26 % and -10 %
 (+27 and +8 µs). Not

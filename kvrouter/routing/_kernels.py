@@ -178,10 +178,8 @@ def _matrix(bound: npt.NDArray[np.int64], at: int) -> npt.NDArray[np.int64]:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _column(bound: npt.NDArray[np.int64], i: int) -> Column:
-    """Candidate ``i``'s column of ``out``: with no candidate chosen (``head`` < 0, failed shards), the first
-    candidate's, which the caller does not read."""
-    out = carray(_floats_at(bound[B_OUT]), (bound[B_OUT + 1], bound[B_OUT + 2]))
+def _column(out: npt.NDArray[np.float64], i: int) -> Column:
+    """Candidate ``i``'s column of ``out``."""
     return (
         out[0, i],
         out[1, i],
@@ -194,6 +192,10 @@ def _column(bound: npt.NDArray[np.int64], i: int) -> Column:
         out[8, i],
         out[9, i],
     )
+
+
+NO_COLUMN: Final = (0.0,) * COLUMNS
+"""The terms returned with no candidate chosen (``head`` < 0, failed shards): not read."""
 
 
 @njit(cache=True, nogil=True)
@@ -240,13 +242,13 @@ def decide(
         explain,
     )
     if head < 0:
-        return head, 0, _column(bound, 0)
+        return head, 0, NO_COLUMN
     twister = carray(_words_at(bound[B_TWISTER]), (_twister.STATE_WORDS,))
     _twister.advance(twister, 2 * skip)  # draws that cannot matter: two words each, as getrandbits(64) takes
     for j in range(count):
         if _twister.uniform(twister) * (j + 2) < 1.0:
             head = ties[j]
-    return head, overlaps[0, candidates[head]], _column(bound, head)
+    return head, overlaps[0, candidates[head]], _column(out, head)
 
 
 @njit(cache=True, nogil=True)
@@ -269,7 +271,7 @@ def decide_on_shards(
     ctx = _vector(bound, B_CTX)
     overlaps = _matrix(bound, B_OVERLAPS)
     if ctx[CTX_MAPPED] != bound[B_VERSION]:
-        return REFUSED, 0, 0, _column(bound, 0)
+        return REFUSED, 0, 0, NO_COLUMN
     written = _vector(bound, B_WRITTEN)
     noted = bound[WRITTEN_COUNT]
     if noted < 0:
@@ -280,7 +282,7 @@ def decide_on_shards(
     failed, noted = _overlap_shards(ctx, local, overlaps.shape[0], overlaps, written)
     if failed:
         bound[WRITTEN_COUNT] = -1
-        return failed, 0, 0, _column(bound, 0)
+        return failed, 0, 0, NO_COLUMN
     bound[WRITTEN_COUNT] = noted
     head, device, terms = decide(local, overlaps, bound, isl, age, explain)
     return 0, head, device, terms

@@ -36,14 +36,13 @@ The cost, per request: the lock and unlock (about 1.4 µs together), and each ot
 bytes it leaves (its epoll; a refused lock, 1.7 µs with its ``OSError``), against a request's
 50-90 µs of CPU. In the runs above requests/s differed from dealt connections' by -3 %, +28 % and -2 %,
 server CPU per request by +6, -7 and +5 µs; in two single 5 s rounds at 15:37 by -26 % and -10 %
-(+27 and +8 µs). Not
-covered: a front that dies while it answers a request leaves that request unanswered on a connection that
-stays open (the other fronts hold it), where a dealt connection was reset with its front; the client's
-timeout ends it. Rejected: a lock word in shared memory taken by compare-and-swap (a dead front's lock
-would stay taken); serving each request by whichever front reads it first, with no lock (a request that
-arrives in two reads would be split between fronts); ``EPOLLEXCLUSIVE`` (it wakes one waiter per event
-only when the waiters block on that epoll itself, and each front's epoll of copies is watched through its
-loop's own).
+(+27 and +8 µs). Not covered: a front that dies while it answers a request leaves that request unanswered
+on a connection that stays open (the other fronts hold it), where a dealt connection was reset with its
+front; the client's timeout ends it. Rejected: a lock word in shared memory taken by compare-and-swap (a
+dead front's lock would stay taken); serving each request by whichever front reads it first, with no lock
+(a request that arrives in two reads would be split between fronts); ``EPOLLEXCLUSIVE`` (it wakes one
+waiter per event only when the waiters block on that epoll itself, and each front's epoll of copies is
+watched through its loop's own).
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ class FlushTimeout(EngineError, TimeoutError):
 
 
 class StatsError(KvRouterError):
-    """A ``kvrouter up`` stats segment (``service/stats.py``) cannot be read: the name is no stats segment
+    """A ``kvrouter up`` stats segment (``stats/segment.py``) cannot be read: the name is no stats segment
     of this layout, its blob is truncated or does not decode, or its writer stayed mid-write (it died
     there). The message names the segment and what is wrong; a reader (``kvrouter top``) reports it and
     tries again later, or attaches elsewhere."""

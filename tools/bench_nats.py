@@ -33,7 +33,7 @@ A subscriber of the sync subject in this process (``NatsTap``) timestamps the pr
 as they cross NATS, which splits each lag into A's side (its answer to the event on NATS: A's publish
 queue and nats-py) and B's side (NATS to B's ``/loads``: B's receive and apply, and the poll). It reads
 every sync message (the generator's are skipped unparsed by a byte search), a few percent of a core.
-Rejected for the probe: B's stats segment (``service/stats.py``) is read without a request, but it is
+Rejected for the probe: B's stats segment (``stats/segment.py``) is read without a request, but it is
 republished every 250 ms, far coarser than the lag measured; B's presence lag (``sync_lag_ms``) is
 the one-way delay of a presence message on NATS, not a decision applied to B's slot managers.
 
@@ -1052,7 +1052,7 @@ class Durable:
         """None when this checkout's kvrouter has durable mode, else why the side is not measured."""
         import dataclasses
 
-        from kvrouter.service.config import ServiceConfig
+        from kvrouter.service.core.config import ServiceConfig
 
         if "durable_kv_events" not in {f.name for f in dataclasses.fields(ServiceConfig)}:
             return "this checkout's kvrouter has no durable mode (--router-durable-kv-events)"

@@ -635,7 +635,7 @@ def serve(port: int, shards: int, zmq_port: int | None, fronts: int) -> int:
     import asyncio
 
     from kvrouter.service.app import Service
-    from kvrouter.service.config import ServiceConfig
+    from kvrouter.service.core.config import ServiceConfig
 
     service = Service(ServiceConfig(port=port, shards=shards, zmq_port=zmq_port, fronts=fronts))
     service.start()  # forks the appliers: before any loop or thread

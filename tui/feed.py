@@ -4,7 +4,7 @@
 :class:`ShmFeed` polls with zero requests to the router: the appliers' side (shards, worker rows, gaps)
 comes from the engine's control segment, mapped read-only (``kvrouter.engine.read_shards`` /
 ``read_workers``, what ``Engine.stats()`` reads), and the front's side (loads, counters, decisions, log,
-weights) from the stats segment the service republishes at 4 Hz (``kvrouter/service/stats.py``). A
+weights) from the stats segment the service republishes at 4 Hz (``kvrouter/stats/segment.py``). A
 poll is two ``stat`` calls, a copy of one blob (tens of KB) and a walk of the rows in use (not measured
 against a busy router yet). Only :meth:`~ShmFeed.probe` asks the router (``POST /select`` with ``probe``: explained,
 nothing booked, counted or recorded), since the cost of a prompt is the router's to compute.
@@ -40,8 +40,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvrouter.engine import WorkerStats, read_shards, read_workers
 from kvrouter.errors import StatsError
 from kvrouter.index.layout import PREFIX, SHM_DIR, Control, control_name, stats_name
-from kvrouter.service.discovery import Discovered, entries, pid_alive, runtime_dir
-from kvrouter.service.stats import DECISIONS_SHOWN, EVENTS_SHOWN, StatsReader, percentiles
+from kvrouter.stats.discovery import Discovered, entries, pid_alive, runtime_dir
+from kvrouter.stats.segment import DECISIONS_SHOWN, EVENTS_SHOWN, StatsReader, percentiles
 
 from .model import TIERS, Candidate, Decision, LogEvent, ProbeRow, RouterGone, Shadow, Snapshot, WorkerRow
 
@@ -71,7 +71,7 @@ class BadSource(RouterGone):
 
 def discover(directory: Path | None = None) -> list[Discovered]:
     """The ``kvrouter up`` services running on this host, oldest first, from their discovery files
-    (``kvrouter/service/discovery.py``); files of dead processes and files that do not parse are skipped."""
+    (``kvrouter/stats/discovery.py``); files of dead processes and files that do not parse are skipped."""
     return entries(directory)
 
 

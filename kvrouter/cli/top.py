@@ -1,7 +1,7 @@
 """``kvrouter top``: the live dashboard (``tui/``) on a local or remote router.
 
 With no option it follows the ``kvrouter up`` running on this host, found through the discovery file
-each service writes in the user's runtime directory (``kvrouter/service/discovery.py``), and reads it
+each service writes in the user's runtime directory (``kvrouter/stats/discovery.py``), and reads it
 through shared memory: no request to the router but the pinned probe's. ``--shm`` names one by its
 segment or pid, ``--url`` attaches to a remote one over HTTP. A router that is not there yet, or goes
 away, is shown as such and retried; the dashboard never exits on it.

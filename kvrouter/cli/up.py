@@ -50,9 +50,9 @@ from ..routing.config import KVROUTER_CONFIG
 from .stacks import stacks_later, stacks_on_sigusr1
 
 if TYPE_CHECKING:
+    from ..demo import Embedded, EmbeddedConfig
     from ..service.app import Service
-    from ..service.config import ServiceConfig
-    from ..service.embedded import Embedded, EmbeddedConfig
+    from ..service.core.config import ServiceConfig
 
 __all__ = ["EPILOG", "ROUTER_FLAGS", "load_toml", "up"]
 
@@ -866,8 +866,8 @@ def up(
         "seed": seed,
         "first_worker_id": 1 + max((s.worker_id for s in specs), default=0),
     }
-    from ..service.config import ServiceConfig  # here: the service package imports aiohttp and the engine
-    from ..service.embedded import EmbeddedConfig
+    from ..demo import EmbeddedConfig
+    from ..service.core.config import ServiceConfig  # here: the service package imports aiohttp and the engine
 
     try:
         service_config = ServiceConfig(**service_values)
@@ -914,8 +914,8 @@ def _resolved(ctx: typer.Context, service: dict[str, Any], demo: dict[str, Any])
 
 def serve(config: ServiceConfig, demo: EmbeddedConfig | None) -> int:
     """Start the engine (forks), then run the loop until a signal; the process's exit status."""
+    from ..demo import Embedded
     from ..service.app import Service
-    from ..service.embedded import Embedded
 
     if config.auth_token is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         typer.echo(f"kvrouter up: warning: {config.host} is not loopback and no --auth-token is set", err=True)

@@ -200,7 +200,7 @@ def control_name(owner_pid: int) -> str:
 
 
 def stats_name(owner_pid: int) -> str:
-    """The stats segment ``kvrouter up``'s front publishes beside its engine's (``service/stats.py``)."""
+    """The stats segment ``kvrouter up``'s front publishes beside its engine's (``stats/segment.py``)."""
     return f"{PREFIX}{owner_pid}-stats"
 
 

@@ -2,7 +2,7 @@
 
 **Real processes.** :class:`LocalStack` starts ``python -m kvrouter up --port 0 --mock-workers 0`` in its
 own session (its stderr in a log file, temporary unless ``--keep-logs``, named when something fails),
-then the mock engines (``service/embedded.py``'s :func:`start_mock`, vLLM format with a replay socket,
+then the mock engines (``demo/mocks.py``'s :func:`start_mock`, vLLM format with a replay socket,
 ``--exit-with-parent``) and registers them through ``POST /register`` with their ``http_endpoint``, as
 an operator's engines join. Faults are then injected only through what an operator has: the mocks'
 control routes, signals to processes, and the control segment ``kvrouter-<pid>-ctl`` read-only (which
@@ -37,12 +37,12 @@ from typing import Any, Final
 import aiohttp
 import orjson
 
+from ..demo.mocks import MockProcess, start_mock, stop_mocks
 from ..engine import read_shards, read_workers
 from ..errors import KvRouterError
 from ..index.layout import Control, control_name
 from ..index.sweep import sweep_leftovers
-from ..service.embedded import EmbeddedConfig, MockProcess, start_mock, stop_mocks
-from ..service.ready_line import ready_line
+from ..ready_line import ready_line
 
 __all__ = ["AttachedStack", "LocalStack", "Mock", "ReplayError", "Stack", "StackConfig"]
 
@@ -334,14 +334,14 @@ class LocalStack(Stack):
     async def _start_mocks(self) -> None:
         """The engines, started together, then registered (on every router)."""
         cfg = self.config
-        embedded = EmbeddedConfig(block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks)
         try:
             await asyncio.gather(
                 *(
                     start_mock(
                         worker_id,
-                        embedded,
                         self.processes,
+                        block_size=cfg.block_size,
+                        num_gpu_blocks=cfg.num_gpu_blocks,
                         speedup_ratio=cfg.speedup_ratio,
                         extra_args=dict(cfg.mock_args).get(worker_id, ()),
                     )
@@ -450,9 +450,15 @@ class LocalStack(Stack):
 
     async def add_mock(self) -> Mock:
         worker_id = max(p.worker_id for p in self.processes) + 1
-        embedded = EmbeddedConfig(block_size=self.config.block_size, num_gpu_blocks=self.config.num_gpu_blocks)
+        cfg = self.config
         try:
-            process = await start_mock(worker_id, embedded, self.processes, speedup_ratio=self.config.speedup_ratio)
+            process = await start_mock(
+                worker_id,
+                self.processes,
+                block_size=cfg.block_size,
+                num_gpu_blocks=cfg.num_gpu_blocks,
+                speedup_ratio=cfg.speedup_ratio,
+            )
         except KvRouterError as exc:
             raise ReplayError(str(exc)) from exc
         mock = Mock(process.worker_id, process.http, process.events, process.replay)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..errors import ServiceError
 from .app import SelectResult, Service
-from .config import ServiceConfig
+from .core.config import ServiceConfig
 from .counters import PHASES, ServiceCounters
 from .partition import Instance, Partition
 from .validation import QueryRequest, Registration, SelectRequest, Unregistration

@@ -53,11 +53,13 @@ from ..recording import Recorder
 from ..routing.config import RouterConfig
 from ..routing.router import Router, Selection
 from ..routing.slots import SlotManager
-from . import discovery, fastparse, fastpath, metrics, proxy
+from ..stats import discovery
+from ..stats.segment import EXPLAIN_INTERVAL_S
+from . import fastparse, fastpath, metrics, proxy
 from .accuracy import Accuracy
 from .affinity import Affinity
 from .answers import address, explain
-from .config import ServiceConfig
+from .core.config import ServiceConfig
 from .counters import PHASES, ServiceCounters
 from .decisions import DecisionLog, DecisionRecords, Recorded, decision_json
 from .fastpath import FastPath
@@ -70,7 +72,7 @@ from .recording import ServiceRecording, tap_endpoint
 from .routes import Routes
 from .shadow import ShadowChoice, Shadows
 from .sharing import Sharing
-from .stats import EXPLAIN_INTERVAL_S, StatsPublisher
+from .stats import StatsPublisher
 from .trust import Trust
 from .validation import Registration, SelectRequest, Unregistration, parse_registration, parse_unregistration
 

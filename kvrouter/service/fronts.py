@@ -67,11 +67,11 @@ import orjson
 from ..bridge import localbus
 from ..engine import Engine, ReaderHandle
 from ..errors import ServiceError
-from . import discovery
-from .config import ServiceConfig
+from ..ready_line import ready_line
+from ..stats import discovery
+from .core.config import ServiceConfig
 from .counters import ServiceCounters
 from .decisions import decision_json
-from .ready_line import ready_line
 from .validation import Registration
 
 if TYPE_CHECKING:

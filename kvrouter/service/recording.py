@@ -32,7 +32,7 @@ import numpy.typing as npt
 from ..events.model import WorkerKey
 from ..recording import VERSION, HeldClock, Recorder
 from ..routing.router import Selection
-from .config import ServiceConfig
+from .core.config import ServiceConfig
 from .partition import Partition
 from .validation import Registration, Unregistration
 

@@ -22,8 +22,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-from kvrouter.service import discovery
 from kvrouter.service.decisions import summarise
+from kvrouter.stats import discovery
 from tests.service.test_up import (
     START_TIMEOUT_S,
     URL_LINE,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 
 from kvrouter.service.app import Service
-from kvrouter.service.config import ServiceConfig
+from kvrouter.service.core.config import ServiceConfig
 from tests.service.conftest import own_segments, serve, stop_served
 
 

@@ -19,7 +19,7 @@ from kvrouter.engine import Engine
 from kvrouter.events.codecs.kvrouter import Encoder
 from kvrouter.events.model import EngineHash, EventBatch, LocalHash, Stored, StoredBlock
 from kvrouter.service.app import Service
-from kvrouter.service.config import ServiceConfig
+from kvrouter.service.core.config import ServiceConfig
 from kvrouter.service.health import HEALTH_SLICE
 from kvrouter.service.stats import LOADS_SLICE, PackedLoads, all_loads, sliced_loads
 from kvrouter.service.validation import Registration

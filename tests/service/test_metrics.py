@@ -198,7 +198,7 @@ def test_service_metrics_route_moves_with_decisions_load_and_events(start_worker
     decision, selection, hit-rate, phase and load families, the mock engine's events move its cached
     blocks, HTTP is counted."""
     app = pytest.importorskip("kvrouter.service.app")
-    config = pytest.importorskip("kvrouter.service.config")
+    config = pytest.importorskip("kvrouter.service.core.config")
 
     port = free_port(2)
     worker = start_worker(

@@ -278,7 +278,7 @@ def test_help_is_grouped_with_units_env_vars_and_an_example(runner):
 
 
 def test_the_demo_workload_shares_system_prompts_and_grows_sessions():
-    from kvrouter.service.embedded import SYSTEM_PROMPTS, Workload
+    from kvrouter.demo.workload import SYSTEM_PROMPTS, Workload
 
     first, again = Workload(7, 16), Workload(7, 16)
     assert first.system_prompts == again.system_prompts  # deterministic from the seed

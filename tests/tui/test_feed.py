@@ -22,7 +22,7 @@ from kvrouter.events.model import StorageTier
 from kvrouter.index.layout import SHM_DIR
 from kvrouter.routing.config import RouterConfig
 from kvrouter.service import ServiceConfig
-from kvrouter.service.stats import EXPLAIN_INTERVAL_S
+from kvrouter.stats.segment import EXPLAIN_INTERVAL_S
 from tests.conftest import _wait_until, free_port
 from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, serving
 from tui.feed import BadSource, HttpFeed, ShmFeed, discover, shm_names

@@ -1,4 +1,4 @@
-"""Discovery files (``kvrouter/service/discovery.py``): live services listed, dead and bad files skipped."""
+"""Discovery files (``kvrouter/stats/discovery.py``): live services listed, dead and bad files skipped."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvrouter.service.discovery import entries, pid_alive, publish, runtime_dir, withdraw
+from kvrouter.stats.discovery import entries, pid_alive, publish, runtime_dir, withdraw
 
 
 def dead_pid() -> int:

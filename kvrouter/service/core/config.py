@@ -12,14 +12,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from ..bridge.subjects import Subjects
-from ..errors import ConfigError
-from ..index.layout import MAX_INDEX_BLOCKS
-from ..plane.config import PlaneConfig
-from ..plane.registry import WorkerSpec
-from ..routing.config import KVROUTER_CONFIG, RouterConfig
-from ..routing.slots import DEFAULT_EXPIRY_SECS
-from ..sim.policies import POLICIES
+from ...bridge.subjects import Subjects
+from ...errors import ConfigError
+from ...index.layout import MAX_INDEX_BLOCKS
+from ...plane.config import PlaneConfig
+from ...plane.registry import WorkerSpec
+from ...routing.config import KVROUTER_CONFIG, RouterConfig
+from ...routing.slots import DEFAULT_EXPIRY_SECS
+from ...sim.policies import POLICIES
 
 __all__ = ["DEFAULT_NATS_URL", "DEFAULT_SNAPSHOT_THRESHOLD", "MAX_FRONTS", "ZMQ_PORT_DEFAULT", "ServiceConfig"]
 

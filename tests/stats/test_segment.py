@@ -1,4 +1,4 @@
-"""The stats segment (``kvrouter/service/stats.py``): a blob copied out whole or not at all.
+"""The stats segment (``kvrouter/stats/segment.py``): a blob copied out whole or not at all.
 
 No service here: a :class:`StatsWriter` in this process (or a writer process, for the race) and a
 :class:`StatsReader`. The reader must never hand back a torn blob: it retries while the writer is
@@ -22,7 +22,8 @@ import pytest
 
 from kvrouter.errors import StatsError
 from kvrouter.index.layout import SHM_DIR, Control, unlink_segment
-from kvrouter.service.stats import (
+from kvrouter.service.stats import pack_blob, pack_loads
+from kvrouter.stats.segment import (
     DATA_OFFSET,
     M_CRC,
     M_LENGTH,
@@ -30,8 +31,6 @@ from kvrouter.service.stats import (
     STATS_VERSION,
     StatsReader,
     StatsWriter,
-    pack_blob,
-    pack_loads,
     percentiles,
 )
 from tests.conftest import ROOT
@@ -137,7 +136,7 @@ def test_a_segment_of_another_layout_is_refused():
 
 WRITER = """
 import signal, sys, msgpack
-from kvrouter.service.stats import StatsWriter
+from kvrouter.stats.segment import StatsWriter
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 writer = StatsWriter(sys.argv[1], capacity=1 << 16)
 try:

@@ -1,21 +1,19 @@
-"""The embedded default of ``kvrouter up``: mock engines, a gentle client, a status line.
+"""The embedded demo of ``kvrouter up``: mock engines, a gentle client, a status line.
 
 A newcomer runs one command and sees routing, overlap and load move, with no GPU and no external
 service. Everything here goes through the public surfaces a real deployment uses, so the demo also
 exercises them end to end:
 
-- **Mock engines** are ``python -m kvrouter mock-worker`` subprocesses (vLLM event format with a replay
-  socket, block size 16, 4,096 blocks each, every port chosen by the OS), each in its own session so a
-  terminal's Ctrl-C reaches ``kvrouter up`` alone and the shutdown order stays ours. Their ready line
-  gives the ports; they join through ``POST /register`` with ``http_endpoint``, as an operator's
-  engines would. Exec'd children rather than forks: the front's process has threads by then.
+- **Mock engines** are ``python -m kvrouter mock-worker`` subprocesses (``mocks.py``: block size 16,
+  4,096 blocks each). They join through ``POST /register`` with ``http_endpoint``, as an operator's
+  engines would.
 - **The client** is an asyncio task in the front's own loop (aiohttp client; a thread or process would
   cost more than the few requests a second it sends). Each request is the router protocol, not the
   proxy: ``/select_and_reserve`` → the chosen engine's ``/v1/completions`` (token-id prompt, streamed)
   → ``/reservations/{id}/prefill_complete`` at the first token → ``DELETE /reservations/{id}`` at the
   end, always, so an error never leaks a reservation. The workload is synthetic multi-turn chat: a few
   shared system prompts (popular ones more often), sessions of 2-6 turns whose prompts grow by the
-  previous turn, so overlap comes from shared prefixes and from a session's own history.
+  previous turn (``workload.py``).
 - **The status line** every few seconds: decisions per second, the hit rate the router predicted
   (overlap tokens / prompt tokens of the chosen workers) beside the one the engines reported
   (``cached_tokens``), and each worker's active blocks from ``GET /loads``.
@@ -30,12 +28,10 @@ import asyncio
 import contextlib
 import logging
 import random
-import re
-import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, TextIO
 
@@ -43,25 +39,14 @@ import aiohttp
 import orjson
 
 from ..errors import KvRouterError
-from .ready_line import ready_line
+from .mocks import MockProcess, start_mock, stop_mocks
+from .workload import Session, Workload
 
-__all__ = ["Embedded", "EmbeddedConfig", "MockProcess", "Workload", "start_mock", "stop_mocks"]
+__all__ = ["Embedded", "EmbeddedConfig", "EmbeddedError"]
 
 log = logging.getLogger(__name__)
 
-READY_RE: Final = re.compile(r"kvrouter-mock-worker ready http=(\S+) events=(\S+) replay=(\S+)")
-"""The mock worker's ready line (``kvrouter/cli/mock_worker.py``)."""
-
-MOCK_START_TIMEOUT_S: Final = 120.0
-"""Longest wait for a mock engine's ready line: a cold numba cache compiles for tens of seconds on 2 cores."""
-
-MOCK_STOP_TIMEOUT_S: Final = 3.0
-"""SIGTERM, then this long, then SIGKILL: the mocks poll for a stop every 0.1 s."""
-
 HTTP_TIMEOUT_S: Final = 30.0
-
-VOCAB: Final = 32_000
-SYSTEM_PROMPTS: Final = 6
 
 
 class EmbeddedError(KvRouterError):
@@ -83,137 +68,6 @@ class EmbeddedConfig:
     seed: int = 0
     first_worker_id: int = 1
     max_in_flight: int = 32
-
-
-# -- mock engines ----------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class MockProcess:
-    """One mock engine subprocess and what its ready line said."""
-
-    worker_id: int
-    proc: asyncio.subprocess.Process
-    http: str = ""
-    events: str = ""
-    replay: str | None = None
-
-
-async def start_mock(
-    worker_id: int,
-    config: EmbeddedConfig,
-    started: list[MockProcess],
-    *,
-    speedup_ratio: float = 1.0,
-    extra_args: Sequence[str] = (),
-) -> MockProcess:
-    """Start one mock engine and wait for its ready line; appended to ``started`` at once, so a caller
-    that is cancelled meanwhile still stops it. ``speedup_ratio``: the mock's simulated ms per wall ms
-    (``kvrouter replay`` runs a trace faster than real time); ``extra_args``: more ``kvrouter mock-worker``
-    flags (``kvrouter replay`` gives its slow-consumer victim small publisher queues).
-
-    Raises:
-        EmbeddedError: the process exited or printed no ready line within :data:`MOCK_START_TIMEOUT_S`.
-    """
-    argv = [
-        sys.executable, "-m", "kvrouter", "mock-worker",
-        "--worker-id", str(worker_id),
-        "--host", "127.0.0.1",
-        "--port", "0",
-        "--zmq-kv-events-port", "0",
-        "--zmq-replay-port", "0",
-        "--format", "vllm",
-        "--block-size", str(config.block_size),
-        "--num-gpu-blocks", str(config.num_gpu_blocks),
-        "--speedup-ratio", repr(speedup_ratio),
-        "--exit-with-parent",
-        *extra_args,
-    ]  # fmt: skip
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True
-    )
-    mock = MockProcess(worker_id, proc)
-    started.append(mock)
-    assert proc.stdout is not None
-    try:
-        match = await ready_line(proc.stdout, READY_RE, MOCK_START_TIMEOUT_S)
-    except TimeoutError:
-        raise EmbeddedError(f"mock engine {worker_id} printed no ready line in {MOCK_START_TIMEOUT_S:.0f}s") from None
-    if match is None:
-        code = await proc.wait()
-        raise EmbeddedError(f"mock engine {worker_id} exited with status {code} before it was ready")
-    mock.http, mock.events = match[1], match[2]
-    mock.replay = None if match[3] == "none" else match[3]
-    return mock
-
-
-async def stop_mocks(mocks: list[MockProcess], timeout: float = MOCK_STOP_TIMEOUT_S) -> None:
-    """SIGTERM every mock engine, wait up to ``timeout``, SIGKILL the rest; every one reaped."""
-    for mock in mocks:
-        if mock.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                mock.proc.send_signal(signal.SIGTERM)
-    waits = [asyncio.create_task(mock.proc.wait()) for mock in mocks]
-    if not waits:
-        return
-    _, pending = await asyncio.wait(waits, timeout=timeout)
-    for mock in mocks:
-        if mock.proc.returncode is None:
-            log.warning(
-                "mock engine did not stop on SIGTERM worker=%d pid=%d; killing it", mock.worker_id, mock.proc.pid
-            )
-            with contextlib.suppress(ProcessLookupError):
-                mock.proc.kill()
-    if pending:
-        await asyncio.wait(pending)
-    for mock in mocks:
-        if mock.proc.stdout is not None:
-            mock.proc.stdout.feed_eof()
-
-
-# -- the workload ----------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Session:
-    """One synthetic conversation: a shared system prompt, then its own turns."""
-
-    system: int
-    turns_left: int
-    history: list[int] = field(default_factory=list)
-    busy: bool = False
-
-
-class Workload:
-    """Synthetic multi-turn chat, deterministic from a seed (see the module docstring).
-
-    ``system_prompts`` are 20-60 blocks each; a session picks one with weight 1/(rank+1), then each turn
-    adds 16-200 user tokens and the previous answer (synthetic ids: the mock returns none).
-    """
-
-    def __init__(self, seed: int, block_size: int) -> None:
-        self.rng = random.Random(seed)
-        self.system_prompts = [
-            [self.rng.randrange(1, VOCAB) for _ in range(block_size * self.rng.randint(20, 60))]
-            for _ in range(SYSTEM_PROMPTS)
-        ]
-        self.weights = [1.0 / (rank + 1) for rank in range(SYSTEM_PROMPTS)]
-
-    def session(self) -> Session:
-        system = self.rng.choices(range(SYSTEM_PROMPTS), self.weights)[0]
-        return Session(system, self.rng.randint(2, 6))
-
-    def turn(self, session: Session) -> tuple[list[int], int]:
-        """(the prompt of the session's next turn, its max_tokens); the session's history grows by it."""
-        session.history.extend(self.rng.randrange(1, VOCAB) for _ in range(self.rng.randint(16, 200)))
-        prompt = self.system_prompts[session.system] + session.history
-        max_tokens = self.rng.randint(32, 192)
-        session.history.extend(self.rng.randrange(1, VOCAB) for _ in range(max_tokens))
-        session.turns_left -= 1
-        return prompt, max_tokens
-
-
-# -- the client and the status line ----------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -296,7 +150,12 @@ class Embedded:
         self.print(f"kvrouter up: starting {cfg.mock_workers} mock engines (block size {cfg.block_size}, "
                    f"{cfg.num_gpu_blocks} blocks each)...")  # fmt: skip
         ids = range(cfg.first_worker_id, cfg.first_worker_id + cfg.mock_workers)
-        await asyncio.gather(*(start_mock(worker_id, cfg, self.mocks) for worker_id in ids))
+        await asyncio.gather(
+            *(
+                start_mock(worker_id, self.mocks, block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks)
+                for worker_id in ids
+            )
+        )
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S))
         for mock in self.mocks:
             body = {

@@ -7,7 +7,21 @@ KvRouterError
 ├── DuplicateRequest         a request id the slot tracker already holds
 ├── ConfigError              (also a ValueError) a setting out of range; names the field
 ├── NoWorkerAvailable        no candidate worker is eligible (none given, or all busy)
-├── ServiceError             an HTTP request the service refuses; ``status`` is the HTTP status
+├── ServiceError             a request the service refuses; the subclass says why, the edge picks the status
+│   ├── BadRequest           (also a ValueError) a body or field the service cannot take
+│   ├── Unauthorized         no bearer token, or the wrong one, on a write
+│   ├── TooLarge             a body over the limit
+│   ├── NotFound             no such reservation or decision
+│   │   └── UnknownPartition no worker registered under that model (or routing group)
+│   ├── Conflict             a registration or id that contradicts what is registered or booked
+│   ├── Overloaded           every candidate is over a busy threshold (or the router queue is full)
+│   ├── Unavailable          nothing can serve it now: no schedulable worker, the engine refused
+│   │   ├── Starting         the index is starting; retry after ``retry_after`` seconds
+│   │   ├── Stopping         the service is stopping
+│   │   └── Backlogged       too many registry writes wait for the index to start
+│   ├── UpstreamFailed       the proxy's worker refused, failed or broke off
+│   └── ClientGone           the client left while its request waited
+├── ApiError                 (``kvrouter.client``) the service answered an error status
 ├── RequestFailed            the mock engine could not serve a completion; ``status`` is its HTTP status
 ├── EngineError              the shared-memory engine is not running, or could not start
 │   └── FlushTimeout         (also a TimeoutError) an applier did not reach a flush in time
@@ -31,10 +45,15 @@ from __future__ import annotations
 from typing import ClassVar, Final
 
 __all__ = [
+    "ApiError",
+    "Backlogged",
     "BadEvent",
     "BadMessage",
+    "BadRequest",
     "BlockNotFound",
+    "ClientGone",
     "ConfigError",
+    "Conflict",
     "DuplicateRequest",
     "EncodeError",
     "EngineError",
@@ -44,11 +63,21 @@ __all__ = [
     "InvalidHashInput",
     "KvRouterError",
     "NoWorkerAvailable",
+    "NotFound",
+    "Overloaded",
     "ParentNotFound",
     "RecordingError",
     "RequestFailed",
     "ServiceError",
+    "Starting",
     "StatsError",
+    "Stopping",
+    "TooLarge",
+    "Unauthorized",
+    "Unavailable",
+    "UnknownPartition",
+    "UpstreamFailed",
+    "refusal_of",
 ]
 
 
@@ -80,15 +109,129 @@ class NoWorkerAvailable(KvRouterError):
 
 
 class ServiceError(KvRouterError):
-    """The service refuses a request: ``status`` is the HTTP status it answers with (400 malformed, 401
-    no or wrong bearer token, 404 unknown model, group or reservation, 409 a conflict with what is
-    registered, 413 body too large, 503 no worker, 529 / 429 every worker busy) and the message is the
-    ``{"error": ...}`` text. Raised by ``kvrouter.service`` so its Python callers (the ``up`` command,
-    tests) see the same refusal an HTTP client does."""
+    """The service refuses a request. Each subclass says why, and ``kind`` names it on the wire (the
+    fronts of ``kvrouter up --fronts N`` pass refusals on by kind); the core never picks an HTTP status:
+    each edge maps the class to its status in one place (``service/edges/gate.py``). The message is the
+    ``{"error": ...}`` text, written for an operator."""
 
-    def __init__(self, status: int, message: str) -> None:
+    kind: ClassVar[str] = "refused"
+
+
+class BadRequest(ServiceError, ValueError):
+    """A body or field the service cannot take: not JSON, a wrong type, a token id outside u32, an
+    unknown format. The message names the field; the client fixes the request (HTTP 400)."""
+
+    kind = "bad_request"
+
+
+class Unauthorized(ServiceError):
+    """A write without the service's bearer token, or with another one (HTTP 401)."""
+
+    kind = "unauthorized"
+
+
+class TooLarge(ServiceError):
+    """A body above the service's ``max_body_bytes`` (HTTP 413)."""
+
+    kind = "too_large"
+
+
+class NotFound(ServiceError):
+    """No such reservation (never booked, freed or expired), decision or route (HTTP 404)."""
+
+    kind = "not_found"
+
+
+class UnknownPartition(NotFound):
+    """No worker was ever registered under that model, or that routing group of it (HTTP 404):
+    register one, or check the names."""
+
+    kind = "unknown_partition"
+
+
+class Conflict(ServiceError):
+    """The request contradicts what is registered or booked: a rank registered twice, a block size that
+    differs from its partition's, an instance id of another partition or format, a ``selection_id``
+    already reserved (HTTP 409). Nothing was changed."""
+
+    kind = "conflict"
+
+
+class Overloaded(ServiceError):
+    """Every candidate of the partition is over a busy threshold, or the router queue is full or its
+    wait ran out. Answered with the service's ``overload_status`` (529 as the reference, or 429); the
+    client retries later."""
+
+    kind = "overloaded"
+
+
+class Unavailable(ServiceError):
+    """Nothing can serve the request now: the partition has no schedulable worker, the engine refused
+    a worker, front 0 did not answer a forwarded write (HTTP 503). Retry later."""
+
+    kind = "unavailable"
+
+
+class Starting(Unavailable):
+    """The route needs the index and the index is still starting (a first run compiles its kernels for
+    about a minute). Answered 503 with ``Retry-After: retry_after``; registry writes are accepted
+    meanwhile."""
+
+    kind = "starting"
+
+    def __init__(self, message: str, retry_after: int = 2) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Stopping(Unavailable):
+    """The service is stopping: only ``/health``, ``/ready`` and ``/metrics`` still answer (HTTP 503)."""
+
+    kind = "stopping"
+
+
+class Backlogged(Unavailable):
+    """Too many registry writes already wait for the index to start (a fixed bound); this one was not
+    taken (HTTP 503). Retry once ``/ready`` answers."""
+
+    kind = "backlogged"
+
+
+class UpstreamFailed(ServiceError):
+    """The proxy's chosen worker refused the connection twice, failed before answering, or named no
+    ``http_endpoint`` (HTTP 502)."""
+
+    kind = "upstream_failed"
+
+
+class ClientGone(ServiceError):
+    """The client closed its connection while its request waited in the router queue: nothing was booked
+    for it (HTTP 499, which it never reads)."""
+
+    kind = "client_gone"
+
+
+def refusal_of(kind: str, message: str) -> ServiceError:
+    """The refusal of wire name ``kind`` (:attr:`ServiceError.kind`) with ``message``: how a refusal made in
+    another process (front 0, for a write forwarded by another front) is raised again as its own class.
+    An unknown kind comes back as the base class."""
+    pending: list[type[ServiceError]] = [ServiceError]
+    while pending:
+        klass = pending.pop()
+        if klass.kind == kind:
+            return klass(message)
+        pending.extend(klass.__subclasses__())
+    return ServiceError(message)
+
+
+class ApiError(KvRouterError):
+    """``kvrouter.client``: the service answered an error status. ``status`` and the service's message;
+    ``retry_after`` (seconds) when the service said when to try again (503 while the index starts)."""
+
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
 class DuplicateRequest(KvRouterError):

@@ -634,8 +634,8 @@ def serve(port: int, shards: int, zmq_port: int | None, fronts: int) -> int:
     """``_serve``: kvrouter's Service with ``/metrics`` and the fast path, until SIGTERM/SIGINT."""
     import asyncio
 
-    from kvrouter.service.app import Service
     from kvrouter.service.core.config import ServiceConfig
+    from kvrouter.service.process.app import Service
 
     service = Service(ServiceConfig(port=port, shards=shards, zmq_port=zmq_port, fronts=fronts))
     service.start()  # forks the appliers: before any loop or thread

@@ -23,7 +23,7 @@ def decision_log(
     json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Summarise a decision log: hit rate, avoidable prefill, per-worker skew."""
-    from ..service.decisions import summarise  # here: the service package imports aiohttp and the engine
+    from ..service.core.decisions import summarise  # here: the service package imports aiohttp and the engine
 
     try:
         with path.open("rb") as lines:

@@ -1,8 +1,9 @@
 """``python -m kvrouter.cli.front``: one of fronts 1..N-1 of ``kvrouter up --fronts N``, not a command.
 
-Front 0 starts it (``service/fronts.py``) and writes a pickled :class:`~kvrouter.service.fronts.FrontSpec`
-on its stdin; it maps front 0's engine, joins the local bus, takes the registry, binds the shared port
-and prints one ready line. SIGINT, SIGTERM or SIGHUP drain it and stop it; so does front 0's exit.
+Front 0 starts it (``service/process/fronts.py``) and writes a pickled
+:class:`~kvrouter.service.process.fronts.FrontSpec` on its stdin; it maps front 0's engine, joins the local
+bus, takes the registry, takes the connections front 0 deals it and prints one ready line. SIGINT, SIGTERM
+or SIGHUP drain it and stop it; so does front 0's exit.
 SIGUSR1 writes its thread stacks to stderr.
 """
 
@@ -13,8 +14,8 @@ import logging
 import pickle
 import sys
 
-from ..service.app import Service
-from ..service.fronts import READY_LINE, FrontSpec
+from ..service.process.app import Service
+from ..service.process.fronts import READY_LINE, FrontSpec
 from . import configure_logging
 from .stacks import stacks_on_sigusr1
 from .up import STOP_SIGNALS

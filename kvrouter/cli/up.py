@@ -51,8 +51,8 @@ from .stacks import stacks_later, stacks_on_sigusr1
 
 if TYPE_CHECKING:
     from ..demo import Embedded, EmbeddedConfig
-    from ..service.app import Service
     from ..service.core.config import ServiceConfig
+    from ..service.process.app import Service
 
 __all__ = ["EPILOG", "ROUTER_FLAGS", "load_toml", "up"]
 
@@ -915,7 +915,7 @@ def _resolved(ctx: typer.Context, service: dict[str, Any], demo: dict[str, Any])
 def serve(config: ServiceConfig, demo: EmbeddedConfig | None) -> int:
     """Start the engine (forks), then run the loop until a signal; the process's exit status."""
     from ..demo import Embedded
-    from ..service.app import Service
+    from ..service.process.app import Service
 
     if config.auth_token is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         typer.echo(f"kvrouter up: warning: {config.host} is not loopback and no --auth-token is set", err=True)
@@ -927,7 +927,7 @@ def serve(config: ServiceConfig, demo: EmbeddedConfig | None) -> int:
         with contextlib.suppress(Exception):
             service.engine.close()
         return 1
-    embedded = None if demo is None else Embedded(demo, decisions=lambda: service.counters.decisions)
+    embedded = None if demo is None else Embedded(demo, decisions=lambda: service.core.counters.decisions)
     try:
         with stacks_on_sigusr1():
             return asyncio.run(_run(service, config, embedded))

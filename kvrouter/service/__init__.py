@@ -1,31 +1,35 @@
-"""The router service behind ``kvrouter up``: partitions, the HTTP API (``docs/http-api.md``), lifecycle.
+"""The router service behind ``kvrouter up``, in three layers that import one way (``docs/ARCHITECTURE.md``).
 
-``Service`` (``app.py``) owns one shared-memory engine and one asyncio loop, its workers and its decisions;
-``routes.py`` serves it over HTTP, ``health.py`` keeps its view of the index and workers fresh;
-``Partition`` (``partition.py``) holds one (model, routing group); ``validation.py`` turns bodies into
-typed requests.
+- ``core/``: the state and the decisions, with no socket and no HTTP: workers and partitions, bookings,
+  decisions and their sinks, the router queue, the rings; typed refusals (``kvrouter/errors.py``).
+- ``edges/``: what translates requests into core calls and refusals into statuses: the aiohttp routes,
+  the hot lane, the ZMQ fast path, the ``/v1/completions`` proxy, ``/metrics``; the gate and the answers'
+  JSON shapes they share.
+- ``process/``: what a running process adds: :class:`Service` (the composition root: start, run,
+  stop), the fronts of ``--fronts N``, the health loop, the stats publisher, the engine follower.
 """
 
 from __future__ import annotations
 
-from ..errors import ServiceError
-from .app import SelectResult, Service
 from .core.config import ServiceConfig
-from .counters import PHASES, ServiceCounters
-from .partition import Instance, Partition
-from .validation import QueryRequest, Registration, SelectRequest, Unregistration
+from .core.counters import PHASES, ServiceCounters
+from .core.decision import Decision
+from .core.partition import Instance, Partition
+from .core.requests import QueryRequest, Registration, SelectRequest, Unregistration
+from .core.state import Core
+from .process.app import Service
 
 __all__ = [
     "PHASES",
+    "Core",
+    "Decision",
     "Instance",
     "Partition",
     "QueryRequest",
     "Registration",
     "SelectRequest",
-    "SelectResult",
     "Service",
     "ServiceConfig",
     "ServiceCounters",
-    "ServiceError",
     "Unregistration",
 ]

@@ -48,7 +48,8 @@ def status(replica: Replica) -> dict[str, Any]:
 
 
 def register(replica: Replica, pub: KvPublisher, wait_until: Callable[..., None]) -> None:
-    """Register the publisher (transport nats) once the replica's durable start is done (503 before)."""
+    """Register the publisher (transport nats): taken at once (201), followed once the replica's durable start
+    is done (a 503 only while the index itself starts)."""
 
     def done() -> bool:
         code, _ = call(
@@ -263,6 +264,7 @@ def test_a_bad_snapshot_is_counted_and_reset_states_purges_both_and_the_replica_
         started.append(replica)
         replica.wait_started()
         register(replica, pub, wait_until)
+        wait_until(lambda: status(replica)["loaded"], timeout=QUIET_S, what=f"{replica.name}'s durable start")
         return replica
 
     try:
@@ -325,14 +327,19 @@ def test_nats_absent_at_start_restarted_mid_run_or_a_step_lost_the_replica_says_
         said = status(d)
         assert said["ready"] is False
         assert "durable kv-events starting (stream, snapshot)" in said["reasons"]
-        body = {"instance_id": WORKER, "transport": "nats", "model_name": MODEL, "block_size": BLOCK}
-        code, answer = call(d.url + "/register", "POST", body)
-        assert code == 503
-        assert "durable kv-events" in str(answer)
+        body = {"instance_id": WORKER, "transport": "nats", "query_endpoint": pub.query_endpoint}
+        code, answer = call(d.url + "/register", "POST", {**body, "model_name": MODEL, "block_size": BLOCK})
+        assert code == 201, answer  # taken while the durable start waits for NATS: followed once it is done
+        code, workers = call(d.url + "/workers", "GET")
+        assert [(w["instance_id"], w["status"]) for w in workers] == [(WORKER, "pending")]
 
         nats_server.start()  # same port: the replica's connection attempts now succeed
         wait_until(lambda: status(d)["loaded"], timeout=QUIET_S, what="d's durable start once NATS is up")
-        register(d, pub, wait_until)
+        wait_until(
+            lambda: [w["status"] for w in call(d.url + "/workers", "GET")[1]] == ["active"],
+            timeout=QUIET_S,
+            what="d following the worker registered while it started",
+        )
         chains.store(1, 4)
         pub.publish()
         wait_until(lambda: chains.agree(d), timeout=QUIET_S, what="d equal before the restart")

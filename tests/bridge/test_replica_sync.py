@@ -29,7 +29,7 @@ from kvrouter.bridge import ReplicaSync, Subjects
 from kvrouter.bridge.codec import MARK_PREFILL_COMPLETED
 from kvrouter.index.layout import stats_name
 from kvrouter.replay.natsd import NatsServer, nats_server_binary
-from kvrouter.service.app import SYNC_GRACE_S
+from kvrouter.service.core.reservations import SYNC_GRACE_S
 from tests.bridge.conftest import WORKERS
 from tests.bridge.replicas import MODEL, Replica, call, replicas
 from tests.bridge.test_sync import BOUND_S, Host, book, running, until

@@ -180,7 +180,7 @@ def test_every_worker_busy_is_an_overload_until_the_threshold_moves(running: Run
         for selection_id in ids:
             running.ok("DELETE", f"/reservations/{selection_id}")
     assert running.call("POST", "/select", request)[0] == 200
-    assert running.service.reservations() == 0
+    assert len(running.service.core.reservations) == 0
 
 
 def test_a_worker_whose_http_endpoint_is_down_is_skipped_and_shown(running: Running, wait_until):
@@ -247,8 +247,8 @@ def test_malformed_requests_are_refused_and_the_service_keeps_serving(running: R
     assert running.call("GET", "/select")[0] == 405
     assert running.call("GET", "/health")[0] == 200
     assert running.call("POST", "/select", {"model_name": MODEL, "token_ids": prompt(3, 2)})[0] == 200
-    assert running.service.reservations() == 0
-    assert running.service.counters.http_errors
+    assert len(running.service.core.reservations) == 0
+    assert running.service.core.counters.http_errors
 
 
 def test_write_routes_need_the_bearer_token(running: Running):
@@ -262,7 +262,7 @@ def test_write_routes_need_the_bearer_token(running: Running):
         assert running.call("DELETE", "/reservations/x", token=token)[0] == 401
     assert running.call("POST", "/select", body, token=None)[0] == 200  # reads stay open
     assert running.call("GET", "/loads", token=None)[0] == 200
-    assert running.service.reservations() == 0
+    assert len(running.service.core.reservations) == 0
 
 
 def test_dropped_batches_are_replayed_and_query_ends_equal_to_the_engine(running: Running, wait_until):

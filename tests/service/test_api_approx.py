@@ -59,7 +59,7 @@ def test_approximate_mode_routes_a_prefix_back_to_where_it_went():
     assert len(dump["events"]) >= 1
     ready = answers[8][1]
     assert "engine starting" in ready["reasons"]
-    assert service.reservations() == 0
+    assert len(service.core.reservations) == 0
 
 
 def test_register_without_an_endpoint_is_refused_when_events_are_on():

@@ -22,7 +22,7 @@ import pytest
 
 from kvrouter.errors import StatsError
 from kvrouter.index.layout import SHM_DIR, Control, unlink_segment
-from kvrouter.service.stats import pack_blob, pack_loads
+from kvrouter.service.process.stats import pack_blob, pack_loads
 from kvrouter.stats.segment import (
     DATA_OFFSET,
     M_CRC,

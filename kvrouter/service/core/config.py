@@ -7,6 +7,7 @@ from a literal and the precedence rules live in one place.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -21,7 +22,14 @@ from ...routing.config import KVROUTER_CONFIG, RouterConfig
 from ...routing.slots import DEFAULT_EXPIRY_SECS
 from ...sim.policies import POLICIES
 
-__all__ = ["DEFAULT_NATS_URL", "DEFAULT_SNAPSHOT_THRESHOLD", "MAX_FRONTS", "ZMQ_PORT_DEFAULT", "ServiceConfig"]
+__all__ = [
+    "DEFAULT_NATS_URL",
+    "DEFAULT_SNAPSHOT_THRESHOLD",
+    "MAX_FRONTS",
+    "ZMQ_PORT_DEFAULT",
+    "ServiceConfig",
+    "loopback",
+]
 
 DEFAULT_NATS_URL: Final = "nats://127.0.0.1:4222"
 """NATS's default client port on this machine."""
@@ -33,6 +41,17 @@ DEFAULT_SNAPSHOT_THRESHOLD: Final = 1_000_000
 _ROUTER_ID: Final = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 ZMQ_PORT_DEFAULT: Final = -1
 """``ServiceConfig.zmq_port``'s default: ``port + 1`` (a free port when ``port`` is 0)."""
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` (a bind address) is reachable from this machine only: ``localhost`` or a loopback
+    address (``127.0.0.0/8``, ``::1``). A service bound elsewhere without ``auth_token`` is warned about."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)

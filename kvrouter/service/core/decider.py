@@ -1,0 +1,282 @@
+"""``Decider``: a prompt in, a :class:`~kvrouter.service.core.decision.Decision` out, booked and handed on.
+
+``/select``, ``/select_and_reserve``, the ZMQ fast path, the proxy and the router queue all decide through
+:meth:`Decider.select`: the partition's candidates (minus those a session is bound away from), the prompt
+hashed into blocks, one call of the partition's router (the index walk, every candidate's cost and the
+choice in one compiled kernel: ``routing/router.py``), the booking, then the sinks (``decision.py``).
+It raises the core's own refusals, never a status (``errors.py``): the edge that asked picks the status.
+A refusal because every worker is busy (:class:`Overloaded`) is not counted here: whoever gives the final
+answer counts it (the router queue retries one before it refuses).
+
+``/query`` and ``/query_by_hash`` read the same index through :meth:`Decider.query`, with no decision.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from ...errors import (
+    BadRequest,
+    Conflict,
+    DuplicateRequest,
+    EngineError,
+    InvalidHashInput,
+    NoWorkerAvailable,
+    Overloaded,
+    Unavailable,
+)
+from ...events.model import StorageTier, WorkerKey
+from ...hashing import block_hashes_array
+from ...stats.segment import EXPLAIN_INTERVAL_S
+from .affinity import Affinity
+from .counters import ServiceCounters
+from .decision import Decision, ShadowRound, Sink
+from .lifecycle import Lifecycle
+from .partition import Partition
+from .recording import ServiceRecording
+from .registry import Registry
+from .requests import QueryRequest, SelectRequest
+from .reservations import Reservations
+from .shadow import Shadows
+
+__all__ = ["Decider", "QueryAnswer", "ReadIndex"]
+
+NO_FALLBACKS: Final[list[tuple[WorkerKey, float]]] = []
+
+
+class ReadIndex(Protocol):
+    """The index a decision reads: the engine, or another front's view of it (``engine.py``)."""
+
+    def find_matches_by_tier(self, local_hashes: Any) -> dict[StorageTier, dict[WorkerKey, int]]: ...
+
+    def unanswered(self) -> frozenset[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class QueryAnswer:
+    """``/query``'s outcome: per tier, each worker's matched blocks, for the partition's registered ranks."""
+
+    partition: Partition
+    tiers: Mapping[StorageTier, Mapping[WorkerKey, int]]
+
+
+class Decider:
+    """Decisions and index queries for one service; the event loop is its one user."""
+
+    def __init__(
+        self,
+        index: ReadIndex,
+        registry: Registry,
+        reservations: Reservations,
+        lifecycle: Lifecycle,
+        counters: ServiceCounters,
+        affinity: Affinity,
+        sinks: tuple[Sink, ...],
+        next_seq: Any,
+        *,
+        shadows: Shadows | None = None,
+        recording: ServiceRecording | None = None,
+        keep_records: bool = False,
+    ) -> None:
+        self.index = index
+        self.registry = registry
+        self.reservations = reservations
+        self.lifecycle = lifecycle
+        self.counters = counters
+        self.affinity = affinity
+        self.sinks = sinks
+        self.next_seq = next_seq
+        """The decisions ring's next number (``Journal.next_decision``)."""
+        self.shadows = shadows
+        self.recording = recording
+        self.keep_records = keep_records
+        """Every decision keeps the router's record (a decision log is written): not only those with an id."""
+        self._explain_after = 0.0
+        """``perf_counter`` time after which the next decision is explained for the ring (``kvrouter top``)."""
+
+    def select(self, request: SelectRequest, *, reserve: bool) -> Decision:
+        """``POST /select`` (``reserve=False``) and ``/select_and_reserve`` (``reserve=True``).
+
+        Raises:
+            Starting, Stopping: the index is not up. UnknownPartition: unknown model or group. Conflict: a
+            ``selection_id`` already booked. Unavailable: no schedulable worker, or the engine failed.
+            Overloaded: every worker over a busy threshold (not counted here). BadRequest: a prompt the hasher
+            refuses, or a probe asked to book.
+        """
+        self.lifecycle.require_index()
+        recording = self.recording
+        if recording is None:
+            return self._select(request, reserve=reserve, t=0)
+        t = recording.clock.hold()  # the router reads this one time throughout (recording.py)
+        try:
+            return self._select(request, reserve=reserve, t=t)
+        finally:
+            recording.clock.release()
+
+    def _select(self, request: SelectRequest, *, reserve: bool, t: int) -> Decision:
+        partition = self.registry.partition(request.model_name, request.routing_group)
+        candidates = partition.candidates
+        if not candidates:
+            self.counters.no_worker += 1
+            waiting = sum(instance.status == "pending" for instance in partition.instances.values())
+            skipped = len(partition.unhealthy)
+            raise Unavailable(
+                f"no schedulable worker in {partition.name} ({skipped} skipped as unhealthy, "
+                f"{waiting} not followed yet)"
+            )
+        hashing = time.perf_counter()
+        local, isl = self._prompt(partition, request)
+        selection_id = request.selection_id
+        if reserve:
+            if selection_id is None:
+                selection_id = uuid.uuid4().hex
+            elif selection_id in self.reservations.own:
+                raise Conflict(f"selection_id {selection_id!r} is already reserved")
+        explain = request.explain or request.fallbacks > 0 or request.probe
+        # explained for the decisions ring only, one every EXPLAIN_INTERVAL_S: kvrouter top always has a recent
+        # decision's candidates, and requests that did not ask for them pay nothing
+        sampled = not explain and hashing >= self._explain_after
+        if sampled:
+            self._explain_after = hashing + EXPLAIN_INTERVAL_S
+        if request.probe and reserve:
+            raise BadRequest("probe: a probe books nothing; use /select")
+        if not request.probe:
+            candidates = self.affinity.candidates(partition.name, request.session_id, candidates)
+        index: Any = partition.approx if partition.approx is not None else self.index
+        shadowed = None
+        if self.shadows is not None and not request.probe:  # before the live decision books anything
+            shadowed = ShadowRound(*self.shadows.choose(partition, index, candidates, selection_id or "", local, isl))
+        started = time.perf_counter()
+        self.counters.phases["hash"].observe(started - hashing)
+        booked = selection_id if reserve else None
+        try:
+            selection = partition.router.select(
+                index,
+                candidates,
+                local_hashes=local,
+                isl_tokens=isl,
+                capacities=partition.capacities,
+                request_id=booked,
+                explain=explain or sampled,
+                record=reserve
+                or selection_id is not None
+                or self.keep_records
+                or shadowed is not None
+                or self.recording is not None,
+            )
+        except (NoWorkerAvailable, DuplicateRequest, EngineError) as exc:
+            if self.recording is not None:
+                kind = {NoWorkerAvailable: "overloaded", DuplicateRequest: "duplicate"}.get(type(exc), "engine")
+                self.recording.decided(
+                    t, partition, local, isl, request.lora_name, candidates, booked, request.probe, None, kind,
+                    unanswered=self._unanswered(partition),
+                )  # fmt: skip
+            if isinstance(exc, NoWorkerAvailable):
+                raise Overloaded(f"overloaded: {exc}") from exc
+            if isinstance(exc, DuplicateRequest):
+                raise Conflict(str(exc)) from exc
+            raise Unavailable(f"engine: {exc}") from exc
+        if self.recording is not None:
+            self.recording.decided(
+                t, partition, local, isl, request.lora_name, candidates, booked, request.probe, selection,
+                unanswered=self._unanswered(partition),
+            )  # fmt: skip
+        elapsed = time.perf_counter() - started
+        instance = partition.instances[selection.worker[0]]
+        if request.probe:  # where it would go: nothing counted, recorded, bound or kept
+            return Decision(
+                partition,
+                selection,
+                None,
+                False,
+                NO_FALLBACKS,
+                instance.http_endpoint,
+                instance.address,
+                request,
+                local,
+            )
+        if reserve:
+            assert selection_id is not None
+            self.reservations.book(
+                selection_id, partition, selection.worker, selection.overlap_blocks * partition.block_size
+            )
+            peers = self.registry.peers
+            if peers is not None:
+                peers.added(selection_id, partition.slots, request.lora_name)  # queued: no I/O here
+        fallbacks = NO_FALLBACKS
+        if request.fallbacks and selection.explanation is not None:
+            others = [w for w in selection.explanation if not w.selected and not w.busy]
+            others.sort(key=lambda w: w.cost.total)
+            fallbacks = [(w.worker, w.cost.total) for w in others[: request.fallbacks]]
+        decision = Decision(
+            partition,
+            selection,
+            selection_id,
+            reserve,
+            fallbacks,
+            instance.http_endpoint,
+            instance.address,
+            request,
+            local,
+            elapsed,
+            self.next_seq(),
+            shadowed,
+        )
+        for sink in self.sinks:  # hot path: a handful of calls
+            sink(decision)
+        if sampled:  # the answer is the one an unexplained request gets
+            selection.explanation = None
+        return decision
+
+    def query(self, request: QueryRequest) -> QueryAnswer:
+        """``/query`` and ``/query_by_hash``: the partition's workers' matched blocks per tier.
+
+        Raises:
+            Starting, Stopping: the index is not up. UnknownPartition: unknown model or group.
+            BadRequest: a prompt the hasher refuses. Unavailable: the engine failed.
+        """
+        self.lifecycle.require_index()
+        partition = self.registry.partition(request.model_name, request.routing_group)
+        if request.token_ids is not None:
+            try:
+                local = block_hashes_array(
+                    request.token_ids,
+                    partition.block_size,
+                    lora_name=request.lora_name,
+                    cache_namespace=request.cache_salt,
+                )
+            except InvalidHashInput as exc:
+                raise BadRequest(str(exc)) from exc
+        else:
+            local = np.array(request.block_hashes or (), dtype=np.uint64)
+        if partition.approx is not None:
+            return QueryAnswer(partition, partition.approx.find_matches_by_tier(local.tolist()))
+        try:
+            return QueryAnswer(partition, self.index.find_matches_by_tier(local))
+        except EngineError as exc:
+            raise Unavailable(f"engine: {exc}") from exc
+
+    def _prompt(self, partition: Partition, request: SelectRequest) -> tuple[npt.NDArray[np.uint64], int]:
+        """The prompt's local hashes and its input length in tokens."""
+        block_size = partition.block_size
+        if request.token_ids is not None:
+            try:
+                local = block_hashes_array(
+                    request.token_ids, block_size, lora_name=request.lora_name, cache_namespace=request.cache_salt
+                )
+            except InvalidHashInput as exc:
+                raise BadRequest(str(exc)) from exc
+            return local, len(request.token_ids) if request.isl_tokens is None else request.isl_tokens
+        local = np.array(request.block_hashes or (), dtype=np.uint64)
+        return local, len(local) * block_size if request.isl_tokens is None else request.isl_tokens
+
+    def _unanswered(self, partition: Partition) -> frozenset[int]:
+        """The shards the decision just made could not read (none in approximate mode: no shard is asked)."""
+        return frozenset() if partition.approx is not None else self.index.unanswered()

@@ -1,0 +1,296 @@
+"""``POST /v1/completions``: choose a worker, forward the request to it, and keep its load booked meanwhile.
+
+A client that speaks OpenAI's completions needs no router protocol: the proxy does what a gateway does
+around the select-and-reserve protocol — ``Service.select(reserve=True)`` (so the request counts in the
+next decisions), forward the body to the chosen worker's ``http_endpoint`` + ``/v1/completions``,
+``prefill_complete`` at the first streamed chunk (the first token; for a non-streamed answer, when the
+answer arrives), ``free`` when the answer ends. The reservation is freed on every way out: the normal
+end, a worker error status, the worker's connection dropping mid-stream, the client going away, a
+cancellation, an exception. The reservation's own expiry (300 s) is only the last net.
+
+**Streaming** is passed through chunk by chunk (whatever ``readany`` returns, written as it arrives), not
+re-parsed as SSE: the proxy adds no per-token cost and needs to know nothing of the worker's chunk
+format. **A client that goes away** is noticed by a watcher polling the request's transport every
+``DISCONNECT_POLL_S``: aiohttp does not cancel handlers on disconnect by default (turning that on
+server-wide would also cancel every other route mid-write), and a streaming handler only notices when it
+next writes, which for a long decode can be many seconds later. The watcher cancels the handler's
+upstream read, which closes the worker's connection too, so the worker stops generating for nobody.
+
+**A worker that refuses the connection** (nothing was sent, so retrying cannot duplicate work) is marked
+down at once, as its health probe would after a few ticks, and the request is decided again among the
+rest, once — the next decision's winner is the next-best worker, the fallback ``/select`` would have
+listed. The health probe brings the worker back when it answers ``/health`` again. Any other upstream
+failure before the answer's headers is a 502 without retry (the worker may have started the request).
+
+**Text prompts** are tokenized only with ``ServiceConfig.tokenizer`` (a local ``tokenizer.json``, read
+with the ``tokenizers`` package on first use); token-id prompts go through untouched. Rejected
+alternatives: fetching tokenizers from a hub (a router must not reach the network to start), and
+guessing a tokenizer from the model name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, Final, Protocol
+
+import aiohttp
+import numpy as np
+import numpy.typing as npt
+import orjson
+from aiohttp import web
+
+from ...errors import BadRequest, ServiceError, UpstreamFailed
+from ..core.decision import Decision
+from ..core.requests import SelectRequest, parse_body, token_array
+from ..core.state import Core
+from .routes import SESSION_HEADER, client_gone
+
+__all__ = ["DISCONNECT_POLL_S", "WORKER_HEADER", "CompletionsProxy"]
+
+log = logging.getLogger(__name__)
+
+ROUTE: Final = "/v1/completions"
+WORKER_HEADER: Final = "X-Kvrouter-Worker"
+SELECTION_HEADER: Final = "X-Kvrouter-Selection-Id"
+DISCONNECT_POLL_S: Final = 0.05
+"""How often a request in flight checks that its client is still connected."""
+CONNECT_TIMEOUT_S: Final = 5.0
+USAGE_TAIL_BYTES: Final = 8192
+"""The end of a streamed answer kept to read its usage chunk: the engine's reused tokens (``accuracy.py``)."""
+ATTEMPTS: Final = 2
+"""The chosen worker, then once more after a refused connection."""
+
+
+class _Tokenizer(Protocol):
+    def encode(self, text: str) -> Any: ...
+
+
+class CompletionsProxy:
+    """The ``/v1/completions`` route of one service: :meth:`add_to` adds it to the app."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self._client: aiohttp.ClientSession | None = None
+        self._tokenizer: _Tokenizer | None = None
+        self.client_gone = 0
+        """Requests whose client went away before the answer ended."""
+        self.retried = 0
+        """Requests decided again after their worker refused the connection."""
+        self.upstream_failed = 0
+        """Requests whose worker failed (refused twice, dropped, or broke mid-stream)."""
+
+    def add_to(self, app: web.Application) -> None:
+        """Add ``POST /v1/completions``; the proxy's client session closes with the app."""
+        app.router.add_post(ROUTE, self.handle)
+        app.on_cleanup.append(self.close)
+
+    async def close(self, _app: web.Application | None = None) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._client is None:
+            self._client = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
+                auto_decompress=False,
+            )
+        return self._client
+
+    # -- the request ---------------------------------------------------------------------------
+
+    def _tokenize(self, text: str) -> list[int]:
+        path = self.core.config.tokenizer
+        if path is None:
+            raise BadRequest("prompt: text prompts need --tokenizer (a local tokenizer.json); send token ids")
+        if self._tokenizer is None:
+            try:
+                from tokenizers import Tokenizer  # only with --tokenizer: a heavy import
+            except ImportError as exc:  # pragma: no cover - a dependency of the package
+                raise ServiceError(f"--tokenizer needs the tokenizers package: {exc}") from exc
+            try:
+                self._tokenizer = Tokenizer.from_file(path)
+            except Exception as exc:
+                raise ServiceError(f"--tokenizer {path}: cannot load: {exc}") from exc
+        return list(self._tokenizer.encode(text).ids)
+
+    def _prompt(self, body: dict[str, Any], raw: bytes) -> tuple[npt.NDArray[np.uint32], bytes]:
+        """The prompt's token ids, and the body to forward (``raw`` itself unless the prompt changed)."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list | str):
+            prompt = prompt[0]  # a batch of one
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+            raise BadRequest(f"prompt: one prompt per request, got a batch of {len(prompt)}")
+        if isinstance(prompt, str):
+            tokens = token_array(self._tokenize(prompt), "prompt")
+        elif isinstance(prompt, list):
+            tokens = token_array(prompt, "prompt")
+        else:
+            raise BadRequest("prompt: expected a list of token ids (or text with --tokenizer)")
+        if not len(tokens):
+            raise BadRequest("prompt: empty")
+        if prompt is not body["prompt"] or isinstance(prompt, str):  # the worker gets one flat list of ids
+            raw = orjson.dumps({**body, "prompt": tokens.tolist()})
+        return tokens, raw
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.core.lifecycle.require_index()
+        body = parse_body(raw)
+        tokens, forward = self._prompt(body, raw)
+        core = self.core
+        model = body.get("model", core.config.model_name)
+        if not isinstance(model, str) or not model:
+            raise BadRequest("model: expected a non-empty string")
+        select = SelectRequest(
+            model_name=model,
+            routing_group=core.config.routing_group,
+            token_ids=tokens,
+            session_id=request.headers.get(SESSION_HEADER) or None,
+        )
+        for attempt in range(ATTEMPTS):
+            result = await core.queue.select(select, reserve=True, gone=client_gone(request))
+            selection_id = result.selection_id
+            assert selection_id is not None
+            try:
+                upstream = await self._connect(result, forward)
+            except aiohttp.ClientConnectorError as exc:
+                self._free(selection_id)
+                self._mark_down(result, exc)
+                if attempt + 1 < ATTEMPTS:
+                    self.retried += 1
+                    continue
+                self.upstream_failed += 1
+                raise UpstreamFailed(f"worker {_name(result)} refused the connection: {exc}") from exc
+            except BaseException:
+                self._free(selection_id)
+                raise
+            try:
+                return await self._relay(request, upstream, result)
+            finally:
+                upstream.close()
+                self._free(selection_id)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _connect(self, result: Decision, body: bytes) -> aiohttp.ClientResponse:
+        """Send the request to the chosen worker; its answer's headers. :class:`UpstreamFailed` for any
+        failure but a refused connection (which the caller retries elsewhere)."""
+        if result.endpoint is None:
+            raise UpstreamFailed(f"worker {_name(result)} registered no http_endpoint to forward to")
+        url = result.endpoint.rstrip("/") + ROUTE
+        try:
+            return await self._session().post(url, data=body, headers={"Content-Type": "application/json"})
+        except aiohttp.ClientConnectorError:
+            raise
+        except aiohttp.ClientError as exc:
+            self.upstream_failed += 1
+            raise UpstreamFailed(f"worker {_name(result)} failed before answering: {exc!r}") from exc
+
+    def _free(self, selection_id: str) -> None:
+        with contextlib.suppress(ServiceError):  # expired meanwhile: nothing left to take back
+            self.core.reservations.free(selection_id)
+
+    def _mark_down(self, result: Decision, exc: Exception) -> None:
+        """The worker refused a connection: skip it now, as its health probe would in a few ticks (which
+        also brings it back once it answers)."""
+        self.core.registry.mark_down(result.partition, result.selection.worker[0], "http_endpoint refused")
+        log.warning("proxy worker refused worker=%s endpoint=%s error=%s", _name(result), result.endpoint, exc)
+
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, result: Decision
+    ) -> web.StreamResponse:
+        """Pass the worker's answer on; prefill completes at its first chunk. Returns when the answer
+        ended or the client went away."""
+        selection_id = result.selection_id
+        assert selection_id is not None
+        headers = {WORKER_HEADER: _name(result), SELECTION_HEADER: selection_id}
+        task = asyncio.current_task()
+        assert task is not None
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(_watch(request, task, gone), name="kvrouter-proxy-watch")
+        response: web.StreamResponse | None = None
+        try:
+            content_type = upstream.headers.get("Content-Type", "application/json")
+            if not content_type.startswith("text/event-stream"):
+                data = await upstream.read()
+                if upstream.status < 400:
+                    self.core.reservations.prefill_complete(selection_id, _reused(data))
+                headers["Content-Type"] = content_type
+                return web.Response(body=data, status=upstream.status, headers=headers)
+            headers["Content-Type"] = content_type
+            headers["Cache-Control"] = "no-cache"
+            response = web.StreamResponse(status=upstream.status, headers=headers)
+            await response.prepare(request)
+            first = True
+            tail = b""
+            try:
+                async for chunk in upstream.content.iter_any():
+                    if first:
+                        first = False
+                        self.core.reservations.prefill_complete(selection_id)
+                    await response.write(chunk)
+                    tail = (tail + chunk)[-USAGE_TAIL_BYTES:]
+                if (reused := _reused_in_stream(tail)) is not None:
+                    self.core.reservations.report_reuse(selection_id, reused)
+            except aiohttp.ClientError as exc:  # the worker dropped mid-stream: tell the client, in-band
+                self.upstream_failed += 1
+                log.warning("proxy stream broken worker=%s error=%r", _name(result), exc)
+                error = {"error": {"message": f"worker {_name(result)} failed mid-stream: {exc!r}", "code": 502}}
+                await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
+            await response.write_eof()
+            return response
+        except asyncio.CancelledError:
+            if not gone.is_set():
+                raise
+            task.uncancel()
+            self.client_gone += 1
+            return response if response is not None else web.Response(status=499)
+        except ConnectionResetError:  # a write to a client that left
+            self.client_gone += 1
+            assert response is not None
+            return response
+        finally:
+            watcher.cancel()
+
+
+async def _watch(request: web.Request, task: asyncio.Task[Any], gone: asyncio.Event) -> None:
+    """Cancel ``task`` once the client's connection is gone."""
+    while True:
+        await asyncio.sleep(DISCONNECT_POLL_S)
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            gone.set()
+            task.cancel()
+            return
+
+
+def _reused(answer: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a JSON answer, None when it has none."""
+    if b'"cached_tokens"' not in answer:
+        return None
+    try:
+        return _cached(orjson.loads(answer))
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _reused_in_stream(tail: bytes) -> int | None:
+    """The same from a stream's last ``data:`` event that carries it (the usage chunk, before ``[DONE]``)."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data:") and b'"cached_tokens"' in line:
+            return _reused(line[5:].strip())
+    return None
+
+
+def _cached(answer: Any) -> int | None:
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if type(value) is int and value >= 0 else None
+
+
+def _name(result: Decision) -> str:
+    worker_id, rank = result.selection.worker
+    return f"{worker_id}:{rank}"

@@ -1,0 +1,609 @@
+"""``kvrouter up --fronts N``: N front processes answering on one port, as one router.
+
+One Python process answers about 4,000 ``/select`` a second on this machine's class of core, most of it
+HTTP work per request (``docs/http-api.md``); more fronts answer more. The layout:
+
+- **Front 0** is ``kvrouter up`` itself: it owns the engine (the appliers and their segments), the worker
+  registry, the stats segment and the discovery file, and it runs the *local bus*
+  (``bridge/localbus.py``), an ``ipc://`` broker in a private directory (``<runtime dir>/fronts-<pid>/``,
+  mode 0700). Once its engine is up and its command-line workers are registered it starts fronts
+  1..N-1 and is ready when they are.
+- **Fronts 1..N-1** are ``python -m kvrouter.cli.front`` processes (spawned, not forked: the parent
+  already runs threads and a loop), given a :class:`FrontSpec` on stdin. Each maps the engine's index
+  read-only (:class:`~kvrouter.engine.EngineView`: the design card's lock-free readers).
+- **Connections are dealt.** Front 0 listens on the port and accepts every connection; it keeps one in
+  turn and hands each other one to the next ready front over that front's Unix socketpair
+  (``SCM_RIGHTS``, :meth:`Fronts.deal`), closing its own descriptor: a connection belongs to exactly one
+  front for its life. So a front that dies takes its connections with it (the kernel closes them: each
+  client gets its end of file or a reset at once and may retry), each request wakes one front, and a
+  connection is an ordinary socket of one process (no lock across processes, nothing that stops a
+  front from serving TLS or HTTP/2 one day). The cost is the tail: a connection waits while the kernel
+  runs something else on its front's core (``docs/http-api.md`` "Several fronts" has the measurements).
+  Rejected: ``SO_REUSEPORT`` on every front (the kernel spreads connections by a hash of their addresses,
+  so a client's few keep-alive connections often land unevenly and stay so: 3/5 and worse at 8
+  connections over 2 fronts); every front holding every connection and taking each request under a POSIX
+  lock on the socket (the previous design: a front that died mid-request left its request unanswered on a
+  connection the others kept open, every request woke every front, and the lock was dropped by any close
+  of another descriptor of the socket).
+- **The ZMQ fast path** keeps one endpoint: front 0 binds it and relays its messages to every front,
+  front 0's own included, round robin, in a C-level ``zmq.proxy`` on a thread of its own
+  (``fastpath_relay.py``); replies go back the same way.
+- **Load views** agree the way replicas' do: each front runs the one
+  :class:`~kvrouter.bridge.sync.ReplicaSync`, over the local bus (or over NATS with
+  ``--router-replica-sync``, where the fronts are simply more replicas). Any front may complete or free
+  any reservation.
+- **The registry** (registrations, busy thresholds) has one writer, front 0, because only the engine's
+  owner can make an applier follow a worker. A write route on another front (``/register``,
+  ``/unregister``, ``POST /busy_threshold``) is a request on the bus's ``kvrouter.fronts.control``
+  subject; front 0 does it and answers with its body (or its refusal's kind and message) and the whole
+  registry, which the asking front applies before it answers its client (so a client reads its own write
+  on any connection). Front 0 also publishes the registry after every change on
+  ``kvrouter.fronts.registry``, and a front that starts asks for it on ``kvrouter.fronts.registry.get``.
+  The whole registry each time, versioned: a few KB even for a large fleet, and a front never has to
+  replay a history.
+
+Every answer carries ``X-Kvrouter-Front: <k>``. **Counters** (decisions, HTTP requests, the histograms)
+are published by each front every second on ``kvrouter.fronts.counters``; each front answers ``/metrics``
+(and front 0 fills the stats segment ``kvrouter top`` reads) with the sum, so a scrape through the shared
+port reads the same totals on any front; a restarted front's last figures stay in the sum. Rejected:
+prometheus-client's multiprocess mode (a file per process and metric, written on every observation).
+Per front, not shared: the decisions and events rings, the router queue, session affinity and, in
+approximate mode, the approximate index (each learns only its own decisions). A front that exits is started
+again after :data:`RESTART_DELAY_S`, and counted; fronts exit when front 0 goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import pickle
+import re
+import shutil
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Final
+
+import orjson
+
+from ...bridge import localbus
+from ...engine import Engine, ReaderHandle
+from ...errors import ServiceError, Unavailable, refusal_of
+from ...ready_line import ready_line
+from ...stats import discovery
+from ..core.config import ServiceConfig
+from ..core.counters import ServiceCounters
+from ..core.decisions import decision_json
+from ..core.requests import Registration, Thresholds, Unregistration
+from ..core.state import Core
+
+__all__ = ["CONTROL_SUBJECT", "FrontSpec", "Fronts"]
+
+log = logging.getLogger(__name__)
+
+CONTROL_SUBJECT: Final = "kvrouter.fronts.control"
+REGISTRY_SUBJECT: Final = "kvrouter.fronts.registry"
+REGISTRY_GET_SUBJECT: Final = "kvrouter.fronts.registry.get"
+REGISTRY_ACK_SUBJECT: Final = "kvrouter.fronts.registry.ack"
+ACK_TIMEOUT_S: Final = 2.0
+"""How long front 0 waits for every ready front to hold a registry change before it answers the write
+anyway (a front that far behind is logged; its next registry message brings it up to date)."""
+COUNTERS_SUBJECT: Final = "kvrouter.fronts.counters"
+DECISION_SUBJECT: Final = "kvrouter.fronts.decision"
+DECISION_TIMEOUT_S: Final = 0.3
+"""How long a front waits for the one that keeps a decision asked by id (a front without it stays silent)."""
+COUNTERS_INTERVAL_S: Final = 1.0
+"""How often each front publishes its counters: the others' part of a scrape is at most this old."""
+CONTROL_TIMEOUT_S: Final = 10.0
+"""How long a front waits for front 0 to do a write route (a registration waits on the engine)."""
+READY_TIMEOUT_S: Final = 300.0
+"""How long front 0 waits for a started front's ready line (a cold numba cache compiles for minutes)."""
+RESTART_DELAY_S: Final = 1.0
+ACK_POLL_S: Final = 0.002
+STOP_TIMEOUT_S: Final = 10.0
+"""After SIGTERM, how long a front has to drain before it is killed (on top of ``drain_secs``)."""
+PARENT_POLL_S: Final = 0.5
+MAX_DEALT: Final = 64
+"""Connections one read of a front's socketpair takes at most (front 0 sends one per message)."""
+READY_LINE: Final = "kvrouter front ready"
+READY_RE: Final = re.compile("^" + re.escape(READY_LINE))
+
+
+@dataclass(frozen=True, slots=True)
+class FrontSpec:
+    """What front ``index`` (1..N-1) is given on stdin, pickled: its parent's config (with the bound port),
+    the engine to map and the bus to join."""
+
+    config: ServiceConfig
+    index: int
+    handle: ReaderHandle
+    applier_endpoints: tuple[str, ...]
+    """Where the front sends the blocks its decisions matched (``EngineView.touch``)."""
+    bus: str
+    parent: int
+    """Front 0's pid: a front whose parent changes stops."""
+    connections: int = -1
+    """The front's end of its socketpair with front 0 (a descriptor it inherits): its connections arrive there."""
+    log_level: int = logging.WARNING
+    """Front 0's ``kvrouter`` log level."""
+    fastpath: str | None = None
+    """Front 0's fast-path relay (``fastpath_relay.py``) this front serves, or None (no fast path)."""
+
+
+class Fronts:
+    """One front's end of the fronts of a ``kvrouter up``: front 0's (``spec`` None) or another's.
+
+    ``apply`` is front 0's registry write (``op``, body) -> answer; ``stop`` stops this front's service.
+    """
+
+    def __init__(
+        self,
+        core: Core,
+        engine: Engine | None,
+        apply: Callable[[str, dict[str, Any]], dict[str, Any]],
+        stop: Callable[[], None],
+        spec: FrontSpec | None = None,
+    ) -> None:
+        self.core = core
+        self.engine = engine
+        self._apply = apply
+        self._stop = stop
+        self.spec = spec
+        self.index = 0 if spec is None else spec.index
+        self.count = core.config.fronts
+        self.primary = spec is None
+        self.folder = discovery.runtime_dir() / f"fronts-{os.getpid()}" if spec is None else None
+        self.endpoint = spec.bus if spec is not None else f"ipc://{self.folder}/bus"
+        self.version = 0
+        """The registry's version: front 0 counts its changes; another front holds the last it applied."""
+        self.restarts = 0
+        """Fronts started again after they exited."""
+        self._broker: localbus.LocalBroker | None = None
+        self._bus: localbus.LocalBus | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._ready: set[int] = set()
+        """Fronts (1..N-1) that printed their ready line and have not exited since."""
+        self._stopping = False
+        self._peers: dict[int, tuple[int, ServiceCounters]] = {}
+        """Another front's index -> (its pid, its counters as last published)."""
+        self._retired = ServiceCounters()
+        """The counters of fronts that exited (their last publication): sums stay monotonic across a restart."""
+        self.bad_counters = 0
+        """Counter publications that did not decode (counted, logged once)."""
+        self._channels: dict[int, socket.socket] = {}
+        """Front 0: the ready fronts' socketpair ends, where :meth:`deal` sends their connections."""
+        self._inbox: socket.socket | None = None
+        """Another front: where its connections arrive."""
+        self._arriving: set[asyncio.Task[Any]] = set()
+        self._turn = 0
+        """Front 0: the front the next accepted connection goes to (0: kept)."""
+        self._acked: dict[int, int] = {}
+        """Front 0: the registry version each front last said it holds."""
+        self.fastpath: str | None = None
+        """Front 0: the fast-path relay's endpoint the other fronts serve (set before they start)."""
+
+    # -- both ends ------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """``/ready``'s ``fronts``: this front, how many, the registry version, the others' processes."""
+        answer: dict[str, Any] = {"front": self.index, "fronts": self.count, "registry_version": self.version}
+        if self.primary:
+            answer["ready"] = 1 + len(self._ready)
+            answer["restarts"] = self.restarts
+        return answer
+
+    async def open(self) -> None:
+        """Front 0: the broker (before the replica sync connects to it). Others: join the bus and take the
+        registry from front 0."""
+        if self.primary:
+            assert self.folder is not None
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._broker = localbus.LocalBroker(self.endpoint)
+            self._tasks.append(asyncio.create_task(self._broker.run(), name="kvrouter-fronts-broker"))
+            self._bus = await localbus.connect([self.endpoint], name="front-0")
+            await self._bus.subscribe(CONTROL_SUBJECT, cb=self._on_control)
+            await self._bus.subscribe(REGISTRY_GET_SUBJECT, cb=self._on_registry_get)
+            await self._bus.subscribe(REGISTRY_ACK_SUBJECT, cb=self._on_registry_ack)
+        else:
+            self._bus = await localbus.connect([self.endpoint], name=f"front-{self.index}")
+            await self._bus.subscribe(REGISTRY_SUBJECT, cb=self._on_registry)
+            answer = await self._bus.request(REGISTRY_GET_SUBJECT, b"{}", timeout=CONTROL_TIMEOUT_S)
+            self.apply(orjson.loads(answer.data))
+            self._tasks.append(asyncio.create_task(self._watch_parent(), name="kvrouter-fronts-parent"))
+        await self._bus.subscribe(COUNTERS_SUBJECT, cb=self._on_counters)
+        await self._bus.subscribe(DECISION_SUBJECT, cb=self._on_decision)
+        self._tasks.append(asyncio.create_task(self._publish_counters(), name="kvrouter-fronts-counters"))
+
+    async def close(self) -> None:
+        """Stop the other fronts (front 0), leave the bus, stop the broker, remove the directory."""
+        self._stopping = True
+        if self.primary:
+            await self._stop_fronts()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+        if self._inbox is not None:
+            asyncio.get_running_loop().remove_reader(self._inbox.fileno())
+            self._inbox.close()
+            self._inbox = None
+        if self._bus is not None:
+            await self._bus.close()
+            self._bus = None
+        if self._broker is not None:
+            self._broker.close()
+            self._broker = None
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    # -- counters: every front's, summed -------------------------------------------------------------
+
+    def counters(self) -> ServiceCounters:
+        """This front's counters now, plus the others' as last published, plus those of fronts that exited:
+        what ``/metrics`` and ``kvrouter top`` show, the same on every front (up to a second behind)."""
+        total = ServiceCounters()
+        total.add(self.core.counters)
+        total.add(self._retired)
+        for _, theirs in self._peers.values():
+            total.add(theirs)
+        return total
+
+    async def _publish_counters(self) -> None:
+        assert self._bus is not None
+        while True:
+            await asyncio.sleep(COUNTERS_INTERVAL_S)
+            wire = {"front": self.index, "pid": os.getpid(), "counters": self.core.counters.to_wire()}
+            await self._bus.publish(COUNTERS_SUBJECT, orjson.dumps(wire))
+
+    async def _on_counters(self, msg: localbus.LocalMessage) -> None:
+        try:
+            body = orjson.loads(msg.data)
+            index, pid = int(body["front"]), int(body["pid"])
+            counters = ServiceCounters.from_wire(body["counters"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            self.bad_counters += 1
+            if self.bad_counters == 1:
+                log.warning("fronts: a counters message did not decode error=%r", exc)
+            return
+        if index == self.index:
+            return
+        known = self._peers.get(index)
+        if known is not None and known[0] != pid:  # that front was started again: keep what it had counted
+            self._retired.add(known[1])
+        self._peers[index] = (pid, counters)
+
+    # -- decisions by id ------------------------------------------------------------------------------
+
+    async def find_decision(self, selection_id: str) -> dict[str, Any] | None:
+        """A decision another front made and keeps (``GET /decisions/{id}`` reached the wrong front)."""
+        if self._bus is None:
+            return None
+        try:
+            answer = await self._bus.request(DECISION_SUBJECT, selection_id.encode(), timeout=DECISION_TIMEOUT_S)
+        except Exception:  # nats.errors.TimeoutError / NoRespondersError: no front keeps it
+            return None
+        found: dict[str, Any] = orjson.loads(answer.data)
+        return found
+
+    async def _on_decision(self, msg: localbus.LocalMessage) -> None:
+        recorded = self.core.records.get(msg.data.decode(errors="replace"))
+        if recorded is not None:
+            await msg.respond(orjson.dumps(decision_json(recorded)))
+
+    # -- the registry -------------------------------------------------------------------------------
+
+    def registry(self) -> dict[str, Any]:
+        """Front 0's registry as the others apply it."""
+        registry = self.core.registry
+        return {
+            "version": self.version,
+            "registrations": [asdict(reg) for reg in registry.registrations.values()],
+            "thresholds": [
+                {
+                    "model_name": p.model_name,
+                    "routing_group": p.routing_group,
+                    "decode": p.router.config.active_decode_blocks_threshold,
+                    "prefill": p.router.config.active_prefill_tokens_threshold,
+                }
+                for p in registry.partitions.values()
+            ],
+        }
+
+    def changed(self) -> None:
+        """Front 0, after a change of the registry: publish it (queued on the loop); :meth:`held` waits
+        until every ready front holds it."""
+        if not self.primary or self._bus is None:
+            return
+        self.version += 1
+        payload = orjson.dumps(self.registry())
+        bus = self._bus
+        self._tasks.append(asyncio.create_task(bus.publish(REGISTRY_SUBJECT, payload)))
+        self._tasks = [t for t in self._tasks if not t.done()]
+
+    async def held(self) -> None:
+        """Front 0: wait until every ready front holds the registry as it is now (at most
+        :data:`ACK_TIMEOUT_S`), so a client that wrote through one front reads its write on any other."""
+        version = self.version
+        deadline = asyncio.get_running_loop().time() + ACK_TIMEOUT_S
+        while any(self._acked.get(index, 0) < version for index in self._ready):
+            if asyncio.get_running_loop().time() > deadline:
+                behind = sorted(i for i in self._ready if self._acked.get(i, 0) < version)
+                log.warning("fronts behind the registry version=%d fronts=%s: answering anyway", version, behind)
+                return
+            await asyncio.sleep(ACK_POLL_S)
+
+    async def _on_registry_ack(self, msg: localbus.LocalMessage) -> None:
+        try:
+            body = orjson.loads(msg.data)
+            index, version = int(body["front"]), int(body["version"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            return
+        self._acked[index] = max(version, self._acked.get(index, 0))
+
+    def apply(self, registry: dict[str, Any]) -> None:
+        """Another front: make its partitions what front 0's registry says (never the engine: front 0's)."""
+        if registry["version"] <= self.version:
+            return
+        mine = self.core.registry
+        desired = {}
+        for fields in registry["registrations"]:
+            reg = Registration(**fields)
+            desired[reg.instance_id, reg.dp_rank] = reg
+        for key in mine.registrations.keys() - desired.keys():
+            gone = mine.registrations[key]
+            request = Unregistration(gone.instance_id, gone.model_name, gone.routing_group, gone.dp_rank)
+            self._mirrored(functools.partial(mine.unregister, request, mirror=True))
+        for key, reg in desired.items():
+            if key not in mine.registrations:
+                self._mirrored(functools.partial(mine.register, reg, mirror=True))
+        given = frozenset({"active_decode_blocks_threshold", "active_prefill_tokens_threshold"})
+        for entry in registry["thresholds"]:
+            model, group = entry["model_name"], entry["routing_group"]
+            if (model, group) in mine.partitions:
+                thresholds = Thresholds(model, group, entry["decode"], entry["prefill"], given)
+                self._mirrored(functools.partial(mine.set_thresholds, thresholds, mirror=True))
+        self.version = registry["version"]
+
+    @staticmethod
+    def _mirrored(change: Callable[[], object]) -> None:
+        """Apply one change of front 0's registry here; front 0 took it, so a refusal here is a bug, logged."""
+        try:
+            change()
+        except ServiceError as exc:
+            log.error("front registry out of step: %s refused here: %s", type(exc).__name__, exc)
+
+    async def _on_registry(self, msg: localbus.LocalMessage) -> None:
+        self.apply(orjson.loads(msg.data))
+        if self._bus is not None:
+            await self._bus.publish(REGISTRY_ACK_SUBJECT, orjson.dumps({"front": self.index, "version": self.version}))
+
+    async def _on_registry_get(self, msg: localbus.LocalMessage) -> None:
+        await msg.respond(orjson.dumps(self.registry()))
+
+    # -- write routes ---------------------------------------------------------------------------------
+
+    async def forward(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Another front: front 0 does the write route; its registry is applied here before returning.
+
+        Raises:
+            ServiceError: front 0's refusal, of its kind; Unavailable when front 0 does not answer.
+        """
+        assert self._bus is not None
+        try:
+            answer = await self._bus.request(
+                CONTROL_SUBJECT, orjson.dumps({"op": op, "body": body}), timeout=CONTROL_TIMEOUT_S
+            )
+        except Exception as exc:  # nats.errors.TimeoutError / NoRespondersError: front 0 is gone or stuck
+            raise Unavailable(f"front 0 did not answer {op}: {type(exc).__name__}") from exc
+        reply = orjson.loads(answer.data)
+        if "refused" in reply:
+            raise refusal_of(reply["refused"], reply["error"])
+        self.apply(reply["registry"])
+        answered: dict[str, Any] = reply["body"]
+        return answered
+
+    async def _on_control(self, msg: localbus.LocalMessage) -> None:
+        reply: dict[str, Any]
+        try:
+            request = orjson.loads(msg.data)
+            reply = {"body": self._apply(request["op"], request["body"])}
+            await self.held()
+        except ServiceError as exc:
+            reply = {"refused": exc.kind, "error": str(exc)}
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:  # not a control message
+            reply = {"refused": "bad_request", "error": f"control message: {exc}"}
+        except Exception as exc:  # a bug: the asking front answers 500, front 0 logs it
+            log.exception("front control failed")
+            reply = {"refused": "refused", "error": f"internal error ({type(exc).__name__})"}
+        reply["registry"] = self.registry()
+        await msg.respond(orjson.dumps(reply))
+
+    # -- front 0: the other fronts' processes ------------------------------------------------------
+
+    async def start_fronts(self, port: int) -> None:
+        """Start fronts 1..N-1 on the port front 0 bound and wait for each one's ready line.
+
+        Raises:
+            ServiceError: a front exited, or printed no ready line within :data:`READY_TIMEOUT_S`.
+        """
+        starts = [self._start(index, port) for index in range(1, self.count)]
+        await asyncio.gather(*starts)
+        self._tasks.append(asyncio.create_task(self._supervise(port), name="kvrouter-fronts-supervise"))
+
+    def _spec(self, index: int, port: int, connections: int) -> FrontSpec:
+        config = replace(self.core.config, port=port, zmq_port=None, workers=())
+        level = logging.getLogger("kvrouter").getEffectiveLevel()
+        engine = self.engine
+        assert engine is not None  # front 0 owns it
+        return FrontSpec(
+            config,
+            index,
+            engine.reader_handle(),
+            engine.applier_endpoints(),
+            self.endpoint,
+            os.getpid(),
+            connections,
+            level,
+            self.fastpath,
+        )
+
+    async def _start(self, index: int, port: int) -> None:
+        channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "kvrouter.cli.front",
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,  # a terminal's Ctrl-C reaches front 0 only; front 0 stops the others
+                )
+                self._procs[index] = proc
+                assert proc.stdin is not None
+                assert proc.stdout is not None
+                proc.stdin.write(pickle.dumps(self._spec(index, port, theirs.fileno())))
+            finally:
+                theirs.close()  # the front holds its own copy
+            await proc.stdin.drain()
+            proc.stdin.close()
+            try:
+                found = await ready_line(proc.stdout, READY_RE, READY_TIMEOUT_S)
+            except TimeoutError:
+                raise Unavailable(f"front {index} printed no ready line in {READY_TIMEOUT_S:.0f}s") from None
+            if found is None:
+                code = await proc.wait()
+                raise Unavailable(f"front {index} exited with status {code} before it was ready")
+        except BaseException:  # not started, not ready, or cancelled: front 0's end goes too
+            channel.close()
+            raise
+        log.info("front ready front=%d pid=%d", index, proc.pid)
+        channel.setblocking(False)
+        self._channels[index] = channel
+        self._ready.add(index)
+
+    def deal(self, transport: asyncio.Transport) -> bool:
+        """Front 0, for each connection it accepts: keep it, or hand it to the next ready front in turn.
+        Returns True when handed over: this front's descriptor is then closed (without a shutdown: the
+        connection lives on in the other front). A front that cannot take it now (far behind, or gone) is
+        passed over."""
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        turns = [0, *sorted(self._channels)]
+        for _ in range(len(turns)):
+            index = turns[self._turn % len(turns)]
+            self._turn += 1
+            if index == 0:
+                return False
+            channel = self._channels[index]
+            try:
+                socket.send_fds(channel, [b"c"], [sock.fileno()])
+            except BlockingIOError:  # the front is far behind in taking its connections: the next one
+                continue
+            except OSError as exc:  # the front is gone; its process watch starts it again
+                log.warning("front unreachable front=%d error=%s: it gets no connections", index, exc)
+                self._channels.pop(index).close()
+                return self.deal(transport)
+            transport.abort()  # the other front holds the connection now; this descriptor goes
+            return True
+        return False
+
+    def take_connections(self, factory: Callable[[], asyncio.BaseProtocol]) -> None:
+        """Another front: serve its copy of every connection front 0 accepts, with a protocol from ``factory``."""
+        assert self.spec is not None
+        inbox = self._inbox = socket.socket(fileno=self.spec.connections)
+        inbox.setblocking(False)
+        asyncio.get_running_loop().add_reader(inbox.fileno(), self._arrive, factory)
+
+    def _arrive(self, factory: Callable[[], asyncio.BaseProtocol]) -> None:
+        inbox = self._inbox
+        assert inbox is not None
+        loop = asyncio.get_running_loop()
+        try:
+            message, fds, _, _ = socket.recv_fds(inbox, 16, MAX_DEALT)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            message, fds = b"", []
+            log.warning("front connections channel failed front=%d error=%s", self.index, exc)
+        if not message and not fds:  # front 0 closed its end: no more connections (its exit stops this front)
+            loop.remove_reader(inbox.fileno())
+            return
+        for fd in fds:
+            conn = socket.socket(fileno=fd)
+            conn.setblocking(False)
+            task = loop.create_task(loop.connect_accepted_socket(factory, conn))
+            self._arriving.add(task)
+            task.add_done_callback(self._arriving.discard)
+
+    async def _supervise(self, port: int) -> None:
+        """Start again any front that exits while the service runs."""
+        while not self._stopping:
+            waits = {asyncio.ensure_future(p.wait()): i for i, p in self._procs.items()}
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            for task in done:
+                index = waits[task]
+                self._ready.discard(index)
+                if (channel := self._channels.pop(index, None)) is not None:
+                    channel.close()
+                if self._stopping:
+                    return
+                self.restarts += 1
+                log.warning(
+                    "front exited front=%d status=%s restarts=%d; starting it again",
+                    index,
+                    task.result(),
+                    self.restarts,
+                )
+                await asyncio.sleep(RESTART_DELAY_S)
+                try:
+                    await self._start(index, port)
+                except ServiceError as exc:
+                    log.error("front not started again front=%d error=%s", index, exc)
+
+    def stop_others(self) -> None:
+        """Front 0, as it starts to drain: the other fronts drain at the same time (SIGTERM); :meth:`close`
+        waits for them."""
+        self._stopping = True
+        for proc in self._procs.values():
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+
+    async def _stop_fronts(self) -> None:
+        self.stop_others()
+        waits = [asyncio.ensure_future(proc.wait()) for proc in self._procs.values()]
+        if not waits:
+            return
+        _, pending = await asyncio.wait(waits, timeout=self.core.config.drain_secs + STOP_TIMEOUT_S)
+        for index, proc in self._procs.items():
+            if proc.returncode is None:
+                log.warning("front did not stop on SIGTERM front=%d pid=%d; killing it", index, proc.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+        if pending:
+            await asyncio.wait(pending)
+
+    # -- another front ----------------------------------------------------------------------------
+
+    async def _watch_parent(self) -> None:
+        assert self.spec is not None
+        while os.getppid() == self.spec.parent:
+            await asyncio.sleep(PARENT_POLL_S)
+        log.warning("front 0 is gone front=%d parent=%d: stopping", self.index, self.spec.parent)
+        self._stop()

@@ -1,0 +1,224 @@
+"""``kvrouter up --fronts 2`` as real processes: two fronts on one port agree on loads and on the registry.
+
+Every front serves every connection (``service/sharing.py``, tested in ``test_sharing.py``); a connection
+whose first request is aiohttp's stays with the front that read it, and every answer names its front
+(``X-Kvrouter-Front``). What they check: both fronts answer; reservations booked through either
+show in both fronts' ``/loads`` and can be freed through either; a registration through one front is seen
+on that same connection at once, refused as a duplicate through the other; a front killed with SIGKILL is
+started again with the registry; SIGTERM stops every process and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+
+from kvrouter.service.core.decisions import summarise
+from kvrouter.stats import discovery
+from tests.service.test_up import (
+    START_TIMEOUT_S,
+    URL_LINE,
+    a_matched_chain_outlives_a_newer_one,
+    descendants,
+    start_up,
+    stop_and_check,
+)
+
+__all__ = ["start_up"]  # the fixture, shared with test_up
+
+BOUND_S = 30.0
+TRIES = 400
+"""New connections to make before giving up on reaching a front (whichever front reads a first request)."""
+
+
+class Client:
+    """One kept-alive connection: once its first request went to aiohttp (``/health``), every request on it
+    reaches the same front."""
+
+    def __init__(self, url: str) -> None:
+        parsed = urlparse(url)
+        self.conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=10)
+        self.front: int | None = None
+
+    def call(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        self.conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        response = self.conn.getresponse()
+        self.front = int(response.headers["X-Kvrouter-Front"])
+        return response.status, json.loads(response.read())
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def on_front(url: str, front: int) -> Client:
+    """A connection that landed on ``front``."""
+    for _ in range(TRIES):
+        client = Client(url)
+        try:
+            client.call("GET", "/health")
+        except ConnectionError:  # a front killed with connections in its backlog resets them
+            client.close()
+            continue
+        if client.front == front:
+            return client
+        client.close()
+    pytest.fail(f"no connection reached front {front} in {TRIES} tries")
+
+
+def until(check: Any, what: str) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def decisions(client: Client) -> float:
+    client.conn.request("GET", "/metrics")
+    response = client.conn.getresponse()
+    text = response.read().decode()
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("kvrouter_decisions_total ")))
+
+
+def loads(client: Client) -> dict[int, tuple[int, int, int]]:
+    status, body = client.call("GET", "/loads")
+    assert status == 200
+    return {
+        row["worker_id"]: (row["potential_prefill_tokens"], row["potential_decode_blocks"], row["active_requests"])
+        for group in body
+        for row in group["loads"]
+    }
+
+
+def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entries, tmp_path):
+    decisions_log = tmp_path / "decisions.jsonl"
+    up = start_up(
+        *("--fronts", "2", "--mock-workers", "2", "--shards", "1", "--client-rate", "0"),
+        *("--decision-log", str(decisions_log)),
+    )
+    url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
+    up.expect(re.compile(r"Ctrl-C stops everything"), START_TIMEOUT_S)  # mocks registered (through either front)
+    # every front gets a copy of every connection (front 0 accepts, SCM_RIGHTS; test_sharing.py): a
+    # connection whose first request goes to aiohttp stays with the front that read it
+    fronts = [on_front(url, 0), on_front(url, 1)]
+    try:
+        for client in fronts:
+            status, ready = client.call("GET", "/ready")
+            assert status == 200, ready
+            assert ready["fronts"]["fronts"] == 2
+            assert ready["fronts"]["front"] == client.front
+            assert ready["replica_sync"]["peers"] in (0, 1)  # presence comes every 2 s
+            status, workers = client.call("GET", "/workers")
+            assert sorted(row["instance_id"] for row in workers) == [1, 2]
+        # reservations booked through both fronts: both views agree; each freed through the other front
+        booked: list[tuple[int, str]] = []
+        for i in range(8):
+            client = fronts[i % 2]
+            tokens = [(i * 7919 + j) % 30000 for j in range(64 + 16 * i)]
+            status, answer = client.call("POST", "/select_and_reserve", {"model_name": "default", "token_ids": tokens})
+            assert status == 200, answer
+            booked.append((i % 2, answer["selection_id"]))
+        until(lambda: loads(fronts[0]) == loads(fronts[1]), "both fronts' loads to agree")
+        # /metrics on either front counts every front's decisions (the others' as published each second)
+        until(lambda: [decisions(c) for c in fronts] == [8.0, 8.0], "both fronts' /metrics to count 8 decisions")
+        assert sum(active for _, _, active in loads(fronts[1]).values()) == 8
+        for front, selection_id in booked:
+            other = fronts[1 - front]
+            status, kept = other.call("GET", f"/decisions/{selection_id}")  # kept by the front that decided
+            assert status == 200, kept
+            assert kept["selection_id"] == selection_id
+            status, answer = other.call("POST", f"/reservations/{selection_id}/prefill_complete")
+            assert status == 200, answer
+            status, answer = other.call("DELETE", f"/reservations/{selection_id}")
+            assert status == 200, answer
+        until(lambda: loads(fronts[0]) == loads(fronts[1]) == {1: (0, 0, 0), 2: (0, 0, 0)}, "every reservation freed")
+        # a registration through front 1: done by front 0, seen at once on the same connection, a duplicate
+        # through front 0 is refused as on one front
+        worker = {"instance_id": 9, "endpoint": "tcp://127.0.0.1:9", "model_name": "default", "block_size": 16}
+        status, answer = fronts[1].call("POST", "/register", worker)
+        assert status == 201, answer
+        assert fronts[1].front == 1
+        status, workers = fronts[1].call("GET", "/workers")
+        assert 9 in {row["instance_id"] for row in workers}
+        status, answer = fronts[0].call("POST", "/register", worker)
+        assert status == 409, answer
+        status, answer = fronts[1].call("POST", "/register", {**worker, "block_size": 32, "instance_id": 10})
+        assert status == 409
+        assert "block_size" in answer["error"]
+        status, answer = fronts[1].call("POST", "/busy_threshold", {"active_decode_blocks_threshold": 4096})
+        assert status == 200, answer
+        status, answer = fronts[0].call("GET", "/busy_threshold")
+        assert answer["thresholds"][0]["active_decode_blocks_threshold"] == 4096
+        # front 1 killed: started again, with the registry
+        for client in fronts:
+            client.close()
+        front_pids = [pid for pid, _ in descendants(up.proc.pid) if b"kvrouter.cli.front" in _cmdline(pid)]
+        assert len(front_pids) == 1
+        # the log is written once a second: a front killed sooner loses its last second, so wait for it
+        until(lambda: decisions_log.read_bytes().count(b"\n") == 8, "both fronts to write their decisions")
+        os.kill(front_pids[0], signal.SIGKILL)
+
+        def restarted() -> bool:
+            client = on_front(url, 0)
+            try:
+                status = client.call("GET", "/ready")[1]["fronts"]
+                return bool(status["restarts"] == 1 and status["ready"] == 2)
+            finally:
+                client.close()
+
+        until(restarted, "front 0 to start front 1 again")
+        again = on_front(url, 1)
+        try:
+            status, workers = again.call("GET", "/workers")
+            assert sorted(row["instance_id"] for row in workers) == [1, 2, 9]
+            until(lambda: again.call("GET", "/ready")[0] == 200, "the new front 1 ready")
+            # the killed front's decisions stay counted: front 0 keeps its last publication
+            first = on_front(url, 0)
+            try:
+                assert decisions(first) == 8.0
+            finally:
+                first.close()
+        finally:
+            again.close()
+    finally:
+        for client in fronts:
+            client.close()
+    folder = discovery.runtime_dir() / f"fronts-{up.proc.pid}"
+    assert folder.is_dir()
+    stop_and_check(up, signal.SIGTERM, shm_entries)
+    assert not folder.exists()
+    with decisions_log.open("rb") as lines:  # both fronts appended theirs, none twice
+        assert summarise(lines)["decisions"] == 8
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_a_match_on_another_front_feeds_the_index_cap(start_up, shm_entries, wait_until):
+    """``test_up``'s cap test with the ``/select`` answered by front 1, which maps the engine read-only: its
+    match reaches the applier (``EngineView.touch``), so chain A, stored before B but matched after it,
+    outlives B when a third chain takes the index past its cap."""
+
+    def through_front_1(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+        front = on_front(url, 1)
+        try:
+            answer = front.call("POST", "/select", body)
+        finally:
+            front.close()
+        assert front.front == 1
+        return answer
+
+    a_matched_chain_outlives_a_newer_one(start_up, shm_entries, wait_until, through_front_1, "--fronts", "2")

@@ -39,6 +39,7 @@ import aiohttp
 import orjson
 
 from ..errors import KvRouterError
+from ..options import Panel, derived, option, shared
 from .mocks import MockProcess, start_mock, stop_mocks
 from .workload import Session, Workload
 
@@ -53,20 +54,58 @@ class EmbeddedError(KvRouterError):
     """The demo fleet could not start (a mock engine died, or the service refused a registration)."""
 
 
+DEFAULT_MOCK_WORKERS: Final = 4
+"""Mock engines ``kvrouter up`` starts when no ``--workers`` are given and ``--mock-workers`` is not set."""
+
+
 @dataclass(frozen=True, slots=True)
 class EmbeddedConfig:
-    """What ``kvrouter up`` starts when no workers are given (see the module docstring)."""
+    """What ``kvrouter up`` starts when no workers are given (see the module docstring).
 
-    mock_workers: int = 4
-    block_size: int = 16
-    num_gpu_blocks: int = 4096
-    model_name: str = "default"
-    routing_group: str = "default"
-    client_rate: float = 3.0
+    A field's ``metadata`` declares the ``kvrouter up`` option that sets it (``kvrouter/options.py``), or the
+    service's option it shares (``block_size``, ``model_name``, ``routing_group``).
+    """
+
+    mock_workers: int = field(
+        default=DEFAULT_MOCK_WORKERS,
+        metadata=option(
+            "--mock-workers",
+            help=f"Mock engines to start and route to, with a gentle client (0 = none). Default "
+            f"{DEFAULT_MOCK_WORKERS} without --workers, 0 with.",
+            panel=Panel.DEMO,
+            min=0,
+            max=64,
+            show_default=False,
+            optional=True,
+        ),
+    )
+    """Unset, ``kvrouter up`` starts none when it is given workers, else this default."""
+    block_size: int = field(default=16, metadata=shared("block_size"))
+    num_gpu_blocks: int = field(
+        default=4096,
+        metadata=option(
+            "--mock-num-gpu-blocks", help="[blocks] KV capacity of each mock engine.", panel=Panel.DEMO, min=16
+        ),
+    )
+    model_name: str = field(default="default", metadata=shared("model_name"))
+    routing_group: str = field(default="default", metadata=shared("routing_group"))
+    client_rate: float = field(
+        default=3.0,
+        metadata=option(
+            "--client-rate",
+            help="[requests/s] The built-in client's request rate (0 = mock engines, no client).",
+            panel=Panel.DEMO,
+            min=0.0,
+            max=1000.0,
+        ),
+    )
     """Requests a second (Poisson arrivals); 0: no client."""
-    status_secs: float = 5.0
-    seed: int = 0
-    first_worker_id: int = 1
+    status_secs: float = field(
+        default=5.0,
+        metadata=option("--status-secs", help="[secs] Period of the status line.", panel=Panel.DEMO, min=0.1),
+    )
+    seed: int = field(default=0, metadata=option("--seed", help="Seed of the synthetic workload.", panel=Panel.DEMO))
+    first_worker_id: int = field(default=1, metadata=derived("after the highest --workers id: mock ids never collide"))
     max_in_flight: int = 32
 
 

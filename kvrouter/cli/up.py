@@ -203,6 +203,8 @@ def up(ctx: typer.Context, **values: Any) -> None:
     if values["print_config"]:
         typer.echo(json.dumps(_resolved(ctx, service_config, demo_config), indent=2))
         return
+    if service_config.exposed_without_auth:
+        typer.echo(f"kvrouter up: warning: {service_config.host} is not loopback and no --auth-token is set", err=True)
     raise typer.Exit(serve(service_config, demo_config if demo_config.mock_workers > 0 else None))
 
 
@@ -335,8 +337,6 @@ def serve(config: ServiceConfig, demo: EmbeddedConfig | None) -> int:
     from ..demo import Embedded
     from ..service.app import Service
 
-    if config.auth_token is None and config.host not in ("127.0.0.1", "localhost", "::1"):
-        typer.echo(f"kvrouter up: warning: {config.host} is not loopback and no --auth-token is set", err=True)
     service = Service(config)
     try:
         service.start()  # forks the engine's fork server: before the loop and before any thread

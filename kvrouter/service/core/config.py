@@ -9,6 +9,7 @@ field's default as the option's; ``--router-*`` options are declared on ``Router
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ __all__ = [
     "MAX_SHARDS",
     "ZMQ_PORT_DEFAULT",
     "ServiceConfig",
+    "is_loopback",
 ]
 
 DEFAULT_NATS_URL: Final = "nats://127.0.0.1:4222"
@@ -45,6 +47,22 @@ DEFAULT_SNAPSHOT_THRESHOLD: Final = 1_000_000
 _ROUTER_ID: Final = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 ZMQ_PORT_DEFAULT: Final = -1
 """``ServiceConfig.zmq_port``'s default: ``port + 1`` (a free port when ``port`` is 0)."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an API bound to ``host`` is reachable from this machine only: ``localhost`` or a loopback
+    address (all of 127.0.0.0/8, ``::1``, an IPv4-mapped one; IPv6 in brackets or not). ``""`` and
+    ``0.0.0.0`` bind every interface, and a host name other than ``localhost`` may resolve anywhere: not
+    loopback. The one test of it (``kvrouter up``'s warning, ``ServiceConfig.exposed_without_auth``).
+    """
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return (mapped or address).is_loopback
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -432,6 +450,11 @@ class ServiceConfig:
     summary are refreshed; ``/select`` reads the cached result."""
     decisions_ring: int = 1024
     events_ring: int = 1024
+
+    @property
+    def exposed_without_auth(self) -> bool:
+        """The API binds beyond this machine (:func:`is_loopback`) and no token guards its write routes."""
+        return not self.auth_token and not is_loopback(self.host)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Concatenate, Final, Generic, ParamSpec, TypeVar, overload
@@ -83,6 +84,9 @@ class SyncClient:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._shutdown: weakref.finalize[Any, SyncClient] | None = None
+        """Closes the connections and ends the thread: at :meth:`close`, or when the client is collected
+        unclosed (``kvrouter top --url`` against a port nobody listens on never closes its feed's)."""
 
     @property
     def url(self) -> str:
@@ -111,6 +115,7 @@ class SyncClient:
                 thread = threading.Thread(target=loop.run_forever, name=f"kvrouter-client {self.url}", daemon=True)
                 thread.start()
                 self._loop, self._thread = loop, thread
+                self._shutdown = weakref.finalize(self, _shut_down, loop, thread, self._client)
             if threading.current_thread() is self._thread:
                 raise RuntimeError(f"{self!r} called from its own loop: await a Client there")
             return self._loop
@@ -129,22 +134,10 @@ class SyncClient:
     def close(self) -> None:
         """Close the connections and stop the loop's thread; a no-op the second time."""
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
-            loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        closing = asyncio.run_coroutine_threadsafe(self._client.aclose(), loop)
-        try:
-            closing.result(CLOSE_TIMEOUT_S)
-        except (concurrent.futures.TimeoutError, OSError):
-            closing.cancel()
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(CLOSE_TIMEOUT_S)
-            if not thread.is_alive():
-                loop.close()
+            shutdown = self._shutdown
+        if shutdown is not None:
+            shutdown()  # runs once, whoever calls first
 
     request = _Blocking(Client.request)
     health = _Blocking(Client.health)
@@ -183,6 +176,24 @@ class SyncClient:
             prompt, model=model, max_tokens=max_tokens, session_id=session_id, **fields
         )
         return SyncCompletionStream(self, stream)
+
+
+def _shut_down(loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: Client) -> None:
+    """Close ``client``'s connections on ``loop``, stop the loop and end its ``thread``; from the thread
+    itself (a collection that happened there) the loop is only told to stop."""
+    if threading.current_thread() is thread:
+        loop.call_soon(loop.stop)
+        return
+    closing = asyncio.run_coroutine_threadsafe(client.aclose(), loop)
+    try:
+        closing.result(CLOSE_TIMEOUT_S)
+    except (concurrent.futures.TimeoutError, OSError, RuntimeError):  # shutting down: nothing left to tell
+        closing.cancel()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(CLOSE_TIMEOUT_S)
+        if not thread.is_alive():
+            loop.close()
 
 
 class SyncCompletionStream:

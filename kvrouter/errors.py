@@ -106,7 +106,7 @@ class ApiError(KvRouterError):
 
     What to do depends on the status: 400 / 404 / 409 / 413 are the caller's to fix (the message says
     what); 401 wants the service's bearer token (``Client(token=...)``); 503 and 529 (429) are worth
-    retrying, after ``retry_after`` seconds when the service gave them (it does while its index starts).
+    retrying, after ``retry_after`` seconds when the answer gave them (else after a pause of your own).
     """
 
     def __init__(

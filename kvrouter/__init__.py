@@ -9,6 +9,7 @@ Layout (one folder per component; ``docs/ARCHITECTURE.md`` draws the whole pictu
 - ``worker/``    the simulated engine model, and ``KvPublisher`` for real engines to embed
 - ``engine.py``  the shared-memory index engine: supervisor, applier processes, lock-free readers
 - ``plane/``     the event plane: workers' ZMQ streams into the appliers, gaps recovered or counted
+- ``client/``    the one client of the service's HTTP API: ``Client`` (asyncio), ``SyncClient``
 - ``errors.py``  the one exception hierarchy
 - ``cli/``       the ``kvrouter`` command
 
@@ -17,6 +18,7 @@ This module only re-exports the public names; it holds no logic.
 
 from __future__ import annotations
 
+from .client import Client as Client, SyncClient as SyncClient
 from .engine import (
     Engine as Engine,
     ReaderHandle as ReaderHandle,
@@ -24,6 +26,7 @@ from .engine import (
     WorkerStats as WorkerStats,
 )
 from .errors import (
+    ApiError as ApiError,
     BadEvent as BadEvent,
     BlockNotFound as BlockNotFound,
     ConfigError as ConfigError,
@@ -38,6 +41,7 @@ from .errors import (
     NoWorkerAvailable as NoWorkerAvailable,
     ParentNotFound as ParentNotFound,
     RequestFailed as RequestFailed,
+    ServiceUnreachable as ServiceUnreachable,
 )
 from .events.model import (
     Cleared as Cleared,
@@ -71,10 +75,12 @@ from .worker import KvPublisher as KvPublisher
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApiError",
     "ApproxIndex",
     "BadEvent",
     "BlockNotFound",
     "Cleared",
+    "Client",
     "ConfigError",
     "DuplicateRequest",
     "EncodeError",
@@ -101,11 +107,13 @@ __all__ = [
     "RouterConfig",
     "Selection",
     "SeqHash",
+    "ServiceUnreachable",
     "ShardStats",
     "SlotManager",
     "StorageTier",
     "Stored",
     "StoredBlock",
+    "SyncClient",
     "WorkerExplanation",
     "WorkerKey",
     "WorkerSpec",

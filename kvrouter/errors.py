@@ -21,7 +21,8 @@ KvRouterError
 │   │   └── Backlogged       too many registry writes wait for the index to start
 │   ├── UpstreamFailed       the proxy's worker refused, failed or broke off
 │   └── ClientGone           the client left while its request waited
-├── ApiError                 (``kvrouter.client``) the service answered an error status
+├── ApiError                 the service answered a client's request with an error status (``kvrouter.client``)
+├── ServiceUnreachable       (also a ConnectionError) no answer from the service: refused, reset, timed out
 ├── RequestFailed            the mock engine could not serve a completion; ``status`` is its HTTP status
 ├── EngineError              the shared-memory engine is not running, or could not start
 │   └── FlushTimeout         (also a TimeoutError) an applier did not reach a flush in time
@@ -42,7 +43,8 @@ mapped to these at the boundary with ``raise ... from exc``.
 
 from __future__ import annotations
 
-from typing import ClassVar, Final
+from collections.abc import Mapping
+from typing import Any, ClassVar, Final
 
 __all__ = [
     "ApiError",
@@ -69,6 +71,7 @@ __all__ = [
     "RecordingError",
     "RequestFailed",
     "ServiceError",
+    "ServiceUnreachable",
     "Starting",
     "StatsError",
     "Stopping",
@@ -225,13 +228,44 @@ def refusal_of(kind: str, message: str) -> ServiceError:
 
 
 class ApiError(KvRouterError):
-    """``kvrouter.client``: the service answered an error status. ``status`` and the service's message;
-    ``retry_after`` (seconds) when the service said when to try again (503 while the index starts)."""
+    """The service answered a request of ``kvrouter.client`` with a status outside 2xx (or a 2xx answer the
+    route's shape cannot come from, e.g. HTML where JSON was due). The client side of :class:`ServiceError`:
+    ``status`` is the HTTP status, ``message`` the ``{"error": ...}`` text (an engine's OpenAI-style
+    ``{"error": {"message": ...}}`` through the proxy too), ``body`` the parsed answer, ``headers`` its
+    headers (a proxied request's ``X-Kvrouter-Worker`` names the engine that failed), ``retry_after`` the
+    seconds of a ``Retry-After`` header (None without one).
 
-    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
+    What to do depends on the status: 400 / 404 / 409 / 413 are the caller's to fix (the message says
+    what); 401 wants the service's bearer token (``Client(token=...)``); 503 and 529 (429) are worth
+    retrying, after ``retry_after`` seconds when the answer gave them (else after a pause of your own).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        body: Any = None,
+        headers: Mapping[str, str] | None = None,
+        request: str = "",
+    ) -> None:
+        super().__init__(f"{request} answered {status}: {message}" if request else f"{status}: {message}")
         self.status = status
+        self.message = message
         self.retry_after = retry_after
+        self.body = body
+        self.headers: Mapping[str, str] = headers if headers is not None else {}
+        self.request = request
+        """``"METHOD /path"`` of the refused request."""
+
+
+class ServiceUnreachable(KvRouterError, ConnectionError):
+    """``kvrouter.client`` got no answer: the connection was refused or reset, the host did not resolve,
+    the connection broke mid-answer, or no whole answer came within the client's timeout. The message
+    gives the cause first, then the request. Nothing says whether a write that was sent took effect:
+    before retrying one, read the state back (``/workers``, ``/loads``). A ``ConnectionError`` too, so
+    code that already catches ``OSError`` around network calls keeps working."""
 
 
 class DuplicateRequest(KvRouterError):

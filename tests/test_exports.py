@@ -12,6 +12,7 @@ import pytest
 import kvrouter
 
 COMPONENT_PACKAGES = (
+    "kvrouter.client",
     "kvrouter.events",
     "kvrouter.events.codecs",
     "kvrouter.hashing",

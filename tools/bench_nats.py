@@ -78,6 +78,12 @@ alike on every side) beside. ``ratios``: ``warm_restart`` = ``full (reference)``
 seconds from spawn to ready (goal ≥ 1), None when either side has no run; the lag figures sit beside
 under ``sync_lag``, not in ``ratios``.
 
+HTTP: the setup and every poll outside the probe (registrations, ``/ready``, the restore's ``GET /workers``,
+the loads compared after the load) go through ``kvrouter.SyncClient``, one per replica. The probe's poller
+(:class:`LoadsPoller`) keeps a bare ``http.client`` connection of its own: its round trip is the probe's
+resolution, reported beside the lags, and the full client would add its thread hop and aiohttp's work per
+request to every poll, so to the resolution the lags are read at.
+
 ``--quick`` is the smoke test's size (seconds, every side, no timing meaning). The default run takes
 about 3 minutes on two cores (of which 40 s is the durable replica indexing the 1 M blocks from the
 stream before the first run).
@@ -103,9 +109,7 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Final
@@ -115,6 +119,7 @@ import numpy as np
 import zmq
 from bench_service import process_ticks
 
+from kvrouter.client import ApiError, PartitionLoads, SyncClient, Worker
 from kvrouter.replay.natsd import NatsServer, nats_server_binary
 from kvrouter.replay.stack import ReplayError
 
@@ -168,6 +173,10 @@ SNAPSHOT_TIMEOUT_S: Final = 90.0
 """A snapshot restart past this is reported as failed (with why) and its side not run again: the default
 run must stay within 5 minutes."""
 STOP_TIMEOUT_S: Final = 20.0
+HTTP_TIMEOUT_S: Final = 30.0
+"""A replica's HTTP calls; its loop can be busy for seconds while it restores."""
+READY_TIMEOUT_S: Final = 5.0
+"""One ``/ready`` poll; past it the replica counts as not ready yet."""
 GOALS: Final = {"warm_restart": 1.0}
 SIDES: Final = ("full_reference", "full_all", "snapshot", "snapshot_all")
 DURABLE_SIDES: Final = frozenset({"snapshot", "snapshot_all"})
@@ -223,19 +232,6 @@ def tail(path: Path, lines: int = 15) -> str:
     return ""
 
 
-def call(url: str, method: str = "GET", body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:
-    """One HTTP request; (status, parsed JSON body), 4xx and 5xx included."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        with exc:
-            raw = exc.read()
-            return exc.code, json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
-
-
 class Replica:
     """One ``python -m kvrouter up`` process with one shard and no demo fleet; its stdout read on a thread."""
 
@@ -271,6 +267,7 @@ class Replica:
         self._reader.start()
         self.url = ""
         self.zmq = ""
+        self._client: SyncClient | None = None
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -305,25 +302,40 @@ class Replica:
             if done(line):
                 return time.perf_counter()
 
-    def get(self, path: str) -> Any:
-        status, body = call(self.url + path)
-        if status != 200:
-            raise fail(f"{self.name} GET {path}: {status} {body}")
-        return body
+    @property
+    def client(self) -> SyncClient:
+        """The replica's API, once its URL is read (``wait_listening``); closed by :meth:`stop`."""
+        if self._client is None:
+            if not self.url:
+                raise fail(f"replica {self.name} has printed no URL yet")
+            self._client = SyncClient(self.url, timeout=HTTP_TIMEOUT_S)
+        return self._client
 
-    def post(self, path: str, body: Any) -> Any:
-        status, answer = call(self.url + path, "POST", body)
-        if not 200 <= status < 300:
-            raise fail(f"{self.name} POST {path}: {status} {answer}")
-        return answer
+    def loads(self) -> list[PartitionLoads]:
+        try:
+            return self.client.loads()
+        except ApiError as exc:
+            raise fail(f"{self.name} {exc}") from exc
+
+    def workers(self, model: str) -> list[Worker]:
+        try:
+            return self.client.workers(model)
+        except ApiError as exc:
+            raise fail(f"{self.name} {exc}") from exc
 
     def ready(self) -> tuple[bool, Any]:
-        with contextlib.suppress(OSError):
-            status, body = call(self.url + "/ready", timeout=5.0)
-            return status == 200, body
-        return False, None
+        """(``/ready`` answered 200, its answer); (False, None) when it does not answer in time."""
+        try:
+            response = self.client.request("GET", "/ready", timeout=READY_TIMEOUT_S)
+        except ApiError as exc:
+            return False, exc.body
+        except OSError:
+            return False, None
+        return response.status == 200, response.body
 
     def stop(self, signum: int = signal.SIGTERM) -> int:
+        if self._client is not None:
+            self._client.close()
         code = stop_process(self.proc, signum, STOP_TIMEOUT_S)
         self._reader.join(timeout=5)
         if self.proc.stdout is not None:
@@ -347,16 +359,16 @@ def running(replica: Replica) -> Iterator[Replica]:
 def register_nats(replica: Replica, worker_id: int, model: str, query_endpoint: str | None = None) -> None:
     """``POST /register`` of a NATS worker, retried while it answers 503 (a durable replica refuses NATS workers
     until its start is done: stream found, snapshot loaded, consumer made)."""
-    body: dict[str, Any] = {"instance_id": worker_id, "transport": "nats", "model_name": model, "block_size": BLOCK}
-    if query_endpoint is not None:
-        body["query_endpoint"] = query_endpoint
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        status, answer = call(replica.url + "/register", "POST", body)
-        if 200 <= status < 300:
+        try:
+            replica.client.register(
+                worker_id, transport="nats", model_name=model, block_size=BLOCK, query_endpoint=query_endpoint
+            )
             return
-        if status != 503 or time.monotonic() > deadline or replica.proc.poll() is not None:
-            raise fail(f"{replica.name} POST /register {worker_id}: {status} {answer}")
+        except ApiError as exc:
+            if exc.status != 503 or time.monotonic() > deadline or replica.proc.poll() is not None:
+                raise fail(f"{replica.name} POST /register {worker_id}: {exc.status} {exc.message}") from exc
         time.sleep(0.01)
 
 
@@ -403,7 +415,8 @@ class FastPath:
 
 
 class LoadsPoller:
-    """``GET /loads`` on one keep-alive connection; every poll's round trip is kept (the probe's resolution)."""
+    """``GET /loads`` on one keep-alive ``http.client`` connection, not ``kvrouter.SyncClient``: the poll is in
+    the probe's timed loop, and every poll's round trip is kept (the probe's resolution, module docstring)."""
 
     def __init__(self, url: str) -> None:
         parsed = urllib.parse.urlsplit(url)
@@ -730,7 +743,7 @@ def loads_view(replica: Replica) -> dict[tuple[str, int, int], tuple[int, int, i
             row["potential_decode_blocks"],
             row["active_requests"],
         )
-        for partition in replica.get("/loads")
+        for partition in replica.loads()
         for row in partition["loads"]
     }
 
@@ -963,12 +976,14 @@ def restored(replica: Replica, expected: dict[int, int]) -> set[int]:
     time: a replica's loop can be busy for seconds while it restores)."""
     done: set[int] = set()
     try:
-        instances = replica.get(f"/workers?model_name={RESTORE_MODEL}")
+        instances = replica.workers(RESTORE_MODEL)
     except OSError:
         return done
     for instance in instances:
-        listener = instance["listeners"].get("0", {})
+        listener = instance["listeners"].get("0")
         worker = instance["instance_id"]
+        if listener is None:
+            continue
         if listener.get("state") == "exact" and listener.get("cached_blocks") == expected.get(worker):
             done.add(worker)
     return done

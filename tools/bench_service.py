@@ -50,6 +50,12 @@ Ratios (> 1: kvrouter better), at concurrency 8: ``select_throughput`` = kvroute
 (the two sides of a round ran seconds apart); the table's concurrency-8 rows are each side's medians,
 and the rounds are listed under it. Goal ≥ 1 on both (issue 11). ``--quick`` is a smoke test for
 the test suite (32 prompts, 1 s points, no timing meaning). The default run takes about 3 minutes.
+
+HTTP outside the clock (waiting for a server, registering the workers, the routing check before any clock
+runs, the ``/metrics`` scrapes) goes through ``kvrouter.SyncClient``, for both servers: the reference's
+``/health``, ``/select`` and ``/metrics`` are wire-compatible, and its ``POST /workers`` goes through the
+client's low-level ``request``. No Python HTTP client sits in a timed loop: the HTTP load is wrk's, the
+fast path's load is ZMQ.
 """
 
 from __future__ import annotations
@@ -66,10 +72,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -77,6 +81,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvrouter.client import ApiError, SyncClient
 from kvrouter.events.codecs import vllm
 from kvrouter.events.codecs.frames import encode_live
 from kvrouter.events.model import EngineHash, EventBatch, LocalHash, Stored, StoredBlock
@@ -250,19 +255,6 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def call(url: str, method: str = "GET", body: Any = None, timeout: float = 10.0) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            raw = response.read()
-            return response.status, json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
-    except urllib.error.HTTPError as exc:
-        with exc:
-            raw = exc.read()
-            return exc.code, json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
-
-
 @dataclass
 class Server:
     name: str
@@ -271,6 +263,24 @@ class Server:
     log: Path
     zmq: str | None = None
     """The fast path's endpoint (kvrouter only)."""
+    client: SyncClient = field(init=False)
+    """Every HTTP call of the setup and the checks (closed by :func:`stop`)."""
+
+    def __post_init__(self) -> None:
+        self.client = SyncClient(self.url, timeout=10.0)
+
+
+def call(server: Server, path: str, *, timeout: float = 10.0) -> tuple[int, Any]:
+    """``GET path``: (status, answer), refusals included (waiting for a server judges the status).
+
+    Raises:
+        ServiceUnreachable: no answer (an ``OSError``).
+    """
+    try:
+        response = server.client.request("GET", path, timeout=timeout)
+    except ApiError as exc:
+        return exc.status, exc.body
+    return response.status, response.body
 
 
 def wait_http(
@@ -281,7 +291,7 @@ def wait_http(
         if server.process.poll() is not None:
             raise SystemExit(f"bench_service: {server.name} exited ({server.process.returncode}): {tail(server.log)}")
         with contextlib.suppress(OSError):
-            if done(*call(server.url + path, timeout=1.0)):
+            if done(*call(server, path, timeout=1.0)):
                 return
         if time.monotonic() > deadline:
             raise SystemExit(
@@ -357,6 +367,7 @@ def stopped_on_failure(server: Server) -> Iterator[None]:
 
 
 def stop(server: Server) -> int:
+    server.client.close()
     if server.process.poll() is None:
         server.process.send_signal(signal.SIGTERM)
     try:
@@ -368,26 +379,20 @@ def stop(server: Server) -> int:
 
 def register(server: Server, endpoints: Sequence[str]) -> None:
     for worker, endpoint in enumerate(endpoints):
-        if server.name == "kvrouter":
-            status, answer = call(
-                server.url + "/register",
-                "POST",
-                {"instance_id": worker, "endpoint": endpoint, "model_name": MODEL, "block_size": BLOCK},
-            )
-        else:
-            status, answer = call(
-                server.url + "/workers",
-                "POST",
-                {
+        try:
+            if server.name == "kvrouter":
+                server.client.register(worker, endpoint, model_name=MODEL, block_size=BLOCK)
+            else:  # the reference's selection service registers on its own route
+                body = {
                     "worker_id": worker,
                     "model_name": MODEL,
                     "endpoint": f"http://127.0.0.1:{9000 + worker}",
                     "block_size": BLOCK,
                     "kv_events_endpoints": {"0": endpoint},
-                },
-            )
-        if status not in (200, 201):
-            raise SystemExit(f"bench_service: {server.name} registering worker {worker}: {status} {answer}")
+                }
+                server.client.request("POST", "/workers", body)
+        except ApiError as exc:
+            raise SystemExit(f"bench_service: {server.name} registering worker {worker}: {exc}") from exc
 
 
 def verify(server: Server, workload: Workload, timeout: float) -> None:
@@ -397,12 +402,12 @@ def verify(server: Server, workload: Workload, timeout: float) -> None:
     while True:
         wrong = []
         for i in samples:
-            status, answer = call(
-                server.url + "/select", "POST", {"model_name": MODEL, "token_ids": workload.prompts[i]}
-            )
-            got = (
-                (answer.get("worker_id"), answer.get("overlap", {}).get("longest_matched")) if status == 200 else status
-            )
+            got: Any
+            try:
+                answer: dict[str, Any] = dict(server.client.select(MODEL, token_ids=workload.prompts[i]))
+                got = (answer.get("worker_id"), answer.get("overlap", {}).get("longest_matched"))
+            except ApiError as exc:
+                got = exc.status
             if got != (workload.owner[i], PROMPT_TOKENS):
                 wrong.append((i, workload.owner[i], got))
         if not wrong:
@@ -604,8 +609,9 @@ def echo_ceiling(bodies: Path, seconds: float) -> dict[str, Any]:
 def scrape(server: Server) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    status, text = call(server.url + "/metrics")
-    if status != 200 or not isinstance(text, str):
+    try:
+        text = server.client.metrics()
+    except ApiError:
         return {}
     return {
         (sample.name, frozenset(sample.labels.items())): sample.value

@@ -10,10 +10,11 @@ against a busy router yet). Only :meth:`~ShmFeed.probe` asks the router (``POST 
 nothing booked, counted or recorded), since the cost of a prompt is the router's to compute.
 
 :class:`HttpFeed` builds the same :class:`~tui.model.Snapshot` from ``GET /loads``, ``/workers``,
-``/metrics``, ``/decisions?since=`` and ``/events?since=`` (five requests a poll), keeping the recent
-decisions and events itself. Both feeds turn a ring entry into a ``Decision`` or ``LogEvent`` with the
-same functions (:func:`decision_of`, :func:`log_event_of`): the stats blob carries the ring entries in
-the HTTP routes' shape, so the two sources cannot drift apart.
+``/metrics``, ``/decisions?since=`` and ``/events?since=`` (five requests a poll, on the kept-alive
+connection of a :class:`kvrouter.SyncClient`), keeping the recent decisions and events itself. Both feeds
+turn a ring entry into a ``Decision`` or ``LogEvent`` with the same functions (:func:`decision_of`,
+:func:`log_event_of`): the stats blob carries the ring entries in the HTTP routes' shape, so the two
+sources cannot drift apart.
 
 Anything wrong with the source (gone, not a kvrouter segment, a corrupt blob, a refused connection, an
 answer that does not parse) raises :class:`~tui.model.RouterGone` with a message saying what and where
@@ -23,20 +24,18 @@ exception: the app shows the message and keeps polling.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, ParamSpec, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrouter.client import ApiError, ServiceUnreachable, SyncClient
 from kvrouter.engine import WorkerStats, read_shards, read_workers
 from kvrouter.errors import StatsError
 from kvrouter.index.layout import PREFIX, SHM_DIR, Control, control_name, stats_name
@@ -62,6 +61,8 @@ HTTP_TIMEOUT_S: Final = 2.0
 LATENCIES_KEPT: Final = 1024
 """Decision latencies the HTTP feed keeps for p50/p99: the service's decisions ring length."""
 _SHM_NAME: Final = re.compile(rf"^(?:{PREFIX})?(\d+)(?:-(?:ctl|stats))?$")
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class BadSource(RouterGone):
@@ -202,41 +203,27 @@ def _probe_rows(answer: Any) -> list[ProbeRow]:
     ]
 
 
-def _request(url: str, body: object = None, *, timeout: float = HTTP_TIMEOUT_S) -> Any:
-    """One HTTP request to the router, its JSON answer (or text for ``/metrics``).
+def _asking(client: SyncClient, route: str, call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``call(*args, **kwargs)``, a method of ``client`` asking ``route``, with the client's errors as the feed's.
 
     Raises:
-        RouterGone: it cannot be reached or answered 5xx. BadSource: another 4xx or an answer that does
-            not parse.
+        RouterGone: the router cannot be reached or answered 5xx. BadSource: another refusal, or an answer
+            that does not parse.
     """
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
-    request.add_header("Content-Type", "application/json")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            raw = response.read()
-            kind = response.headers.get_content_type()
-    except urllib.error.HTTPError as exc:
-        with exc:
-            detail = exc.read()[:200].decode(errors="replace")
-        if exc.code >= 500:
-            raise RouterGone(f"{url}: {exc.code} {detail}") from exc
-        raise BadSource(f"{url}: {exc.code} {detail}") from exc
-    except (OSError, urllib.error.URLError) as exc:  # refused, reset, timed out, no route
-        raise RouterGone(f"{url}: {getattr(exc, 'reason', exc)}") from exc
-    if kind != "application/json":
-        return raw.decode(errors="replace")
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise BadSource(f"{url}: answer is not JSON: {exc}") from exc
+        return call(*args, **kwargs)
+    except ServiceUnreachable as exc:  # refused, reset, timed out, no route
+        raise RouterGone(f"{client.url}{route}: {exc}") from exc
+    except ApiError as exc:
+        what = f"{client.url}{route}: {exc.status} {exc.message[:200]}"
+        raise (RouterGone(what) if exc.status >= 500 else BadSource(what)) from exc
 
 
-def _probe(url: str, partitions: Iterable[tuple[str, str]], tokens: Sequence[int]) -> tuple[ProbeRow, ...]:
+def _probe(client: SyncClient, partitions: Iterable[tuple[str, str]], tokens: Sequence[int]) -> tuple[ProbeRow, ...]:
     rows: list[ProbeRow] = []
     for model, group in partitions:
-        body = {"model_name": model, "routing_group": group, "token_ids": list(tokens), "probe": True}
-        rows += _probe_rows(_request(f"{url}/select", body))
+        answer = _asking(client, "/select", client.select, model, routing_group=group, token_ids=tokens, probe=True)
+        rows += _probe_rows(answer)
     return tuple(rows)
 
 
@@ -266,6 +253,8 @@ class ShmFeed:
         self._control: Control | None = None
         self._inodes: tuple[int, int] = (0, 0)
         self._blob: dict[str, Any] = {}
+        self._prober: SyncClient | None = None
+        """The client of the router's URL (from its blob), made at the first probe: polls ask nothing."""
 
     @classmethod
     def of(cls, entry: Discovered) -> ShmFeed:
@@ -403,10 +392,20 @@ class ShmFeed:
         url = blob.get("url")
         if not isinstance(url, str) or not url:
             raise BadSource(f"{self.stats_name}: the stats blob names no URL to probe")
-        return _probe(url, _partitions(x for x in blob.get("loads") or () if isinstance(x, Mapping)), tokens)
+        if self._prober is None or self._prober.url != url.rstrip("/"):
+            self._close_prober()
+            self._prober = SyncClient(url, timeout=HTTP_TIMEOUT_S)
+        partitions = _partitions(x for x in blob.get("loads") or () if isinstance(x, Mapping))
+        return _probe(self._prober, partitions, tokens)
+
+    def _close_prober(self) -> None:
+        prober, self._prober = self._prober, None
+        if prober is not None:
+            prober.close()
 
     def close(self) -> None:
         self._detach()
+        self._close_prober()
 
 
 class LocalFeed:
@@ -491,7 +490,7 @@ class HttpFeed:
     def __init__(self, url: str, *, clock: Callable[[], float] = time.time, timeout: float = HTTP_TIMEOUT_S) -> None:
         self.url = url.rstrip("/")
         self._clock = clock
-        self._timeout = timeout
+        self._client = SyncClient(self.url, timeout=timeout)
         self._decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_SHOWN)
         self._events: deque[dict[str, Any]] = deque(maxlen=EVENTS_SHOWN)
         self._latencies: deque[float] = deque(maxlen=LATENCIES_KEPT)
@@ -504,11 +503,10 @@ class HttpFeed:
     def source(self) -> str:
         return self.url
 
-    def _get(self, path: str) -> Any:
-        return _request(self.url + path, timeout=self._timeout)
-
     def _ring(self, name: str) -> list[dict[str, Any]]:
-        answer = self._get(f"/{name}?since={self._since[name]}")
+        since = self._since[name]
+        ask = self._client.decisions if name == "decisions" else self._client.events
+        answer: Any = _asking(self._client, f"/{name}", ask, since)
         if not isinstance(answer, dict) or not isinstance(answer.get(name), list):
             raise BadSource(f"{self.url}/{name}: not a ring answer")
         last = _int(answer.get("last"))
@@ -525,10 +523,11 @@ class HttpFeed:
         return [e for e in answer[name] if isinstance(e, dict)]
 
     def poll(self) -> Snapshot:
-        loads_answer = self._get("/loads")
-        workers_answer = self._get("/workers")
-        text = self._get("/metrics")
-        if not isinstance(loads_answer, list) or not isinstance(workers_answer, list) or not isinstance(text, str):
+        client = self._client
+        loads_answer: Any = _asking(client, "/loads", client.loads)
+        workers_answer: Any = _asking(client, "/workers", client.workers)
+        text = _asking(client, "/metrics", client.metrics)
+        if not isinstance(loads_answer, list) or not isinstance(workers_answer, list):
             raise BadSource(f"{self.url}: /loads, /workers or /metrics answered in an unexpected shape")
         for entry in self._ring("decisions"):
             self._decisions.append(entry)
@@ -580,10 +579,11 @@ class HttpFeed:
     def probe(self, tokens: Sequence[int]) -> tuple[ProbeRow, ...]:
         if not self._partitions:
             self.poll()
-        return _probe(self.url, self._partitions, tokens)
+        return _probe(self._client, self._partitions, tokens)
 
     def close(self) -> None:
-        """Nothing to release: every request opens and closes its own connection."""
+        """Close the client: its kept-alive connection and its loop's thread."""
+        self._client.close()
 
 
 Labels = tuple[tuple[str, str], ...]

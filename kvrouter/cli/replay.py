@@ -14,7 +14,6 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Annotated, Final
 
-import aiohttp
 import orjson
 import typer
 from rich.console import Console
@@ -238,7 +237,7 @@ def replay(
     except ReplayError as exc:
         typer.echo(f"kvrouter replay: {exc}", err=True)
         raise typer.Exit(1) from exc
-    except (aiohttp.ClientError, OSError) as exc:  # outside a drill's own fault: a process of the stack died
+    except OSError as exc:  # ServiceUnreachable among them: outside a drill's own fault, a process of the stack died
         typer.echo(f"kvrouter replay: a router or engine of the stack stopped answering: {exc}", err=True)
         raise typer.Exit(1) from exc
     render(console, outcome.results, outcome.baseline)

@@ -7,13 +7,15 @@ exercises them end to end:
 - **Mock engines** are ``python -m kvrouter mock-worker`` subprocesses (``mocks.py``: block size 16,
   4,096 blocks each). They join through ``POST /register`` with ``http_endpoint``, as an operator's
   engines would.
-- **The client** is an asyncio task in the front's own loop (aiohttp client; a thread or process would
-  cost more than the few requests a second it sends). Each request is the router protocol, not the
-  proxy: ``/select_and_reserve`` → the chosen engine's ``/v1/completions`` (token-id prompt, streamed)
-  → ``/reservations/{id}/prefill_complete`` at the first token → ``DELETE /reservations/{id}`` at the
-  end, always, so an error never leaks a reservation. The workload is synthetic multi-turn chat: a few
-  shared system prompts (popular ones more often), sessions of 2-6 turns whose prompts grow by the
-  previous turn (``workload.py``).
+- **The client** is an asyncio task in the front's own loop (``kvrouter.client.Client``, as an operator's
+  script would use it; a thread or process would cost more than the few requests a second it sends).
+  Each request is the router protocol, not the proxy: ``/select_and_reserve`` → the chosen engine's
+  ``/v1/completions`` (token-id prompt, streamed) → ``/reservations/{id}/prefill_complete`` at the first
+  token → ``DELETE /reservations/{id}`` at the end, always, so an error never leaks a reservation. The
+  engine's ``/v1/completions`` is streamed by the same client's ``stream_completions``, pointed at the
+  engine (the proxy's protocol is the engine's). The workload is synthetic multi-turn chat: a few shared
+  system prompts (popular ones more often), sessions of 2-6 turns whose prompts grow by the previous turn
+  (``workload.py``).
 - **The status line** every few seconds: decisions per second, the hit rate the router predicted
   (overlap tokens / prompt tokens of the chosen workers) beside the one the engines reported
   (``cached_tokens``), and each worker's active blocks from ``GET /loads``.
@@ -31,14 +33,15 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TextIO
 
-import aiohttp
 import orjson
 
+from ..client import ApiError, Client, Selection, ServiceUnreachable
 from ..errors import KvRouterError
+from ..options import Panel, derived, option, shared
 from .mocks import MockProcess, start_mock, stop_mocks
 from .workload import Session, Workload
 
@@ -53,20 +56,58 @@ class EmbeddedError(KvRouterError):
     """The demo fleet could not start (a mock engine died, or the service refused a registration)."""
 
 
+DEFAULT_MOCK_WORKERS: Final = 4
+"""Mock engines ``kvrouter up`` starts when no ``--workers`` are given and ``--mock-workers`` is not set."""
+
+
 @dataclass(frozen=True, slots=True)
 class EmbeddedConfig:
-    """What ``kvrouter up`` starts when no workers are given (see the module docstring)."""
+    """What ``kvrouter up`` starts when no workers are given (see the module docstring).
 
-    mock_workers: int = 4
-    block_size: int = 16
-    num_gpu_blocks: int = 4096
-    model_name: str = "default"
-    routing_group: str = "default"
-    client_rate: float = 3.0
+    A field's ``metadata`` declares the ``kvrouter up`` option that sets it (``kvrouter/options.py``), or the
+    service's option it shares (``block_size``, ``model_name``, ``routing_group``).
+    """
+
+    mock_workers: int = field(
+        default=DEFAULT_MOCK_WORKERS,
+        metadata=option(
+            "--mock-workers",
+            help=f"Mock engines to start and route to, with a gentle client (0 = none). Default "
+            f"{DEFAULT_MOCK_WORKERS} without --workers, 0 with.",
+            panel=Panel.DEMO,
+            min=0,
+            max=64,
+            show_default=False,
+            optional=True,
+        ),
+    )
+    """Unset, ``kvrouter up`` starts none when it is given workers, else this default."""
+    block_size: int = field(default=16, metadata=shared("block_size"))
+    num_gpu_blocks: int = field(
+        default=4096,
+        metadata=option(
+            "--mock-num-gpu-blocks", help="[blocks] KV capacity of each mock engine.", panel=Panel.DEMO, min=16
+        ),
+    )
+    model_name: str = field(default="default", metadata=shared("model_name"))
+    routing_group: str = field(default="default", metadata=shared("routing_group"))
+    client_rate: float = field(
+        default=3.0,
+        metadata=option(
+            "--client-rate",
+            help="[requests/s] The built-in client's request rate (0 = mock engines, no client).",
+            panel=Panel.DEMO,
+            min=0.0,
+            max=1000.0,
+        ),
+    )
     """Requests a second (Poisson arrivals); 0: no client."""
-    status_secs: float = 5.0
-    seed: int = 0
-    first_worker_id: int = 1
+    status_secs: float = field(
+        default=5.0,
+        metadata=option("--status-secs", help="[secs] Period of the status line.", panel=Panel.DEMO, min=0.1),
+    )
+    seed: int = field(default=0, metadata=option("--seed", help="Seed of the synthetic workload.", panel=Panel.DEMO))
+    first_worker_id: int = field(default=1, metadata=derived("after the highest --workers id: mock ids never collide"))
     max_in_flight: int = 32
 
 
@@ -93,7 +134,7 @@ class Stats:
             log.warning("demo client request failed kind=%s detail=%s (logged once per kind)", kind, detail)
 
 
-def overlap_tokens(answer: dict[str, Any]) -> int:
+def overlap_tokens(answer: Mapping[str, Any]) -> int:
     """The chosen worker's predicted overlap in tokens: ``overlap.dp[rank]``, else ``gpu``, else
     ``longest_matched`` (the selection service's shapes)."""
     overlap = answer.get("overlap")
@@ -128,7 +169,9 @@ class Embedded:
         self.workload = Workload(config.seed, config.block_size)
         self._tasks: list[asyncio.Task[None]] = []
         self._requests: set[asyncio.Task[None]] = set()
-        self._http: aiohttp.ClientSession | None = None
+        self._client: Client | None = None
+        self._engines: dict[str, Client] = {}
+        """A client per engine endpoint, for its streamed ``/v1/completions``."""
         self._stopped = False
         self.url = ""
 
@@ -156,9 +199,9 @@ class Embedded:
                 for worker_id in ids
             )
         )
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S))
+        self._client = client = Client(url, timeout=HTTP_TIMEOUT_S)
         for mock in self.mocks:
-            body = {
+            body: dict[str, Any] = {
                 "instance_id": mock.worker_id,
                 "endpoint": mock.events,
                 "replay_endpoint": mock.replay,
@@ -170,9 +213,12 @@ class Embedded:
                 "dp_rank": 0,
                 "total_kv_blocks": cfg.num_gpu_blocks,
             }
-            status, answer = await self._call("POST", "/register", body)
-            if status not in (200, 201):
-                raise EmbeddedError(f"/register of mock engine {mock.worker_id} answered {status}: {answer}")
+            try:
+                await client.register(**body)
+            except ApiError as exc:
+                raise EmbeddedError(
+                    f"/register of mock engine {mock.worker_id} answered {exc.status}: {exc.message}"
+                ) from exc
         if self._stopped:
             return
         self.print(self.banner())
@@ -209,27 +255,22 @@ class Embedded:
             task.cancel()
 
     async def close(self) -> None:
-        """Stop the client if still running, close its HTTP session, stop and reap every mock engine."""
+        """Stop the client if still running, close its connections, stop and reap every mock engine."""
         self.stop_client()
         pending = [*self._tasks, *self._requests]
         if pending:
             await asyncio.wait(pending, timeout=2.0)
-        if self._http is not None:
-            await self._http.close()
+        for client in [*([self._client] if self._client is not None else []), *self._engines.values()]:
+            await client.aclose()
         await stop_mocks(self.mocks)
 
     # -- internals ---------------------------------------------------------------------------------
 
-    async def _call(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
-        assert self._http is not None
-        data = None if body is None else orjson.dumps(body)
-        headers = {"Content-Type": "application/json"} if data is not None else None
-        async with self._http.request(method, self.url + path, data=data, headers=headers) as response:
-            raw = await response.read()
-            try:
-                return response.status, orjson.loads(raw) if raw else None
-            except orjson.JSONDecodeError:
-                return response.status, raw.decode(errors="replace")
+    def _engine(self, endpoint: str) -> Client:
+        found = self._engines.get(endpoint)
+        if found is None:
+            found = self._engines[endpoint] = Client(endpoint, timeout=HTTP_TIMEOUT_S)
+        return found
 
     async def _drive(self) -> None:
         """Poisson arrivals at ``client_rate``; each takes an idle session (a new one when none is idle)."""
@@ -254,13 +295,16 @@ class Embedded:
             task.add_done_callback(self._requests.discard)
 
     async def _request(self, session: Session, prompt: list[int], max_tokens: int) -> None:
-        cfg, stats = self.config, self.stats
+        cfg, stats, client = self.config, self.stats, self._client
+        assert client is not None
         selection: str | None = None
         try:
-            body = {"model_name": cfg.model_name, "routing_group": cfg.routing_group, "token_ids": prompt}
-            status, answer = await self._call("POST", "/select_and_reserve", body)
-            if status != 200 or not isinstance(answer, dict):
-                stats.error(f"select {status}", str(answer)[:200])
+            try:
+                answer = await client.select_and_reserve(
+                    cfg.model_name, routing_group=cfg.routing_group, token_ids=prompt
+                )
+            except ApiError as exc:
+                stats.error(f"select {exc.status}", exc.message[:200])
                 return
             selection = str(answer.get("selection_id"))
             worker = int(answer["worker_id"])
@@ -270,21 +314,21 @@ class Embedded:
             stats.prompt_tokens += len(prompt)
             stats.predicted_tokens += overlap_tokens(answer)
             endpoint = self._endpoint(answer, worker)
-            cached = await self._complete(endpoint, prompt, max_tokens, answer.get("dp_rank", 0), selection)
+            cached = await self._complete(endpoint, prompt, max_tokens, answer["dp_rank"], selection)
             stats.cached_tokens += cached
             stats.completed_prompt_tokens += len(prompt)
             stats.completed += 1
         except asyncio.CancelledError:
             raise
-        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, TypeError) as exc:
+        except (ApiError, ServiceUnreachable, KeyError, ValueError, TypeError) as exc:
             stats.error(type(exc).__name__, str(exc)[:200])
         finally:
             session.busy = False
             if selection is not None and not self._stopped:
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    await self._call("DELETE", f"/reservations/{selection}")
+                with contextlib.suppress(ApiError, ServiceUnreachable):
+                    await client.free(selection)
 
-    def _endpoint(self, answer: dict[str, Any], worker: int) -> str:
+    def _endpoint(self, answer: Selection, worker: int) -> str:
         """The chosen engine's HTTP URL: the answer's ``endpoint`` when it is one, else the mock's own."""
         endpoint = answer.get("endpoint")
         if isinstance(endpoint, str) and endpoint.startswith("http"):
@@ -294,35 +338,30 @@ class Embedded:
                 return mock.http
         raise ValueError(f"/select_and_reserve chose worker {worker}, which is not a mock engine")
 
-    async def _complete(
-        self, endpoint: str, prompt: list[int], max_tokens: int, dp_rank: object, selection: str
-    ) -> int:
-        """Stream one completion; prefill complete at the first chunk. The engine's ``cached_tokens``."""
-        assert self._http is not None
+    async def _complete(self, endpoint: str, prompt: list[int], max_tokens: int, dp_rank: int, selection: str) -> int:
+        """Stream one completion; prefill complete at the first chunk. The engine's ``cached_tokens``.
+
+        Raises:
+            ApiError: the engine refused. ValueError: it failed mid-stream. ServiceUnreachable: no answer.
+        """
+        client = self._client
+        assert client is not None
         options = {"include_usage": True, "continuous_usage_stats": True}  # the reused tokens at the first token
-        body = orjson.dumps(
-            {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "stream_options": options, "dp_rank": dp_rank}
-        )
         cached = 0
         first = True
-        async with self._http.post(endpoint + "/v1/completions", data=body,
-                                   headers={"Content-Type": "application/json"}) as response:  # fmt: skip
-            if response.status != 200:
-                raise ValueError(f"engine answered {response.status}: {(await response.read())[:200]!r}")
-            async for line in response.content:
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[6:].strip()
-                if payload == b"[DONE]":
-                    continue  # read to the end: the engine closes the connection, so it is never reset
-                chunk = orjson.loads(payload)
+        stream = self._engine(endpoint).stream_completions(
+            prompt, max_tokens=max_tokens, stream_options=options, dp_rank=dp_rank
+        )
+        async with stream:  # iterated to its end, past [DONE]: the engine closes the connection, never reset
+            async for chunk in stream:
                 if "error" in chunk:
                     raise ValueError(f"engine error: {chunk['error']}")
                 usage = chunk.get("usage") or {}
                 cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) or 0)
                 if first:  # with the engine's reused tokens: the router's index accuracy (accuracy.py)
                     first = False
-                    await self._call("POST", f"/reservations/{selection}/prefill_complete", {"cached_tokens": cached})
+                    with contextlib.suppress(ApiError):  # a reservation gone (expired): nothing to mark
+                        await client.prefill_complete(selection, cached_tokens=cached)
         return cached
 
     async def _status(self) -> None:
@@ -359,17 +398,16 @@ class Embedded:
 
     async def _active_blocks(self) -> dict[int, int] | None:
         """Per worker, active (decode) blocks summed over dp ranks, from ``GET /loads``; None when unreadable."""
+        if self._client is None:
+            return None
         try:
-            status, answer = await self._call("GET", "/loads")
-        except (aiohttp.ClientError, TimeoutError):
+            groups = await self._client.loads()
+        except (ApiError, ServiceUnreachable):
             return None
-        if status != 200:
-            return None
-        groups = answer if isinstance(answer, list) else answer.get("loads", []) if isinstance(answer, dict) else []
         blocks: Counter[int] = Counter()
         for group in groups:
-            if group.get("model_name", self.config.model_name) != self.config.model_name:
+            if group["model_name"] != self.config.model_name:
                 continue
-            for load in group.get("loads", []):
-                blocks[int(load["worker_id"])] += int(load.get("potential_decode_blocks", 0))
+            for load in group["loads"]:
+                blocks[int(load["worker_id"])] += int(load["potential_decode_blocks"])
         return dict(blocks)

@@ -1,11 +1,15 @@
-"""``PlaneConfig``: the event plane's bounds and timers, each with the reason for its default."""
+"""``PlaneConfig``: the event plane's bounds and timers, each with the reason for its default.
+
+The subscriber bounds are ``kvrouter up`` options, declared in their fields' ``metadata`` (``kvrouter/options.py``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from ..errors import ConfigError
+from ..options import Panel, option
 
 __all__ = ["PlaneConfig"]
 
@@ -37,14 +41,31 @@ class PlaneConfig:
     """Live messages a stream buffers while it recovers; past it the recovery is abandoned as lost."""
     max_message_bytes: int = 64 << 20
     """A message larger than this is refused (counted as a bad frame) instead of decoded."""
-    subscriber_hwm: int = SUBSCRIBER_HWM
+    subscriber_hwm: int = field(
+        default=SUBSCRIBER_HWM,
+        metadata=option(
+            "--subscriber-hwm",
+            help="[messages] Events a worker's SUB queues unread before the worker's publisher must hold or drop "
+            "them (a drop shows as a gap, recovered by replay or counted lost).",
+            panel=Panel.EVENTS,
+            min=1,
+        ),
+    )
     record_endpoint: str | None = None
     """The recorder's PULL address (``kvrouter up --record``): every applier copies what it applies there
     (``tap.py``). None: nothing is recorded."""
-    subscriber_rcvbuf: int = 0
+    subscriber_rcvbuf: int = field(
+        default=0,
+        metadata=option(
+            "--subscriber-rcvbuf",
+            help="[bytes] Kernel receive buffer of each SUB connection (SO_RCVBUF); 0 = the OS's default.",
+            panel=Panel.EVENTS,
+            min=0,
+        ),
+    )
     """Kernel receive buffer of each SUB connection in bytes (``SO_RCVBUF``); 0 keeps the OS's autotuned
     default. With ``subscriber_hwm`` it bounds what a stalled applier holds unread before the publisher's
-    own queue fills and drops (``kvrouter up --subscriber-rcvbuf``; the ``slow-consumer`` drill sets both small)."""
+    own queue fills and drops (the ``slow-consumer`` drill sets both small)."""
 
     def __post_init__(self) -> None:
         for name in ("recovery_timeout", "restore_retry", "stale_after"):

@@ -36,14 +36,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import aiohttp
 import numpy as np
-import orjson
 import zmq
 import zmq.asyncio
 from rich.console import Console
 from rich.table import Table
 
+from ..client import ApiError, Client, Selection, ServiceUnreachable
 from ..errors import BadEvent
 from ..events.codecs import kvrouter as kvrouter_codec
 from ..recording import Recording
@@ -123,10 +122,10 @@ class _Rank:
 
 
 class _Player:
-    def __init__(self, recording: Recording, http: aiohttp.ClientSession, url: str, speed: float) -> None:
+    def __init__(self, recording: Recording, client: Client, speed: float) -> None:
         self.recording = recording
-        self.http = http
-        self.url = url.rstrip("/")
+        self.client = client
+        self.url = client.url
         self.speed = speed
         self.context = zmq.asyncio.Context()
         self.ranks: dict[tuple[int, int], _Rank] = {}
@@ -135,16 +134,6 @@ class _Player:
         """The recorded ids of the reservations the live router booked and has not freed."""
         self.run_id = secrets.token_hex(4)
         self.report = LiveReport(str(recording.path), self.url, speed)
-
-    async def call(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
-        data = None if body is None else orjson.dumps(body)
-        headers = {"Content-Type": "application/json"} if data is not None else None
-        async with self.http.request(method, self.url + path, data=data, headers=headers) as response:
-            raw = await response.read()
-            try:
-                return response.status, orjson.loads(raw) if raw else None
-            except orjson.JSONDecodeError:
-                return response.status, raw.decode(errors="replace")
 
     def _error(self, what: str) -> None:
         self.report.errors.append(what)
@@ -174,23 +163,25 @@ class _Player:
         with contextlib.suppress(zmq.Again):
             while True:  # subscriptions of an earlier registration
                 await target.socket.recv(zmq.NOBLOCK)
-        body = {
-            "instance_id": worker + ID_OFFSET,
-            "endpoint": endpoint,
-            "model_name": model,
-            "routing_group": record["g"],
-            "block_size": record["bs"],
-            "dp_rank": rank,
-            "format": record["fmt"],
-        }
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        status, answer = await self.call("POST", "/register", body)
-        while status == 503 and time.monotonic() < deadline:  # a router started for us may still be starting
-            await asyncio.sleep(0.1)
-            status, answer = await self.call("POST", "/register", body)
-        if status != 201:
-            self._error(f"register worker {worker} dp {rank}: {status} {str(answer)[:200]}")
-            return
+        while True:
+            try:
+                await self.client.register(
+                    worker + ID_OFFSET,
+                    endpoint,
+                    model_name=model,
+                    routing_group=record["g"],
+                    block_size=record["bs"],
+                    dp_rank=rank,
+                    format=record["fmt"],
+                )
+                break
+            except ApiError as exc:
+                if exc.status == 503 and time.monotonic() < deadline:  # a router started for us may be starting
+                    await asyncio.sleep(0.1)
+                    continue
+                self._error(f"register worker {worker} dp {rank}: {exc.status} {exc.message[:200]}")
+                return
         self.registered.setdefault(worker, (model, set()))[1].add(rank)
         try:  # events sent before the router's SUB subscribed would be lost: wait for its subscription
             while True:
@@ -205,17 +196,17 @@ class _Player:
         entry = self.registered.get(worker)
         if entry is None:
             return
-        body: dict[str, Any] = {"instance_id": worker + ID_OFFSET, "model_name": entry[0]}
-        if record.get("r") is not None:
-            body["dp_rank"] = int(record["r"])
-            entry[1].discard(int(record["r"]))
+        rank = None if record.get("r") is None else int(record["r"])
+        if rank is not None:
+            entry[1].discard(rank)
         else:
             entry[1].clear()
         if not entry[1]:
             del self.registered[worker]
-        status, answer = await self.call("POST", "/unregister", body)
-        if status != 200:
-            self._error(f"unregister worker {worker}: {status} {str(answer)[:200]}")
+        try:
+            await self.client.unregister(worker + ID_OFFSET, entry[0], dp_rank=rank)
+        except ApiError as exc:
+            self._error(f"unregister worker {worker}: {exc.status} {exc.message[:200]}")
 
     async def _publish(self, record: Mapping[str, Any]) -> None:
         target = self._rank(int(record["w"]), int(record["r"]))
@@ -257,26 +248,24 @@ class _Player:
         report = self.report
         model = MODEL_PREFIX + str(record["m"])
         local = np.frombuffer(bytes(record["h"]), dtype="<u8").tolist()
-        body: dict[str, Any] = {
-            "model_name": model,
+        prompt: dict[str, Any] = {
             "routing_group": record["g"],
             "block_hashes": local,
             "isl_tokens": record["isl"],
+            "lora_name": record.get("lora") or None,
         }
-        if record.get("lora"):
-            body["lora_name"] = record["lora"]
         reserve = record.get("id") is not None
-        if reserve:
-            body["selection_id"] = self._id(str(record["id"]))
-        elif record.get("probe"):
-            body["probe"] = True
         report.decisions += 1
+        answer: Selection
         try:
-            status, answer = await self.call("POST", "/select_and_reserve" if reserve else "/select", body)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            if reserve:
+                answer = await self.client.select_and_reserve(model, selection_id=self._id(str(record["id"])), **prompt)
+            else:
+                answer = await self.client.select(model, probe=bool(record.get("probe")), **prompt)
+        except ServiceUnreachable as exc:
             self._error(f"select: {exc!r}")
             return
-        if status != 200 or not isinstance(answer, dict):
+        except ApiError:
             report.refused += 1
             return
         report.answered += 1
@@ -290,17 +279,18 @@ class _Player:
             block = int(answer.get("block_size") or 1)
             report.prompt_blocks += len(local)
             report.recorded_hit_blocks += int(record.get("o") or 0)
-            report.live_hit_blocks += int(answer.get("overlap", {}).get("gpu", 0)) // block
+            report.live_hit_blocks += int(answer["overlap"]["gpu"]) // block
 
     async def _booked(self, record: Mapping[str, Any]) -> None:
         if str(record["id"]) not in self.booked:
             return
         selection = self._id(str(record["id"]))
-        if record["k"] == "pc":
-            await self.call("POST", f"/reservations/{selection}/prefill_complete", {})
-        else:
-            self.booked.discard(str(record["id"]))
-            await self.call("DELETE", f"/reservations/{selection}")
+        with contextlib.suppress(ApiError):  # expired or refused: the report counts decisions, not these
+            if record["k"] == "pc":
+                await self.client.prefill_complete(selection)
+            else:
+                self.booked.discard(str(record["id"]))
+                await self.client.free(selection)
 
     async def play(self) -> LiveReport:
         records = self.recording.records
@@ -333,8 +323,8 @@ class _Player:
 
     async def close(self) -> None:
         for worker, (model, _) in list(self.registered.items()):
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                await self.call("POST", "/unregister", {"instance_id": worker + ID_OFFSET, "model_name": model})
+            with contextlib.suppress(ApiError, ServiceUnreachable):
+                await self.client.unregister(worker + ID_OFFSET, model)
         for rank in self.ranks.values():
             rank.socket.close(linger=0)
         self.context.term()
@@ -357,13 +347,13 @@ async def replay_live(
         await stack.start()
         url = stack.url
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)) as http:
-            player = _Player(recording, http, url, speed)
+        async with Client(url, timeout=HTTP_TIMEOUT_S) as client:
+            player = _Player(recording, client, speed)
             try:
                 return await player.play()
             finally:
                 await player.close()
-    except aiohttp.ClientError as exc:
+    except ServiceUnreachable as exc:
         raise ReplayError(f"the router at {url} did not answer: {exc}") from exc
     finally:
         if stack is not None:

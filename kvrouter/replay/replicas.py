@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from ..client import ApiError
 from ..index.sweep import sweep_leftovers
 from .natsd import NatsServer, nats_server_binary
 from .stack import RESTART_PORT_TRIES, LocalStack, Mock, ReplayError, StackConfig
@@ -150,17 +151,21 @@ class ReplicaStack(LocalStack):
 
     async def sync_status(self, url: str) -> dict[str, Any]:
         """``/ready``'s ``replica_sync`` of the replica at ``url`` (ready or not)."""
-        status, body = await self.call("GET", url + "/ready")
-        if status not in (200, 503) or not isinstance(body, dict) or not isinstance(body.get("replica_sync"), dict):
-            raise ReplayError(f"GET {url}/ready answered {status}: {str(body)[:200]}")
-        sync: dict[str, Any] = body["replica_sync"]
+        try:
+            body = await self.client(url).ready()
+        except ApiError as exc:
+            raise ReplayError(f"GET {url}/ready answered {exc.status}: {exc.message[:200]}") from exc
+        sync = body.get("replica_sync")
+        if not isinstance(sync, dict):
+            raise ReplayError(f"GET {url}/ready has no replica_sync: {str(body)[:200]}")
         return sync
 
     async def loads(self, url: str) -> dict[str, list[int]]:
         """``GET /loads`` of the replica at ``url``: ``"worker:rank"`` -> [prefill tokens, active blocks, requests]."""
-        status, body = await self.call("GET", url + "/loads")
-        if status != 200 or not isinstance(body, list):
-            raise ReplayError(f"GET {url}/loads answered {status}: {str(body)[:200]}")
+        try:
+            body = await self.client(url).loads()
+        except ApiError as exc:
+            raise ReplayError(f"GET {url}/loads answered {exc.status}: {exc.message[:200]}") from exc
         return {
             f"{row['worker_id']}:{row['dp_rank']}": [
                 int(row["potential_prefill_tokens"]),

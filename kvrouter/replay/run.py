@@ -28,8 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import aiohttp
-
+from ..client import ApiError, Worker
 from .drills import Drill, Rows
 from .replicas import SYNC_COUNTERS, ReplicaStack
 from .stack import Mock, ReplayError, Stack
@@ -108,16 +107,15 @@ class RunResult:
         return gaps and (self.replicas is None or bool(self.replicas["lost_counted"]))
 
 
-def _rows(workers: list[dict[str, Any]]) -> Rows:
-    return {int(row["instance_id"]): dict(row.get("listeners", {}).get("0", {})) for row in workers}
+def _rows(workers: Sequence[Worker]) -> Rows:
+    return {int(row["instance_id"]): dict(row["listeners"].get("0") or {}) for row in workers}
 
 
 async def _whole(stack: Stack) -> bool:
     """On every router: ``/ready`` 200 (every shard up, a worker schedulable; replicas: the sync connected
     and not re-syncing), no listener restoring, every gap settled: the routers' own views say they are whole."""
     for url in stack.urls:
-        status, _ready = await stack.call("GET", url + "/ready")
-        if status != 200:
+        if not (await stack.client(url).ready())["ready"]:
             return False
         for listener in _rows(await stack.workers(url)).values():
             if listener.get("state") == "restoring":
@@ -231,7 +229,7 @@ async def run(
                 if result.fault_seen and await _whole(stack):
                     result.converge_s = round(time.monotonic() - result.fault_at, 3)
                     return
-            except (OSError, TimeoutError, ReplayError, aiohttp.ClientError):
+            except (OSError, TimeoutError, ReplayError, ApiError):
                 pass  # the router is down (router-restart): not whole yet
             await asyncio.sleep(PROBE_INTERVAL_S)
 
@@ -250,7 +248,7 @@ async def run(
                 result.converged, result.mismatch = await _equal_everywhere(stack)
                 if replica_stack is not None:
                     result.replicas, settled = await _replicas(replica_stack, sync_before, generations)
-            except (OSError, TimeoutError, ReplayError, aiohttp.ClientError) as exc:
+            except (OSError, TimeoutError, ReplayError, ApiError) as exc:
                 result.converged, result.mismatch = False, f"the router or an engine did not answer: {exc!r}"
             watched = watcher is None or watcher.done()
             if (result.converged and settled and watched) or time.monotonic() > deadline:

@@ -10,6 +10,10 @@ applier writes which shard). Rejected: an in-process ``Service`` (an applier SIG
 would then be simulated, not done) and ``kvrouter up``'s own demo mocks (their ports are printed, but
 they die with the router, so a router restart could not keep them).
 
+Every HTTP call, to the router and to the engines' control routes, goes through ``kvrouter.client``: the
+typed methods for the router's routes, :meth:`Stack.call` (one :class:`~kvrouter.client.Client` per address,
+its low-level ``request``) for the engines' ``/restart``, ``/faults``, ``/cache`` and ``/overlap``.
+
 :class:`AttachedStack` (``--url``) knows only HTTP: the workers ``GET /workers`` lists with an
 ``http_endpoint`` that answers a mock's ``/cache``. Drills needing a process of their own are skipped.
 
@@ -33,10 +37,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import urlsplit
 
-import aiohttp
-import orjson
-
+from ..client import ApiError, Client, Worker
 from ..demo.mocks import MockProcess, start_mock, stop_mocks
 from ..engine import read_shards, read_workers
 from ..errors import KvRouterError
@@ -124,26 +127,33 @@ class Stack:
         """Bumped by every router restart: the worker rows' counters start again from 0 then."""
         self.departed: dict[int, float] = {}
         """Workers removed during the current run -> ``time.monotonic()`` just before their ``/unregister``."""
-        self._http: aiohttp.ClientSession | None = None
+        self._clients: dict[str, Client] = {}
 
-    @property
-    def http(self) -> aiohttp.ClientSession:
-        if self._http is None:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S))
-        return self._http
+    def client(self, url: str | None = None) -> Client:
+        """The client of the router (or engine) at ``url`` (default: :attr:`url`), made on first use and
+        kept, with its connections, until :meth:`close`."""
+        base = (self.url if url is None else url).rstrip("/")
+        found = self._clients.get(base)
+        if found is None:
+            found = self._clients[base] = Client(base, timeout=HTTP_TIMEOUT_S)
+        return found
 
     async def call(self, method: str, url: str, body: object = None) -> tuple[int, Any]:
-        """One JSON call; ``url`` is absolute or a path of the router."""
+        """One JSON call, (status, answer) whatever the status: the drills judge an engine's control route by
+        its status. ``url`` is absolute or a path of the router.
+
+        Raises:
+            ServiceUnreachable: no answer (an ``OSError``).
+        """
         if url.startswith("/"):
             url = self.url + url
-        data = None if body is None else orjson.dumps(body)
-        headers = {"Content-Type": "application/json"} if data is not None else None
-        async with self.http.request(method, url, data=data, headers=headers) as response:
-            raw = await response.read()
-            try:
-                return response.status, orjson.loads(raw) if raw else None
-            except orjson.JSONDecodeError:
-                return response.status, raw.decode(errors="replace")
+        parts = urlsplit(url)
+        base = f"{parts.scheme}://{parts.netloc}"
+        try:
+            response = await self.client(base).request(method, url[len(base) :], body)
+        except ApiError as exc:
+            return exc.status, exc.body
+        return response.status, response.body
 
     @property
     def urls(self) -> list[str]:
@@ -158,13 +168,17 @@ class Stack:
         """Bumped when the router at ``url`` was replaced: its rows' counters started again from 0."""
         return self.generation
 
-    async def workers(self, url: str | None = None) -> list[dict[str, Any]]:
-        """``GET /workers`` of the stack's model, on ``url`` (default: :attr:`url`)."""
-        base = self.url if url is None else url
-        status, rows = await self.call("GET", f"{base}/workers?model_name={self.model_name}")
-        if status != 200 or not isinstance(rows, list):
-            raise ReplayError(f"GET {base}/workers answered {status}: {str(rows)[:200]}")
-        return rows
+    async def workers(self, url: str | None = None) -> list[Worker]:
+        """``GET /workers`` of the stack's model, on ``url`` (default: :attr:`url`).
+
+        Raises:
+            ReplayError: the router refused. ServiceUnreachable: it did not answer.
+        """
+        client = self.client(url)
+        try:
+            return await client.workers(self.model_name)
+        except ApiError as exc:
+            raise ReplayError(f"GET {client.url}/workers answered {exc.status}: {exc.message[:200]}") from exc
 
     def registration(self, mock: Mock) -> dict[str, Any]:
         """The ``POST /register`` body of ``mock``: a vLLM-format engine with a replay socket."""
@@ -191,13 +205,15 @@ class Stack:
             deadline = time.monotonic() + START_TIMEOUT_S
             while True:
                 try:
-                    status, answer = await self.call("POST", base + "/register", body)
-                except (aiohttp.ClientError, OSError) as exc:  # refused, reset: the router is not there
-                    raise ReplayError(f"{base}/register of mock engine {mock.worker_id}: {exc}{self._gone()}") from exc
-                if status in (200, 201):
+                    await self.client(base).register(**body)
                     break
-                if status != 503 or time.monotonic() > deadline:
-                    raise ReplayError(f"{base}/register of mock engine {mock.worker_id} answered {status}: {answer}")
+                except ApiError as exc:
+                    if exc.status != 503 or time.monotonic() > deadline:
+                        raise ReplayError(
+                            f"{base}/register of mock engine {mock.worker_id} answered {exc.status}: {exc.message}"
+                        ) from exc
+                except OSError as exc:  # refused, reset: the router is not there
+                    raise ReplayError(f"{base}/register of mock engine {mock.worker_id}: {exc}{self._gone()}") from exc
                 await asyncio.sleep(0.25)
 
     def _gone(self) -> str:
@@ -221,11 +237,7 @@ class Stack:
             if status != 200:
                 raise ReplayError(f"POST {mock.http}/restart answered {status}: {answer}")
             for url in self.urls:
-                status, answer = await self.call(
-                    "POST", url + "/unregister", {"instance_id": mock.worker_id, "model_name": self.model_name}
-                )
-                if status not in (200, 404):
-                    raise ReplayError(f"/unregister of worker {mock.worker_id} answered {status}: {answer}")
+                await self._unregister(mock, url)
             await self.register(mock)
         deadline = time.monotonic() + RESET_TIMEOUT_S
         waiting = list(self.urls)
@@ -237,7 +249,10 @@ class Stack:
                 for listener in row.get("listeners", {}).values()
                 if listener.get("cached_blocks") == 0 and listener.get("state") in ("exact", "unknown")
             }
-            ready = (await self.call("GET", waiting[0] + "/ready"))[0] == 200
+            try:
+                ready = (await self.client(waiting[0]).ready())["ready"]
+            except ApiError:  # a status /ready does not give (200 or 503): not ready either
+                ready = False
             if empty >= {mock.worker_id for mock in self.mocks} and ready:
                 waiting.pop(0)
                 continue
@@ -255,13 +270,23 @@ class Stack:
             ReplayError: ``/unregister`` refused it.
         """
         self.departed[mock.worker_id] = time.monotonic()
-        status, answer = await self.call(
-            "POST", "/unregister", {"instance_id": mock.worker_id, "model_name": self.model_name}
-        )
-        if status not in (200, 404):
-            raise ReplayError(f"/unregister of worker {mock.worker_id} answered {status}: {answer}")
+        await self._unregister(mock)
         if mock in self.mocks:
             self.mocks.remove(mock)
+
+    async def _unregister(self, mock: Mock, url: str | None = None) -> None:
+        """``POST /unregister`` of ``mock`` on ``url`` (default: :attr:`url`); one it never knew (404) is fine.
+
+        Raises:
+            ReplayError: any other refusal.
+        """
+        try:
+            await self.client(url).unregister(mock.worker_id, self.model_name)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise ReplayError(
+                    f"/unregister of worker {mock.worker_id} answered {exc.status}: {exc.message}"
+                ) from exc
 
     async def add_mock(self) -> Mock:
         """Start one more engine and register it (:class:`LocalStack` only).
@@ -295,9 +320,9 @@ class Stack:
         return {}
 
     async def close(self) -> None:
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.aclose()
 
 
 class LocalStack(Stack):
@@ -509,7 +534,7 @@ class AttachedStack(Stack):
 
     def __init__(self, url: str, model_name: str) -> None:
         super().__init__(url, model_name, 0)
-        self._rows: dict[int, dict[str, Any]] = {}
+        self._rows: dict[int, Worker] = {}
 
     async def attach(self) -> None:
         """Read the workers and their block size.
@@ -519,7 +544,7 @@ class AttachedStack(Stack):
         """
         try:
             rows = await self.workers()
-        except aiohttp.ClientError as exc:
+        except OSError as exc:
             raise ReplayError(f"cannot reach {self.url}: {exc}") from exc
         for row in rows:
             http = row.get("http_endpoint")
@@ -534,7 +559,7 @@ class AttachedStack(Stack):
     async def register(self, mock: Mock, url: str | None = None) -> None:
         """Register again as it was registered (the row's endpoints); one router, so ``url`` is :attr:`url`."""
         row = self._rows[mock.worker_id]
-        body = {
+        body: dict[str, Any] = {
             "instance_id": mock.worker_id,
             "endpoint": row["endpoints"].get("0"),
             "replay_endpoint": row.get("replay_endpoint"),
@@ -544,6 +569,7 @@ class AttachedStack(Stack):
             "block_size": self.block_size,
             "dp_rank": 0,
         }
-        status, answer = await self.call("POST", "/register", body)
-        if status not in (200, 201):
-            raise ReplayError(f"/register of worker {mock.worker_id} answered {status}: {answer}")
+        try:
+            await self.client().register(**body)
+        except ApiError as exc:
+            raise ReplayError(f"/register of worker {mock.worker_id} answered {exc.status}: {exc.message}") from exc

@@ -30,8 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import aiohttp
-
+from ..client import ApiError
 from .stack import Stack
 
 __all__ = ["PROBE_INTERVAL_S", "WINDOW_S", "ProbeLog", "index_equals_engines", "probe"]
@@ -91,11 +90,11 @@ async def probe(stack: Stack, prompts: Sequence[list[int]], log_to: ProbeLog, st
         log_to.truth.setdefault(worker, []).append((time.monotonic(), answer["ranks"][0]["overlaps"]))
 
     async def router(base: str, index: int, prompt: list[int]) -> None:
-        body = {"token_ids": prompt, "model_name": stack.model_name}
-        status, answer = await stack.call("POST", base + "/query", body)
-        if status != 200:
-            raise ConnectionError(f"/query answered {status}")
-        scores: dict[str, dict[str, int]] = answer.get("scores", {})
+        try:
+            answer = await stack.client(base).query(stack.model_name, prompt)
+        except ApiError as exc:
+            raise ConnectionError(f"/query answered {exc.status}") from exc
+        scores = answer["scores"]
         overlaps = {int(worker): ranks.get("0", 0) // block for worker, ranks in scores.items()}
         log_to.answers.append((time.monotonic(), index, overlaps))
 
@@ -108,7 +107,7 @@ async def probe(stack: Stack, prompts: Sequence[list[int]], log_to: ProbeLog, st
         try:
             await asyncio.gather(*(engine(mock.http, mock.worker_id) for mock in stack.mocks))
             await asyncio.gather(*(router(base, i, prompt) for i, prompt in enumerate(prompts)))
-        except (OSError, TimeoutError, KeyError, IndexError, aiohttp.ClientError) as exc:
+        except (OSError, TimeoutError, KeyError, IndexError) as exc:
             if not log_to.failed:  # a router draining (router-restart) closes a probe's connection mid-request
                 log.info("probe round failed error=%r (logged once)", exc)
             log_to.failed += 1
@@ -117,7 +116,7 @@ async def probe(stack: Stack, prompts: Sequence[list[int]], log_to: ProbeLog, st
     # one last engine sample, so the last answers have a sample after them
     try:
         await asyncio.gather(*(engine(mock.http, mock.worker_id) for mock in stack.mocks))
-    except (OSError, TimeoutError, KeyError, IndexError, aiohttp.ClientError):
+    except (OSError, TimeoutError, KeyError, IndexError):
         log_to.failed += 1
 
 
@@ -136,9 +135,8 @@ async def index_equals_engines(stack: Stack, url: str | None = None) -> tuple[bo
         f"the router still lists worker {row['instance_id']}, which left" for row in rows
         if int(row["instance_id"]) not in members
     ]  # fmt: skip
-    indexed = {
-        int(row["instance_id"]): int(row.get("listeners", {}).get("0", {}).get("cached_blocks", -1)) for row in rows
-    }
+    listeners = {int(row["instance_id"]): row["listeners"].get("0") for row in rows}
+    indexed = {worker: -1 if row is None else row.get("cached_blocks", -1) for worker, row in listeners.items()}
     leaves: dict[tuple[int, ...], set[int]] = {}
     for mock in stack.mocks:
         status, cache = await stack.call("GET", mock.http + "/cache")
@@ -156,12 +154,12 @@ async def index_equals_engines(stack: Stack, url: str | None = None) -> tuple[bo
 
     async def check(path: tuple[int, ...], holders: set[int]) -> None:
         async with limit:
-            body = {"block_hashes": list(path), "model_name": stack.model_name}
-            status, answer = await stack.call("POST", base + "/query_by_hash", body)
-        if status != 200:
-            problems.append(f"/query_by_hash answered {status}: {str(answer)[:120]}")
-            return
-        scores = answer.get("scores", {})
+            try:
+                answer = await stack.client(base).query_by_hash(stack.model_name, list(path))
+            except ApiError as exc:
+                problems.append(f"/query_by_hash answered {exc.status}: {exc.message[:120]}")
+                return
+        scores = answer["scores"]
         strangers = [worker for worker in scores if int(worker) not in members]
         if strangers:
             problems.append(f"a cached path is indexed for worker(s) {', '.join(strangers)}, which left")

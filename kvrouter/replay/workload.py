@@ -10,7 +10,8 @@ Rejected: full-size prompts (100 KB of JSON per request, and four mocks would ho
 so eviction would dominate every drill) and a synthetic workload (the issue asks for a trace, and the
 simulator's numbers are on this one).
 
-**Through the proxy.** Each request is one streamed ``POST /v1/completions`` to ``kvrouter up``: the
+**Through the proxy.** Each request is one streamed ``POST /v1/completions`` to ``kvrouter up``
+(``kvrouter.client``'s ``stream_completions``, one client per router address): the
 router chooses, books, marks prefill complete at the first chunk and frees at the end, as for any
 OpenAI client, so the drill measures the public path. The mock's answer carries what the drill reports:
 ``usage.prompt_tokens_details.cached_tokens`` (the engine's own hit) and ``kvrouter.ttft_ms`` (its
@@ -27,9 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-import aiohttp
-import orjson
-
+from ..client import ApiError, Client, ServiceUnreachable
 from ..sim.trace import TRACE_BLOCK_SIZE, Trace
 
 __all__ = ["TOKENS_PER_HASH", "Outcome", "ReplayRequest", "drive", "requests_from_trace"]
@@ -102,19 +101,16 @@ def requests_from_trace(trace: Trace, *, count: int, speed: float) -> list[Repla
     return out
 
 
-async def _one(http: aiohttp.ClientSession, url: str, model: str, request: ReplayRequest, outcome: Outcome) -> None:
-    body = orjson.dumps({"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "stream": True})
-    headers = {"Content-Type": "application/json"}
-    async with http.post(url + "/v1/completions", data=body, headers=headers) as response:
-        outcome.worker = response.headers.get("X-Kvrouter-Worker", "")
-        if response.status != 200:
-            outcome.error = f"status {response.status}"
-            await response.read()
-            return
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = orjson.loads(line[6:])
+async def _one(client: Client, model: str, request: ReplayRequest, outcome: Outcome) -> None:
+    """One request through the proxy, what it came back with written to ``outcome``.
+
+    Raises:
+        ApiError: the router or the engine refused it, or a payload did not parse.
+        ServiceUnreachable: no answer, or the stream broke.
+    """
+    async with client.stream_completions(request.prompt, model=model, max_tokens=request.max_tokens) as stream:
+        outcome.worker = stream.worker
+        async for chunk in stream:
             if "error" in chunk:
                 outcome.error = "engine error"
                 continue
@@ -147,11 +143,23 @@ async def drive(
     limit = asyncio.Semaphore(MAX_IN_FLIGHT)
     tasks: list[asyncio.Task[None]] = []
 
-    async def send(http: aiohttp.ClientSession, request: ReplayRequest, outcome: Outcome) -> None:
+    clients: dict[str, Client] = {}
+
+    def client() -> Client:
+        address = url()
+        found = clients.get(address)
+        if found is None:
+            found = clients[address] = Client(address, timeout=REQUEST_TIMEOUT_S, connections=MAX_IN_FLIGHT)
+        return found
+
+    async def send(client: Client, request: ReplayRequest, outcome: Outcome) -> None:
         try:
-            await _one(http, url(), model, request, outcome)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            outcome.error = type(exc).__name__
+            await _one(client, model, request, outcome)
+        except ApiError as exc:  # refused (its status), or a payload that did not parse (that error's name)
+            outcome.worker = outcome.worker or exc.headers.get("X-Kvrouter-Worker", "")
+            outcome.error = f"status {exc.status}" if exc.__cause__ is None else type(exc.__cause__).__name__
+        except ServiceUnreachable as exc:  # named by aiohttp's error (refused, disconnected, timed out)
+            outcome.error = type(exc.__cause__ or exc).__name__
         finally:
             limit.release()
         if outcome.error is not None and outcome.error not in errors_logged:
@@ -160,24 +168,24 @@ async def drive(
         if on_done is not None:
             on_done(outcome)
 
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=MAX_IN_FLIGHT)) as http:
-        start = time.monotonic()
-        try:
-            for i, request in enumerate(requests):
-                delay = start + request.at - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                await limit.acquire()
-                outcome = Outcome(time.monotonic(), len(request.prompt))
-                outcomes.append(outcome)
-                tasks.append(asyncio.create_task(send(http, request, outcome)))
-                if on_sent is not None:
-                    on_sent(i)
-            await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.gather(*tasks, return_exceptions=True)
+    start = time.monotonic()
+    try:
+        for i, request in enumerate(requests):
+            delay = start + request.at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await limit.acquire()
+            outcome = Outcome(time.monotonic(), len(request.prompt))
+            outcomes.append(outcome)
+            tasks.append(asyncio.create_task(send(client(), request, outcome)))
+            if on_sent is not None:
+                on_sent(i)
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for each in clients.values():
+            await each.aclose()
     return outcomes

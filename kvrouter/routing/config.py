@@ -5,15 +5,20 @@ Every field the reference has and kvrouter implements keeps the reference's name
 binding field by field), so a Dynamo operator's settings carry over unchanged. Fields the reference
 keeps elsewhere (busy thresholds are frontend flags there) use the flag's name. Fields kvrouter does
 not implement are absent rather than accepted and ignored.
+
+A field's ``metadata`` declares the ``kvrouter up`` option that sets it (``kvrouter/options.py``), with
+Dynamo's flag spelling (``--router-kv-overlap-score-credit`` sets ``overlap_score_credit``); its default
+there is :data:`KVROUTER_CONFIG`'s value, ``ServiceConfig.router``'s default.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Final, Literal
 
 from ..errors import ConfigError
+from ..options import Panel, option
 
 __all__ = ["KVROUTER_CONFIG", "RouterConfig"]
 
@@ -30,52 +35,195 @@ class RouterConfig:
             message names the field.
     """
 
-    overlap_score_credit: float = 1.0
+    router_selection_policy: Literal["default", "lmetric"] = field(
+        default="default",
+        metadata=option(
+            "--router-selection-policy",
+            help="What is minimised: "
+            "'default' (the reference's sum) or 'lmetric' (prefill x decode, kvrouter's tuned default).",
+            panel=Panel.COST,
+        ),
+    )
+    """What is minimised: ``"default"``, the reference's cost (a sum); ``"lmetric"``, the reference's opt-in
+    ``adjusted_prefill_blocks * (decode_blocks + 1)`` (``spec/dynamo-semantics.md`` §4.2, after LMetric)."""
+    overlap_score_credit: float = field(
+        default=1.0,
+        metadata=option(
+            "--router-kv-overlap-score-credit",
+            help="[blocks per cached block] Prefill credit of a device-cache hit.",
+            panel=Panel.COST,
+            min=0.0,
+        ),
+    )
     """Blocks of prefill credited per device-overlap block."""
-    overlap_score_credit_decay: float = 0.0
+    overlap_score_credit_decay: float = field(
+        default=0.0,
+        metadata=option(
+            "--router-kv-overlap-score-credit-decay",
+            help="Shrinks the credit of workers with more queued prefill than the least loaded.",
+            panel=Panel.COST,
+            min=0.0,
+        ),
+    )
     """Shrinks the device credit of workers with more queued prefill than the least loaded (§4.2)."""
-    prefill_load_scale: float = 1.0
+    prefill_load_scale: float = field(
+        default=1.0,
+        metadata=option(
+            "--router-prefill-load-scale",
+            help="Multiplier on the uncached prefill blocks.",
+            panel=Panel.COST,
+            min=0.0,
+        ),
+    )
     """Multiplier on the adjusted prefill blocks."""
-    decode_active_request_weight: float = 0.0
+    decode_active_request_weight: float = field(
+        default=0.0,
+        metadata=option(
+            "--router-decode-active-request-weight",
+            help="[blocks per request] Decode cost of each active request.",
+            panel=Panel.COST,
+            min=0.0,
+        ),
+    )
     """Block-equivalents of decode cost per active request."""
-    prefill_work_weight: float = 0.0
+    prefill_work_weight: float = field(
+        default=0.0,
+        metadata=option(
+            "--router-prefill-work-weight",
+            help="kvrouter's term: scales a worker's cost by its share of the last minute's uncached prefill "
+            "(0 = the reference's behaviour).",
+            panel=Panel.COST,
+            min=0.0,
+        ),
+    )
     """kvrouter's own term, not the reference's (0: off, the reference's behaviour): scales each worker's
     cost by ``max(0, 1 + weight * (recent - mean) / mean)``, where ``recent`` is the uncached prefill the
     worker was booked over the last minute or so (``SlotManager.recent_prefill_tokens``) and ``mean`` its
     mean over the eligible candidates (``kvrouter/routing/cost.py``)."""
-    host_cache_hit_weight: float = 0.75
+    untrusted_overlap_weight: float = field(
+        default=1.0,
+        metadata=option(
+            "--router-untrusted-overlap-weight",
+            help="kvrouter's: multiplies the overlap credit of workers whose trust is not exact "
+            "(partial, stale, misconfigured; docs/insight.md); 1 = off.",
+            panel=Panel.COST,
+            min=0.0,
+            max=1.0,
+        ),
+    )
+    """kvrouter's own (1: off, the reference's behaviour): multiplies every overlap credit of a worker the
+    caller marked untrusted (``Router.set_untrusted``: the service marks the workers whose trust state is
+    not ``exact``, ``service/trust.py``), so a router that may have lost part of a worker's history leans
+    less on it. In 0..1."""
+    host_cache_hit_weight: float = field(
+        default=0.75,
+        metadata=option(
+            "--router-host-cache-hit-weight",
+            help="[blocks per cached block] Credit of a host-memory hit beyond the device overlap.",
+            panel=Panel.COST,
+            min=0.0,
+        ),
+    )
     """Credit per block found in host memory beyond the device overlap."""
-    disk_cache_hit_weight: float = 0.25
+    disk_cache_hit_weight: float = field(
+        default=0.25,
+        metadata=option(
+            "--router-disk-cache-hit-weight",
+            help="[blocks per cached block] Credit of a disk hit beyond the host overlap.",
+            panel=Panel.COST,
+            min=0.0,
+        ),
+    )
     """Credit per block found on disk beyond the host overlap."""
     shared_cache_multiplier: float | None = None
     """Credit per block found only in the shared cache; None: 0.5 when ``shared_cache_type`` is set, else 0."""
     shared_cache_type: Literal["none", "hicache"] = "none"
     """External shared KV cache in use, if any."""
-    router_temperature: float = 0.0
+    router_temperature: float = field(
+        default=0.0,
+        metadata=option(
+            "--router-temperature",
+            help="0: the cheapest worker (random tie-break); above 0: softmax sampling over normalised costs.",
+            panel=Panel.COST,
+            min=0.0,
+        ),
+    )
     """0: argmin with a random tie-break; above 0: softmax sampling over normalised costs."""
-    router_selection_policy: Literal["default", "lmetric"] = "default"
-    """What is minimised: ``"default"``, the reference's cost (a sum); ``"lmetric"``, the reference's opt-in
-    ``adjusted_prefill_blocks * (decode_blocks + 1)`` (``spec/dynamo-semantics.md`` §4.2, after LMetric)."""
-    use_kv_events: bool = True
+    use_kv_events: bool = field(
+        default=True,
+        metadata=option(
+            "--router-kv-events",
+            help="Index the engines' KV events; --no-: approximate mode, the router's own decisions stand in for them.",
+            panel=Panel.EVENTS,
+            negatable=True,
+            env=("KVROUTER_ROUTER_USE_KV_EVENTS",),
+        ),
+    )
     """False: approximate mode, the router's own decisions stand in for KV events (with a TTL)."""
-    router_ttl_secs: float = 120.0
+    router_ttl_secs: float = field(
+        default=120.0,
+        metadata=option(
+            "--router-ttl-secs",
+            help="[secs] How long a routed prefix counts as cached in approximate mode.",
+            panel=Panel.EVENTS,
+            min=0.001,
+        ),
+    )
     """Seconds a routed block is assumed cached in approximate mode."""
-    router_track_active_blocks: bool = True
+    router_track_active_blocks: bool = field(
+        default=True,
+        metadata=option(
+            "--router-track-active-blocks",
+            help="Count active requests' blocks in the decode term.",
+            panel=Panel.COST,
+            negatable=True,
+        ),
+    )
     """Count the blocks of active requests in the decode term."""
-    router_track_prefill_tokens: bool = True
+    router_track_prefill_tokens: bool = field(
+        default=True,
+        metadata=option(
+            "--router-track-prefill-tokens",
+            help="Count queued prefill tokens in the prefill term.",
+            panel=Panel.COST,
+            negatable=True,
+        ),
+    )
     """Count queued prefill tokens in the prefill term."""
-    router_assume_kv_reuse: bool = True
+    router_assume_kv_reuse: bool = field(
+        default=True,
+        metadata=option(
+            "--router-assume-kv-reuse",
+            help="Active requests sharing a prefix share its blocks.",
+            panel=Panel.COST,
+            negatable=True,
+        ),
+    )
     """Active requests that share a prefix share its blocks (False: every request's blocks are its own)."""
-    active_decode_blocks_threshold: float | None = None
+    active_decode_blocks_threshold: float | None = field(
+        default=None,
+        metadata=option(
+            "--active-decode-blocks-threshold",
+            help="[fraction of KV capacity] A worker above it is busy.",
+            panel=Panel.OVERLOAD,
+            min=0.0,
+            max=1.0,
+            show_default="off",
+        ),
+    )
     """Busy when active decode blocks exceed this fraction of the worker's KV capacity (Dynamo's
     ``--active-decode-blocks-threshold``); None: off. Workers of unknown capacity are never busy by it."""
-    active_prefill_tokens_threshold: int | None = None
+    active_prefill_tokens_threshold: int | None = field(
+        default=None,
+        metadata=option(
+            "--active-prefill-tokens-threshold",
+            help="[tokens] A worker with more queued prefill is busy.",
+            panel=Panel.OVERLOAD,
+            min=0,
+            show_default="off",
+        ),
+    )
     """Busy when active prefill tokens exceed this (``--active-prefill-tokens-threshold``); None: off."""
-    untrusted_overlap_weight: float = 1.0
-    """kvrouter's own (1: off, the reference's behaviour): multiplies every overlap credit of a worker the
-    caller marked untrusted (``Router.set_untrusted``: the service marks the workers whose trust state is
-    not ``exact``, ``service/trust.py``), so a router that may have lost part of a worker's history leans
-    less on it. In 0..1."""
 
     def __post_init__(self) -> None:
         for spec in fields(self):

@@ -2,7 +2,8 @@
 
 Precedence per option: flag > ``KVROUTER_*`` environment variable > ``--config`` TOML file > default,
 checked on one option at every level and across options mixing levels; the ``--router-*`` flags land
-on the right ``RouterConfig`` fields, starting from ``KVROUTER_CONFIG``; ``--help`` is grouped.
+on the right ``RouterConfig`` fields, starting from ``KVROUTER_CONFIG``; ``--help`` is grouped. ``kvrouter up``
+warns once when its API is off loopback without a token (``serve`` replaced, nothing started).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvrouter.cli.up import ROUTER_FLAGS
 from kvrouter.index.layout import MAX_INDEX_BLOCKS
 from kvrouter.plane.config import SUBSCRIBER_HWM
 from kvrouter.routing.config import KVROUTER_CONFIG
+from kvrouter.service.core.config import is_loopback
 
 ENV_PREFIX = "KVROUTER_"
 WIDE = {"COLUMNS": "400"}
@@ -302,3 +304,64 @@ def test_the_subscriber_queue_flags_set_the_event_planes_bounds(runner):
     plane = resolve(runner, "--subscriber-hwm", "8", env={"KVROUTER_SUBSCRIBER_RCVBUF": "4096"})["service"]["plane"]
     assert (plane["subscriber_hwm"], plane["subscriber_rcvbuf"]) == (8, 4096)
     assert runner.invoke(app, ["up", "--subscriber-hwm", "0", "--print-config"]).exit_code == 2
+
+
+WARNING = "is not loopback and no --auth-token is set"
+
+
+@pytest.mark.parametrize(
+    ("host", "warnings"),
+    [
+        ("0.0.0.0", 1),  # every interface
+        ("10.1.2.3", 1),
+        ("::", 1),
+        ("router.example", 1),  # a name may resolve anywhere
+        ("127.0.0.2", 0),  # 127.0.0.0/8 is loopback, not only 127.0.0.1
+        ("::1", 0),
+        ("[::1]", 0),
+        ("localhost", 0),
+    ],
+)
+def test_up_warns_once_when_the_api_is_off_loopback_without_a_token(runner, monkeypatch, host, warnings):
+    served: list[Any] = []
+
+    def serve(config: Any, demo: Any) -> int:
+        served.append(config)
+        return 0
+
+    monkeypatch.setattr("kvrouter.cli.up.serve", serve)
+    result = runner.invoke(app, ["up", "--host", host])
+    assert result.exit_code == 0, result.output
+    assert [config.host for config in served] == [host]
+    assert result.stderr.count(WARNING) == warnings
+    guarded = runner.invoke(app, ["up", "--host", host], env={"KVROUTER_AUTH_TOKEN": "s3cret"})
+    assert guarded.exit_code == 0, guarded.output
+    assert WARNING not in guarded.stderr
+
+
+def test_print_config_does_not_warn(runner):
+    result = runner.invoke(app, ["up", "--host", "0.0.0.0", "--print-config"])
+    assert result.exit_code == 0
+    assert WARNING not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("127.255.255.254", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("::ffff:127.0.0.1", True),
+        ("localhost", True),
+        ("LOCALHOST", True),
+        ("", False),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("192.168.1.1", False),
+        ("localhost.example", False),
+    ],
+)
+def test_is_loopback_is_the_one_idea_of_loopback(host, loopback):
+    assert is_loopback(host) is loopback

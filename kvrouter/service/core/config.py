@@ -2,7 +2,9 @@
 
 The service reads no flags or environment itself: the ``up`` command resolves flags, ``KVROUTER_*``
 variables and the TOML file into this one object (``spec/interfaces.md`` §5), so tests build a service
-from a literal and the precedence rules live in one place.
+from a literal and the precedence rules live in one place. Each field ``kvrouter up`` sets declares its
+option in its ``metadata`` (``kvrouter/options.py``): flag, variables, TOML key, help and group, with the
+field's default as the option's; ``--router-*`` options are declared on ``RouterConfig``'s fields the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Final, Literal
 from ...bridge.subjects import Subjects
 from ...errors import ConfigError
 from ...index.layout import MAX_INDEX_BLOCKS
+from ...options import Panel, option
 from ...plane.config import PlaneConfig
 from ...plane.registry import WorkerSpec
 from ...routing.config import KVROUTER_CONFIG, RouterConfig
@@ -26,15 +29,18 @@ __all__ = [
     "DEFAULT_NATS_URL",
     "DEFAULT_SNAPSHOT_THRESHOLD",
     "MAX_FRONTS",
+    "MAX_SHARDS",
     "ZMQ_PORT_DEFAULT",
     "ServiceConfig",
-    "loopback",
+    "is_loopback",
 ]
 
 DEFAULT_NATS_URL: Final = "nats://127.0.0.1:4222"
 """NATS's default client port on this machine."""
 MAX_FRONTS: Final = 64
 """More front processes than this would be more than any machine's cores."""
+MAX_SHARDS: Final = 64
+"""``kvrouter up --shards``'s bound: more appliers than cores only add context switches."""
 DEFAULT_SNAPSHOT_THRESHOLD: Final = 1_000_000
 """Stream messages past which a durable replica snapshots the index: the reference's
 ``router_snapshot_threshold`` (``spec/dynamo-semantics.md`` §6.4)."""
@@ -43,20 +49,38 @@ ZMQ_PORT_DEFAULT: Final = -1
 """``ServiceConfig.zmq_port``'s default: ``port + 1`` (a free port when ``port`` is 0)."""
 
 
-def loopback(host: str) -> bool:
-    """Whether ``host`` (a bind address) is reachable from this machine only: ``localhost`` or a loopback
-    address (``127.0.0.0/8``, ``::1``). A service bound elsewhere without ``auth_token`` is warned about."""
-    if host == "localhost":
+def is_loopback(host: str) -> bool:
+    """Whether an API bound to ``host`` is reachable from this machine only: ``localhost`` or a loopback
+    address (all of 127.0.0.0/8, ``::1``, an IPv4-mapped one; IPv6 in brackets or not). ``""`` and
+    ``0.0.0.0`` bind every interface, and a host name other than ``localhost`` may resolve anywhere: not
+    loopback. The one test of it (``kvrouter up``'s warning, ``ServiceConfig.exposed_without_auth``).
+    """
+    if host.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return (mapped or address).is_loopback
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """``"a, b"`` → ``("a", "b")``: a comma-separated option."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _zmq_port(port: int) -> int | None:
+    """``--zmq-port 0`` turns the fast path off (``zmq_port=None``); unset, the field's default applies."""
+    return None if port == 0 else port
 
 
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
     """How the service binds, which workers it starts with, how it routes and protects itself.
+
+    A field's ``metadata`` declares the ``kvrouter up`` option that sets it (``kvrouter/options.py``);
+    fields without one are not options (tests set them).
 
     Raises:
         ConfigError: a port (or zmq_port) outside 0..65535, shards below 1, a negative max_index_blocks, fronts
@@ -70,90 +94,367 @@ class ServiceConfig:
             fronts > 1 or replica_sync.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8490
+    # -- Server
+    host: str = field(
+        default="127.0.0.1",
+        metadata=option(
+            "--host",
+            help="Address the API binds (a warning without --auth-token on a non-loopback one).",
+            panel=Panel.SERVER,
+        ),
+    )
+    port: int = field(
+        default=8490,
+        metadata=option("--port", help="API port; 0 picks a free one.", panel=Panel.SERVER, min=0, max=65535),
+    )
     """0 picks a free port (tests); ``Service.url`` tells which."""
-    shards: int = 4
-    """Applier processes of the one engine every partition shares."""
-    max_index_blocks: int = MAX_INDEX_BLOCKS
-    """``--max-index-blocks``: the index cap in (worker, block) entries over every shard and tier, each
-    shard keeping ``max_index_blocks // shards`` (``index/writer.py``); 0: no cap."""
-    block_size: int = 16
-    """Block size of the partition of the workers given on the command line."""
-    model_name: str = "default"
-    routing_group: str = "default"
-    workers: tuple[WorkerSpec, ...] = ()
-    """``--workers``: registered in (``model_name``, ``routing_group``) when ``run`` starts."""
-    router: RouterConfig = KVROUTER_CONFIG
-    """Weights and switches of every partition's router; ``use_kv_events=False`` is approximate mode."""
-    auth_token: str | None = None
+    zmq_port: int | None = field(
+        default=ZMQ_PORT_DEFAULT,
+        metadata=option(
+            "--zmq-port",
+            help="ZMQ fast path port (msgpack over a ROUTER socket, docs/zmq-fast-path.md); 0 turns it off.",
+            panel=Panel.SERVER,
+            min=0,
+            max=65535,
+            show_default="--port + 1",
+            optional=True,
+            convert=_zmq_port,
+        ),
+    )
+    """The ZMQ fast path's port (``fastpath.py``): None turns it off, 0 picks a free port; by default
+    ``port + 1``, or a free port when ``port`` is 0. Resolved in ``__post_init__``: never -1 after."""
+    auth_token: str | None = field(
+        default=None,
+        metadata=option(
+            "--auth-token",
+            help="Bearer token the write routes require.",
+            panel=Panel.SERVER,
+            show_default="none",
+            secret=True,
+        ),
+    )
     """Bearer token the write routes require; None leaves them open (and warns off loopback)."""
-    overload_status: int = 529
+    max_body_bytes: int = field(
+        default=8 << 20,
+        metadata=option(
+            "--max-body-bytes", help="[bytes] Largest request body (413 above).", panel=Panel.SERVER, min=1024
+        ),
+    )
+    """Request bodies above this are refused with 413 (the reference indexer's 8 MiB)."""
+    drain_secs: float = field(
+        default=5.0,
+        metadata=option(
+            "--drain-secs",
+            help="[secs] How long SIGTERM waits for in-flight requests.",
+            panel=Panel.SERVER,
+            min=0.0,
+            max=8.0,
+        ),
+    )
+    """On stop, how long in-flight requests are given to finish before the sockets close."""
+    fronts: int = field(
+        default=1,
+        metadata=option(
+            "--fronts",
+            help="Front processes answering on --port together (connections dealt in turn), their loads in step.",
+            panel=Panel.SERVER,
+            min=1,
+            max=MAX_FRONTS,
+        ),
+    )
+    """Front processes serving ``port`` together (front 0 deals them connections), each reading the index
+    through shared memory, their load views kept in step by the replica sync (``fronts.py``)."""
+    shadow_policies: tuple[str, ...] = field(
+        default=(),
+        metadata=option(
+            "--shadow-policy",
+            help="Simulator policies (comma-separated) asked on every decision and compared in /metrics, "
+            "never used to route (kvrouter simulate --help lists them).",
+            panel=Panel.SERVER,
+            show_default="none",
+            optional=True,
+            value_type=str,
+            convert=_names,
+        ),
+    )
+    """Simulator policies asked on every decision, for comparison only (``shadow.py``)."""
+    decision_log: str | None = field(
+        default=None,
+        metadata=option(
+            "--decision-log",
+            help="Append every decision to FILE as a JSON line (summarise it with kvrouter decision-log FILE).",
+            panel=Panel.SERVER,
+            show_default="off",
+        ),
+    )
+    """Every decision appended to this file as a JSON line (``decisions.py``)."""
+    record: str | None = field(
+        default=None,
+        metadata=option(
+            "--record",
+            help="Record the run (registrations, every event batch applied, every decision) to FILE, to replay "
+            "it later with kvrouter replay --from FILE (docs/replay.md). Not with --fronts > 1 or replica sync.",
+            panel=Panel.SERVER,
+            metavar="FILE",
+            show_default="off",
+        ),
+    )
+    """The run's events, registrations and decisions written to this file for ``kvrouter replay --from``
+    (``recording.py``)."""
+    router_seed: int | None = field(
+        default=None,
+        metadata=option(
+            "--router-seed",
+            help="Seed every partition's router (tie-breaks and sampling draw alike in every run); with --record "
+            "the recording's header keeps it (drawn at random when not given).",
+            panel=Panel.SERVER,
+            show_default="a fresh seed per router",
+        ),
+    )
+    """Every partition's router seed (with ``record``, written in the header); None: a fresh seed per router
+    (drawn once for the header when recording)."""
+
+    # -- Workers
+    shards: int = field(
+        default=4,
+        metadata=option(
+            "--shards",
+            "--router-event-threads",
+            help="Applier processes owning the index (Dynamo's --router-event-threads).",
+            panel=Panel.WORKERS,
+            min=1,
+            max=MAX_SHARDS,
+        ),
+    )
+    """Applier processes of the one engine every partition shares."""
+    max_index_blocks: int = field(
+        default=MAX_INDEX_BLOCKS,
+        metadata=option(
+            "--max-index-blocks",
+            help="Cap on the index's (worker, block) entries, all workers and tiers, split evenly over the shards; "
+            "past it, blocks of workers not exact go first, then the least recently stored or matched. 0: no cap. "
+            "The default is about 2.2 GiB of index (4.4 at worst).",
+            panel=Panel.WORKERS,
+            min=0,
+        ),
+    )
+    """The index cap in (worker, block) entries over every shard and tier, each shard keeping
+    ``max_index_blocks // shards`` (``index/writer.py``); 0: no cap."""
+    workers: tuple[WorkerSpec, ...] = field(
+        default=(),
+        metadata=option(
+            "--workers",
+            help="Workers in the reference indexer's syntax, id[:dp_size]=tcp://host:port, comma-separated "
+            "(more through /register or [[workers]] in --config).",
+            panel=Panel.WORKERS,
+            show_default="none",
+            optional=True,
+            value_type=str,
+        ),
+    )
+    """Registered in (``model_name``, ``routing_group``) when ``run`` starts. ``kvrouter up`` parses the
+    option (with ``--block-size``) or the ``[[workers]]`` tables of its config file into these."""
+    block_size: int = field(
+        default=16,
+        metadata=option(
+            "--block-size",
+            help="[tokens] KV block size of --workers and the mock engines.",
+            panel=Panel.WORKERS,
+            min=1,
+        ),
+    )
+    """Block size of the partition of the workers given on the command line."""
+    model_name: str = field(
+        default="default",
+        metadata=option(
+            "--model-name", help="Model (partition) of --workers and the mock engines.", panel=Panel.WORKERS
+        ),
+    )
+    routing_group: str = field(
+        default="default",
+        metadata=option(
+            "--routing-group", help="Routing group of --workers and the mock engines.", panel=Panel.WORKERS
+        ),
+    )
+
+    # -- Routing cost, KV events (the router's and the event plane's own options), Overload
+    router: RouterConfig = KVROUTER_CONFIG
+    """Weights and switches of every partition's router; ``use_kv_events=False`` is approximate mode. Its
+    options (``--router-*``) are declared on ``RouterConfig`` and start from this default."""
+    plane: PlaneConfig = field(default_factory=PlaneConfig)
+    """The event plane's timers (``stale_after``, recovery timeout) for every registered worker."""
+    overload_status: int = field(
+        default=529,
+        metadata=option(
+            "--overload-status",
+            help="HTTP status when every worker is busy (Dynamo's 529; 429 for clients that know no 529).",
+            panel=Panel.OVERLOAD,
+            min=400,
+            max=599,
+        ),
+    )
     """Status when every candidate is over a busy threshold (529 as the reference; 429 for clients
     that cannot handle 529)."""
-    max_body_bytes: int = 8 << 20
-    """Request bodies above this are refused with 413 (the reference indexer's 8 MiB)."""
-    drain_secs: float = 5.0
-    """On stop, how long in-flight requests are given to finish before the sockets close."""
+    queue_threshold: int | None = field(
+        default=None,
+        metadata=option(
+            "--router-queue-threshold",
+            help="[requests] When every worker is busy, requests wait in the partition's queue instead of "
+            "getting --overload-status, at most this many (more still get it).",
+            panel=Panel.OVERLOAD,
+            min=1,
+            show_default="off",
+        ),
+    )
+    """Requests that find every worker of their partition busy wait in the partition's queue (``queue.py``),
+    at most this many; None refuses them at once (``overload_status``)."""
+    queue_policy: Literal["fcfs", "wspt"] = field(
+        default="fcfs",
+        metadata=option(
+            "--router-queue-policy",
+            help="Order of the queue: 'fcfs' (arrival) or 'wspt' (shortest prompt first).",
+            panel=Panel.OVERLOAD,
+        ),
+    )
+    """The queue's order, arrival (``fcfs``) or shortest prompt (``wspt``)."""
+    queue_timeout_secs: float = field(
+        default=60.0,
+        metadata=option(
+            "--router-queue-timeout-secs",
+            help="[secs] A queued request still waiting after this gets --overload-status.",
+            panel=Panel.OVERLOAD,
+            min=0.001,
+        ),
+    )
+    """How long a request waits in the queue before it is refused with ``overload_status``."""
+
+    # -- Proxy and sessions
+    session_affinity_ttl_secs: float | None = field(
+        default=None,
+        metadata=option(
+            "--router-session-affinity-ttl-secs",
+            help="[secs] A session (header X-Dynamo-Session-ID, or session_id in /select) sticks to its first "
+            "worker while that worker is schedulable, this long since its last request.",
+            panel=Panel.PROXY,
+            min=0.001,
+            show_default="off",
+        ),
+    )
+    """A session (``X-Dynamo-Session-ID``, ``session_id``) sticks to its first worker for this long since its
+    last request; None turns affinity off."""
+    tokenizer: str | None = field(
+        default=None,
+        metadata=option(
+            "--tokenizer",
+            help="A local tokenizer.json: /v1/completions then also takes text prompts (else token ids only).",
+            panel=Panel.PROXY,
+            show_default="off",
+        ),
+    )
+    """A local ``tokenizer.json`` for text prompts of ``/v1/completions``; None takes token-id prompts only."""
+
+    # -- Replica sync
+    replica_sync: bool = field(
+        default=False,
+        metadata=option(
+            "--router-replica-sync",
+            help="Share reservations with the other replicas over NATS: publish this router's AddRequest / "
+            "MarkPrefillCompleted / Free, apply theirs; a late joiner takes a peer's snapshot.",
+            panel=Panel.SYNC,
+        ),
+    )
+    """Publish own reservations' events on NATS and apply the peers' (``kvrouter/bridge/``,
+    ``docs/nats-bridge.md``)."""
+    nats_url: str = field(
+        default=DEFAULT_NATS_URL,
+        metadata=option(
+            "--nats-url",
+            help="The NATS server of the replica sync (the first variable set wins).",
+            panel=Panel.SYNC,
+            env=("KVROUTER_NATS_URL", "NATS_SERVER"),
+        ),
+    )
+    """The NATS server of the sync; ``NATS_SERVER`` is the variable the reference's clients read."""
+    namespace: str = field(
+        default="dynamo",
+        metadata=option(
+            "--namespace",
+            help="Subjects are namespace.<namespace>.component.<component>.active_sequences_events.",
+            panel=Panel.SYNC,
+        ),
+    )
+    """The subjects' ``namespace.<namespace>`` (the reference's default)."""
+    component: str = field(default="backend", metadata=option("--component", help="See --namespace.", panel=Panel.SYNC))
+    """The subjects' ``component.<component>`` (the reference's default)."""
+    active_request_expiry_secs: float = field(
+        default=DEFAULT_EXPIRY_SECS,
+        metadata=option(
+            "--router-active-request-expiry-secs",
+            help="[secs] A reservation neither freed nor completed (a peer's too: a replica that died) is "
+            "dropped at this age.",
+            panel=Panel.SYNC,
+            min=0.001,
+        ),
+    )
+    """A reservation (own, or a peer's learnt by the replica sync) neither freed nor completed is dropped at
+    this age (the reference's 300 s)."""
+    durable_kv_events: bool = field(
+        default=False,
+        metadata=option(
+            "--router-durable-kv-events",
+            "--durable-kv-events",
+            help="Workers' NATS kv-events are kept in a JetStream stream this replica reads as a durable consumer; "
+            "index snapshots go to the object store; a restarted replica resumes without asking any worker.",
+            panel=Panel.SYNC,
+        ),
+    )
+    """Workers' ``kv-events`` are kept in a JetStream stream this replica reads as a durable consumer, with
+    index snapshots in the object store (``bridge/durable.py``)."""
+    snapshot_threshold: int = field(
+        default=DEFAULT_SNAPSHOT_THRESHOLD,
+        metadata=option(
+            "--router-snapshot-threshold",
+            help="[messages] Durable mode: past this many messages in the stream, snapshot the index and "
+            "purge the stream up to it.",
+            panel=Panel.SYNC,
+            min=1,
+        ),
+    )
+    """Stream messages past which the index is snapshotted and the stream purged up to the snapshot (durable
+    mode)."""
+    reset_states: bool = field(
+        default=False,
+        metadata=option(
+            "--router-reset-states",
+            help="Durable mode: at start, delete the snapshot bucket and purge the stream.",
+            panel=Panel.SYNC,
+        ),
+    )
+    """At start, delete the snapshot bucket and purge the stream (durable mode)."""
+    router_id: str | None = field(
+        default=None,
+        metadata=option(
+            "--router-id",
+            help="This replica's stable name (durable mode: its consumer is kvrouter-<id>, found again after a "
+            "restart).",
+            panel=Panel.SYNC,
+            show_default="<hostname>-<port>",
+        ),
+    )
+    """This replica's stable name, kept across restarts: its durable consumer is ``kvrouter-<router_id>``.
+    None: derived from the host name and the port (``bridge/durable.py``)."""
+
+    # -- not options
     health_interval_secs: float = 0.5
     """How often worker health (stale streams, dead ``http_endpoint``), shard status and the index
     summary are refreshed; ``/select`` reads the cached result."""
-    plane: PlaneConfig = field(default_factory=PlaneConfig)
-    """The event plane's timers (``stale_after``, recovery timeout) for every registered worker."""
     decisions_ring: int = 1024
     events_ring: int = 1024
-    zmq_port: int | None = ZMQ_PORT_DEFAULT
-    """The ZMQ fast path's port (``fastpath.py``): None turns it off, 0 picks a free port; by default
-    ``port + 1``, or a free port when ``port`` is 0. Resolved in ``__post_init__``: never -1 after."""
-    session_affinity_ttl_secs: float | None = None
-    """``--router-session-affinity-ttl-secs``: a session (``X-Dynamo-Session-ID``, ``session_id``) sticks
-    to its first worker for this long since its last request; None turns affinity off."""
-    tokenizer: str | None = None
-    """``--tokenizer``: a local ``tokenizer.json`` for text prompts of ``/v1/completions``; None takes
-    token-id prompts only."""
-    queue_threshold: int | None = None
-    """``--router-queue-threshold``: requests that find every worker of their partition busy wait in the
-    partition's queue (``queue.py``), at most this many; None refuses them at once (``overload_status``)."""
-    queue_policy: Literal["fcfs", "wspt"] = "fcfs"
-    """``--router-queue-policy``: the queue's order, arrival (``fcfs``) or shortest prompt (``wspt``)."""
-    queue_timeout_secs: float = 60.0
-    """How long a request waits in the queue before it is refused with ``overload_status``."""
-    active_request_expiry_secs: float = DEFAULT_EXPIRY_SECS
-    """``--router-active-request-expiry-secs``: a reservation (own, or a peer's learnt by the replica
-    sync) neither freed nor completed is dropped at this age (the reference's 300 s)."""
-    replica_sync: bool = False
-    """``--router-replica-sync``: publish own reservations' events on NATS and apply the peers'
-    (``kvrouter/bridge/``, ``docs/nats-bridge.md``)."""
-    nats_url: str = DEFAULT_NATS_URL
-    """``--nats-url`` (env ``KVROUTER_NATS_URL``, then ``NATS_SERVER``): the NATS server of the sync."""
-    namespace: str = "dynamo"
-    """``--namespace``: the subjects' ``namespace.<namespace>`` (the reference's default)."""
-    component: str = "backend"
-    """``--component``: the subjects' ``component.<component>`` (the reference's default)."""
-    durable_kv_events: bool = False
-    """``--router-durable-kv-events``: workers' ``kv-events`` are kept in a JetStream stream this replica
-    reads as a durable consumer, with index snapshots in the object store (``bridge/durable.py``)."""
-    snapshot_threshold: int = DEFAULT_SNAPSHOT_THRESHOLD
-    """``--router-snapshot-threshold``: stream messages past which the index is snapshotted and the
-    stream purged up to the snapshot (durable mode)."""
-    reset_states: bool = False
-    """``--router-reset-states``: at start, delete the snapshot bucket and purge the stream (durable mode)."""
-    router_id: str | None = None
-    """``--router-id``: this replica's stable name, kept across restarts: its durable consumer is
-    ``kvrouter-<router_id>``. None: derived from the host name and the port (``bridge/durable.py``)."""
-    shadow_policies: tuple[str, ...] = ()
-    """``--shadow-policy``: simulator policies asked on every decision, for comparison only (``shadow.py``)."""
-    decision_log: str | None = None
-    """``--decision-log FILE``: every decision appended to ``FILE`` as a JSON line (``decisions.py``)."""
-    fronts: int = 1
-    """``--fronts``: front processes serving ``port`` together (front 0 deals them connections), each
-    reading the index through shared memory, their load views kept in step by the replica sync (``fronts.py``)."""
-    record: str | None = None
-    """``--record FILE``: the run's events, registrations and decisions written to ``FILE`` for
-    ``kvrouter replay --from`` (``recording.py``)."""
-    router_seed: int | None = None
-    """``--router-seed``: every partition's router seed (with ``record``, written in the header); None: a
-    fresh seed per router (drawn once for the header when recording)."""
+
+    @property
+    def exposed_without_auth(self) -> bool:
+        """The API binds beyond this machine (:func:`is_loopback`) and no token guards its write routes."""
+        return not self.auth_token and not is_loopback(self.host)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

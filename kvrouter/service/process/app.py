@@ -44,7 +44,7 @@ from ...errors import BadRequest, EngineError, KvRouterError
 from ...recording import Recorder
 from ...routing.router import Router
 from ...stats import discovery
-from ..core.config import ServiceConfig, loopback
+from ..core.config import ServiceConfig
 from ..core.counters import ServiceCounters
 from ..core.decisions import decision_json
 from ..core.recording import ServiceRecording, tap_endpoint
@@ -333,8 +333,6 @@ class Service:
                 await self.fastpath.start()
             shown = f"[{host}]" if ":" in str(host) else str(host)
             self.url = f"http://{shown}:{port}"
-            if not loopback(config.host) and not config.auth_token:
-                log.warning("service exposed without auth host=%s: write routes are open to the network", config.host)
             log.info("service listening url=%s shards=%d", self.url, config.shards)
             if on_listening is not None:
                 on_listening(self.url)

@@ -85,13 +85,15 @@ class _SafeRaw(io.RawIOBase):
 
 
 def install() -> None:
-    """Put the safe writer under ``sys.stdout`` and ``sys.stderr`` (each only once). Call it before any
-    logging handler is made: a handler keeps the stream it was given."""
+    """Put the safe writer under ``sys.stdout`` and ``sys.stderr`` (each only once, and only over the real
+    descriptors: a stream something else put there, such as a test runner's capture, is left alone). Call
+    it before any logging handler is made: a handler keeps the stream it was given."""
     for name, fd in _STREAMS:
         old = getattr(sys, name)
-        if old is None or (
-            isinstance(getattr(old, "buffer", None), io.BufferedWriter) and isinstance(old.buffer.raw, _SafeRaw)
-        ):
+        try:
+            if old is None or old.fileno() != fd or isinstance(getattr(old.buffer, "raw", None), _SafeRaw):
+                continue
+        except (AttributeError, OSError, ValueError):  # no descriptor of its own
             continue
         with contextlib.suppress(OSError, ValueError):
             old.flush()

@@ -9,6 +9,7 @@ import logging
 
 import typer
 
+from .. import stdio
 from . import decision_log, mock_worker, replay, simulate, top, up, version
 
 __all__ = ["app", "configure_logging", "main"]
@@ -35,6 +36,7 @@ def configure_logging(spec: str) -> None:
     Raises:
         typer.BadParameter: a level name logging does not know.
     """
+    stdio.install()  # first: the handler keeps the stream it is given, and a closed pipe must not raise
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     logging.basicConfig(handlers=[handler], force=True)

@@ -363,11 +363,11 @@ async def _run(service: Service, config: ServiceConfig, embedded: Embedded | Non
         if stopping.is_set():
             return
         stopping.set()
-        typer.echo(f"kvrouter up: {signal.Signals(signum).name}, stopping", err=True)
-        stacks_later(config.drain_secs + STOP_AFTER_DRAIN_S)  # a stop that hangs says where before it is killed
         if embedded is not None:
             embedded.stop_client()  # first, so the drain has nothing of ours to wait for
-        service.stop()
+        service.stop()  # before any write: stopping never depends on stdout or stderr (kvrouter/stdio.py)
+        stacks_later(config.drain_secs + STOP_AFTER_DRAIN_S)  # a stop that hangs says where before it is killed
+        typer.echo(f"kvrouter up: {signal.Signals(signum).name}, stopping", err=True)
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
@@ -396,8 +396,8 @@ async def _run(service: Service, config: ServiceConfig, embedded: Embedded | Non
         if slow_start is not None:
             slow_start.cancel()
         typer.echo("kvrouter up: the index is up", err=False)
-        if service.fastpath is not None:
-            typer.echo(f"kvrouter up: ZMQ fast path at {service.fastpath.endpoint}")
+        if service.fastpath_endpoint is not None:
+            typer.echo(f"kvrouter up: ZMQ fast path at {service.fastpath_endpoint}")
         sys.stdout.flush()
         if embedded is not None:
             started = loop.create_task(embedded.start(url))

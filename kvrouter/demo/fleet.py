@@ -365,16 +365,26 @@ class Embedded:
         return cached
 
     async def _status(self) -> None:
-        """One line every ``status_secs``: decisions/s, hit rates, active blocks per worker."""
+        """One line every ``status_secs``: decisions/s, hit rates, active blocks per worker. A line that fails
+        is skipped, and the first failure of each kind is logged: the status line goes on while the service
+        serves (its writes never raise: ``kvrouter/stdio.py``)."""
         stats = self.stats
         start = last = time.monotonic()
         counted = self._decisions()
+        failed: set[str] = set()
         while True:
             await asyncio.sleep(self.config.status_secs)
-            now, total = time.monotonic(), self._decisions()
-            rate = (total - counted) / (now - last)
-            self.print(self.status_line(now - start, rate, total, await self._active_blocks()))
-            last, counted = now, total
+            try:
+                now, total = time.monotonic(), self._decisions()
+                rate = (total - counted) / (now - last)
+                self.print(self.status_line(now - start, rate, total, await self._active_blocks()))
+                last, counted = now, total
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if type(exc).__name__ not in failed:
+                    failed.add(type(exc).__name__)
+                    log.warning("demo status line skipped error=%r (logged once per kind)", exc)
             stats.decisions = stats.prompt_tokens = stats.predicted_tokens = 0
             stats.cached_tokens = stats.completed_prompt_tokens = 0
 

@@ -18,8 +18,8 @@ fronts of ``--fronts N`` (both refused with ``--record``, ``service/config.py``)
 from __future__ import annotations
 
 import logging
+import platform
 import secrets
-import socket
 import tempfile
 import time
 from dataclasses import asdict
@@ -67,7 +67,7 @@ class ServiceRecording:
             "kvrouter": kvrouter_version(),
             "created": time.time(),
             "created_t": time.monotonic_ns(),
-            "host": socket.gethostname(),
+            "host": platform.node(),
             "seed": self.seed,
             "router": asdict(config.router),
             "block_size": config.block_size,

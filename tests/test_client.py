@@ -173,7 +173,8 @@ def test_no_service_is_service_unreachable_naming_the_request():
 
 
 def test_a_503_with_retry_after_says_when_to_come_back():
-    """A 503 with ``Retry-After``, from a stand-in server: the service sets the header nowhere yet."""
+    """A 503 with ``Retry-After`` (the service's answer while its index starts), from a stand-in server that
+    stays in that state for the test."""
 
     async def starting(request: web.Request) -> web.Response:
         return web.json_response({"error": "engine starting"}, status=503, headers={"Retry-After": "2"})

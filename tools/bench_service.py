@@ -20,14 +20,24 @@ so both are known to route on the same index content.
 
 Load: ``wrk`` (``tools/install_wrk.sh`` installs it from the system's packages), one thread, a Lua script
 cycling the 200 ``/select`` bodies (``{"model_name", "token_ids"}``, 5-6 KB each), at 1, 8 and 64
-connections for ``--seconds`` each, the two servers alternating point by point after a warm-up; the
-concurrency-8 point, the ratios', is measured in ``--rounds`` rounds (5), the side that goes first
-alternating from round to round. Why rounds: on this 2-core VM one 10 s point's p99 of the same build
-ranged from 1.6 to 4.1 ms in consecutive runs (the VM's speed shifts within minutes), so one pair of
-points decided the ratio by chance more than by the servers. wrk is C and its thread's CPU time is
-measured (``wait4`` rusage): it is reported beside each point, so a generator near one full core would
-show. Per point: requests/s, p50 and p99 latency (wrk's own histogram), server CPU per request (the
-server's process and children, from ``/proc``), errors.
+connections for ``--seconds`` each, the servers alternating point by point after a warm-up; the ratios'
+points, concurrency 8 (throughput and p99) and concurrency 1 (the tail a lone client sees), are measured in
+``--rounds`` rounds (5), the side that goes first alternating from round to round. Why rounds: on this
+2-core VM one 10 s point's p99 of the same build ranged from 1.6 to 4.1 ms in consecutive runs (the VM's
+speed shifts within minutes), so one pair of points decided the ratio by chance more than by the servers.
+wrk is C and its thread's CPU time is measured (``wait4`` rusage): it is reported beside each point, so a
+generator near one full core would show. Per point: requests/s, p50 and p99 latency (wrk's own histogram),
+server CPU per request (the server's process and children, from ``/proc``), errors.
+
+**The machine's floor.** Before any server starts, wrk at concurrency 1 against this file's ``_floor``
+server (asyncio, answering each request at once with a fixed body, no work at all): the tail no server on
+this machine can beat. On this VM it is about 3 ms at the p99 (and 0.1 ms at the p50), pinned to separate
+cores or not: waking a sleeping vCPU for each request of a lone client is what the concurrency-1 p99 of
+both servers is made of (issue 32's "where that tail comes from"; ``docs/http-api.md``, "Several fronts").
+
+**Fronts.** ``--compare-fronts N`` (4) starts a second kvrouter with N fronts beside the first
+(``--fronts``, one per core by default); its concurrency-8 rounds alternate with the others, and the server
+CPU per ``/select`` of the two is compared (median over rounds of the ratio; goal: within 10 %).
 
 Where a kvrouter request's time goes: ``/metrics`` is scraped before and after the concurrency-8 point;
 the routing-overhead histogram's per-phase sums over the requests between (of the front that answers
@@ -46,10 +56,12 @@ against a ROUTER that answers at once (``_zmq_echo`` mode): that ceiling, far ab
 figures, shows the generator is not what limits them. The reference has no fast path: no ratio.
 
 Ratios (> 1: kvrouter better), at concurrency 8: ``select_throughput`` = kvrouter ÷ reference requests/s,
-``select_p99`` = reference ÷ kvrouter p99, each the median over the rounds of the ratio within a round
-(the two sides of a round ran seconds apart); the table's concurrency-8 rows are each side's medians,
-and the rounds are listed under it. Goal ≥ 1 on both (issue 11). ``--quick`` is a smoke test for
-the test suite (32 prompts, 1 s points, no timing meaning). The default run takes about 3 minutes.
+``select_p99`` = reference ÷ kvrouter p99; at concurrency 1: ``select_p99_c1`` = reference ÷ kvrouter p99;
+each the median over the rounds of the ratio within a round (the two sides of a round ran seconds apart);
+the table's rows are each side's medians, and the rounds are listed under it. Goals: ≥ 1 on the first two
+(issue 11, kept by issue 32), and ``select_p99_c1`` ≥ 1/1.5 (kvrouter's p99 at concurrency 1 at most
+1.5 times the reference's: issue 32). ``--quick`` is a smoke test for the test suite (32 prompts, 1 s
+points, no timing meaning). The default run takes about 7 minutes.
 
 HTTP outside the clock (waiting for a server, registering the workers, the routing check before any clock
 runs, the ``/metrics`` scrapes) goes through ``kvrouter.SyncClient``, for both servers: the reference's
@@ -109,7 +121,13 @@ START_TIMEOUT: Final = 120.0
 FASTPATH_CONCURRENCY: Final = (1, 8)
 ERROR_KEY: Final = b"\xa5error"
 """msgpack's ``"error"`` key (fixstr of 5): in a reply only when it is an error answer."""
-GOALS: Final = {"select_throughput": 1.0, "select_p99": 1.0}
+GOALS: Final = {"select_throughput": 1.0, "select_p99": 1.0, "select_p99_c1": 1 / 1.5}
+"""``select_p99_c1``: kvrouter's p99 at concurrency 1 at most 1.5 times the reference's (issue 32)."""
+TAIL_CONCURRENCY: Final = 1
+"""The other point measured in rounds, alternated with the reference: the tail a lone client sees."""
+COMPARE_FRONTS: Final = 4
+FRONTS_CPU_GOAL: Final = 1 / 1.1
+"""Server CPU per ``/select`` at ``--compare-fronts`` within 10 % of ``--fronts`` (issue 32): their ratio."""
 TOPIC: Final = b""
 SIDES: Final = ("reference", "kvrouter")
 SHM_LEFT: list[str] = []
@@ -322,9 +340,9 @@ def start_reference(folder: Path) -> Server:
     return server
 
 
-def start_kvrouter(folder: Path, fronts: int) -> Server:
+def start_kvrouter(folder: Path, fronts: int, name: str = "kvrouter") -> Server:
     port, zmq_port = free_port(), free_port()
-    log = folder / "kvrouter.log"
+    log = folder / f"{name}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
             [
@@ -341,7 +359,7 @@ def start_kvrouter(folder: Path, fronts: int) -> Server:
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    server = Server("kvrouter", f"http://127.0.0.1:{port}", process, log, f"tcp://127.0.0.1:{zmq_port}")
+    server = Server(name, f"http://127.0.0.1:{port}", process, log, f"tcp://127.0.0.1:{zmq_port}")
     with stopped_on_failure(server):
         wait_http(server, "/health", START_TIMEOUT)  # listening; the index comes up after (kvrouter up's order)
         wait_http(
@@ -380,7 +398,7 @@ def stop(server: Server) -> int:
 def register(server: Server, endpoints: Sequence[str]) -> None:
     for worker, endpoint in enumerate(endpoints):
         try:
-            if server.name == "kvrouter":
+            if server.name.startswith("kvrouter"):
                 server.client.register(worker, endpoint, model_name=MODEL, block_size=BLOCK)
             else:  # the reference's selection service registers on its own route
                 body = {
@@ -658,18 +676,21 @@ def serve(port: int, shards: int, zmq_port: int | None, fronts: int) -> int:
 
 
 @contextlib.contextmanager
-def servers(folder: Path, sides: Sequence[str], fronts: int) -> Iterator[list[Server]]:
+def servers(folder: Path, sides: Sequence[str], fronts: int, compare: int | None) -> Iterator[list[Server]]:
+    """The servers of a run: ``sides``, then (``compare``) a second kvrouter with that many fronts."""
     started: list[Server] = []
     try:
         for side in sides:
             started.append(start_reference(folder) if side == "reference" else start_kvrouter(folder, fronts))
+        if compare is not None and "kvrouter" in sides:
+            started.append(start_kvrouter(folder, compare, name=f"kvrouter-{compare}fronts"))
         yield started
     finally:
         for server in reversed(started):
             code = stop(server)
-            if server.name == "kvrouter" and code != 0:
-                print(f"bench_service: kvrouter exited {code}: {tail(server.log)}", file=sys.stderr)
-            if server.name == "kvrouter":
+            if server.name.startswith("kvrouter") and code != 0:
+                print(f"bench_service: {server.name} exited {code}: {tail(server.log)}", file=sys.stderr)
+            if server.name.startswith("kvrouter"):
                 prefix = f"kvrouter-{server.process.pid}-"
                 SHM_LEFT.extend(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
 
@@ -685,8 +706,10 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     fast: dict[int, dict[str, Any]] = {}
     ceiling: dict[str, Any] = {}
     breakdown: dict[str, float] = {}
+    floor = floor_point(script, TAIL_CONCURRENCY, args.seconds)  # before any server: the machine's own tail
+    compare = args.compare_fronts if args.compare_fronts and args.compare_fronts != args.fronts else None
     try:
-        with servers(folder, args.sides, args.fronts) as started:
+        with servers(folder, args.sides, args.fronts, compare) as started:
             for server in started:
                 register(server, publishers.endpoints)
             publishers.wait_subscribed(len(started), START_TIMEOUT)
@@ -695,19 +718,21 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                 verify(server, workload, START_TIMEOUT)
             for server in started:
                 run_wrk(server, script, RATIO_CONCURRENCY, args.warmup)
-            kvrouter = next((s for s in started if s.zmq is not None), None)
-            if kvrouter is not None and args.fastpath_concurrency:
-                assert kvrouter.zmq is not None
+            kvrouter = next((s for s in started if s.name == "kvrouter"), None)
+            compared = next((s for s in started if s.name.startswith("kvrouter-")), None)
+            sides = [s for s in started if s is not compared]
+            if kvrouter is not None and kvrouter.zmq is not None and args.fastpath_concurrency:
                 ceiling = echo_ceiling(bodies, min(args.seconds, 3.0))
                 run_zmq(kvrouter.zmq, bodies, RATIO_CONCURRENCY, args.warmup, kvrouter)
             for connections in sorted({*args.concurrency, *args.fastpath_concurrency}):
                 if connections in args.concurrency:
-                    rounds = args.rounds if connections == RATIO_CONCURRENCY else 1
+                    rounds = args.rounds if connections in (TAIL_CONCURRENCY, RATIO_CONCURRENCY) else 1
                     ours = kvrouter if connections == RATIO_CONCURRENCY else None  # its phases are timed here
+                    measured = [*sides, compared] if connections == RATIO_CONCURRENCY and compared else sides
                     before = scrape(ours) if ours is not None else {}
                     for turn in range(rounds):  # who goes first alternates: neither side always follows the other
-                        for server in started if turn % 2 == 0 else started[::-1]:
-                            runs[server.name].setdefault(connections, []).append(
+                        for server in measured if turn % 2 == 0 else measured[::-1]:
+                            runs.setdefault(server.name, {}).setdefault(connections, []).append(
                                 run_wrk(server, script, connections, args.seconds)
                             )
                     if ours is not None:
@@ -719,17 +744,39 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     finally:
         publishers.close()
     points = {name: {c: median_point(rs) for c, rs in by_c.items()} for name, by_c in runs.items()}
-    ours_runs, theirs_runs = (runs.get(side, {}).get(RATIO_CONCURRENCY) for side in ("kvrouter", "reference"))
-    ratios = {}
-    if ours_runs and theirs_runs:  # paired by round: the two sides of a round ran a few seconds apart
-        pairs = list(zip(ours_runs, theirs_runs, strict=True))
-        ratios = {
-            "select_throughput": statistics.median(o["rps"] / t["rps"] for o, t in pairs),
-            "select_p99": statistics.median(t["p99_ms"] / o["p99_ms"] for o, t in pairs),
+    ratios: dict[str, float] = {}
+    for connections, pair_ratios in (
+        (RATIO_CONCURRENCY, ("select_throughput", "select_p99")),
+        (TAIL_CONCURRENCY, ("select_p99_c1",)),
+    ):
+        ours_runs, theirs_runs = (runs.get(side, {}).get(connections) for side in ("kvrouter", "reference"))
+        if not (ours_runs and theirs_runs):
+            continue
+        pairs = list(zip(ours_runs, theirs_runs, strict=True))  # paired by round: the two ran seconds apart
+        if "select_throughput" in pair_ratios:
+            ratios["select_throughput"] = statistics.median(o["rps"] / t["rps"] for o, t in pairs)
+            ratios["select_p99"] = statistics.median(t["p99_ms"] / o["p99_ms"] for o, t in pairs)
+        else:
+            ratios["select_p99_c1"] = statistics.median(t["p99_ms"] / o["p99_ms"] for o, t in pairs)
+    fronts_cpu: dict[str, Any] = {}
+    main_runs = runs.get("kvrouter", {}).get(RATIO_CONCURRENCY)
+    other_runs = runs.get(f"kvrouter-{compare}fronts", {}).get(RATIO_CONCURRENCY) if compare else None
+    if main_runs and other_runs:
+        pairs = list(zip(main_runs, other_runs, strict=True))
+        fronts_cpu = {
+            "fronts": args.fronts,
+            "compare": compare,
+            "cpu_ratio": statistics.median(m["server_cpu_us"] / o["server_cpu_us"] for m, o in pairs),
+            "goal": FRONTS_CPU_GOAL,
         }
     return {
         "points": {name: {str(c): p for c, p in by_c.items()} for name, by_c in points.items()},
-        "rounds": {name: list(by_c.get(RATIO_CONCURRENCY, [])) for name, by_c in runs.items()},
+        "rounds": {
+            name: {str(c): list(by_c[c]) for c in (TAIL_CONCURRENCY, RATIO_CONCURRENCY) if c in by_c}
+            for name, by_c in runs.items()
+        },
+        "floor": floor,
+        "fronts_cpu": fronts_cpu,
         "fastpath": {
             "points": {str(c): p for c, p in fast.items()},
             "generator": "python DEALER sockets (tools/bench_service.py _zmq_load), one process, one thread",
@@ -741,11 +788,61 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         "phases_us": breakdown,
         "ratios": ratios,
         "goals": GOALS,
-        "ratio_basis": f"concurrency {RATIO_CONCURRENCY}, {WORKERS} workers, {PROMPT_TOKENS}-token prompts",
+        "ratio_basis": (
+            f"concurrency {RATIO_CONCURRENCY} (select_p99_c1: {TAIL_CONCURRENCY}), {WORKERS} workers, "
+            f"{PROMPT_TOKENS}-token prompts, {args.rounds} rounds"
+        ),
         "kvrouter_fronts": args.fronts,
         "workload": {"workers": WORKERS, "prompts": len(workload.prompts), "events": workload.events},
         "generator": "wrk " + subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split()[1],
     }
+
+
+def floor_point(script: Path, connections: int, seconds: float) -> dict[str, Any]:
+    """The machine's own tail: wrk against this file's ``_floor`` server, which answers every request at
+    once from asyncio with no work at all (what no server on this machine can beat)."""
+    port = free_port()
+    floor = subprocess.Popen([sys.executable, __file__, "_floor", "--port", str(port)])
+    server = Server("floor", f"http://127.0.0.1:{port}", floor, Path(os.devnull))
+    try:
+        wait_http(server, "/health", START_TIMEOUT)
+        return run_wrk(server, script, connections, seconds)
+    finally:
+        stop(server)
+
+
+def serve_floor(port: int) -> int:
+    """``_floor``: an asyncio HTTP/1.1 server answering every request with a fixed JSON body at once."""
+    import asyncio
+
+    body = b'{"status":"ok"}'
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+    class Answering(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            assert isinstance(transport, asyncio.Transport)
+            self.transport, self.buffer = transport, b""
+
+        def data_received(self, data: bytes) -> None:
+            self.buffer += data
+            while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
+                length = 0
+                for line in self.buffer[:end].split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                if len(self.buffer) < end + 4 + length:
+                    return
+                self.buffer = self.buffer[end + 4 + length :]
+                self.transport.write(answer)
+
+    async def run() -> None:
+        server = await asyncio.get_running_loop().create_server(Answering, "127.0.0.1", port)
+        await server.serve_forever()
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    asyncio.run(run())
+    return 0
 
 
 def median_point(points: list[dict[str, Any]]) -> dict[str, Any]:
@@ -769,10 +866,24 @@ def print_table(result: dict[str, Any]) -> None:
                 f"{name:<10} {c:>5} {p['rps']:>9.0f} {p['p50_ms']:>8.2f} {p['p99_ms']:>8.2f} "
                 f"{p['server_cpu_us']:>15.0f} {p['wrk_cpu_share']:>7.0%} {p['errors']:>6}"
             )
-    for name, rounds in result["rounds"].items():
-        if len(rounds) > 1:
-            figures = "; ".join(f"{p['rps']:.0f} req/s p99 {p['p99_ms']:.2f} ms" for p in rounds)
-            print(f"{name} at concurrency {RATIO_CONCURRENCY}, round by round (the row above: medians): {figures}")
+    for name, by_c in result["rounds"].items():
+        for c, rounds in by_c.items():
+            if len(rounds) > 1:
+                figures = "; ".join(f"{p['rps']:.0f} req/s p99 {p['p99_ms']:.2f} ms" for p in rounds)
+                print(f"{name} at concurrency {c}, round by round (its row: medians): {figures}")
+    if result.get("floor"):
+        f = result["floor"]
+        print(
+            f"machine floor at concurrency {TAIL_CONCURRENCY} (an asyncio server answering at once, no work): "
+            f"{f['rps']:.0f} req/s, p50 {f['p50_ms']:.2f} ms, p99 {f['p99_ms']:.2f} ms"
+        )
+    if result.get("fronts_cpu"):
+        fc = result["fronts_cpu"]
+        verdict = "met" if fc["cpu_ratio"] >= fc["goal"] else "not met"
+        print(
+            f"server CPU per /select at concurrency {RATIO_CONCURRENCY}, {fc['fronts']} fronts ÷ {fc['compare']} "
+            f"fronts (median over rounds): {fc['cpu_ratio']:.2f}  goal ≥ {fc['goal']:.2f} (within 10 %): {verdict}"
+        )
     fast = result.get("fastpath") or {}
     for c, p in fast.get("points", {}).items():
         print(
@@ -817,15 +928,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         loading.add_argument("--tokens", choices=("bin", "list"), default="bin")
         options = loading.parse_args(argv[1:])
         return zmq_load(options.endpoint, options.bodies, options.connections, options.seconds, options.tokens)
-    if argv[:1] == ["_zmq_echo"]:
-        echoing = argparse.ArgumentParser(prog="bench_service.py _zmq_echo")
+    if argv[:1] in (["_zmq_echo"], ["_floor"]):
+        echoing = argparse.ArgumentParser(prog=f"bench_service.py {argv[0]}")
         echoing.add_argument("--port", type=int, required=True)
-        return zmq_echo(echoing.parse_args(argv[1:]).port)
+        port = echoing.parse_args(argv[1:]).port
+        return zmq_echo(port) if argv[0] == "_zmq_echo" else serve_floor(port)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=SECONDS, help="per measured point")
     parser.add_argument("--warmup", type=float, default=WARMUP_SECONDS, help="per server, at concurrency 8")
     parser.add_argument(
-        "--rounds", type=int, default=ROUNDS, help="measured rounds of the concurrency-8 point (the ratios' median)"
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help="measured rounds of the concurrency-1 and -8 points (the ratios' median)",
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument(
@@ -847,6 +962,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=os.cpu_count() or 1,
         help="kvrouter's front processes (kvrouter up --fronts; default: one per core, as an operator would run it)",
     )
+    parser.add_argument(
+        "--compare-fronts",
+        type=int,
+        default=COMPARE_FRONTS,
+        help="a second kvrouter with this many fronts, its concurrency-8 rounds alternated with the first's "
+        "(server CPU per /select compared; 0: none)",
+    )
     parser.add_argument("--bodies", type=int, default=BODIES, help="distinct prompts cycled")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument(
@@ -858,8 +980,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    if RATIO_CONCURRENCY not in args.concurrency:
-        args.concurrency.append(RATIO_CONCURRENCY)
+    for needed in (TAIL_CONCURRENCY, RATIO_CONCURRENCY):
+        if needed not in args.concurrency:
+            args.concurrency.append(needed)
     load_before = os.getloadavg()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_service-") as tmp:

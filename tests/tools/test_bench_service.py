@@ -1,6 +1,7 @@
 """``tools/bench_service.py --quick`` runs end to end: both servers route on the same events (the tool
-checks it before any clock runs), every point answers without an error, the ratios' point is measured in
-the rounds asked for, and the JSON carries both ratios.
+checks it before any clock runs), every point answers without an error, the ratios' points (concurrency 1
+and 8) are measured in the rounds asked for, the JSON carries every ratio, the machine's floor and the
+comparison with a second kvrouter of four fronts.
 Speed is not asserted (speed claims are the tool's ratios from one run, not test conditions)."""
 
 from __future__ import annotations
@@ -23,16 +24,24 @@ def test_quick_run_measures_both_servers_and_reports_both_ratios(tmp_path: Path)
     out = tmp_path / "figures.json"
     run_tool("bench_service.py", "--quick", "--rounds", "2", "--json", str(out), timeout=400)
     figures: dict[str, Any] = json.loads(out.read_text())
-    assert set(figures["ratios"]) == {"select_throughput", "select_p99"}
+    assert set(figures["ratios"]) == {"select_throughput", "select_p99", "select_p99_c1"}
     assert all(value > 0 for value in figures["ratios"].values())
     for side in ("reference", "kvrouter"):
         points = figures["points"][side]
         assert set(points) == {"1", "8", "64"}
         assert all(p["requests"] > 0 and p["errors"] == 0 for p in points.values())
-        rounds = figures["rounds"][side]  # the ratios' point, measured twice; the row is their median
-        assert len(rounds) == 2
-        assert points["8"]["rounds"] == 2
-        assert points["8"]["requests"] == sum(p["requests"] for p in rounds)
+        for c in ("1", "8"):  # the ratios' points, measured twice each; the row is their median
+            rounds = figures["rounds"][side][c]
+            assert len(rounds) == 2
+            assert points[c]["rounds"] == 2
+            assert points[c]["requests"] == sum(p["requests"] for p in rounds)
+    compared = figures["points"]["kvrouter-4fronts"]  # the 4-front kvrouter: its concurrency-8 rounds only
+    assert set(compared) == {"8"}
+    assert compared["8"]["rounds"] == 2
+    assert compared["8"]["errors"] == 0
+    assert figures["fronts_cpu"]["compare"] == 4
+    assert figures["fronts_cpu"]["cpu_ratio"] > 0
+    assert figures["floor"]["requests"] > 0
     fast = figures["fastpath"]["points"]  # the ZMQ fast path, kvrouter only
     assert set(fast) == {"1", "8"}
     assert all(p["requests"] > 0 and p["errors"] == 0 for p in fast.values())

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Final
+from typing import Final, Protocol
 
 import orjson
 from aiohttp import web
@@ -78,6 +78,33 @@ def _status_line(status: int) -> bytes:
     return f"HTTP/1.1 {status} {reason}\r\n".encode()
 
 
+class Sharing(Protocol):
+    """With ``--fronts N``, how a front serves the connections it holds with the other fronts
+    (``service/process/sharing.py``): the lane calls these at a connection's turns."""
+
+    def watch(self, connection: LaneConnection, transport: asyncio.Transport) -> None:
+        """A new connection, before its transport's first read: serve it shared."""
+        ...
+
+    def closing(self, connection: LaneConnection, transport: asyncio.BaseTransport) -> None:
+        """``connection_lost``, before the transport closes its socket."""
+        ...
+
+    def hand_over(
+        self, connection: LaneConnection, transport: asyncio.Transport, handler: asyncio.Protocol
+    ) -> asyncio.Protocol:
+        """The connection goes to aiohttp's ``handler`` for good: the protocol that takes the transport."""
+        ...
+
+    def end(self, connection: LaneConnection) -> bool:
+        """The keep-alive sweep would close ``connection``: False when another front is answering on it."""
+        ...
+
+    def close(self) -> None:
+        """Stop serving shared connections (the other fronts go on serving them)."""
+        ...
+
+
 class Lane:
     """The listening side: makes a :class:`LaneConnection` per accepted connection, keeps them for the
     keep-alive sweep and for :meth:`close`. Used on the service's event loop only."""
@@ -95,15 +122,17 @@ class Lane:
         self._sweeper: asyncio.TimerHandle | None = None
         self.scratch = memoryview(bytearray(READ_BUFFER))
         """Every connection's reads land here (``get_buffer``) and are copied out at once (``buffer_updated``)."""
-        self.deal: Callable[[asyncio.Transport], bool] | None = None
-        """Front 0 of ``--fronts N``: hands a new connection to another front (True: dealt away, this front
-        keeps no copy)."""
+        self.deal: Callable[[asyncio.Transport], int] | None = None
+        """Front 0 of ``--fronts N``: sends every other front a copy of a new connection; returns the
+        connection's id among the fronts."""
+        self.sharing: Sharing | None = None
+        """With ``--fronts N``, every front's: the connections it serves with the other fronts."""
 
-    def __call__(self) -> LaneConnection:
-        """The protocol factory ``loop.create_server`` calls."""
+    def __call__(self, connection_id: int = 0) -> LaneConnection:
+        """The protocol factory ``loop.create_server`` calls (and another front's, with the connection's id)."""
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
-        return LaneConnection(self)
+        return LaneConnection(self, connection_id)
 
     def close(self) -> None:
         """Close every lane connection: each is idle between requests by construction (an answer is
@@ -111,13 +140,16 @@ class Lane:
         one on its idle connections at shutdown."""
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self.sharing is not None:
+            self.sharing.close()  # the copies it shares are dropped: the other fronts go on serving them
         for connection in list(self.connections):
             connection.close()
 
     def _sweep(self) -> None:
         idle_since = time.monotonic() - KEEPALIVE_S
+        sharing = self.sharing
         for connection in list(self.connections):
-            if connection.last_active < idle_since:
+            if connection.last_active < idle_since and (sharing is None or sharing.end(connection)):
                 connection.close()
         self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
 
@@ -156,23 +188,34 @@ _JSON_TYPE: Final = f"Content-Type: {JSON}\r\n".encode()
 class LaneConnection(asyncio.BufferedProtocol):
     """One client connection while the lane serves it."""
 
-    def __init__(self, lane: Lane) -> None:
+    def __init__(self, lane: Lane, connection_id: int = 0) -> None:
         self.lane = lane
+        self.id = connection_id
+        """The connection's id among the fronts of ``--fronts N`` (front 0 numbers them as it accepts)."""
         self.transport: asyncio.Transport | None = None
         self.buffer = b""
         self.last_active = time.monotonic()
         self.paused = False
+        self.fd = -1
+        """The socket's descriptor in this front, while shared (``process/sharing.py``)."""
+        self.dropped = False
+        """This front's copy was closed without ending the connection."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         lane = self.lane
-        if lane.deal is not None and lane.deal(transport):
-            return  # another front serves it; this front's copy is closed
-        lane.core.counters.connections += 1
+        if lane.deal is not None:
+            self.id = lane.deal(transport)
+        if lane.sharing is None or lane.deal is not None:  # counted once: by the front that accepted it
+            lane.core.counters.connections += 1
         self.transport = transport
         lane.connections.add(self)
+        if lane.sharing is not None:
+            lane.sharing.watch(self, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.lane.sharing is not None and self.transport is not None:
+            self.lane.sharing.closing(self, self.transport)
         self.lane.connections.discard(self)
         self.transport = None
 
@@ -345,6 +388,9 @@ class LaneConnection(asyncio.BufferedProtocol):
         self.transport = None
         self.buffer = b""
         handler: asyncio.Protocol = self.lane.aiohttp_server()
+        sharing = self.lane.sharing
+        if sharing is not None:
+            handler = sharing.hand_over(self, transport, handler)
         transport.set_protocol(handler)
         handler.connection_made(transport)
         if buffer:

@@ -367,6 +367,7 @@ class Counters(Protocol):
     expired_reservations: int
     connections: int
     handovers: int
+    shared_failures: int
     decision: Buckets
     hit_rate: Buckets
     phases: dict[str, Buckets]
@@ -583,7 +584,12 @@ def front_families(counters: Counters) -> Iterator[Metric]:
     )
     connections.add_metric(["lane"], counters.connections - counters.handovers)
     connections.add_metric(["aiohttp"], counters.handovers)
-    yield from (requests, seconds, errors, connections)
+    shared = CounterMetricFamily(
+        "kvrouter_shared_connection_failures",
+        "Connections a front closed because serving its share of them failed (--fronts N; logged)",
+    )
+    shared.add_metric([], counters.shared_failures)
+    yield from (requests, seconds, errors, connections, shared)
 
     yield histogram(
         "kvrouter_kv_hit_rate", "Predicted hit rate of the chosen worker per decision", {(): counters.hit_rate}, []

@@ -62,6 +62,7 @@ from .fastpath_relay import FastPathRelay
 from .follower import EngineFollower
 from .fronts import Fronts, FrontSpec
 from .health import Health
+from .sharing import Sharing
 from .stats import StatsPublisher
 
 __all__ = ["Service"]
@@ -317,8 +318,12 @@ class Service:
             await runner.setup()
             assert runner.server is not None
             lane = self.lane = Lane(core, self, self.gate, self.answers, runner.server)
+            if fronts is not None:
+                fronts.prepare()  # the fronts' shared words
+                assert fronts.serving is not None
+                lane.sharing = fronts.sharing = Sharing(lane, fronts.serving, fronts.index, fronts.notify_owned)
             if fronts is not None and not fronts.primary:
-                fronts.take_connections(lane)  # front 0 listens, and deals this front its share (fronts.py)
+                fronts.take_connections(lane)  # front 0 listens, and sends this front a copy of each (fronts.py)
                 host, port = config.host, config.port
             else:
                 server = await self._loop.create_server(lane, config.host, config.port, reuse_address=True)

@@ -11,20 +11,15 @@ HTTP work per request (``docs/http-api.md``); more fronts answer more. The layou
 - **Fronts 1..N-1** are ``python -m kvrouter.cli.front`` processes (spawned, not forked: the parent
   already runs threads and a loop), given a :class:`FrontSpec` on stdin. Each maps the engine's index
   read-only (:class:`~kvrouter.engine.EngineView`: the design card's lock-free readers).
-- **Connections are dealt.** Front 0 listens on the port and accepts every connection; it keeps one in
-  turn and hands each other one to the next ready front over that front's Unix socketpair
-  (``SCM_RIGHTS``, :meth:`Fronts.deal`), closing its own descriptor: a connection belongs to exactly one
-  front for its life. So a front that dies takes its connections with it (the kernel closes them: each
-  client gets its end of file or a reset at once and may retry), each request wakes one front, and a
-  connection is an ordinary socket of one process (no lock across processes, nothing that stops a
-  front from serving TLS or HTTP/2 one day). The cost is the tail: a connection waits while the kernel
-  runs something else on its front's core (``docs/http-api.md`` "Several fronts" has the measurements).
-  Rejected: ``SO_REUSEPORT`` on every front (the kernel spreads connections by a hash of their addresses,
-  so a client's few keep-alive connections often land unevenly and stay so: 3/5 and worse at 8
-  connections over 2 fronts); every front holding every connection and taking each request under a POSIX
-  lock on the socket (the previous design: a front that died mid-request left its request unanswered on a
-  connection the others kept open, every request woke every front, and the lock was dropped by any close
-  of another descriptor of the socket).
+- **Every front serves every connection.** Front 0 listens on the port and accepts every connection;
+  each one goes, numbered, to every other ready front over that front's Unix socketpair (``SCM_RIGHTS``,
+  :meth:`Fronts.deal`), and whichever front is free answers its next request (``sharing.py``: a lock per
+  request on the socket). A front that dies leaves nothing hanging: front 0 ends the connections it was
+  answering or owned (``sharing.py``, and :meth:`Fronts.orphaned`). Rejected: ``SO_REUSEPORT`` on every
+  front (the kernel spreads connections by a hash of their addresses, so a client's few keep-alive
+  connections often land unevenly and stay so: 3/5 and worse at 8 connections over 2 fronts); each
+  connection dealt to one front for its life (even, 4 and 4, but a front's requests wait whenever the
+  kernel runs something else on its core: the p99 of ``sharing.py``'s measurements).
 - **The ZMQ fast path** keeps one endpoint: front 0 binds it and relays its messages to every front,
   front 0's own included, round robin, in a C-level ``zmq.proxy`` on a thread of its own
   (``fastpath_relay.py``); replies go back the same way.
@@ -81,6 +76,8 @@ from ..core.counters import ServiceCounters
 from ..core.decisions import decision_json
 from ..core.requests import Registration, Thresholds, Unregistration
 from ..core.state import Core
+from ..edges.lane import Lane
+from .sharing import Serving, Sharing
 
 __all__ = ["CONTROL_SUBJECT", "FrontSpec", "Fronts"]
 
@@ -108,6 +105,8 @@ ACK_POLL_S: Final = 0.002
 STOP_TIMEOUT_S: Final = 10.0
 """After SIGTERM, how long a front has to drain before it is killed (on top of ``drain_secs``)."""
 PARENT_POLL_S: Final = 0.5
+MAX_OWNED_KEPT: Final = 4096
+"""Front 0 keeps at most about this many numbers of connections a front owns before it forgets the ended ones."""
 MAX_DEALT: Final = 64
 """Connections one read of a front's socketpair takes at most (front 0 sends one per message)."""
 READY_LINE: Final = "kvrouter front ready"
@@ -133,6 +132,8 @@ class FrontSpec:
     """Front 0's ``kvrouter`` log level."""
     fastpath: str | None = None
     """Front 0's fast-path relay (``fastpath_relay.py``) this front serves, or None (no fast path)."""
+    serving: str = ""
+    """The fronts' shared segment (``sharing.py``'s :class:`Serving`): each front's word."""
 
 
 class Fronts:
@@ -181,8 +182,14 @@ class Fronts:
         self._inbox: socket.socket | None = None
         """Another front: where its connections arrive."""
         self._arriving: set[asyncio.Task[Any]] = set()
-        self._turn = 0
-        """Front 0: the front the next accepted connection goes to (0: kept)."""
+        self._numbered = 0
+        """Front 0: the last number given to an accepted connection."""
+        self.serving: Serving | None = None
+        """The fronts' shared words (``sharing.py``), from :meth:`prepare` to :meth:`close`."""
+        self.sharing: Sharing | None = None
+        """This front's share of the connections (set by the service once its lane exists)."""
+        self._owned_by: dict[int, set[int]] = {}
+        """Front 0: per other front, the numbers of the connections it made its own."""
         self._acked: dict[int, int] = {}
         """Front 0: the registry version each front last said it holds."""
         self.fastpath: str | None = None
@@ -197,6 +204,60 @@ class Fronts:
             answer["ready"] = 1 + len(self._ready)
             answer["restarts"] = self.restarts
         return answer
+
+    def prepare(self) -> None:
+        """Before the service listens: the fronts' shared words (front 0 makes them, the others map them)."""
+        if self.primary:
+            self.serving = Serving.create(os.getpid())
+        else:
+            assert self.spec is not None
+            self.serving = Serving.attach(self.spec.serving)
+
+    def notify_owned(self, connection_id: int) -> None:
+        """This front made connection ``connection_id`` its own: front 0 is told (ends it if this front dies)."""
+        inbox = self._inbox
+        if self.primary or inbox is None:
+            return  # front 0's own end with front 0
+        with contextlib.suppress(OSError):  # front 0 gone: this front stops anyway
+            inbox.send(b"o" + connection_id.to_bytes(8, "little"))
+
+    def orphaned(self, index: int) -> int:
+        """Front 0, when front ``index`` exited: end the connection it was answering and those it owned (a
+        ``shutdown``: their clients get an end of file or a reset), then read every shared connection again
+        for requests it had locked but not read. Returns how many connections were ended."""
+        ids = self._owned_by.pop(index, set())
+        serving = self.serving
+        if serving is not None:
+            answering = int(serving.words[index])
+            serving.words[index] = 0
+            if answering:
+                ids.add(answering)
+        sharing = self.sharing
+        if sharing is None:
+            return 0
+        ended = sum(sharing.shut(connection_id) for connection_id in ids)
+        sharing.reread()
+        if ended:
+            log.warning("front exited while serving front=%d connections ended=%d", index, ended)
+        return ended
+
+    def _on_notice(self, index: int, channel: socket.socket) -> None:
+        """Front 0: a front's notice on its socketpair (``o`` + a connection's number: made its own)."""
+        try:
+            message = channel.recv(16)
+        except BlockingIOError:
+            return
+        except OSError:
+            message = b""
+        if not message:  # the front's end closed: it exited (its process watch handles the rest)
+            with contextlib.suppress(ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(channel.fileno())
+            return
+        if message[:1] == b"o" and len(message) == 9:
+            owned = self._owned_by.setdefault(index, set())
+            owned.add(int.from_bytes(message[1:], "little"))
+            if len(owned) > MAX_OWNED_KEPT and self.sharing is not None:  # the ended ones go
+                owned.intersection_update(self.sharing.by_id)
 
     async def open(self) -> None:
         """Front 0: the broker (before the replica sync connects to it). Others: join the bus and take the
@@ -232,6 +293,8 @@ class Fronts:
                 await task
         self._tasks.clear()
         for channel in self._channels.values():
+            with contextlib.suppress(ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(channel.fileno())
             channel.close()
         self._channels.clear()
         if self._inbox is not None:
@@ -246,6 +309,9 @@ class Fronts:
             self._broker = None
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+        if self.serving is not None:
+            self.serving.close()  # front 0 unlinks it
+            self.serving = None
 
     # -- counters: every front's, summed -------------------------------------------------------------
 
@@ -456,6 +522,7 @@ class Fronts:
             connections,
             level,
             self.fastpath,
+            self.serving.name if self.serving is not None else "",
         )
 
     async def _start(self, index: int, port: int) -> None:
@@ -492,43 +559,39 @@ class Fronts:
         log.info("front ready front=%d pid=%d", index, proc.pid)
         channel.setblocking(False)
         self._channels[index] = channel
+        asyncio.get_running_loop().add_reader(channel.fileno(), self._on_notice, index, channel)
         self._ready.add(index)
 
-    def deal(self, transport: asyncio.Transport) -> bool:
-        """Front 0, for each connection it accepts: keep it, or hand it to the next ready front in turn.
-        Returns True when handed over: this front's descriptor is then closed (without a shutdown: the
-        connection lives on in the other front). A front that cannot take it now (far behind, or gone) is
-        passed over."""
+    def deal(self, transport: asyncio.Transport) -> int:
+        """Front 0, for each connection it accepts: number it and send a copy to every ready front, which
+        serves it with the others (``sharing.py``). A front that cannot take it now (far behind, or gone)
+        goes without. Returns the number."""
+        self._numbered += 1
+        number = self._numbered
         sock = transport.get_extra_info("socket")
         if sock is None:
-            return False
-        turns = [0, *sorted(self._channels)]
-        for _ in range(len(turns)):
-            index = turns[self._turn % len(turns)]
-            self._turn += 1
-            if index == 0:
-                return False
-            channel = self._channels[index]
+            return number
+        message = b"c" + number.to_bytes(8, "little")
+        for index, channel in list(self._channels.items()):
             try:
-                socket.send_fds(channel, [b"c"], [sock.fileno()])
-            except BlockingIOError:  # the front is far behind in taking its connections: the next one
+                socket.send_fds(channel, [message], [sock.fileno()])
+            except BlockingIOError:  # the front is far behind in taking its connections: the others serve it
                 continue
             except OSError as exc:  # the front is gone; its process watch starts it again
                 log.warning("front unreachable front=%d error=%s: it gets no connections", index, exc)
+                with contextlib.suppress(ValueError, OSError):
+                    asyncio.get_running_loop().remove_reader(channel.fileno())
                 self._channels.pop(index).close()
-                return self.deal(transport)
-            transport.abort()  # the other front holds the connection now; this descriptor goes
-            return True
-        return False
+        return number
 
-    def take_connections(self, factory: Callable[[], asyncio.BaseProtocol]) -> None:
-        """Another front: serve its copy of every connection front 0 accepts, with a protocol from ``factory``."""
+    def take_connections(self, lane: Lane) -> None:
+        """Another front: serve its copy of every connection front 0 accepts, with the lane."""
         assert self.spec is not None
         inbox = self._inbox = socket.socket(fileno=self.spec.connections)
         inbox.setblocking(False)
-        asyncio.get_running_loop().add_reader(inbox.fileno(), self._arrive, factory)
+        asyncio.get_running_loop().add_reader(inbox.fileno(), self._arrive, lane)
 
-    def _arrive(self, factory: Callable[[], asyncio.BaseProtocol]) -> None:
+    def _arrive(self, lane: Lane) -> None:
         inbox = self._inbox
         assert inbox is not None
         loop = asyncio.get_running_loop()
@@ -542,10 +605,13 @@ class Fronts:
         if not message and not fds:  # front 0 closed its end: no more connections (its exit stops this front)
             loop.remove_reader(inbox.fileno())
             return
+        number = int.from_bytes(message[1:9], "little") if message[:1] == b"c" and len(message) == 9 else 0
         for fd in fds:
             conn = socket.socket(fileno=fd)
+            if self.sharing is not None and not self.sharing.adopt(conn):
+                continue  # a socket this front holds already: parked, never closed while the first lives
             conn.setblocking(False)
-            task = loop.create_task(loop.connect_accepted_socket(factory, conn))
+            task = loop.create_task(loop.connect_accepted_socket(functools.partial(lane, number), conn))
             self._arriving.add(task)
             task.add_done_callback(self._arriving.discard)
 
@@ -560,7 +626,10 @@ class Fronts:
                 index = waits[task]
                 self._ready.discard(index)
                 if (channel := self._channels.pop(index, None)) is not None:
+                    with contextlib.suppress(ValueError, OSError):
+                        asyncio.get_running_loop().remove_reader(channel.fileno())
                     channel.close()
+                self.orphaned(index)  # its clients get an end at once, its unread requests another front
                 if self._stopping:
                     return
                 self.restarts += 1

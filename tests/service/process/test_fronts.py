@@ -1,6 +1,6 @@
 """``kvrouter up --fronts 2`` as real processes: two fronts on one port agree on loads and on the registry.
 
-Every front serves every connection (``service/sharing.py``, tested in ``test_sharing.py``); a connection
+Every front serves every connection (``service/process/sharing.py``, tested in ``test_sharing.py``); a connection
 whose first request is aiohttp's stays with the front that read it, and every answer names its front
 (``X-Kvrouter-Front``). What they check: both fronts answer; reservations booked through either
 show in both fronts' ``/loads`` and can be freed through either; a registration through one front is seen

@@ -82,8 +82,9 @@ class Sharing(Protocol):
     """With ``--fronts N``, how a front serves the connections it holds with the other fronts
     (``service/process/sharing.py``): the lane calls these at a connection's turns."""
 
-    def watch(self, connection: LaneConnection, transport: asyncio.Transport) -> None:
-        """A new connection, before its transport's first read: serve it shared."""
+    def watch(self, connection: LaneConnection, transport: asyncio.Transport, *, serve: bool = True) -> None:
+        """A new connection, before its transport's first read: serve it shared (``serve``), or only hold
+        it, to end it if the fronts that serve it die."""
         ...
 
     def closing(self, connection: LaneConnection, transport: asyncio.BaseTransport) -> None:
@@ -122,9 +123,9 @@ class Lane:
         self._sweeper: asyncio.TimerHandle | None = None
         self.scratch = memoryview(bytearray(READ_BUFFER))
         """Every connection's reads land here (``get_buffer``) and are copied out at once (``buffer_updated``)."""
-        self.deal: Callable[[asyncio.Transport], int] | None = None
-        """Front 0 of ``--fronts N``: sends every other front a copy of a new connection; returns the
-        connection's id among the fronts."""
+        self.deal: Callable[[asyncio.Transport], tuple[int, bool]] | None = None
+        """Front 0 of ``--fronts N``: sends the fronts that serve a new connection their copy; returns the
+        connection's id among the fronts and whether front 0 serves it too."""
         self.sharing: Sharing | None = None
         """With ``--fronts N``, every front's: the connections it serves with the other fronts."""
 
@@ -204,14 +205,15 @@ class LaneConnection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         lane = self.lane
+        serve = True
         if lane.deal is not None:
-            self.id = lane.deal(transport)
+            self.id, serve = lane.deal(transport)
         if lane.sharing is None or lane.deal is not None:  # counted once: by the front that accepted it
             lane.core.counters.connections += 1
         self.transport = transport
         lane.connections.add(self)
         if lane.sharing is not None:
-            lane.sharing.watch(self, transport)
+            lane.sharing.watch(self, transport, serve=serve)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.lane.sharing is not None and self.transport is not None:

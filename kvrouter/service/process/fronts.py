@@ -12,9 +12,11 @@ HTTP work per request (``docs/http-api.md``); more fronts answer more. The layou
   already runs threads and a loop), given a :class:`FrontSpec` on stdin. Each maps the engine's index
   read-only (:class:`~kvrouter.engine.EngineView`: the design card's lock-free readers).
 - **Every front serves every connection.** Front 0 listens on the port and accepts every connection;
-  each one goes, numbered, to every other ready front over that front's Unix socketpair (``SCM_RIGHTS``,
-  :meth:`Fronts.deal`), and whichever front is free answers its next request (``sharing.py``: a lock per
-  request on the socket). A front that dies leaves nothing hanging: front 0 ends the connections it was
+  each one goes, numbered, to the two fronts that serve it, in turn over the ready fronts (front 0 and
+  the other, with two fronts), over each front's Unix socketpair (``SCM_RIGHTS``, :meth:`Fronts.deal`), and
+  whichever of them is free answers its next request (``sharing.py``: a lock per request on the socket).
+  Two, not all: each request wakes every front that holds it, so with more fronts than two every request
+  would wake more fronts for nothing. A front that dies leaves nothing hanging: front 0 ends the connections it was
   answering or owned (``sharing.py``, and :meth:`Fronts.orphaned`). Rejected: ``SO_REUSEPORT`` on every
   front (the kernel spreads connections by a hash of their addresses, so a client's few keep-alive
   connections often land unevenly and stay so: 3/5 and worse at 8 connections over 2 fronts); each
@@ -562,27 +564,34 @@ class Fronts:
         asyncio.get_running_loop().add_reader(channel.fileno(), self._on_notice, index, channel)
         self._ready.add(index)
 
-    def deal(self, transport: asyncio.Transport) -> int:
-        """Front 0, for each connection it accepts: number it and send a copy to every ready front, which
-        serves it with the others (``sharing.py``). A front that cannot take it now (far behind, or gone)
-        goes without. Returns the number."""
+    def deal(self, transport: asyncio.Transport) -> tuple[int, bool]:
+        """Front 0, for each connection it accepts: number it and send a copy to the fronts that serve it
+        together (``sharing.py``): two of them, in turn over the ready fronts, so each request wakes two
+        fronts however many there are (front 0 and the other, with two). A front that cannot take it now
+        (far behind, or gone) goes without. Returns the number, and whether front 0 is one of the two (else
+        it keeps its copy only to end it if a front dies serving it)."""
         self._numbered += 1
         number = self._numbered
         sock = transport.get_extra_info("socket")
+        turns = [0, *sorted(self._channels)]
+        first = number % len(turns)
+        pair = {turns[first], turns[(first + 1) % len(turns)]}
         if sock is None:
-            return number
+            return number, True
         message = b"c" + number.to_bytes(8, "little")
-        for index, channel in list(self._channels.items()):
+        for index in sorted(pair - {0}):
+            channel = self._channels[index]
             try:
                 socket.send_fds(channel, [message], [sock.fileno()])
-            except BlockingIOError:  # the front is far behind in taking its connections: the others serve it
-                continue
+            except BlockingIOError:  # the front is far behind in taking its connections: front 0 serves it
+                pair.add(0)
             except OSError as exc:  # the front is gone; its process watch starts it again
                 log.warning("front unreachable front=%d error=%s: it gets no connections", index, exc)
                 with contextlib.suppress(ValueError, OSError):
                     asyncio.get_running_loop().remove_reader(channel.fileno())
                 self._channels.pop(index).close()
-        return number
+                pair.add(0)
+        return number, 0 in pair
 
     def take_connections(self, lane: Lane) -> None:
         """Another front: serve its copy of every connection front 0 accepts, with the lane."""

@@ -11,11 +11,16 @@ against the reference's 4.10 and 2.48.
 
 How:
 
-- **Every front holds a copy.** Front 0 accepts each connection, numbers it, and sends its socket with its
-  number to every ready front (``SCM_RIGHTS``: one open socket, a descriptor per front). Each front's
-  transport for it never reads by itself (paused); the front watches its copy edge-triggered in an epoll
-  of its own, registered on its loop, so new bytes wake every front once, and bytes one front leaves to
-  another wake nobody again.
+- **Two fronts hold a copy, and front 0.** Front 0 accepts each connection, numbers it, and sends its
+  socket with its number to the two fronts that serve it, in turn over the ready fronts (``SCM_RIGHTS``:
+  one open socket, a descriptor per front; with two fronts, front 0 and front 1). Each front's transport
+  for it never reads by itself (paused); the front watches its copy edge-triggered in an epoll of its
+  own, registered on its loop, so new bytes wake both fronts once, and bytes one front leaves to the other
+  wake nobody again. Front 0 holds a copy of every connection it does not serve, watched for its end only:
+  to end it, or read it, if a front dies. Why two and not all: every front that watches a connection
+  wakes for each of its requests, and all but one find the lock taken; with four fronts on two cores,
+  sharing with all of them cost 10-15 % more CPU per request than two (``tools/bench_service.py``
+  ``--compare-fronts``), for no gain in the tail that the second front does not already give.
 - **One request at a time, by a lock on the socket.** A POSIX record lock on the socket's first byte
   (``fcntl``, non-blocking) is the request's: the front that gets it reads what the socket holds,
   answers it through the lane (the same code as for a connection of its own), and unlocks when nothing is
@@ -83,6 +88,8 @@ log = logging.getLogger(__name__)
 
 _WATCH: Final = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET
 _ENDED: Final = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
+_HOLD: Final = select.EPOLLRDHUP | select.EPOLLET
+"""A copy front 0 only holds (the connection's two fronts serve it): its end wakes it, its requests do not."""
 
 
 def serving_name(owner_pid: int) -> str:
@@ -170,16 +177,17 @@ class Sharing:
             return False
         return True
 
-    def watch(self, connection: LaneConnection, transport: asyncio.Transport) -> None:
+    def watch(self, connection: LaneConnection, transport: asyncio.Transport, *, serve: bool = True) -> None:
         """Serve ``connection`` shared: its transport stops reading; this front reads it when it gets the
-        request lock. Called from ``connection_made``, before the transport's first read."""
+        request lock (``serve``), or when a front that serves it dies (front 0's copies of the connections
+        two other fronts serve). Called from ``connection_made``, before the transport's first read."""
         transport.pause_reading()
         fd = transport.get_extra_info("socket").fileno()
         connection.fd = fd
         self._watched[fd] = connection
         self._inodes[_inode(fd)] = fd
         self.by_id[connection.id] = connection
-        self._epoll.register(fd, _WATCH)  # bytes already there are reported at once
+        self._epoll.register(fd, _WATCH if serve else _HOLD)  # bytes already there are reported at once
 
     def owns(self, connection: LaneConnection) -> bool:
         """Whether ``connection`` is this front's own (or was never shared)."""
@@ -240,8 +248,9 @@ class Sharing:
         return True
 
     def reread(self) -> None:
-        """Read every shared connection again, as if each had new bytes: what a front that died had locked
-        but not read is answered (its lock went with it, and no new edge will come for those bytes)."""
+        """Read every shared connection again, those only held included, as if each had new bytes: what a
+        front that died had locked but not read is answered (its lock went with it, and no new edge will
+        come for those bytes)."""
         for connection in list(self._watched.values()):
             self._serve_safely(connection.fd, connection, select.EPOLLIN)
 

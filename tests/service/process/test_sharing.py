@@ -236,3 +236,40 @@ def _state(pid: int) -> bytes:
     except OSError:
         return b"X"
     return text[text.rindex(b")") + 2 :].split()[0]
+
+
+def copies_by_front(pids: list[int], peers: set[int]) -> list[int]:
+    return [copies_of([pid], peers) for pid in pids]
+
+
+def test_with_three_fronts_each_connection_is_served_by_two_and_front_0_holds_the_rest(start_up, shm_entries):
+    """More fronts than two: a connection is served by two of them, in turn, and front 0 holds a copy of the
+    others only to end them or read them when a front dies; a front killed leaves its connections served."""
+    up = start_up("--fronts", "3", "--mock-workers", "2", "--shards", "1", "--client-rate", "0")
+    url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
+    up.expect(re.compile(r"Ctrl-C stops everything"), START_TIMEOUT_S)
+    fronts = [up.proc.pid, *(pid for pid, _ in descendants(up.proc.pid) if b"kvrouter.cli.front" in _cmdline(pid))]
+    assert len(fronts) == 3
+    opened = [connect(url) for _ in range(12)]
+    try:
+        peers = {sock.getsockname()[1] for sock in opened}
+        readers = [Reader(sock) for sock in opened]
+        for i, (sock, reader) in enumerate(zip(opened, readers, strict=True)):
+            sock.sendall(raw_request("POST", "/select", select_body(300 + i)))
+            assert reader.response()[0] == 200
+        held = copies_by_front(fronts, peers)
+        assert held[0] == len(opened)  # front 0: every connection, served or only held
+        assert all(0 < n < len(opened) for n in held[1:]), held  # the others: their share, not all
+        assert sum(held[1:]) + held[0] >= 2 * len(opened)
+        assert all(twice_held(pid) == [] for pid in fronts)
+        os.kill(fronts[2], signal.SIGKILL)  # its connections: served on by their other front, or front 0
+        until(lambda: not Path(f"/proc/{fronts[2]}").exists() or b"Z" in _state(fronts[2]), "front 2 to die")
+        for round_ in range(3):
+            for i, (sock, reader) in enumerate(zip(opened, readers, strict=True)):
+                sock.sendall(raw_request("POST", "/select", select_body(400 + 20 * round_ + i)))
+                assert reader.response()[0] == 200
+    finally:
+        for sock in opened:
+            sock.close()
+    until(lambda: copies_of(fronts[:2], peers) == 0, "the fronts to close their copies")
+    stop_and_check(up, signal.SIGTERM, shm_entries)

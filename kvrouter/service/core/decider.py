@@ -125,11 +125,10 @@ class Decider:
         candidates = partition.candidates
         if not candidates:
             self.counters.no_worker += 1
-            waiting = sum(instance.status == "pending" for instance in partition.instances.values())
-            skipped = len(partition.unhealthy)
+            waiting = sum(instance.status != "active" for instance in partition.instances.values())
+            held = f", {waiting} not followed (pending or failed: /workers)" if waiting else ""
             raise Unavailable(
-                f"no schedulable worker in {partition.name} ({skipped} skipped as unhealthy, "
-                f"{waiting} not followed yet)"
+                f"no schedulable worker in {partition.name} ({len(partition.unhealthy)} skipped as unhealthy{held})"
             )
         hashing = time.perf_counter()
         local, isl = self._prompt(partition, request)

@@ -215,7 +215,7 @@ class Sharing:
 
     def drop(self, connection: LaneConnection) -> None:
         """Close this front's copy without a word to the peer: the other fronts go on serving it."""
-        self._forget(connection)
+        self.forget(connection)
         connection.dropped = True
         if connection.transport is not None:
             connection.transport.abort()
@@ -233,7 +233,7 @@ class Sharing:
     def closing(self, connection: LaneConnection, transport: asyncio.BaseTransport) -> None:
         """``connection_lost``, before the transport closes its socket: unless only dropped, shut it down so
         every other front's copy hears the end."""
-        self._forget(connection)
+        self.forget(connection)
         if not connection.dropped:
             with contextlib.suppress(OSError):  # the peer may be gone already
                 transport.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
@@ -273,7 +273,7 @@ class Sharing:
             del self._watched[connection.fd]
             self._epoll.unregister(connection.fd)
 
-    def _forget(self, connection: LaneConnection) -> None:
+    def forget(self, connection: LaneConnection) -> None:
         """The connection ends here: nothing of it is kept (its parked descriptors close with it)."""
         self._unwatch(connection)
         if self.by_id.get(connection.id) is connection:
@@ -306,7 +306,7 @@ class Sharing:
             self._word[0] = 0
             self._lane.core.counters.shared_failures += 1
             log.warning("shared connection closed fd=%d error=%r", fd, exc)
-            self._forget(connection)
+            self.forget(connection)
             connection.close()
 
     def _serve(self, connection: LaneConnection, events: int) -> None:
@@ -328,7 +328,7 @@ class Sharing:
                 n = 0  # reset by the peer: as its end
             if n == 0:
                 self._word[0] = 0
-                self._forget(connection)
+                self.forget(connection)
                 connection.close()
                 return
             connection.buffer_updated(n)  # answers every whole request; may hand the connection to aiohttp
@@ -382,7 +382,7 @@ class _Owned(asyncio.Protocol):
         self._handler.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._sharing._forget(self._connection)
+        self._sharing.forget(self._connection)
         with contextlib.suppress(OSError):
             self._transport.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
         self._handler.connection_lost(exc)

@@ -1,7 +1,7 @@
 """Finding and removing what dead engines left behind, and the owner lock that tells the dead from the live.
 
 Every name an engine makes carries its owner's pid: ``/dev/shm/kvrouter-<pid>-ctl`` (and its service's
-``kvrouter-<pid>-stats``), the shard segments ``kvrouter-<pid>-s<k>-e<epoch>``, the fences
+``kvrouter-<pid>-stats`` and ``kvrouter-<pid>-fronts``), the shard segments ``kvrouter-<pid>-s<k>-e<epoch>``, the fences
 ``kvrouter-<pid>-s<k>.lock``, and the temporary directory ``kvrouter-<pid>-XXXXXXXX`` of its ``ipc://``
 sockets. An engine killed with its whole process group (the OOM killer) removes none of them, and a
 restart that gets the same pid used to find its own control segment taken. So an engine sweeps before it
@@ -41,9 +41,9 @@ __all__ = ["owner_lock_path", "sweep_leftovers", "take_owner_lock"]
 
 log = logging.getLogger(__name__)
 
-_SHM_NAME: Final = re.compile(rf"^{PREFIX}(\d+)-(?:ctl|stats|s\d+-e\d+|s\d+\.lock|owner\.lock)$")
-"""Control segment, the service's stats segment, shard segments, fences, owner lock (``layout.control_name``
-and friends)."""
+_SHM_NAME: Final = re.compile(rf"^{PREFIX}(\d+)-(?:ctl|stats|fronts|s\d+-e\d+|s\d+\.lock|owner\.lock)$")
+"""Control segment, the service's stats segment and its fronts' words (``--fronts N``), shard segments, fences,
+owner lock (``layout.control_name`` and friends)."""
 _SOCKET_DIR: Final = re.compile(rf"^{PREFIX}(\d+)-[a-z0-9_]{{8}}$")
 """``tempfile.mkdtemp(prefix="kvrouter-<pid>-")``: eight characters of ``[a-z0-9_]`` follow the prefix."""
 DEFAULT_PID_MAX: Final = 1 << 22

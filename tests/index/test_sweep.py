@@ -24,10 +24,12 @@ def _dead_pid() -> int:
 
 
 def _fake_leftovers(pid: int) -> list[str]:
-    """What an engine of ``pid`` killed with its process group leaves: control and shard segments, fences,
-    its owner lock, and its socket directory with a socket file in it."""
+    """What an engine of ``pid`` killed with its process group leaves: control and shard segments, its service's
+    stats segment and fronts' words, fences, its owner lock, and its socket directory with a socket file in it."""
     paths = [
         f"/dev/shm/kvrouter-{pid}-ctl",
+        f"/dev/shm/kvrouter-{pid}-stats",
+        f"/dev/shm/kvrouter-{pid}-fronts",
         f"/dev/shm/kvrouter-{pid}-s0-e3",
         f"/dev/shm/kvrouter-{pid}-s1-e1",
         f"/dev/shm/kvrouter-{pid}-s0.lock",

@@ -284,36 +284,39 @@ class Fronts:
         self._tasks.append(asyncio.create_task(self._publish_counters(), name="kvrouter-fronts-counters"))
 
     async def close(self) -> None:
-        """Stop the other fronts (front 0), leave the bus, stop the broker, remove the directory."""
+        """Stop the other fronts (front 0), leave the bus, stop the broker, remove the directory and the
+        fronts' shared words (whatever failed on the way)."""
         self._stopping = True
-        if self.primary:
-            await self._stop_fronts()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
-        for channel in self._channels.values():
-            with contextlib.suppress(ValueError, OSError):
-                asyncio.get_running_loop().remove_reader(channel.fileno())
-            channel.close()
-        self._channels.clear()
-        if self._inbox is not None:
-            asyncio.get_running_loop().remove_reader(self._inbox.fileno())
-            self._inbox.close()
-            self._inbox = None
-        if self._bus is not None:
-            await self._bus.close()
-            self._bus = None
-        if self._broker is not None:
-            self._broker.close()
-            self._broker = None
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-        if self.serving is not None:
-            self.serving.close()  # front 0 unlinks it
-            self.serving = None
+        try:
+            if self.primary:
+                await self._stop_fronts()
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            self._tasks.clear()
+            for channel in self._channels.values():
+                with contextlib.suppress(ValueError, OSError):
+                    asyncio.get_running_loop().remove_reader(channel.fileno())
+                channel.close()
+            self._channels.clear()
+            if self._inbox is not None:
+                asyncio.get_running_loop().remove_reader(self._inbox.fileno())
+                self._inbox.close()
+                self._inbox = None
+            if self._bus is not None:
+                await self._bus.close()
+                self._bus = None
+            if self._broker is not None:
+                self._broker.close()
+                self._broker = None
+        finally:
+            if self.folder is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)
+            if self.serving is not None:
+                self.serving.close()  # front 0 unlinks it
+                self.serving = None
 
     # -- counters: every front's, summed -------------------------------------------------------------
 

@@ -319,6 +319,7 @@ class FastPath:
     # -- ops: the HTTP routes' answers ------------------------------------------------------------
 
     def _select(self, body: Mapping[str, Any], *, reserve: bool) -> dict[str, Any]:
+        self.core.lifecycle.require_index()
         decision = self.core.queue.select_now(parse_select(body), reserve=reserve)
         answer = select_json(decision)
         answer["index"] = self.core.facts.summary

@@ -348,6 +348,7 @@ class LaneConnection(asyncio.BufferedProtocol):
                     core.reservations.free(reservation)
                 payload, extra = _OK_BODY, _JSON_TYPE
             else:
+                lifecycle.require_index()  # before the parse: its compiled scan waits for the start's compile
                 payload, extra = self._select(body, headers.get(_SESSION), reserve=reserve, started=started)
         except Exception as exc:
             refusal = gate.refusal(exc, route)

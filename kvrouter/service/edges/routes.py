@@ -152,6 +152,7 @@ class Routes:
 
     async def _select_route(self, request: web.Request, *, reserve: bool) -> web.Response:
         started = time.perf_counter()
+        self.core.lifecycle.require_index()  # before the parse: its compiled scan waits for the start's compile
         select = self.answers.parse(await request.read(), request.headers.get(SESSION_HEADER), started)
         decision = await self.core.queue.select(select, reserve=reserve, gone=client_gone(request))
         payload, destination = self.answers.encode(decision, started)

@@ -317,30 +317,33 @@ class Sharing:
             if events & _ENDED:  # the holder sees the end too, and closes its copy
                 self.drop(connection)
             return
-        self._word[0] = connection.id  # what front 0 ends if this front dies before it answers
-        scratch = self._lane.scratch
-        while connection.transport is not None and not self.owns(connection) and not connection.paused:
-            try:
-                n = os.readv(fd, [scratch])
-            except BlockingIOError:
-                break
-            except OSError:
-                n = 0  # reset by the peer: as its end
-            if n == 0:
-                self._word[0] = 0
-                self.forget(connection)
-                connection.close()
-                return
-            connection.buffer_updated(n)  # answers every whole request; may hand the connection to aiohttp
-            if n < len(scratch) and not events & _ENDED:  # all it held: later bytes wake every front again
-                break  # (edge-triggered); after the peer's end, read on to it
-        self._word[0] = 0
-        if self.owns(connection) or connection.transport is None:
-            return  # handed over (own() was called) or closed
-        if connection.buffer or connection.paused or connection.transport.get_write_buffer_size():
-            self.own(connection, connection.transport)  # a request still arriving, an answer not taken yet
-        else:
-            _unlock(fd)
+        word, scratch = self._word, self._lane.scratch
+        try:
+            while connection.transport is not None and not self.owns(connection) and not connection.paused:
+                word[0] = connection.id  # what front 0 ends if this front dies with bytes read and not answered
+                try:
+                    n = os.readv(fd, [scratch])
+                except BlockingIOError:
+                    break
+                except OSError:
+                    n = 0  # reset by the peer: as its end
+                if n == 0:
+                    self.forget(connection)
+                    connection.close()
+                    return
+                connection.buffer_updated(n)  # answers every whole request; may hand the connection to aiohttp
+                if not connection.buffer:
+                    word[0] = 0  # every byte read is answered
+                if n < len(scratch) and not events & _ENDED:  # all it held: later bytes wake every front again
+                    break  # (edge-triggered); after the peer's end, read on to it
+            if self.owns(connection) or connection.transport is None:
+                return  # handed over (own() was called, front 0 told) or closed
+            if connection.buffer or connection.paused or connection.transport.get_write_buffer_size():
+                self.own(connection, connection.transport)  # a request still arriving, an answer not taken yet
+            else:
+                _unlock(fd)
+        finally:
+            word[0] = 0
 
 
 def _raise_descriptor_limit() -> None:

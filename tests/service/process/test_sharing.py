@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
+from kvrouter.service.process.sharing import Serving, serving_name
 from tests.service.test_up import START_TIMEOUT_S, URL_LINE, descendants, start_up, stop_and_check
 
 __all__ = ["start_up"]  # the fixture, shared with test_up
@@ -215,7 +216,12 @@ def test_every_front_serves_every_connection(start_up, shm_entries):
         reader = Reader(sock)
         sock.sendall(raw_request("POST", "/select", select_body(200)))
         assert reader.response()[0] == 200
-        os.kill(fronts[1], signal.SIGKILL)
+        serving = Serving.attach(serving_name(fronts[0]))
+        try:  # front 1 killed between requests, not while answering one (front 0 would end that connection)
+            until(lambda: int(serving.words[1]) == 0, "front 1 to finish answering")
+            os.kill(fronts[1], signal.SIGKILL)
+        finally:
+            serving.close()
         until(lambda: not Path(f"/proc/{fronts[1]}").exists() or b"Z" in _state(fronts[1]), "front 1 to die")
         for i in range(10):
             sock.sendall(raw_request("POST", "/select", select_body(201 + i)))

@@ -216,12 +216,12 @@ def test_every_front_serves_every_connection(start_up, shm_entries):
         reader = Reader(sock)
         sock.sendall(raw_request("POST", "/select", select_body(200)))
         assert reader.response()[0] == 200
-        serving = Serving.attach(serving_name(fronts[0]))
+        segment = Serving.attach(serving_name(fronts[0]))
         try:  # front 1 killed between requests, not while answering one (front 0 would end that connection)
-            until(lambda: int(serving.words[1]) == 0, "front 1 to finish answering")
+            until(lambda: int(segment.words[1]) == 0, "front 1 to finish answering")
             os.kill(fronts[1], signal.SIGKILL)
         finally:
-            serving.close()
+            segment.close()
         until(lambda: not Path(f"/proc/{fronts[1]}").exists() or b"Z" in _state(fronts[1]), "front 1 to die")
         for i in range(10):
             sock.sendall(raw_request("POST", "/select", select_body(201 + i)))

@@ -307,6 +307,7 @@ def test_a_front_killed_mid_request_leaves_its_client_a_reset_and_the_next_reque
                 "both fronts ready",
                 START_TIMEOUT_S,
             )
+            run.until(lambda: statuses(run) == {1: "active"}, "the worker followed", START_TIMEOUT_S)
             conn = None
             deadline = time.monotonic() + 30
             while conn is None and time.monotonic() < deadline:  # the front that reads a /health owns it
@@ -318,11 +319,17 @@ def test_a_front_killed_mid_request_leaves_its_client_a_reset_and_the_next_reque
             assert conn is not None, "no connection owned by front 1"
             request = {"model": "m", "prompt": list(range(4 * BLOCK)), "max_tokens": 200}
             conn.request("POST", "/v1/completions", body=json.dumps(request))
-            run.until(
-                lambda: any(load["active_requests"] for g in run.call("GET", "/loads").body for load in g["loads"]),
-                "the slow request booked",
-                30,
-            )
+            try:
+                run.until(
+                    lambda: any(load["active_requests"] for g in run.call("GET", "/loads").body for load in g["loads"]),
+                    "the slow request booked",
+                    30,
+                )
+            except AssertionError:
+                assert conn.sock is not None
+                conn.sock.settimeout(1)
+                answer = conn.getresponse()
+                raise AssertionError(f"not booked; its answer: {answer.status} {answer.read()[:300]!r}") from None
             fronts = [
                 pid
                 for pid, _ in descendants(run.proc.pid)

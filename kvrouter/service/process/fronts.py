@@ -394,9 +394,11 @@ class Fronts:
     def changed(self) -> None:
         """Front 0, after a change of the registry: publish it (queued on the loop); :meth:`held` waits
         until every ready front holds it."""
-        if not self.primary or self._bus is None:
+        if not self.primary:
             return
-        self.version += 1
+        self.version += 1  # counted before the bus opens too: a front that joins later takes this version
+        if self._bus is None:
+            return
         payload = orjson.dumps(self.registry())
         bus = self._bus
         self._tasks.append(asyncio.create_task(bus.publish(REGISTRY_SUBJECT, payload)))

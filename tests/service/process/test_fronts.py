@@ -22,7 +22,9 @@ from urllib.parse import urlparse
 
 import pytest
 
+from kvrouter.service.core.config import RouterConfig, ServiceConfig
 from kvrouter.service.core.decisions import summarise
+from kvrouter.service.process.app import Service
 from kvrouter.stats import discovery
 from tests.service.test_up import (
     START_TIMEOUT_S,
@@ -222,3 +224,17 @@ def test_a_match_on_another_front_feeds_the_index_cap(start_up, shm_entries, wai
         return answer
 
     a_matched_chain_outlives_a_newer_one(start_up, shm_entries, wait_until, through_front_1, "--fronts", "2")
+
+
+def test_a_registration_taken_before_front_0s_bus_opens_reaches_the_fronts_that_join_later():
+    """Front 0 listens before its local bus is open (a client registers as soon as ``/health`` answers):
+    that change still counts in the registry's version, so a front that joins later and takes the registry
+    whole does not mistake it for the empty one it starts with."""
+    config = ServiceConfig(port=0, shards=1, fronts=2, router=RouterConfig(use_kv_events=False))
+    first, joining = Service(config), Service(config)
+    assert first.fronts is not None
+    assert joining.fronts is not None
+    first.apply_control("register", {"instance_id": 7, "model_name": "m", "block_size": 16})
+    joining.fronts.apply(first.fronts.registry())
+    assert set(joining.core.registry.registrations) == {(7, 0)}
+    assert joining.fronts.version == first.fronts.version == 1

@@ -22,7 +22,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-from kvrouter.service.core.config import RouterConfig, ServiceConfig
+from kvrouter.routing import RouterConfig
+from kvrouter.service.core.config import ServiceConfig
 from kvrouter.service.core.decisions import summarise
 from kvrouter.service.process.app import Service
 from kvrouter.stats import discovery

@@ -24,7 +24,8 @@ from ..sim.ceiling import pooled_lru_ceiling
 from ..sim.policies import POLICIES, make_policy
 from ..sim.report import ReportRow, format_table, rich_table, row_from_result, write_json
 from ..sim.simulator import simulate as run_simulation
-from ..sim.trace import SAMPLE_NAME, load_sample, load_trace
+from ..sim.trace import SAMPLE_NAME, Trace, load_sample, load_trace
+from ..sim.workloads import WORKLOADS, generate, parse_workload_options
 
 __all__ = ["parse_policies", "simulate"]
 
@@ -41,7 +42,8 @@ EPILOG: Final = (
     "Examples:\n\n"
     "  kvrouter simulate                                   # packaged sample, 4 workers, x2\n\n"
     "  kvrouter simulate --policy round_robin,kvrouter --workers 8 --speedup 4 --plot c8.png\n\n"
-    "  kvrouter simulate --trace conversation_trace.jsonl --json results.json --event-lag-ms 50"
+    "  kvrouter simulate --trace conversation_trace.jsonl --json results.json --event-lag-ms 50\n\n"
+    "  kvrouter simulate --workload fanout --workers 8 --speedup 15 -o seed=3 -o group_max=12"
 )
 
 
@@ -77,6 +79,41 @@ def simulate(
             help="Mooncake-format JSONL trace (timestamp ms, input/output tokens, 512-token hash ids).",
             show_default=f"the packaged sample, {SAMPLE_NAME}",
             rich_help_panel=_WORKLOAD,
+        ),
+    ] = None,
+    workload: Annotated[
+        str | None,
+        typer.Option(
+            "--workload",
+            metavar="NAME",
+            envvar="KVROUTER_SIM_WORKLOAD",
+            show_envvar=True,
+            help="Generate a seeded trace instead of reading one: "
+            + "; ".join(f"{name}: {spec.summary}" for name, spec in WORKLOADS.items())
+            + ".",
+            show_default="none",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None,
+    workload_option: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--workload-option",
+            "-o",
+            metavar="KEY=VALUE",
+            help="A --workload parameter (repeatable), e.g. seed=3 or requests=500; a wrong key lists them all.",
+            show_default="the workload's defaults",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = None,
+    write_trace: Annotated[
+        Path | None,
+        typer.Option(
+            "--write-trace",
+            metavar="FILE",
+            dir_okay=False,
+            help="Also write the generated --workload trace to FILE as Mooncake JSONL (before --speedup).",
+            rich_help_panel=_OUTPUT,
         ),
     ] = None,
     limit: Annotated[
@@ -183,7 +220,7 @@ def simulate(
     names = parse_policies(policy)
     if plot is not None:
         _check_plotting()
-    loaded = load_trace(trace, speedup=speedup, limit=limit) if trace else load_sample(speedup=speedup, limit=limit)
+    loaded = _load(trace, workload, workload_option or [], write_trace, speedup=speedup, limit=limit)
     if loaded.skipped:
         first_line, first_reason = loaded.skipped[0]
         typer.echo(
@@ -222,6 +259,37 @@ def simulate(
 
         write_plot(rows, plot, title=title)
         typer.echo(f"wrote {plot}")
+
+
+def _load(
+    trace: Path | None,
+    workload: str | None,
+    options: list[str],
+    write_trace: Path | None,
+    *,
+    speedup: float,
+    limit: int | None,
+) -> Trace:
+    """The requests to replay: a file, a generated workload (written out if asked), or the sample."""
+    if workload is None:
+        for given, flag in ((options, "--workload-option"), (write_trace, "--write-trace")):
+            if given:
+                raise typer.BadParameter("needs --workload", param_hint=flag)
+        return load_trace(trace, speedup=speedup, limit=limit) if trace else load_sample(speedup=speedup, limit=limit)
+    if trace is not None:
+        raise typer.BadParameter("give --trace or --workload, not both", param_hint="--workload")
+    if workload not in WORKLOADS:
+        raise typer.BadParameter(
+            f"unknown workload {workload!r}; choose from: {', '.join(WORKLOADS)}", param_hint="--workload"
+        )
+    try:
+        parsed = parse_workload_options(workload, options)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--workload-option") from None
+    generated = generate(workload, parsed, speedup=speedup, limit=limit, write_to=write_trace)
+    if write_trace is not None:
+        typer.echo(f"wrote {write_trace}")
+    return generated
 
 
 def _check_plotting() -> None:

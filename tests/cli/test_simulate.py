@@ -72,3 +72,51 @@ def test_help_shows_units_defaults_env_vars_and_an_example():
     assert result.exit_code == 0
     for text in ("--workers", "[workers]", "[ms]", "KVROUTER_SIM_WORKERS", "default: 4", "Examples", "Workload"):
         assert text in result.output
+
+
+FANOUT = ["simulate", "--workload", "fanout", "--workers", "4", "--speedup", "5", "--policy", "round_robin,kvrouter"]
+
+
+def test_a_generated_workload_runs_and_its_written_trace_replays_to_the_same_rows(tmp_path: Path):
+    trace, generated, replayed = tmp_path / "fanout.jsonl", tmp_path / "a.json", tmp_path / "b.json"
+    result = runner.invoke(
+        app, [*FANOUT, "-o", "requests=200", "-o", "seed=4", "--write-trace", str(trace), "--json", str(generated)]
+    )
+    assert result.exit_code == 0, result.output
+    assert f"wrote {trace}" in result.output
+    assert "fanout[seed=4,requests=200]: 200 requests, 4 workers, arrivals x5" in result.output
+    assert len(trace.read_text().splitlines()) == 200
+    result = runner.invoke(app, [*FANOUT[:1], *FANOUT[3:], "--trace", str(trace), "--json", str(replayed)])
+    assert result.exit_code == 0, result.output
+
+    def figures(path: Path) -> list[dict[str, object]]:
+        return [
+            {k: v for k, v in row.items() if k not in ("decision_us", "trace")}
+            for row in json.loads(path.read_text())["rows"]
+        ]
+
+    assert figures(generated) == figures(replayed)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workload", "agents"], "unknown workload 'agents'; choose from: fanout, rag, chat"),
+        (["--workload", "rag", "-o", "colour=blue"], "valid (with defaults): seed=0"),
+        (["--workload", "rag", "-o", "docs_min=4"], "docs_max (3) must be >= docs_min (4)"),
+        (["-o", "seed=1"], "needs --workload"),
+        (["--write-trace", "x.jsonl"], "needs --workload"),
+    ],
+)
+def test_workload_usage_errors_say_what_is_wrong(args: list[str], message: str):
+    result = runner.invoke(app, ["simulate", *args])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.replace("│", " ").split())
+
+
+def test_a_trace_and_a_workload_are_not_both_taken(tmp_path: Path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n')
+    result = runner.invoke(app, ["simulate", "--trace", str(trace), "--workload", "rag"])
+    assert result.exit_code == 2
+    assert "give --trace or --workload, not both" in " ".join(result.output.replace("│", " ").split())

@@ -10,6 +10,13 @@ W / 2, synthetic W / 4), so each worker is offered the same load at every scale 
 grows. On each: every registered policy, plus the project's router at temperature 0.1 and 0.5 and with
 50 ms of KV-event lag (§4). ``--quick`` (CI) runs only C8 and S8 on their first 3,000 requests.
 
+Issue 34's burst workloads are generated (``kvrouter simulate --workload``): F8 (agent fan-out) at x1 and
+x10 to x30, R8 (RAG over Zipf-popular documents) at x1 and x3 to x6, H8 (bursty chat) at x1, all on 8
+workers; and held-out variants (names ending in ``s<seed>``: other seeds, sizes and fleets) that are never
+used to choose a default. Their checks: kvrouter's TTFT p90 at most 1.10x the best of round_robin,
+dynamo_t0, sglang_cache_aware, lmetric and preble_e2, and under heavy load its hit rate within 0.05 of
+the best's.
+
 After the table, one line per must-bar (§7, vs round robin in the same simulation): the calibration
 gate (round robin within ±0.01 hit and ±15% TTFT p50/p90 of the mocker's), kvrouter's hit ratio, its
 TTFT p90/p99 ratios against dynamo_t0's in this run and against the mocker's ``kv_default`` (+0.05
@@ -44,6 +51,7 @@ from kvrouter.sim.policy import Policy, Request
 from kvrouter.sim.report import ReportRow, format_table, row_from_result, write_json
 from kvrouter.sim.simulator import simulate
 from kvrouter.sim.trace import load_trace
+from kvrouter.sim.workloads import WORKLOADS as GENERATORS, generate, parse_workload_options
 
 TRACES: Final = Path(__file__).resolve().parents[2] / "shared" / "traces"
 """``shared/traces`` beside the repository, where the Mooncake files live (spec §1)."""
@@ -65,14 +73,26 @@ class Anchors:
 
 @dataclass(frozen=True, slots=True)
 class Workload:
-    """One row of the §3 table (or its extension to 16 and 32 workers)."""
+    """One row of the §3 table (or its extension to 16 and 32 workers), or a generated burst workload."""
 
     trace: str
-    """``conversation`` or ``synthetic``: ``mooncake_fast25_<trace>_trace.jsonl``."""
+    """``conversation`` or ``synthetic``: ``mooncake_fast25_<trace>_trace.jsonl``; or a generator of
+    ``kvrouter.sim.workloads`` (``fanout``, ``rag``, ``chat``)."""
     workers: int
     speedup: float
     anchors: Anchors | None = None
     """The mocker's figures on this workload; None at scales the mocker was not run at (16, 32 workers)."""
+    options: tuple[str, ...] = ()
+    """A generator's ``KEY=VALUE`` options (``kvrouter simulate -o``); its defaults when empty."""
+    heavy: bool = False
+    """A generated workload at a load where prefill compute is what requests wait for: its goal adds the
+    hit rate to the TTFT p90."""
+    held_out: bool = False
+    """Another seed, size or fleet than the grid's: never used to choose a default, only checked."""
+
+    @property
+    def generated(self) -> bool:
+        return self.trace in GENERATORS
 
 
 CONVERSATION_SPEEDUP_PER_WORKER: Final = 0.5
@@ -96,6 +116,35 @@ WORKLOADS: Final = {
     "S16": _scaled("synthetic", 16),
     "S32": _scaled("synthetic", 32),
 }
+
+
+def _burst(
+    name: str, workers: int, speedup: float, *options: str, heavy: bool = False, held_out: bool = False
+) -> Workload:
+    return Workload(name, workers, speedup, options=options, heavy=heavy, held_out=held_out)
+
+
+BURST_WORKLOADS: Final = {
+    "F8x1": _burst("fanout", 8, 1),
+    **{f"F8x{x}": _burst("fanout", 8, x, heavy=True) for x in (10, 15, 20, 30)},
+    "R8x1": _burst("rag", 8, 1),
+    **{f"R8x{x:g}": _burst("rag", 8, x, heavy=True) for x in (3, 4.5, 6)},
+    "H8x1": _burst("chat", 8, 1),
+    "F4x10s1": _burst("fanout", 4, 10, "seed=1", "requests=1000", heavy=True, held_out=True),
+    "F16x25s2": _burst("fanout", 16, 25, "seed=2", "group_max=40", heavy=True, held_out=True),
+    "R4x2s3": _burst("rag", 4, 2, "seed=3", "documents=800", heavy=True, held_out=True),
+    "R16x9s4": _burst("rag", 16, 9, "seed=4", "zipf_s=0.9", heavy=True, held_out=True),
+    "H12x1s5": _burst("chat", 12, 1, "seed=5", "conversations=480", held_out=True),
+}
+"""Issue 34's workloads (``kvrouter.sim.workloads``) at light (x1) and heavy load on 8 workers (fan-out x10 to
+x30, RAG x3 to x6), and held-out variants: other seeds, sizes and fleets, with the load per worker kept
+(fan-out speed-up W x 1.25 to W x 1.9 beside the grid's W x 1.25 to W x 3.75; RAG W / 2 to W x 0.56)."""
+WORKLOADS.update(BURST_WORKLOADS)
+BEST_OF: Final = ("round_robin", "dynamo_t0", "sglang_cache_aware", "lmetric", "preble_e2")
+"""The field's policies kvrouter is held against on the burst workloads; "the best" is the best of them."""
+BURST_P90_BAR: Final = 1.10
+BURST_HIT_SLACK: Final = 0.05
+
 QUICK_WORKLOADS: Final = ("C8", "S8")
 QUICK_REQUESTS: Final = 3000
 """``--quick``: the first 3,000 requests of C8 and S8 (spec §3)."""
@@ -138,16 +187,20 @@ def variants(policies: Sequence[str]) -> list[Variant]:
     return out
 
 
-_requests: dict[tuple[str, int | None, float], tuple[Request, ...]] = {}
+_requests: dict[tuple[str, int | None, float, tuple[str, ...]], tuple[Request, ...]] = {}
 
 
 def requests_for(traces: Path, workload: Workload, limit: int | None) -> tuple[Request, ...]:
     """The workload's requests, loaded once per process."""
-    key = (workload.trace, limit, workload.speedup)
+    key = (workload.trace, limit, workload.speedup, workload.options)
     if key not in _requests:
-        trace = load_trace(
-            traces / f"mooncake_fast25_{workload.trace}_trace.jsonl", speedup=workload.speedup, limit=limit
-        )
+        if workload.generated:
+            options = parse_workload_options(workload.trace, workload.options)
+            trace = generate(workload.trace, options, speedup=workload.speedup, limit=limit)
+        else:
+            trace = load_trace(
+                traces / f"mooncake_fast25_{workload.trace}_trace.jsonl", speedup=workload.speedup, limit=limit
+            )
         if trace.skipped:
             raise SystemExit(f"bench_routing: {trace.name} has bad lines: {trace.skipped[:3]}")
         _requests[key] = trace.requests
@@ -191,6 +244,8 @@ class Check:
 def checks_for(workload_id: str, rows: Sequence[ReportRow], *, quick: bool) -> list[Check]:
     """The §7 must-bars (and the calibration gate) of one workload's rows, and issue 10's scale bars."""
     workload = WORKLOADS[workload_id]
+    if workload.generated:
+        return burst_checks(workload_id, rows)
     anchors = workload.anchors
     by = {row.policy: row for row in rows}
     rr, kv, t0, greedy = by.get("round_robin"), by.get("kvrouter"), by.get("dynamo_t0"), by.get("greedy_overlap")
@@ -304,6 +359,40 @@ def checks_for(workload_id: str, rows: Sequence[ReportRow], *, quick: bool) -> l
                 f"imbalance {greedy.imbalance:.2f} (collapsed: ≥ {COLLAPSE_SHARE:g} x W = "
                 f"{COLLAPSE_SHARE * workload.workers:.1f})",
             )
+    return out
+
+
+def burst_checks(workload_id: str, rows: Sequence[ReportRow]) -> list[Check]:
+    """Issue 34's goals on a generated workload: kvrouter's TTFT p90 at most 1.10x the best of ``BEST_OF``'s,
+    and under heavy load its hit rate within 0.05 of the best's."""
+    workload = WORKLOADS[workload_id]
+    by = {row.policy: row for row in rows}
+    tag = " (held out)" if workload.held_out else ""
+    kv, field = by.get("kvrouter"), [by[name] for name in BEST_OF if name in by]
+    if kv is None or len(field) < len(BEST_OF):
+        detail = "not run (needs kvrouter, " + ", ".join(BEST_OF) + ")"
+        return [Check(workload_id, f"kvrouter TTFT p90 vs the best{tag}", None, detail)]
+    fastest = min(field, key=lambda row: row.ttft_p90_ms)
+    ratio = kv.ttft_p90_ms / fastest.ttft_p90_ms
+    out = [
+        Check(
+            workload_id,
+            f"kvrouter TTFT p90 vs the best{tag}",
+            ratio <= BURST_P90_BAR,
+            f"{kv.ttft_p90_ms:.0f} vs {fastest.policy} {fastest.ttft_p90_ms:.0f} ms = x{ratio:.2f} "
+            f"(bar ≤ x{BURST_P90_BAR:.2f})",
+        )
+    ]
+    if workload.heavy:
+        best = max(field, key=lambda row: row.hit_rate)
+        out.append(
+            Check(
+                workload_id,
+                f"kvrouter hit vs the best{tag}",
+                kv.hit_rate >= best.hit_rate - BURST_HIT_SLACK,
+                f"{kv.hit_rate:.3f} vs {best.policy} {best.hit_rate:.3f} (bar ≥ best - {BURST_HIT_SLACK})",
+            )
+        )
     return out
 
 

@@ -192,6 +192,8 @@ class Candidate(TypedDict):
     prompt_blocks: int
     raw_prefill_blocks: float
     overlap_credit_blocks: float
+    predicted_credit_blocks: float
+    """The part of ``overlap_credit_blocks`` the predicted tier gives (``overlap["predicted"]`` blocks in flight)."""
     adjusted_prefill_blocks: float
     prefill_cost: float
     decode_cost: int

@@ -68,7 +68,9 @@ P_WORK_AGE: Final = 17
 P_WORK_WINDOW: Final = 18
 """The slot manager's clock minus its work epoch, and its decay time constant: every slot's booked
 prefill decays by one factor, ``exp(-age / window)``."""
-NPARAMS: Final = 19
+P_PREDICTED: Final = 19
+"""``predicted_credit``; 0 leaves the predicted tier out."""
+NPARAMS: Final = 20
 
 # rows of `out`, one per term (the names are historical: `C_` for a candidate's column of terms)
 C_RAW: Final = 0
@@ -84,9 +86,13 @@ C_DECAY: Final = 9
 """Scratch: each candidate's overlap credit decay (``overlap_score_credit_decay``), written before the
 costing pass when the decay is on. Apart from it because the decay's divisions inside the costing loop
 keep LLVM from vectorising it, even under a condition that holds for the whole loop."""
-COLUMNS: Final = 10
+C_PREDICTED: Final = 10
+"""Predicted blocks: leading prompt blocks the candidate's active requests hold beyond its device overlap."""
+C_PREDICTED_CREDIT: Final = 11
+"""The part of ``C_CREDIT`` the predicted tier gives."""
+COLUMNS: Final = 12
 
-Column = tuple[float, float, float, float, float, float, float, float, float, float]
+Column = tuple[float, float, float, float, float, float, float, float, float, float, float, float]
 """One candidate's ``COLUMNS`` terms, in ``C_*`` order."""
 
 _SEED: Final = np.uint64(XXH3_SEED)
@@ -191,6 +197,8 @@ def _column(out: npt.NDArray[np.float64], i: int) -> Column:
         out[7, i],
         out[8, i],
         out[9, i],
+        out[10, i],
+        out[11, i],
     )
 
 
@@ -320,12 +328,14 @@ def entry_points() -> tuple[Decider, OnShards]:
     return decide.compile(DECIDE_ARGS), decide_on_shards.compile(ON_SHARDS_ARGS)
 
 
-Weights = tuple[float, float, float, float, float, float, float, float, float, float, float, float, float, float, float]
-"""The per-decision scalars the terms read, out of ``params`` (``_weights``)."""
+Weights = tuple[
+    float, float, float, float, float, float, float, float, float, float, float, float, float, float, float, float
+]
+"""The per-decision scalars the terms read, out of ``params`` and the decision's predicted weight (``_weights``)."""
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _weights(params: npt.NDArray[np.float64]) -> Weights:
+def _weights(params: npt.NDArray[np.float64], predicted_w: float) -> Weights:
     isl = params[P_ISL]
     block = params[P_BLOCK]
     return (
@@ -344,7 +354,29 @@ def _weights(params: npt.NDArray[np.float64]) -> Weights:
         params[P_REQUEST_WEIGHT],
         params[P_LMETRIC],
         params[P_WORK_WEIGHT],
+        predicted_w,
     )
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _predicted_weight(
+    candidates: npt.NDArray[np.int64],
+    prefill: npt.NDArray[np.int64],
+    limited: bool,
+    out: npt.NDArray[np.float64],
+    weight: float,
+    eligible: int,
+) -> float:
+    """``cost.predicted_weight``: the credit per predicted block, from the share of eligible candidates with
+    prefill queued (0 without a pass when the tier is off)."""
+    if weight == 0.0:
+        return 0.0
+    queued = 0
+    for i in range(candidates.size):
+        if prefill[candidates[i]] > 0 and not (limited and out[C_BUSY, i] != 0.0):
+            queued += 1
+    low = min(1.0, weight)
+    return low + (weight - low) * (queued / eligible)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -356,6 +388,10 @@ def _decay(active: int, least: int, weights: Weights) -> float:
     return 1.0 / (1.0 + decay_w * queued / block / request_blocks)
 
 
+Terms = tuple[float, float, float, float, float, float, float, float, float, float]
+"""One candidate's terms as :func:`_terms` gives them: the ``C_*`` rows but the busy flag and the decay."""
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _terms(
     overlap: tuple[int, int, int, int],
@@ -365,16 +401,18 @@ def _terms(
     factor_of: float,
     mean_recent: float,
     weights: Weights,
-) -> tuple[float, float, float, float, float, float, float, float]:
+) -> Terms:
     """One candidate's terms, ``cost.worker_cost``'s arithmetic in its order: ``(raw, credit, adjusted,
-    prefill cost, decode blocks, request cost, total, work factor)``. ``overlap`` is the slot's per tier,
-    ``loads`` its queued prefill, requests, active blocks and leading active blocks, ``trust`` its credit
-    factor (``untrusted_overlap_weight`` for a worker marked untrusted, else 1), ``decay`` its credit's
-    decay (:func:`_decay`, 1 when off), ``factor_of`` its decayed recent work; ``mean_recent`` the mean
-    recent work over the eligible candidates. The one place the arithmetic lives: the pass over every
-    candidate and the fill of the chosen ones' columns both call it, through :func:`_slot_terms`."""
+    prefill cost, decode blocks, request cost, total, work factor, predicted blocks, predicted credit)``.
+    ``overlap`` is the slot's per tier, ``loads`` its queued prefill, requests, active blocks and leading
+    active blocks (beyond the device overlap, the predicted tier's blocks), ``trust`` its credit factor
+    (``untrusted_overlap_weight`` for a worker marked untrusted, else 1), ``decay`` its credit's decay
+    (:func:`_decay`, 1 when off), ``factor_of`` its decayed recent work; ``mean_recent`` the mean recent
+    work over the eligible candidates; ``weights`` end with the decision's credit per predicted block. The
+    one place the arithmetic lives: the pass over every candidate and the fill of the chosen ones' columns
+    both call it, through :func:`_slot_terms`."""
     isl, block, _, track_prefill, _, credit_w, host_w, disk_w, shared_w, scale = weights[:10]
-    track_blocks, nblocks, request_w, lmetric, work_weight = weights[10:]
+    track_blocks, nblocks, request_w, lmetric, work_weight, predicted_w = weights[10:]
     device, host, disk, shared = overlap
     active, requests, blocks, leading = loads
     raw = (active + isl) / block if track_prefill != 0.0 else 0.0
@@ -388,6 +426,11 @@ def _terms(
         )
     if trust != 1.0:
         credit *= trust
+    predicted = 0  # the active requests' run beyond the events', when the tier is on
+    if predicted_w != 0.0 and leading > device:
+        predicted = leading - device
+    predicted_credit = predicted_w * predicted
+    credit += predicted_credit
     adjusted = raw - credit
     if not adjusted > 0.0:
         adjusted = 0.0
@@ -401,16 +444,12 @@ def _terms(
     if work_weight != 0.0 and mean_recent > 0.0:
         factor = max(0.0, 1.0 + work_weight * ((factor_of - mean_recent) / mean_recent))
         total *= factor
-    return raw, credit, adjusted, prefill_cost, decode, request_cost, total, factor
+    return raw, credit, adjusted, prefill_cost, decode, request_cost, total, factor, float(predicted), predicted_credit
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _fill(
-    out: npt.NDArray[np.float64],
-    i: int,
-    terms: tuple[float, float, float, float, float, float, float, float],
-) -> None:
-    raw, credit, adjusted, prefill_cost, decode, request_cost, total, factor = terms
+def _fill(out: npt.NDArray[np.float64], i: int, terms: Terms) -> None:
+    raw, credit, adjusted, prefill_cost, decode, request_cost, total, factor, predicted, predicted_credit = terms
     out[C_RAW, i] = raw
     out[C_CREDIT, i] = credit
     out[C_ADJUSTED, i] = adjusted
@@ -419,6 +458,8 @@ def _fill(
     out[C_REQUEST_COST, i] = request_cost
     out[C_TOTAL, i] = total
     out[C_WORK_FACTOR, i] = factor
+    out[C_PREDICTED, i] = predicted
+    out[C_PREDICTED_CREDIT, i] = predicted_credit
 
 
 SlotState = tuple[
@@ -440,9 +481,7 @@ the weights."""
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _slot_terms(
-    slot: np.uint64, decay: float, state: SlotState
-) -> tuple[float, float, float, float, float, float, float, float]:
+def _slot_terms(slot: np.uint64, decay: float, state: SlotState) -> Terms:
     """:func:`_terms` of the candidate in ``slot``, its loads read from the slot manager's arrays. Inlined, its
     array arguments cost nothing: the compiled decision holds no more atomic (reference count)
     instructions than with the loads written out at each call."""
@@ -554,7 +593,7 @@ def cost_and_choose(
         return NO_WORKER, 0, 0
     mean_recent = recent_sum / eligible
     weigh = trust.size > 0  # empty unless some candidate's credit is weighted down: no load per candidate then
-    weights = _weights(params)
+    weights = _weights(params, _predicted_weight(candidates, prefill, limited, out, params[P_PREDICTED], eligible))
     decaying = params[P_DECAY] != 0.0 and params[P_TRACK_PREFILL] != 0.0
     if decaying:  # a worker holding nothing gets no credit to decay: its three divisions are skipped
         for i in range(k):

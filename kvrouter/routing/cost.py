@@ -8,6 +8,7 @@ The reference's ``worker_logit`` (``scheduling/selector/default.rs``; ``spec/dyn
     overlap_credit  = credit * credit_decay * device + host_w * (host - device)
                     + disk_w * (disk - host) + shared_w * (shared - disk)
                       times untrusted_w for a worker marked untrusted (1 by default)
+                    + predicted_w * predicted
     adjusted        = max(0, raw_prefill - overlap_credit)
     cost            = prefill_load_scale * adjusted + potential_decode_blocks + request_w * active_requests
     lmetric         = adjusted * (potential_decode_blocks + 1)   (router_selection_policy="lmetric")
@@ -25,6 +26,21 @@ A factor rather than a sum: it is dimensionless (weight 1 = cost proportional to
 recent work), so it needs no scale per trace, and a worker whose cost is 0 stays 0. Rejected: counting
 all work ever booked (no recovery after a burst) and a window of fixed requests (it ignores time).
 
+``predicted_w * predicted`` is kvrouter's too (``predicted_credit``, default 0 = off): the predicted tier.
+``predicted`` is the prompt's leading blocks that the worker's in-flight requests hold beyond its device
+overlap: blocks the router has just sent there, whose KV events have not arrived because the prefill that
+makes them is queued or running. Without it, requests sharing a fresh prefix that arrive inside that
+window find no overlap anywhere and scatter, each worker computing the prefix again. The prediction ends
+when the events confirm it (the device overlap catches up and ``predicted`` falls to 0) or when the
+requests that hold it leave the worker (finished, freed, swept as stale after 300 s, or dropped with their
+worker). ``predicted_w`` (:func:`predicted_weight`) follows the fleet's load: 1 when no candidate has prefill
+queued, rising to ``predicted_credit`` when all have. At weight 1 the cost is the follower's wait on that
+worker (its queued prefill, the leader's remaining prefill among it, and the follower's own blocks beyond
+the prefix) against the cost of computing the whole prompt elsewhere: the rule "wait for a prefix when
+that is quicker than recomputing it". On an idle fleet that is all that matters; on a busy one a
+recomputed prefix also delays everyone queued behind it, which the larger weight counts. Untrusted
+workers' predictions are not weighted down: they are the router's own record, not the worker's history.
+
 Tier overlaps arrive cumulative, as an index reports them (``device <= host <= disk <= shared``), and each
 slower tier is credited only for the blocks it adds: the frontend docs' ``host_extra`` / ``disk_extra``
 reading (§4.2, inferred there, not verified against the binding). Every field of :class:`Cost` is kept,
@@ -40,7 +56,7 @@ from dataclasses import dataclass
 from ..events.model import StorageTier, WorkerKey
 from .config import RouterConfig
 
-__all__ = ["Cost", "Load", "Overlap", "worker_cost"]
+__all__ = ["Cost", "Load", "Overlap", "predicted_weight", "worker_cost"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +67,9 @@ class Overlap:
     host: int = 0
     disk: int = 0
     shared: int = 0
+    predicted: int = 0
+    """Not a tier of the index: leading blocks beyond ``device`` that the worker's in-flight requests hold
+    (routed there, not yet in its events)."""
 
     @classmethod
     def from_tiers(cls, by_tier: Mapping[StorageTier, Mapping[WorkerKey, int]], worker: WorkerKey) -> Overlap:
@@ -90,6 +109,16 @@ class Cost:
     ``adjusted_prefill_blocks * (decode_blocks + 1)``; times ``work_factor``."""
     work_factor: float = 1.0
     """``max(0, 1 + prefill_work_weight * (recent - mean) / mean)``; 1 when the weight or the mean is 0."""
+    predicted_credit_blocks: float = 0.0
+    """The part of ``overlap_credit_blocks`` the predicted tier gives: ``predicted_w * predicted``."""
+
+
+def predicted_weight(config: RouterConfig, busy_share: float) -> float:
+    """The credit per predicted block of one decision: ``min(1, w)`` on an idle fleet, ``w`` when every eligible
+    candidate has prefill queued (``busy_share`` 1), linear in between; ``w`` is ``predicted_credit``."""
+    weight = config.predicted_credit
+    low = min(1.0, weight)
+    return low + (weight - low) * busy_share
 
 
 def worker_cost(
@@ -102,6 +131,7 @@ def worker_cost(
     min_active_prefill_tokens: int,
     mean_recent_prefill_tokens: float = 0.0,
     trusted: bool = True,
+    predicted_w: float = 0.0,
 ) -> Cost:
     """The cost of one candidate worker.
 
@@ -115,6 +145,7 @@ def worker_cost(
         mean_recent_prefill_tokens: the mean ``recent_prefill_tokens`` over the eligible candidates
             (for ``prefill_work_weight``).
         trusted: False multiplies the credit by ``untrusted_overlap_weight``.
+        predicted_w: this decision's credit per predicted block (:func:`predicted_weight`).
     """
     track_prefill = config.router_track_prefill_tokens
     raw_prefill = (load.active_prefill_tokens + isl_tokens) / block_size if track_prefill else 0.0
@@ -131,6 +162,8 @@ def worker_cost(
     )
     if not trusted:
         credit *= config.untrusted_overlap_weight
+    predicted_credit = predicted_w * overlap.predicted
+    credit += predicted_credit
     adjusted = max(0.0, raw_prefill - credit)
     prefill_cost = config.prefill_load_scale * adjusted
     request_cost = config.decode_active_request_weight * load.active_requests
@@ -152,4 +185,5 @@ def worker_cost(
         request_cost=request_cost,
         total=total,
         work_factor=work_factor,
+        predicted_credit_blocks=predicted_credit,
     )

@@ -18,14 +18,14 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError, DuplicateRequest, InvalidHashInput, NoWorkerAvailable
-from ..events.model import WorkerKey
+from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes, sequence_hashes
 from ..index import ApproxIndex
 from .config import RouterConfig
-from .cost import Load, Overlap, worker_cost
+from .cost import Load, Overlap, predicted_weight, worker_cost
 from .router import SWEEP_INTERVAL_SECS, OverlapSource, Selection, WorkerExplanation
 from .selection import choose, probabilities
 from .slots import DEFAULT_EXPIRY_SECS, DEFAULT_WORK_WINDOW_SECS, FRESH_ID_BASE, WORK_REBASE_WINDOWS, SlotManager
@@ -253,14 +253,21 @@ class ReferenceSlotManager:
         load = self._loads.get(worker)
         if load is None:
             return len(sequence_hashes)
+        return len(load.blocks) + len(sequence_hashes) - self.held_blocks(worker, sequence_hashes)
+
+    def held_blocks(self, worker: WorkerKey, sequence_hashes: Sequence[int]) -> int:
+        """Leading blocks of the prompt the worker's active requests hold (0 when blocks are not tracked or
+        not shared)."""
+        load = self._loads.get(worker)
+        if load is None or not self._track_active_blocks or not self._assume_kv_reuse:
+            return 0
         overlap = 0
-        if self._assume_kv_reuse:
-            held = load.blocks
-            for seq_hash in sequence_hashes:  # hot path: once per candidate worker per request
-                if seq_hash not in held:
-                    break
-                overlap += 1
-        return len(load.blocks) + len(sequence_hashes) - overlap
+        held = load.blocks
+        for seq_hash in sequence_hashes:  # hot path: once per candidate worker per request
+            if seq_hash not in held:
+                break
+            overlap += 1
+        return overlap
 
     def potential_prefill_tokens(self, worker: WorkerKey, isl_tokens: int, overlap_blocks: int) -> int:
         """The worker's queued prefill tokens if this request were added: its tokens beyond the
@@ -360,7 +367,7 @@ class ReferenceRouter:
             raise NoWorkerAvailable("no candidate workers")
         seq_hashes = sequence_hashes(local_hashes)
         by_tier = index.find_matches_by_tier(local_hashes)
-        overlaps = {w: Overlap.from_tiers(by_tier, w) for w in candidates}
+        overlaps = {w: self._overlap(by_tier, w, seq_hashes) for w in candidates}
         loads = {w: self._load(w, seq_hashes) for w in candidates}
         busy = {w for w in candidates if self._busy(w, capacities)}
         eligible = [w for w in candidates if w not in busy]
@@ -368,6 +375,8 @@ class ReferenceRouter:
             raise NoWorkerAvailable(f"all {len(candidates)} candidate workers are over a busy threshold")
         least_prefill = min(loads[w].active_prefill_tokens for w in eligible)
         mean_recent = sum(loads[w].recent_prefill_tokens for w in eligible) / len(eligible)
+        queued = sum(1 for w in eligible if loads[w].active_prefill_tokens > 0)
+        predicted_w = predicted_weight(self.config, queued / len(eligible)) if self.config.predicted_credit else 0.0
         costs = {
             w: worker_cost(
                 self.config,
@@ -378,13 +387,15 @@ class ReferenceRouter:
                 min_active_prefill_tokens=least_prefill,
                 mean_recent_prefill_tokens=mean_recent,
                 trusted=w not in self._untrusted,
+                predicted_w=predicted_w,
             )
             for w in candidates
         }
         totals = [costs[w].total for w in eligible]
         chosen = eligible[choose(totals, self.config.router_temperature, self.rng)]
+        overlap = overlaps[chosen]
         if request_id is not None:
-            self.slots.add_request(request_id, chosen, seq_hashes, isl, overlaps[chosen].device)
+            self.slots.add_request(request_id, chosen, seq_hashes, isl, overlap.device + overlap.predicted)
         if not self.config.use_kv_events:
             if not isinstance(index, ApproxIndex):
                 raise ConfigError("use_kv_events=False needs an ApproxIndex to record decisions in")
@@ -396,11 +407,22 @@ class ReferenceRouter:
                 WorkerExplanation(w, overlaps[w], costs[w], chance.get(w, 0.0), w == chosen, w in busy)
                 for w in candidates
             )
-        return Selection(chosen, overlaps[chosen].device, costs[chosen], isl, explanation)
+        return Selection(chosen, overlap.device, costs[chosen], isl, explanation, predicted_blocks=overlap.predicted)
 
     def set_untrusted(self, workers: Iterable[WorkerKey]) -> None:
         """The workers whose overlap credit ``untrusted_overlap_weight`` multiplies (``Router.set_untrusted``)."""
         self._untrusted = frozenset(workers)
+
+    def _overlap(
+        self, by_tier: Mapping[StorageTier, Mapping[WorkerKey, int]], worker: WorkerKey, seq_hashes: Sequence[int]
+    ) -> Overlap:
+        """The index's tiers, and the predicted blocks: the active requests' leading run beyond the device's
+        (only when the predicted tier is on)."""
+        overlap = Overlap.from_tiers(by_tier, worker)
+        if not self.config.predicted_credit:
+            return overlap
+        held = self.slots.held_blocks(worker, seq_hashes)
+        return replace(overlap, predicted=max(0, held - overlap.device))
 
     def _load(self, worker: WorkerKey, seq_hashes: Sequence[int]) -> Load:
         return Load(

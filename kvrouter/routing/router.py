@@ -106,14 +106,24 @@ class DecisionRecord:
 
 
 class Selection:
-    """The chosen worker, its device overlap and cost, and (when asked) every candidate's explanation or
-    a record to explain later. Read only.
+    """The chosen worker, its device overlap, its predicted blocks beyond that (booked as cached: their
+    prefill is another request's) and cost, and (when asked) every candidate's explanation or a record to
+    explain later. Read only.
 
     ``cost`` is the chosen worker's :class:`Cost`, or the decision kernel's column of its terms
     (``_kernels.C_*`` order), made a ``Cost`` when first read: building it took a microsecond, a tenth of
     a decision at 16 workers, and a caller that only routes (the simulator, the proxy) never reads it."""
 
-    __slots__ = ("_cost", "_terms", "explanation", "isl_tokens", "overlap_blocks", "record", "worker")
+    __slots__ = (
+        "_cost",
+        "_terms",
+        "explanation",
+        "isl_tokens",
+        "overlap_blocks",
+        "predicted_blocks",
+        "record",
+        "worker",
+    )
 
     def __init__(
         self,
@@ -123,9 +133,11 @@ class Selection:
         isl_tokens: int,
         explanation: tuple[WorkerExplanation, ...] | None = None,
         record: DecisionRecord | None = None,
+        predicted_blocks: int = 0,
     ) -> None:
         self.worker = worker
         self.overlap_blocks = overlap_blocks
+        self.predicted_blocks = predicted_blocks
         self._cost: Cost | None = cost if isinstance(cost, Cost) else None
         self._terms: Sequence[float] | None = None if isinstance(cost, Cost) else cost
         self.isl_tokens = isl_tokens
@@ -360,8 +372,9 @@ class Router:
             device = overlaps.item(0, self._candidates.item(head))
             column = tuple(self._columns[head].tolist())
         chosen = keys[head]
-        if request_id is not None:
-            slots.add_request(request_id, chosen, self._seqs[:n], isl, device)
+        predicted = int(column[kernels.C_PREDICTED])
+        if request_id is not None:  # a predicted block is as good as cached: its prefill is another's
+            slots.add_request(request_id, chosen, self._seqs[:n], isl, device + predicted)
         if self._approximate:
             if not isinstance(index, ApproxIndex):
                 raise ConfigError("use_kv_events=False needs an ApproxIndex to record decisions in")
@@ -375,6 +388,7 @@ class Router:
         selection = _new(Selection)  # its fields set here: an __init__ frame cost a microsecond once evicted
         selection.worker = chosen
         selection.overlap_blocks = device
+        selection.predicted_blocks = predicted
         selection._cost = None
         selection._terms = column
         selection.isl_tokens = isl
@@ -478,7 +492,9 @@ def explanation(
         chance[position] = p
     columns = out.T.tolist()
     return tuple(
-        WorkerExplanation(keys[i], _overlap(overlaps, i), _cost(columns[i]), chance[i], i == head, bool(busy[i]))
+        WorkerExplanation(
+            keys[i], _overlap(overlaps, i, columns[i]), _cost(columns[i]), chance[i], i == head, bool(busy[i])
+        )
         for i in range(len(keys))
     )
 
@@ -515,14 +531,15 @@ def _params(config: RouterConfig, block_size: int, slots: SlotManager) -> npt.ND
     params[kernels.P_PREFILL_LIMIT] = math.nan if prefill_limit is None else prefill_limit
     params[kernels.P_TEMPERATURE] = config.router_temperature
     params[kernels.P_WORK_WEIGHT] = config.prefill_work_weight
+    params[kernels.P_PREDICTED] = config.predicted_credit
     return params
 
 
-def _overlap(overlaps: npt.NDArray[np.int64], slot: int) -> Overlap:
+def _overlap(overlaps: npt.NDArray[np.int64], slot: int, terms: Sequence[float]) -> Overlap:
     device, host, disk, shared = overlaps[:, slot].tolist()
-    return Overlap(device, host, disk, shared)
+    return Overlap(device, host, disk, shared, int(terms[kernels.C_PREDICTED]))
 
 
 def _cost(terms: Sequence[float]) -> Cost:
-    raw, credit, adjusted, prefill_cost, decode, request_cost, total, _, work_factor, _ = terms  # _kernels.C_*
-    return Cost(raw, credit, adjusted, prefill_cost, int(decode), request_cost, total, work_factor)
+    raw, credit, adjusted, prefill_cost, decode, request_cost, total, _, work_factor, _, _, predicted_credit = terms
+    return Cost(raw, credit, adjusted, prefill_cost, int(decode), request_cost, total, work_factor, predicted_credit)

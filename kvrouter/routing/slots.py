@@ -395,11 +395,16 @@ class SlotManager:
         """
         if not self._track_active_blocks:
             return 0
+        return self.active_blocks(worker) + len(sequence_hashes) - self.held_blocks(worker, sequence_hashes)
+
+    def held_blocks(self, worker: WorkerKey, sequence_hashes: Sequence[int]) -> int:
+        """Leading blocks of the prompt the worker's active requests hold (0 when blocks are not tracked or
+        not shared): the run :meth:`potential_decode_blocks` takes off, and what the predicted tier credits
+        beyond the device overlap."""
         slot = self.numbering.get(worker)
-        overlap = 0
-        if slot is not None and len(sequence_hashes):
-            overlap = active.held_run(self.pairs, local_hash_array(sequence_hashes), slot)
-        return self.active_blocks(worker) + len(sequence_hashes) - overlap
+        if slot is None or not len(sequence_hashes) or not self._track_active_blocks:
+            return 0
+        return int(active.held_run(self.pairs, local_hash_array(sequence_hashes), slot))
 
     def active_overlaps(self, sequence_hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64] | None:
         """Per slot, the leading blocks of a prompt that the slot's active requests already hold: the

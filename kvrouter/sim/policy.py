@@ -1,10 +1,11 @@
 """What a routing policy sees and answers in the simulator: one interface for every policy.
 
-A policy is a small class: ``choose`` picks a worker for a request from the cluster's state, and two
-hooks let policies that keep their own guesses (SGLang's approximate tree, round robin's cursor,
-Preble's load window) learn what happened. The simulator owns the state a policy reads and books every
-decision itself (slot manager add / prefill-completed / free), so all policies are judged on the same
-load accounting; a policy never mutates ``Cluster``.
+A policy is a small class: ``choose`` picks a worker for a request from the cluster's state,
+``booked_overlap`` says how much of the prompt the booking counts as cached, and two hooks let policies
+that keep their own guesses (SGLang's approximate tree, round robin's cursor, Preble's load window) learn
+what happened. The simulator owns the state a policy reads and books every decision itself (slot manager
+add / prefill-completed / free), so all policies are judged on the same load accounting (only the
+cached blocks booked may differ, by ``booked_overlap``); a policy never mutates ``Cluster``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def choose(self, request: Request, cluster: Cluster) -> WorkerKey:
         """The worker that gets ``request``."""
+
+    def booked_overlap(self, request: Request, worker: WorkerKey, index_overlap: int) -> int:
+        """The leading blocks the simulator books ``request`` with on ``worker`` as needing no prefill: the
+        index's device overlap, unless the policy predicts more (kvrouter's predicted tier books the
+        blocks its in-flight requests are computing there, as its router does when it books)."""
+        return index_overlap
 
     def routed(self, request: Request, worker: WorkerKey, cluster: Cluster) -> None:  # noqa: B027 (optional hook)
         """Called after ``request`` was booked on ``worker`` (for policies that keep their own state)."""

@@ -11,8 +11,8 @@ iteration its place in simulated time. Three things happen, in this order when s
    any arrival.
 2. **A request arrives** (``arrival`` seconds, i.e. trace timestamp / speedup). The policy chooses a
    worker from a :class:`~kvrouter.sim.Cluster` view (timed with ``perf_counter_ns``); the simulator
-   books the request in the slot manager with the index's overlap for that worker, tells the policy,
-   and queues the request at the worker.
+   books the request in the slot manager with the index's overlap for that worker (plus what the policy
+   predicts there: ``Policy.booked_overlap``), tells the policy, and queues the request at the worker.
 3. **A worker starts its next iteration**, after every arrival at that instant, as the mocker enqueues
    all arrivals up to "now" before a pass. An idle worker starts one as soon as a request reaches it.
 
@@ -192,8 +192,9 @@ def simulate(
         if worker not in keys:
             raise ValueError(f"policy {policy.name!r} chose {worker!r}, not one of the {workers} workers")
         overlap = index.find_matches(request.local_hashes).get(worker, 0)
+        booked = policy.booked_overlap(request, worker, overlap)
         slots.add_request(
-            request.request_id, worker, sequence_hashes(list(request.local_hashes)), request.input_tokens, overlap
+            request.request_id, worker, sequence_hashes(list(request.local_hashes)), request.input_tokens, booked
         )
         record = records[i]
         record.worker = worker[0]

@@ -21,7 +21,7 @@ import math
 import random
 from array import array
 from collections.abc import Iterator, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,9 @@ def prompt_tokens(path: Sequence[int], tail: int) -> list[int]:
 
 @st.composite
 def configs(draw: st.DrawFn) -> RouterConfig:
+    track_blocks, reuse = draw(st.booleans()), draw(st.booleans())
     return RouterConfig(
+        predicted_credit=draw(st.sampled_from([0.0, 0.0, 2.0, 1.0, 0.5])),
         overlap_score_credit=draw(st.sampled_from([1.0, 0.0, 1.5, 2.0])),
         overlap_score_credit_decay=draw(st.sampled_from([0.0, 0.5, 3.0])),
         prefill_load_scale=draw(st.sampled_from([1.0, 0.5, 2.5])),
@@ -67,9 +69,9 @@ def configs(draw: st.DrawFn) -> RouterConfig:
         router_temperature=draw(st.sampled_from([0.0, 0.0, 1e-300, 0.1, 1.0, 5.0])),
         router_selection_policy=draw(st.sampled_from(["default", "lmetric"])),
         use_kv_events=draw(st.booleans()),
-        router_track_active_blocks=draw(st.booleans()),
+        router_track_active_blocks=track_blocks,
         router_track_prefill_tokens=draw(st.booleans()),
-        router_assume_kv_reuse=draw(st.booleans()),
+        router_assume_kv_reuse=reuse,
         active_decode_blocks_threshold=draw(st.sampled_from([None, None, 0.5, 1.0])),
         active_prefill_tokens_threshold=draw(st.sampled_from([None, None, 0, 12, 40])),
         untrusted_overlap_weight=draw(st.sampled_from([1.0, 1.0, 0.5, 0.0])),
@@ -114,6 +116,7 @@ def store(index: RadixIndex | Engine, worker: WorkerKey, tier: StorageTier, path
 def assert_same(fast: Selection, oracle: Selection) -> None:
     assert fast.worker == oracle.worker
     assert fast.overlap_blocks == oracle.overlap_blocks
+    assert fast.predicted_blocks == oracle.predicted_blocks
     assert fast.isl_tokens == oracle.isl_tokens
     assert_close(fast.cost, oracle.cost)
     if oracle.explanation is None:
@@ -254,6 +257,38 @@ def test_the_fast_router_decides_as_the_oracle(
     config: RouterConfig, seed: int, shared: tuple[bool, bool, bool] | None, stream: list[tuple[Any, ...]]
 ) -> None:
     run_stream(config, seed, shared, stream)
+
+
+burst_selects = st.fixed_dictionaries(
+    {
+        "path": st.sampled_from([[0, 1, 2], [0, 1, 2, 1], [0, 1, 2, 2, 0], [1, 0], [1, 0, 0, 2]]),
+        "tail": st.integers(0, B - 1),
+        "candidates": st.lists(workers, min_size=1, max_size=8),
+        "as_tuple": st.booleans(),
+        "form": st.sampled_from(["tokens", "local_numpy"]),
+        "isl": st.none(),
+        "capacities": st.none(),
+        "book": st.just(True) | st.booleans(),
+        "explain": st.booleans(),
+    }
+).map(lambda d: ("select", d))
+burst_steps = st.one_of(burst_selects, burst_selects, burst_selects, steps)
+"""Requests sharing a few prefixes, mostly booked: the predicted tier has in-flight blocks to credit."""
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    config=configs(),
+    weight=st.sampled_from([2.0, 1.0, 0.5, 3.0]),
+    seed=st.integers(0, 2**32),
+    stream=st.lists(burst_steps, min_size=2, max_size=40),
+)
+def test_the_predicted_tier_decides_as_the_oracle(
+    config: RouterConfig, weight: float, seed: int, stream: list[tuple[Any, ...]]
+) -> None:
+    """Bursts on shared prefixes with the predicted tier on: the same picks, predicted blocks and terms."""
+    tiered = replace(config, predicted_credit=weight, router_track_active_blocks=True, router_assume_kv_reuse=True)
+    run_stream(tiered, seed, None, stream)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -81,6 +81,7 @@ def explain(decision: Decision) -> dict[str, Any]:
             "prefill_load_scale": config.prefill_load_scale,
             "decode_active_request_weight": config.decode_active_request_weight,
             "prefill_work_weight": config.prefill_work_weight,
+            "predicted_credit": config.predicted_credit,
             "temperature": config.router_temperature,
             "policy": config.router_selection_policy,
         },

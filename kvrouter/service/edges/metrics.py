@@ -518,13 +518,7 @@ def identity_families(started_at: float, config: RouterConfig) -> Iterator[Metri
     weights = GaugeMetricFamily(
         "kvrouter_router_weight", "The routing weights in effect, by kvrouter top's short name", labels=["name"]
     )
-    for name, value in (
-        ("credit", config.overlap_score_credit),
-        ("scale", config.prefill_load_scale),
-        ("decode", config.decode_active_request_weight),
-        ("work", config.prefill_work_weight),
-        ("T", config.router_temperature),
-    ):
+    for name, value in config.short_weights().items():
         weights.add_metric([name], float(value))
     yield from (start, weights)
 

@@ -14,7 +14,7 @@ how fast it ran. The simulator frees every request it books, so nothing goes sta
 from __future__ import annotations
 
 from ...events.model import WorkerKey
-from ...routing import Router, RouterConfig
+from ...routing import Router, RouterConfig, Selection
 from ..policy import Cluster, Policy, Request
 
 __all__ = ["RouterPolicy"]
@@ -38,6 +38,8 @@ class RouterPolicy(Policy):
         """The configuration every decision of this policy uses."""
         self.seed = seed
         self._router: Router | None = None
+        self._last: tuple[str, Selection] | None = None
+        """The last request chosen for and its selection, for :meth:`booked_overlap`."""
 
     def choose(self, request: Request, cluster: Cluster) -> WorkerKey:
         router = self._router
@@ -55,4 +57,11 @@ class RouterPolicy(Policy):
             isl_tokens=request.input_tokens,
             capacities=capacities,
         )
+        self._last = (request.request_id, selection)
         return selection.worker
+
+    def booked_overlap(self, request: Request, worker: WorkerKey, index_overlap: int) -> int:
+        last = self._last
+        if last is None or last[0] != request.request_id or last[1].worker != worker:
+            return index_overlap
+        return index_overlap + last[1].predicted_blocks

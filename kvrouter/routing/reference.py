@@ -236,6 +236,13 @@ class ReferenceSlotManager:
         load = self._loads.get(worker)
         return 0 if load is None else load.requests
 
+    def drop_worker(self, worker: WorkerKey) -> list[str]:
+        """Free every request booked on ``worker`` (``SlotManager.drop_worker``)."""
+        dropped = [rid for rid, request in self._requests.items() if request.worker == worker]
+        for request_id in dropped:
+            self.free(request_id)
+        return dropped
+
     def potential_decode_blocks(self, worker: WorkerKey, sequence_hashes: Sequence[int]) -> int:
         """The worker's active blocks if this request were added: its blocks beyond the leading ones the
         worker's active requests already hold (§5). Only a leading run counts, as a block is reusable

@@ -325,6 +325,19 @@ class SlotManager:
         loads[PREFILL, slot] -= request.prefill_tokens
         loads[REQUESTS, slot] -= 1
 
+    def drop_worker(self, worker: WorkerKey) -> list[str]:
+        """Free every request booked on ``worker``: it restarted or left, and its requests went with it (their
+        blocks, the predicted tier's among them, must not be credited to the engine that replaced it).
+
+        Returns:
+            The dropped request ids, oldest first.
+        """
+        slot = self.numbering.get(worker)
+        dropped = [] if slot is None else [rid for rid, request in self._requests.items() if request.slot == slot]
+        for request_id in dropped:
+            self.free(request_id)
+        return dropped
+
     def booked(self, request_id: str) -> Booked | None:
         """What the active request holds, or None when it is not active (never added, freed or swept)."""
         request = self._requests.get(request_id)

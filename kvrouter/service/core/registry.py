@@ -314,6 +314,7 @@ class Registry:
                 instance.rank_queries.pop(rank, None)
                 partition.unhealthy.pop((request.instance_id, rank), None)
                 self.streams.pop((request.instance_id, rank), None)
+                partition.slots.drop_worker((request.instance_id, rank))  # its requests, predictions and all
             removed += len(ranks)
             if not instance.ranks:
                 del partition.instances[request.instance_id]
@@ -338,6 +339,17 @@ class Registry:
         if self.recording is not None:
             self.recording.unregistered(time.monotonic_ns(), request)
         return removed
+
+    def restarted(self, worker: WorkerKey) -> int:
+        """The engine behind ``worker`` restarted (its event ids went back to 0): the requests booked on it died
+        with it, so they leave its load, and the blocks they held stop counting as predicted there. Returns
+        how many were dropped."""
+        dropped = 0
+        for partition in self.partitions.values():
+            dropped += len(partition.slots.drop_worker(worker))
+        if dropped:
+            log.info("worker restarted worker=%d dp=%d dropped_requests=%d", worker[0], worker[1], dropped)
+        return dropped
 
     def set_thresholds(self, thresholds: Thresholds, *, mirror: bool = False) -> dict[str, Any]:
         """``POST /busy_threshold``: a partition's busy thresholds; returns them as ``GET`` shows them.

@@ -154,6 +154,8 @@ class Health:
                             grown = getattr(stats, name) - getattr(before, name)
                             if grown > 0:
                                 journal.event(name, worker_id=key[0], dp_rank=key[1], count=grown, state=stats.state)
+                                if name == "restarts":
+                                    registry.restarted(key)
                 await asyncio.sleep(0)
             self._rows[shard] = _ShardRows(rows, keys, made)
             streams.update(zip(keys, made, strict=True))

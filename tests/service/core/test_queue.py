@@ -318,3 +318,25 @@ def test_a_newcomer_does_not_overtake_the_queue_and_unregistering_the_last_worke
         assert svc.core.queue.pending(MODEL, "default") == (0, 0)
 
     with_client(svc, body)
+
+
+def test_a_restarted_worker_loses_its_booked_requests():
+    """A restart (the plane saw its event ids go back to 0) drops what was booked on it: those requests died
+    with the engine, and their blocks must not count as its load or as predicted there."""
+    svc = service()
+
+    async def body(client: TestClient[Any, Any]) -> None:
+        for instance in (1, 2):
+            response = await client.post(
+                "/register", json={"instance_id": instance, "model_name": MODEL, "block_size": BLOCK}
+            )
+            assert response.status == 201, await response.text()
+        booked = await (await reserve(client, "before-restart", 8)).json()
+        worker = (booked["worker_id"], booked["dp_rank"])
+        assert svc.core.registry.restarted((3 - worker[0], 0)) == 0  # the other worker held nothing
+        assert svc.core.registry.restarted(worker) == 1
+        rows = {(w["worker_id"], w["dp_rank"]): w for w in (await loads(client))["loads"]}
+        assert rows[worker]["active_requests"] == 0
+        assert rows[worker]["potential_prefill_tokens"] == 0
+
+    with_client(svc, body)

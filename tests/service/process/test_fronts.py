@@ -124,13 +124,22 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
             assert sorted(row["instance_id"] for row in workers) == [1, 2]
         # reservations booked through both fronts: both views agree; each freed through the other front
         booked: list[tuple[int, str]] = []
+        first_booking: dict[str, Any] = {}
         for i in range(8):
             client = fronts[i % 2]
             tokens = [(i * 7919 + j) % 30000 for j in range(64 + 16 * i)]
             status, answer = client.call("POST", "/select_and_reserve", {"model_name": "default", "token_ids": tokens})
             assert status == 200, answer
             booked.append((i % 2, answer["selection_id"]))
+            first_booking = first_booking or {"tokens": tokens, "worker_id": answer["worker_id"]}
         until(lambda: loads(fronts[0]) == loads(fronts[1]), "both fronts' loads to agree")
+        # what front 0 booked counts as predicted on front 1 (the AddRequest carried its blocks): no engine was
+        # asked, so no event confirms them (a probe: explained, nothing booked or counted)
+        follower = {"model_name": "default", "token_ids": first_booking["tokens"] + [7] * 16, "probe": True}
+        status, answer = fronts[1].call("POST", "/select", follower)
+        assert status == 200, answer
+        row = next(w for w in answer["explain"]["workers"] if w["worker_id"] == first_booking["worker_id"])
+        assert (row["overlap"]["device"], row["overlap"]["predicted"]) == (0, 64 // 16)
         # /metrics on either front counts every front's decisions (the others' as published each second)
         until(lambda: [decisions(c) for c in fronts] == [8.0, 8.0], "both fronts' /metrics to count 8 decisions")
         assert sum(active for _, _, active in loads(fronts[1]).values()) == 8

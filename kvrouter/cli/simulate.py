@@ -11,6 +11,7 @@ because ``kvrouter up --workers`` already owns ``KVROUTER_WORKERS`` with another
 
 from __future__ import annotations
 
+import enum
 import logging
 from importlib.util import find_spec
 from pathlib import Path
@@ -35,6 +36,15 @@ DEFAULT_POLICIES: Final = "round_robin,dynamo_t0,kvrouter"
 """The baseline, the reference's cost and the project's router: the comparison §7 is about."""
 
 _WORKLOAD: Final = "Workload"
+
+
+class PrefixSharing(enum.StrEnum):
+    """``WorkerConfig.prefix_sharing``'s choices, as typer lists them."""
+
+    scheduled = "scheduled"
+    computed = "computed"
+
+
 _ROUTING: Final = "Routing"
 _OUTPUT: Final = "Output"
 
@@ -190,6 +200,17 @@ def simulate(
             rich_help_panel=_ROUTING,
         ),
     ] = 0.0,
+    prefix_sharing: Annotated[
+        PrefixSharing,
+        typer.Option(
+            "--prefix-sharing",
+            envvar="KVROUTER_SIM_PREFIX_SHARING",
+            show_envvar=True,
+            help="What a request admitted beside a running prefill of its prefix reuses: the blocks already "
+            "scheduled (vLLM v1, Dynamo's mocker) or only those computed (SGLang).",
+            rich_help_panel=_WORKLOAD,
+        ),
+    ] = PrefixSharing.scheduled,
     json_out: Annotated[
         Path | None,
         typer.Option(
@@ -235,7 +256,12 @@ def simulate(
     for name in names:
         started = perf_counter()
         result = run_simulation(
-            loaded.requests, workers=workers, policy=make_policy(name, seed=seed), seed=seed, event_lag_ms=event_lag_ms
+            loaded.requests,
+            workers=workers,
+            policy=make_policy(name, seed=seed),
+            seed=seed,
+            event_lag_ms=event_lag_ms,
+            prefix_sharing=prefix_sharing.value,
         )
         log.info("policy simulated policy=%s secs=%.2f", name, perf_counter() - started)
         rows.append(
@@ -243,7 +269,8 @@ def simulate(
         )
     title = (
         f"{loaded.name}: {len(loaded.requests)} requests, {workers} workers, arrivals x{speedup:g}, "
-        f"seed {seed}, event lag {event_lag_ms:g} ms; pooled-LRU ceiling {ceiling:.3f}"
+        f"seed {seed}, event lag {event_lag_ms:g} ms, prefix sharing {prefix_sharing.value}; "
+        f"pooled-LRU ceiling {ceiling:.3f}"
     )
     console = Console()
     if console.is_terminal:

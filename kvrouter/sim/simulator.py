@@ -41,6 +41,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from ..events.model import KvEvent, WorkerKey
 from ..hashing import sequence_hashes
@@ -81,6 +82,7 @@ def simulate(
     event_lag_ms: float = 0.0,
     blocks_per_worker: int = 2048,
     block_size: int = 512,
+    prefix_sharing: Literal["scheduled", "computed"] = "scheduled",
 ) -> RunResult:
     """Route ``requests`` with ``policy`` over ``workers`` simulated engines and measure the result.
 
@@ -93,6 +95,8 @@ def simulate(
         event_lag_ms: simulated delay between an engine's KV event and the index applying it.
         blocks_per_worker: KV blocks per engine (the anchors use 2048).
         block_size: tokens per block (the traces use 512).
+        prefix_sharing: what a request admitted beside a running prefill of its prefix reuses: the blocks
+            scheduled (vLLM v1, the mocker, the grid) or only those computed (SGLang); ``WorkerConfig``.
 
     Returns:
         The run's metrics; TTFT per request in the order given.
@@ -104,7 +108,7 @@ def simulate(
         raise ValueError(f"workers must be >= 1, got {workers!r}")
     if event_lag_ms < 0:
         raise ValueError(f"event_lag_ms must be >= 0, got {event_lag_ms!r}")
-    config = WorkerConfig(block_size=block_size, num_blocks=blocks_per_worker)
+    config = WorkerConfig(block_size=block_size, num_blocks=blocks_per_worker, prefix_sharing=prefix_sharing)
     keys: tuple[WorkerKey, ...] = tuple((i, 0) for i in range(workers))
     models = [WorkerModel(i, config) for i in range(workers)]
     index = RadixIndex()

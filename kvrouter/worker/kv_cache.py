@@ -69,6 +69,9 @@ class KvCache:
         self._event_id = 0
         self.evictions = 0
         """Blocks evicted so far (partial ones included)."""
+        self._pending: set[int] = set()
+        """Full blocks registered since :meth:`settle`: allocated for a chunk of this iteration, their KV not
+        computed until it ends."""
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -105,15 +108,23 @@ class KvCache:
         """Inactive block ids, next to be evicted first."""
         return list(self._inactive)
 
-    def prefix_hits(self, block_ids: Sequence[int]) -> int:
-        """How many leading ``block_ids`` are cached (in either pool): what admission may reuse."""
-        active, inactive = self._active, self._inactive
+    def prefix_hits(self, block_ids: Sequence[int], *, computed_only: bool = False) -> int:
+        """How many leading ``block_ids`` are cached (in either pool): what admission may reuse. With
+        ``computed_only``, a block registered in this iteration (a running prefill's chunk scheduled now)
+        ends the run: SGLang's sharing, where the radix tree takes a chunk once it has run."""
+        active, inactive, pending = self._active, self._inactive, self._pending
         hits = 0
         for block in block_ids:  # hot path: once per admission, stops at the first miss
             if block not in active and block not in inactive:
                 break
+            if computed_only and block in pending:
+                break
             hits += 1
         return hits
+
+    def settle(self) -> None:
+        """The iteration ended: every block registered in it is computed."""
+        self._pending.clear()
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -143,6 +154,7 @@ class KvCache:
                 if not self._make_room():
                     break
                 active[block] = 1
+                self._pending.add(block)
                 if not new_run:
                     run_parent = previous
                 new_run.append(block)

@@ -73,7 +73,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Literal
 
 from ..events.model import KvEvent
 from .kv_cache import KvCache
@@ -112,6 +112,17 @@ class WorkerConfig:
     """Most sequences running (prefilling or decoding) at once."""
     max_num_batched_tokens: int = 8192
     """Tokens per iteration: prefill chunks plus one per decoding sequence."""
+    prefix_sharing: Literal["scheduled", "computed"] = "scheduled"
+    """What a sequence admitted while another prefills the same prefix reuses. ``"scheduled"`` (vLLM v1,
+    Dynamo's mocker, the default and the routing grid's): every block a running prefill has been
+    scheduled for, this iteration's chunk included, since vLLM caches a chunk's blocks when it schedules
+    them (``KVCacheManager.allocate_slots``) and runs the step that computes them first. ``"computed"``
+    (SGLang): only the chunks that have run, since the radix tree takes a chunk after it ran
+    (``cache_unfinished_req``) and a prefill batch's prompts only once its result is processed."""
+
+    def __post_init__(self) -> None:
+        if self.prefix_sharing not in ("scheduled", "computed"):
+            raise ValueError(f"prefix_sharing must be 'scheduled' or 'computed', got {self.prefix_sharing!r}")
 
 
 @dataclass(slots=True)
@@ -212,6 +223,7 @@ class WorkerModel:
         self.config = config or WorkerConfig()
         self.kv = KvCache(worker_id, self.config.num_blocks, dp_rank=dp_rank)
         self._block_size = self.config.block_size
+        self._computed_only = self.config.prefix_sharing == "computed"
         self._waiting: deque[_Seq] = deque()
         self._running: dict[int, _Seq] = {}
         """Prefilling and decoding sequences by serial, in admission order (LIFO preemption takes the last)."""
@@ -366,7 +378,7 @@ class WorkerModel:
                 break
             seq = self._waiting.popleft()
             seq.target = seq.prompt_tokens + seq.generated
-            hits = self.kv.prefix_hits(seq.full_ids)
+            hits = self.kv.prefix_hits(seq.full_ids, computed_only=self._computed_only)
             cached = min(hits * size, seq.target)
             chunk = min(seq.target - cached, budget)
             seq.held = self.kv.acquire_full(seq.full_ids[:hits], None)
@@ -412,6 +424,7 @@ class WorkerModel:
         it.prefill_tokens = new_tokens
         self.prefill_tokens_total += new_tokens
         it.events = self.kv.drain_events()
+        self.kv.settle()
         self._iteration = None
         return it
 

@@ -255,3 +255,25 @@ def test_an_empty_worker_has_no_work():
     assert not model.has_work()
     assert not model.decode_only()
     assert model.step().duration_ms == 0.0
+
+
+@pytest.mark.parametrize(("sharing", "beside", "after_a_chunk"), [("scheduled", 4, 25), ("computed", 0, 20)])
+def test_a_follower_reuses_a_running_prefills_blocks_as_the_engine_does(sharing: str, beside: int, after_a_chunk: int):
+    """Followers on a prefix being prefilled. vLLM (``scheduled``) shares every block already scheduled, the
+    chunk of this iteration included; SGLang (``computed``) only the chunks that have run."""
+    config = WorkerConfig(max_num_batched_tokens=20 * BS, prefix_sharing=sharing)  # type: ignore[arg-type]
+    model = WorkerModel(0, config)
+    model.add_request("leader", 8 * BS, 1, ids(1, 8))
+    model.add_request("beside", 4 * BS + 10, 1, ids(1, 4))  # admitted in the leader's one iteration
+    assert model.step().admitted == [("leader", 0), ("beside", beside * BS)]
+
+    model = WorkerModel(1, config)
+    model.add_request("leader", 30 * BS, 1, ids(100, 30))
+    assert model.step().prefill_tokens == 20 * BS  # the first chunk: 20 blocks
+    model.add_request("late", 25 * BS + 10, 1, ids(100, 25))  # with the second chunk (10 more blocks)
+    assert model.step().admitted == [("late", after_a_chunk * BS)]
+
+
+def test_prefix_sharing_takes_only_the_two_engines_behaviours():
+    with pytest.raises(ValueError, match="prefix_sharing must be 'scheduled' or 'computed'"):
+        WorkerConfig(prefix_sharing="eventually")  # type: ignore[arg-type]

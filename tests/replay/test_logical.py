@@ -81,7 +81,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
         auth_token=TOKEN,
         health_interval_secs=0.1,
         drain_secs=2.0,
-        router=RouterConfig(),
+        router=RouterConfig(predicted_credit=2.0),  # the reference's cost, with the predicted tier
         record=str(path),
         router_seed=SEED,
         max_index_blocks=CAP,
@@ -104,6 +104,10 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
             calls += 1
         run.ok("POST", "/select", {"model_name": MODEL, "token_ids": system, "probe": True})
         calls += 1
+        fresh = [rng.randrange(1, 30_000) for _ in range(8 * BLOCK)]  # reserved, never sent: predicted only
+        for n in range(3):
+            run.ok("POST", "/select_and_reserve", {"model_name": MODEL, "token_ids": fresh + [n + 1] * BLOCK})
+            calls += 1
         request = urllib.request.Request(run.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
         with urllib.request.urlopen(request, timeout=30) as response:
             metrics = response.read().decode()
@@ -132,6 +136,18 @@ def test_every_decision_of_a_recorded_run_replays_as_recorded(recorded):
     assert report.event_errors == 0
     assert report.recorded_hit_blocks > 0  # the index mattered: later turns found their conversation's blocks
     assert report.replayed_hit_blocks == report.recorded_hit_blocks
+
+
+def test_predictions_replay_with_the_calls_that_made_them(recorded):
+    """Three reservations on a fresh prefix end the run: no engine computes it, so the later ones find it
+    only as predicted. The replay books the same calls, so it predicts the same; without the tier it
+    decides otherwise."""
+    path, calls = recorded
+    recording = read_recording(path)
+    assert replay_recording(recording).matched == calls
+    without = replay_recording(recording, parse_overrides(["router-predicted-credit=0"]))
+    assert without.overrides == {"predicted_credit": 0}
+    assert without.differing > 0
 
 
 def test_a_changed_router_replays_the_same_calls_and_decides_for_itself(recorded):

@@ -5,6 +5,8 @@ worker that leaves takes its predictions with it."""
 from __future__ import annotations
 
 import random
+import re
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,3 +79,61 @@ def test_a_worker_that_leaves_takes_its_predictions(kvrouter_defaults: Running) 
     assert rows[chosen]["overlap"]["predicted"] == 0
     loads = {(w["worker_id"], w["dp_rank"]): w for p in run.ok("GET", "/loads") for w in p["loads"]}
     assert loads[(chosen, 0)]["active_requests"] == 0
+
+
+def predictions(run: Running) -> dict[tuple[int, str], float]:
+    """``kvrouter_worker_predictions_total`` by (worker id, outcome)."""
+    request = urllib.request.Request(run.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        text = response.read().decode()
+    out: dict[tuple[int, str], float] = {}
+    for line in text.splitlines():
+        match = re.match(
+            r'kvrouter_worker_predictions_total\{dp_rank="0",outcome="(\w+)",worker_id="(\d+)"\} (\S+)', line
+        )
+        if match:
+            out[(int(match[2]), match[1])] = float(match[3])
+    return out
+
+
+def test_metrics_count_each_prediction_and_how_it_ended(kvrouter_defaults: Running, wait_until: Any) -> None:
+    run = kvrouter_defaults
+    before = predictions(run)
+
+    def grew(worker: int, outcome: str) -> float:
+        return predictions(run).get((worker, outcome), 0.0) - before.get((worker, outcome), 0.0)
+
+    # a minute's work on both workers, so neither is the idle one the recent-work factor favours
+    warm = [
+        run.ok("POST", "/select_and_reserve", {"model_name": MODEL, "token_ids": prompt(100 + n, 40)}) for n in range(4)
+    ]
+    assert {w["worker_id"] for w in warm} == set(MOCK_IDS)
+    for reservation in warm:
+        run.ok("DELETE", f"/reservations/{reservation['selection_id']}")
+    # a bet the engine never makes good: the leader is reserved, never sent
+    shared = prompt(5, 6)
+    leader = run.ok("POST", "/select_and_reserve", {"model_name": MODEL, "token_ids": shared})
+    chosen = leader["worker_id"]
+    follower = run.ok("POST", "/select_and_reserve", {"model_name": MODEL, "token_ids": shared + prompt(6, 1)})
+    assert follower["worker_id"] == chosen  # a 6-block prefix in flight, 1 block of its own: it waits for it
+    assert grew(chosen, "made") == 1
+    run.ok("DELETE", f"/reservations/{follower['selection_id']}")
+    assert grew(chosen, "contradicted") == 1
+
+    # a bet the engine makes good: the prompt is computed on that worker before the reservation ends
+    follower = run.ok("POST", "/select_and_reserve", {"model_name": MODEL, "token_ids": shared + prompt(7, 1)})
+    assert (follower["worker_id"], grew(chosen, "made")) == (chosen, 2)
+    run.workers[MOCK_IDS.index(chosen)].complete(shared, 1)  # straight to the engine: its events follow
+    wait_until(
+        lambda: (
+            run.ok("POST", "/query", {"model_name": MODEL, "token_ids": shared})["scores"]
+            .get(str(chosen), {})
+            .get("0", 0)
+            >= 6 * BLOCK
+        ),
+        what="the engine's events to reach the index",
+    )
+    run.ok("DELETE", f"/reservations/{follower['selection_id']}")
+    run.ok("DELETE", f"/reservations/{leader['selection_id']}")
+    assert grew(chosen, "confirmed") == 1
+    assert grew(chosen, "expired") == 0

@@ -14,7 +14,7 @@ from typing import Any, Final, TypeVar
 from ...events.model import WorkerKey
 from .histogram import HIT_RATE_BUCKETS, REUSE_ERROR_BUCKETS, Buckets
 
-__all__ = ["PHASES", "REUSE_FIELDS", "SHADOW_FIELDS", "ServiceCounters"]
+__all__ = ["PHASES", "PREDICTION_FIELDS", "REUSE_FIELDS", "SHADOW_FIELDS", "ServiceCounters"]
 
 PHASES: Final = ("parse", "hash", "decide", "serialise", "total")
 """Where a ``/select``'s time goes (``ServiceCounters.phases``): the body read, decoded and validated; the
@@ -22,6 +22,8 @@ tokens hashed to blocks; the decision (``Router.select``: index walk, costs, cho
 and encoded; and all of it, from the body read to the encoded answer."""
 REUSE_FIELDS: Final = ("reports", "exact", "over", "under", "predicted_tokens", "actual_tokens")
 """``ServiceCounters.reuse``'s per-worker figures, in order (``accuracy.py``)."""
+PREDICTION_FIELDS: Final = ("made", "confirmed", "contradicted", "expired")
+"""``ServiceCounters.predictions``' per-worker counts, in order (``predictions.py``)."""
 _SUMMED: Final = ("decisions", "reservations", "overlap_blocks", "prompt_blocks", "overloaded", "no_worker",
                   "expired_reservations", "connections", "handovers", "shared_failures")  # fmt: skip
 """The plain integer counts :meth:`ServiceCounters.add` sums."""
@@ -70,6 +72,8 @@ class ServiceCounters:
     """Per worker, the engine's reuse reports against the router's predictions (``REUSE_FIELDS``)."""
     reuse_error: dict[WorkerKey, Buckets] = field(default_factory=dict)
     """Per worker, blocks reused minus blocks predicted (``REUSE_ERROR_BUCKETS``)."""
+    predictions: dict[WorkerKey, list[int]] = field(default_factory=dict)
+    """Per worker, the predicted tier's bets and how they ended (``PREDICTION_FIELDS``)."""
     shadow: dict[str, list[float]] = field(default_factory=dict)
     """Per shadow policy, its choices against the live ones (``SHADOW_FIELDS``)."""
 
@@ -95,6 +99,7 @@ class ServiceCounters:
             "http_seconds": [[*k, s] for k, s in self.http_seconds.items()],
             "reuse": [[k[0], k[1], *counts] for k, counts in self.reuse.items()],
             "reuse_error": [[k[0], k[1], b.to_wire()] for k, b in self.reuse_error.items()],
+            "predictions": [[k[0], k[1], *counts] for k, counts in self.predictions.items()],
             "shadow": self.shadow,
         }
 
@@ -123,6 +128,11 @@ class ServiceCounters:
             reuse_error={
                 (int(w), int(r)): Buckets.from_wire(b, REUSE_ERROR_BUCKETS) for w, r, b in wire["reuse_error"]
             },
+            predictions={
+                (int(r[0]), int(r[1])): [int(c) for c in r[2:]]
+                for r in wire["predictions"]
+                if len(r) == 2 + len(PREDICTION_FIELDS)
+            },
             shadow={
                 str(name): [float(v) for v in values]
                 for name, values in wire["shadow"].items()
@@ -140,6 +150,10 @@ class ServiceCounters:
         _add(self.http_seconds, other.http_seconds)
         for key, counts in other.reuse.items():
             mine = self.reuse.setdefault(key, [0] * len(REUSE_FIELDS))
+            for i, count in enumerate(counts):
+                mine[i] += count
+        for key, counts in other.predictions.items():
+            mine = self.predictions.setdefault(key, [0] * len(PREDICTION_FIELDS))
             for i, count in enumerate(counts):
                 mine[i] += count
         for key, buckets in other.reuse_error.items():

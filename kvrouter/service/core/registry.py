@@ -130,6 +130,8 @@ class Registry:
         self.peers: Peers | None = None
         self.changed: Callable[[Partition], None] = lambda _partition: None
         """Called after a partition's workers or thresholds change (the router queue retries its waiters)."""
+        self.dropped: Callable[[list[str]], None] = lambda _request_ids: None
+        """Called with the requests a worker's restart or removal dropped from its slot manager."""
         self._owner: dict[int, tuple[str, str]] = {}
         """instance_id -> its partition: ids are unique across partitions."""
         self._waiting: dict[int, None] = {}
@@ -314,7 +316,7 @@ class Registry:
                 instance.rank_queries.pop(rank, None)
                 partition.unhealthy.pop((request.instance_id, rank), None)
                 self.streams.pop((request.instance_id, rank), None)
-                partition.slots.drop_worker((request.instance_id, rank))  # its requests, predictions and all
+                self.dropped(partition.slots.drop_worker((request.instance_id, rank)))  # predictions and all
             removed += len(ranks)
             if not instance.ranks:
                 del partition.instances[request.instance_id]
@@ -346,7 +348,9 @@ class Registry:
         how many were dropped."""
         dropped = 0
         for partition in self.partitions.values():
-            dropped += len(partition.slots.drop_worker(worker))
+            ids = partition.slots.drop_worker(worker)
+            self.dropped(ids)
+            dropped += len(ids)
         if dropped:
             log.info("worker restarted worker=%d dp=%d dropped_requests=%d", worker[0], worker[1], dropped)
         return dropped

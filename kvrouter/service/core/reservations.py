@@ -28,6 +28,7 @@ from .registry import Registry
 
 if TYPE_CHECKING:
     from .accuracy import Accuracy
+    from .predictions import Predictions
     from .recording import ServiceRecording
 
 __all__ = ["SYNC_GRACE_S", "SYNC_POLL_S", "ReplicaHost", "Reservation", "Reservations"]
@@ -60,9 +61,18 @@ class Reservation:
 class Reservations:
     """This service's bookings; see the module docstring. The event loop is its one user."""
 
-    def __init__(self, registry: Registry, accuracy: Accuracy, *, recording: ServiceRecording | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        accuracy: Accuracy,
+        predictions: Predictions,
+        *,
+        recording: ServiceRecording | None = None,
+    ) -> None:
         self.registry = registry
         self.accuracy = accuracy
+        self.predictions = predictions
+        """The predicted tier's bets on own reservations, settled as they end (``predictions.py``)."""
         self.recording = recording
         self.own: dict[str, Reservation] = {}
         """This replica's bookings, oldest first."""
@@ -105,6 +115,7 @@ class Reservations:
         reservation = self.own.pop(selection_id, None) or self._peer(selection_id)
         if reservation is None:
             raise NotFound(f"reservation {selection_id!r} not found")
+        self.predictions.freed(selection_id)
         self.free_booked(reservation.partition, selection_id)
         peers = self.registry.peers
         if peers is not None:
@@ -134,6 +145,7 @@ class Reservations:
             if reservation.at > cutoff:
                 break
             del self.own[selection_id]
+            self.predictions.expired(selection_id)
             self.free_booked(reservation.partition, selection_id)
             expired.append((selection_id, reservation))
         return expired

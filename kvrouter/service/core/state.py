@@ -25,6 +25,7 @@ from .facts import IndexFacts
 from .journal import Journal
 from .lifecycle import Lifecycle
 from .matches import Matches
+from .predictions import Predictions
 from .queue import RouterQueue
 from .registry import Peers, Registry
 from .reservations import ReplicaHost, Reservations
@@ -64,7 +65,10 @@ class Core:
         """``--decision-log FILE``: a line per decision."""
         self.matches = Matches()
         self.registry = Registry(config, self.journal, self.trust, self.accuracy, recording=recording)
-        self.reservations = Reservations(self.registry, self.accuracy, recording=recording)
+        self.predictions = Predictions(self.counters, index)
+        """The predicted tier's bets on own reservations and how they ended (``predictions.py``)."""
+        self.registry.dropped = self.predictions.dropped
+        self.reservations = Reservations(self.registry, self.accuracy, self.predictions, recording=recording)
         self.reservations.stopping = lambda: self.lifecycle.stopping
         self.decider = Decider(
             index,

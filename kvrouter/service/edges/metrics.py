@@ -69,7 +69,7 @@ from ...index.layout import ERROR_KINDS, EVICT_REASONS, WORKER_STATES
 from ...recording import Recorder
 from ...routing.config import RouterConfig
 from ...routing.slots import SlotManager
-from ..core.counters import SHADOW_FIELDS
+from ..core.counters import PREDICTION_FIELDS, SHADOW_FIELDS
 from ..core.histogram import Buckets
 from ..core.state import Core
 
@@ -376,6 +376,7 @@ class Counters(Protocol):
     http_seconds: dict[tuple[str, str], float]
     reuse: dict[WorkerKey, list[int]]
     reuse_error: dict[WorkerKey, Buckets]
+    predictions: dict[WorkerKey, list[int]]
     shadow: dict[str, list[float]]
 
 
@@ -589,6 +590,7 @@ def front_families(counters: Counters) -> Iterator[Metric]:
         "kvrouter_kv_hit_rate", "Predicted hit rate of the chosen worker per decision", {(): counters.hit_rate}, []
     )
     yield from reuse_families(counters)
+    yield prediction_family(counters)
     yield from shadow_families(counters)
     series: dict[tuple[str, ...], Buckets] = {(name,): b for name, b in counters.phases.items()}
     yield histogram(
@@ -627,6 +629,22 @@ def reuse_families(counters: Counters) -> Iterator[Metric]:
         {tuple(_key_labels(k)): b for k, b in sorted(counters.reuse_error.items())},
         labels,
     )
+
+
+def prediction_family(counters: Counters) -> Metric:
+    """The predicted tier's bets per worker and how they ended (``core/predictions.py``), every front's."""
+    family = CounterMetricFamily(
+        "kvrouter_worker_predictions",
+        "Reservations booked with prompt blocks predicted in flight on their worker (made), and how they ended: "
+        "confirmed (the index held them when freed), contradicted (it did not, or the worker restarted or left), "
+        "expired (never freed)",
+        labels=["worker_id", "dp_rank", "outcome"],
+    )
+    for key, counts in sorted(counters.predictions.items()):
+        values = _key_labels(key)
+        for outcome, count in zip(PREDICTION_FIELDS, counts, strict=True):
+            family.add_metric([*values, outcome], count)
+    return family
 
 
 def shadow_families(counters: Counters) -> Iterator[Metric]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Any, Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -28,15 +28,18 @@ import numpy.typing as npt
 from ...events.model import StorageTier, WorkerKey
 from .counters import PREDICTION_FIELDS, ServiceCounters
 
-if TYPE_CHECKING:
-    from .decider import ReadIndex
-
 __all__ = ["Predictions"]
 
 MADE: Final = PREDICTION_FIELDS.index("made")
 CONFIRMED: Final = PREDICTION_FIELDS.index("confirmed")
 CONTRADICTED: Final = PREDICTION_FIELDS.index("contradicted")
 EXPIRED: Final = PREDICTION_FIELDS.index("expired")
+
+
+class TierIndex(Protocol):
+    """What settling a bet reads: the index's overlap per tier (the engine, another front's view, any index)."""
+
+    def find_matches_by_tier(self, local_hashes: Any) -> dict[StorageTier, dict[WorkerKey, int]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +54,7 @@ class _Open:
 class Predictions:
     """The open predictions of this service's reservations; see the module docstring. Event loop only."""
 
-    def __init__(self, counters: ServiceCounters, index: ReadIndex) -> None:
+    def __init__(self, counters: ServiceCounters, index: TierIndex) -> None:
         self.counters = counters
         self.index = index
         self._open: dict[str, _Open] = {}

@@ -108,6 +108,7 @@ def decision_of(entry: Mapping[str, Any]) -> Decision:
             worker_id=_int(c.get("worker_id")),
             dp_rank=_int(c.get("dp_rank")),
             overlap_blocks=_int(c.get("overlap_blocks")),
+            predicted_blocks=_predicted(c),
             prefill_cost=_float(c.get("prefill_cost")),
             decode_blocks=_int(c.get("decode_cost")),
             request_cost=_float(c.get("request_cost")),
@@ -188,6 +189,12 @@ def _row(
     )
 
 
+def _predicted(terms: Mapping[str, Any]) -> int:
+    """A candidate's predicted blocks (``overlap.predicted``; 0 from a router without the tier)."""
+    overlap = terms.get("overlap")
+    return _int(overlap.get("predicted")) if isinstance(overlap, Mapping) else 0
+
+
 def _probe_rows(answer: Any) -> list[ProbeRow]:
     workers = answer.get("explain", {}).get("workers", ()) if isinstance(answer, dict) else ()
     return [
@@ -195,6 +202,7 @@ def _probe_rows(answer: Any) -> list[ProbeRow]:
             worker_id=_int(w.get("worker_id")),
             dp_rank=_int(w.get("dp_rank")),
             overlap_blocks=_int(w.get("overlap_blocks")),
+            predicted_blocks=_predicted(w),
             total=_float(w.get("cost")),
             busy=bool(w.get("busy")),
         )

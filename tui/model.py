@@ -104,6 +104,8 @@ class Candidate:
     probability: float
     selected: bool
     busy: bool
+    predicted_blocks: int = 0
+    """The predicted tier's blocks: the prompt's, in flight on the worker beyond its events' overlap."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +192,7 @@ class ProbeRow:
     overlap_blocks: int
     total: float
     busy: bool
+    predicted_blocks: int = 0
 
 
 class Feed(Protocol):

@@ -313,3 +313,15 @@ def test_a_misconfigured_worker_shows_as_misconfig_whatever_its_stream_says() ->
     assert _state("exact", True, None, False, "stale") == "stale"
     assert _problems({"no_events": "b", "block_size": "a"}) == ("a", "b")
     assert _problems(None) == ()
+
+
+def test_a_decisions_predicted_blocks_come_through_as_their_own_term():
+    """The service's explain terms carry ``overlap.predicted``; a router without the tier sends none (0)."""
+    from tui.feed import decision_of
+
+    worker = {"worker_id": 1, "dp_rank": 0, "overlap_blocks": 2, "cost": 3.0, "prob": 1.0, "selected": True}
+    entry = {"seq": 1, "worker_id": 1, "dp_rank": 0, "explain": [{**worker, "overlap": {"device": 2, "predicted": 5}}]}
+    (candidate,) = decision_of(entry).candidates
+    assert (candidate.overlap_blocks, candidate.predicted_blocks) == (2, 5)
+    (older,) = decision_of({**entry, "explain": [worker]}).candidates
+    assert older.predicted_blocks == 0

@@ -9,7 +9,7 @@ fall back to the worker id.
 
 Two column sets: the full one of spec §4.1 when the terminal is wide enough for it, and a narrow one
 that fits 80 columns (no cost breakdown, no prefill, worker and dp in one column). The terms shown
-(overlap and costs, p(select)) are each worker's in the last explained decision, or the pinned probe's.
+(overlap, pred and costs, p(select)) are each worker's in the last explained decision, or the pinned probe's.
 
 ``cached`` is the device tier's blocks, the ones routing credits most. When some worker holds blocks in
 the host, disk or shared tier, the set gains a column per such tier after ``Δcached/s``, or, if those do
@@ -71,6 +71,7 @@ COLUMNS: Final = (
     Column("prefill", "prefill", 7, False),
     Column("reqs", "reqs", 5, True),
     Column("overlap", "overlap", 7, True),
+    Column("pred", "pred", 5, False),
     Column("prefill_cost", "prefill_cost", 12, False),
     Column("decode_cost", "decode_cost", 11, False),
     Column("req_cost", "req_cost", 8, False),
@@ -206,6 +207,7 @@ def build_lines(snapshot: Snapshot, rates: Rates, view: View, probe_rows: Sequen
         candidate = terms.get(row.key)
         probe = probed.get(row.key)
         overlap = probe.overlap_blocks if probe else candidate.overlap_blocks if candidate else None
+        predicted = probe.predicted_blocks if probe else candidate.predicted_blocks if candidate else None
         total = probe.total if probe else candidate.total if candidate else None
         delta = rates.cached.get(row.key)
         prefill_term = None if candidate is None else candidate.prefill_cost
@@ -224,6 +226,7 @@ def build_lines(snapshot: Snapshot, rates: Rates, view: View, probe_rows: Sequen
             "prefill": cells.number(row.prefill_tokens),
             "reqs": cells.number(row.requests),
             "overlap": cells.number(overlap),
+            "pred": cells.number(predicted),
             "prefill_cost": cells.number(cells.cost(prefill_shift(prefill_term))),
             "decode_cost": cells.number(cells.cost(decode_shift(decode_term))),
             "req_cost": cells.number(cells.cost(request_shift(request_term))),

@@ -25,6 +25,7 @@ from typing import Any, Final, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from ...errors import EngineError
 from ...events.model import StorageTier, WorkerKey
 from .counters import PREDICTION_FIELDS, ServiceCounters
 
@@ -72,7 +73,10 @@ class Predictions:
         bet = self._open.pop(selection_id, None)
         if bet is None:
             return
-        held = self.index.find_matches_by_tier(bet.local).get(StorageTier.DEVICE, {}).get(bet.worker, 0)
+        try:
+            held = self.index.find_matches_by_tier(bet.local).get(StorageTier.DEVICE, {}).get(bet.worker, 0)
+        except EngineError:  # the index is stopping: the bet stays made and unsettled, the free goes on
+            return
         self._count(bet.worker, CONFIRMED if held >= bet.depth else CONTRADICTED)
 
     def expired(self, selection_id: str) -> None:

@@ -57,3 +57,19 @@ def test_the_counts_travel_between_fronts_and_add_up():
     other.expired("b")
     mine.add(ServiceCounters.from_wire(theirs.to_wire()))
     assert _counts(mine) == {W1: {"made": 2, "confirmed": 0, "contradicted": 0, "expired": 1}}
+
+
+def test_a_bet_ended_while_the_index_is_down_stays_unsettled_and_the_free_goes_on():
+    from kvrouter.engine import Engine
+
+    counters = ServiceCounters()
+    engine = Engine(shards=1)
+    engine.start()
+    try:
+        predictions = Predictions(counters, engine)
+        predictions.made("r", W1, PROMPT, 8)
+    finally:
+        engine.close()
+    predictions.freed("r")  # the engine stopped: no answer to settle by, and no exception for the caller
+    assert len(predictions) == 0
+    assert _counts(counters) == {W1: {"made": 1, "confirmed": 0, "contradicted": 0, "expired": 0}}

@@ -167,6 +167,7 @@ def test_defaults_are_the_fields_and_router_flags_start_from_kvrouters_tuning():
         "router_decode_active_request_weight": "decode_active_request_weight",
         "router_prefill_work_weight": "prefill_work_weight",
         "router_predicted_credit": "predicted_credit",
+        "router_credit_load_gain": "credit_load_gain",
         "router_untrusted_overlap_weight": "untrusted_overlap_weight",
         "router_host_cache_hit_weight": "host_cache_hit_weight",
         "router_disk_cache_hit_weight": "disk_cache_hit_weight",

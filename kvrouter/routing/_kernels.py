@@ -70,7 +70,9 @@ P_WORK_WINDOW: Final = 18
 prefill decays by one factor, ``exp(-age / window)``."""
 P_PREDICTED: Final = 19
 """``predicted_credit``; 0 leaves the predicted tier out."""
-NPARAMS: Final = 20
+P_CREDIT_GAIN: Final = 20
+"""``credit_load_gain``; 0 leaves the device credit as configured."""
+NPARAMS: Final = 21
 
 # rows of `out`, one per term (the names are historical: `C_` for a candidate's column of terms)
 C_RAW: Final = 0
@@ -329,13 +331,15 @@ def entry_points() -> tuple[Decider, OnShards]:
 
 
 Weights = tuple[
-    float, float, float, float, float, float, float, float, float, float, float, float, float, float, float, float
-]
-"""The per-decision scalars the terms read, out of ``params`` and the decision's predicted weight (``_weights``)."""
+    float, float, float, float, float, float, float, float, float,
+    float, float, float, float, float, float, float, float,
+]  # fmt: skip
+"""The per-decision scalars the terms read, out of ``params``, and the decision's load-dependent two: the credit
+per predicted block and the device credit's scale (``_weights``)."""
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _weights(params: npt.NDArray[np.float64], predicted_w: float) -> Weights:
+def _weights(params: npt.NDArray[np.float64], queued_share: float) -> Weights:
     isl = params[P_ISL]
     block = params[P_BLOCK]
     return (
@@ -354,29 +358,34 @@ def _weights(params: npt.NDArray[np.float64], predicted_w: float) -> Weights:
         params[P_REQUEST_WEIGHT],
         params[P_LMETRIC],
         params[P_WORK_WEIGHT],
-        predicted_w,
+        _predicted_weight(params[P_PREDICTED], queued_share),
+        1.0 + params[P_CREDIT_GAIN] * queued_share,
     )
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _predicted_weight(
+def _queued_share(
     candidates: npt.NDArray[np.int64],
     prefill: npt.NDArray[np.int64],
     limited: bool,
     out: npt.NDArray[np.float64],
-    weight: float,
     eligible: int,
 ) -> float:
-    """``cost.predicted_weight``: the credit per predicted block, from the share of eligible candidates with
-    prefill queued (0 without a pass when the tier is off)."""
-    if weight == 0.0:
-        return 0.0
+    """The share of eligible candidates with prefill queued (``cost.py``'s load share)."""
     queued = 0
     for i in range(candidates.size):
         if prefill[candidates[i]] > 0 and not (limited and out[C_BUSY, i] != 0.0):
             queued += 1
+    return queued / eligible
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _predicted_weight(weight: float, share: float) -> float:
+    """``cost.predicted_weight``."""
+    if weight == 0.0:
+        return 0.0
     low = min(1.0, weight)
-    return low + (weight - low) * (queued / eligible)
+    return low + (weight - low) * share
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -408,18 +417,19 @@ def _terms(
     active blocks (beyond the device overlap, the predicted tier's blocks), ``trust`` its credit factor
     (``untrusted_overlap_weight`` for a worker marked untrusted, else 1), ``decay`` its credit's decay
     (:func:`_decay`, 1 when off), ``factor_of`` its decayed recent work; ``mean_recent`` the mean recent
-    work over the eligible candidates; ``weights`` end with the decision's credit per predicted block. The
+    work over the eligible candidates; ``weights`` end with the decision's credit per predicted block and
+    device credit scale. The
     one place the arithmetic lives: the pass over every candidate and the fill of the chosen ones' columns
     both call it, through :func:`_slot_terms`."""
     isl, block, _, track_prefill, _, credit_w, host_w, disk_w, shared_w, scale = weights[:10]
-    track_blocks, nblocks, request_w, lmetric, work_weight, predicted_w = weights[10:]
+    track_blocks, nblocks, request_w, lmetric, work_weight, predicted_w, credit_scale = weights[10:]
     device, host, disk, shared = overlap
     active, requests, blocks, leading = loads
     raw = (active + isl) / block if track_prefill != 0.0 else 0.0
     credit = 0.0  # what the sum below gives for a worker holding nothing, every weight being finite and >= 0
     if device != 0 or host != 0 or disk != 0 or shared != 0:  # most workers of a large fleet hold nothing
         credit = (
-            credit_w * decay * device
+            credit_w * credit_scale * decay * device
             + host_w * max(0, host - device)
             + disk_w * max(0, disk - host)
             + shared_w * max(0, shared - disk)
@@ -593,7 +603,10 @@ def cost_and_choose(
         return NO_WORKER, 0, 0
     mean_recent = recent_sum / eligible
     weigh = trust.size > 0  # empty unless some candidate's credit is weighted down: no load per candidate then
-    weights = _weights(params, _predicted_weight(candidates, prefill, limited, out, params[P_PREDICTED], eligible))
+    share = 0.0  # no pass over the candidates when nothing reads it
+    if params[P_PREDICTED] != 0.0 or params[P_CREDIT_GAIN] != 0.0:
+        share = _queued_share(candidates, prefill, limited, out, eligible)
+    weights = _weights(params, share)
     decaying = params[P_DECAY] != 0.0 and params[P_TRACK_PREFILL] != 0.0
     if decaying:  # a worker holding nothing gets no credit to decay: its three divisions are skipped
         for i in range(k):

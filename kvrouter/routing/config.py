@@ -116,6 +116,21 @@ class RouterConfig:
     queued, rising linearly to ``w`` when every candidate has prefill queued (``cost.predicted_weight``).
     The blocks come from the table of active requests' shared blocks, so with ``router_track_active_blocks``
     or ``router_assume_kv_reuse`` off there are none and the tier credits nothing."""
+    credit_load_gain: float = field(
+        default=0.0,
+        metadata=option(
+            "--router-credit-load-gain",
+            help="kvrouter's: the device credit grows by this fraction of itself as the share of candidates "
+            "with prefill queued goes from 0 to 1 (0 = off, the reference's behaviour).",
+            panel=Panel.COST,
+            min=0.0,
+        ),
+    )
+    """kvrouter's own term (0: off, the reference's behaviour): a decision credits each device-overlap block
+    ``overlap_score_credit * (1 + gain * share)``, ``share`` being the eligible candidates with prefill queued
+    over all eligible candidates (``cost.credit_scale``). On an idle fleet a cached prefix is worth what it
+    saves the request; on a queued one computing it again also delays what waits behind it, as for the
+    predicted tier."""
     untrusted_overlap_weight: float = field(
         default=1.0,
         metadata=option(
@@ -273,6 +288,7 @@ class RouterConfig:
             "decode": self.decode_active_request_weight,
             "work": self.prefill_work_weight,
             "pred": self.predicted_credit,
+            "gain": self.credit_load_gain,
             "T": self.router_temperature,
         }
 
@@ -285,7 +301,11 @@ class RouterConfig:
 
 
 KVROUTER_CONFIG: Final = RouterConfig(
-    router_selection_policy="lmetric", overlap_score_credit=1.5, prefill_work_weight=1.0, predicted_credit=2.0
+    router_selection_policy="lmetric",
+    overlap_score_credit=1.5,
+    prefill_work_weight=1.0,
+    predicted_credit=2.0,
+    credit_load_gain=1.0,
 )
 """kvrouter's own tuning, the ``kvrouter`` policy of the routing benchmark: the reference's opt-in product
 cost, with device overlap credited 1.5 blocks a block, scaled by each worker's share of the recent

@@ -5,7 +5,7 @@ The reference's ``worker_logit`` (``scheduling/selector/default.rs``; ``spec/dyn
 
     raw_prefill     = (active_prefill_tokens + ISL) / B          0 when prefill tracking is off
     credit_decay    = 1 / (1 + decay * max(0, active_prefill - min_active_prefill) / B / ceil(ISL / B))
-    overlap_credit  = credit * credit_decay * device + host_w * (host - device)
+    overlap_credit  = credit * credit_scale * credit_decay * device + host_w * (host - device)
                     + disk_w * (disk - host) + shared_w * (shared - disk)
                       times untrusted_w for a worker marked untrusted (1 by default)
                     + predicted_w * predicted
@@ -25,6 +25,12 @@ workers whose trust state is not ``exact`` (``service/trust.py``), and their ove
 A factor rather than a sum: it is dimensionless (weight 1 = cost proportional to the worker's share of
 recent work), so it needs no scale per trace, and a worker whose cost is 0 stays 0. Rejected: counting
 all work ever booked (no recovery after a burst) and a window of fixed requests (it ignores time).
+
+``credit_scale`` is kvrouter's (``credit_load_gain``, default 0 = off): ``1 + gain * share``, ``share`` the
+eligible candidates with prefill queued over all eligible candidates (:func:`credit_scale`). The same
+reasoning as the predicted tier's weight below: a cached block saves its request the prefill, and on a
+queued fleet it also saves everyone waiting behind a recompute. With gain 1 the device credit runs from
+1.5 on an idle fleet to 3 on a fully queued one.
 
 ``predicted_w * predicted`` is kvrouter's too (``predicted_credit``, default 0 = off): the predicted tier.
 ``predicted`` is the prompt's leading blocks that the worker's in-flight requests hold beyond its device
@@ -56,7 +62,7 @@ from dataclasses import dataclass
 from ..events.model import StorageTier, WorkerKey
 from .config import RouterConfig
 
-__all__ = ["Cost", "Load", "Overlap", "predicted_weight", "worker_cost"]
+__all__ = ["Cost", "Load", "Overlap", "credit_scale", "predicted_weight", "worker_cost"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +123,15 @@ def predicted_weight(config: RouterConfig, busy_share: float) -> float:
     """The credit per predicted block of one decision: ``min(1, w)`` on an idle fleet, ``w`` when every eligible
     candidate has prefill queued (``busy_share`` 1), linear in between; ``w`` is ``predicted_credit``."""
     weight = config.predicted_credit
+    if weight == 0.0:
+        return 0.0
     low = min(1.0, weight)
     return low + (weight - low) * busy_share
+
+
+def credit_scale(config: RouterConfig, busy_share: float) -> float:
+    """The device credit's factor in one decision: ``1 + credit_load_gain * busy_share`` (1 when the gain is 0)."""
+    return 1.0 + config.credit_load_gain * busy_share
 
 
 def worker_cost(
@@ -132,6 +145,7 @@ def worker_cost(
     mean_recent_prefill_tokens: float = 0.0,
     trusted: bool = True,
     predicted_w: float = 0.0,
+    device_scale: float = 1.0,
 ) -> Cost:
     """The cost of one candidate worker.
 
@@ -146,6 +160,7 @@ def worker_cost(
             (for ``prefill_work_weight``).
         trusted: False multiplies the credit by ``untrusted_overlap_weight``.
         predicted_w: this decision's credit per predicted block (:func:`predicted_weight`).
+        device_scale: this decision's factor on the device credit (:func:`credit_scale`).
     """
     track_prefill = config.router_track_prefill_tokens
     raw_prefill = (load.active_prefill_tokens + isl_tokens) / block_size if track_prefill else 0.0
@@ -155,7 +170,7 @@ def worker_cost(
         queued_beyond_least = max(0, load.active_prefill_tokens - min_active_prefill_tokens)
         decay = 1.0 / (1.0 + config.overlap_score_credit_decay * queued_beyond_least / block_size / request_blocks)
     credit = (
-        config.overlap_score_credit * decay * overlap.device
+        config.overlap_score_credit * device_scale * decay * overlap.device
         + config.host_cache_hit_weight * max(0, overlap.host - overlap.device)
         + config.disk_cache_hit_weight * max(0, overlap.disk - overlap.host)
         + config.shared_credit * max(0, overlap.shared - overlap.disk)

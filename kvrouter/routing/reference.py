@@ -25,7 +25,7 @@ from ..events.model import StorageTier, WorkerKey
 from ..hashing import block_hashes, sequence_hashes
 from ..index import ApproxIndex
 from .config import RouterConfig
-from .cost import Load, Overlap, predicted_weight, worker_cost
+from .cost import Load, Overlap, credit_scale, predicted_weight, worker_cost
 from .router import SWEEP_INTERVAL_SECS, OverlapSource, Selection, WorkerExplanation
 from .selection import choose, probabilities
 from .slots import DEFAULT_EXPIRY_SECS, DEFAULT_WORK_WINDOW_SECS, FRESH_ID_BASE, WORK_REBASE_WINDOWS, SlotManager
@@ -382,8 +382,11 @@ class ReferenceRouter:
             raise NoWorkerAvailable(f"all {len(candidates)} candidate workers are over a busy threshold")
         least_prefill = min(loads[w].active_prefill_tokens for w in eligible)
         mean_recent = sum(loads[w].recent_prefill_tokens for w in eligible) / len(eligible)
-        queued = sum(1 for w in eligible if loads[w].active_prefill_tokens > 0)
-        predicted_w = predicted_weight(self.config, queued / len(eligible)) if self.config.predicted_credit else 0.0
+        share = 0.0
+        if self.config.predicted_credit or self.config.credit_load_gain:
+            share = sum(1 for w in eligible if loads[w].active_prefill_tokens > 0) / len(eligible)
+        predicted_w = predicted_weight(self.config, share)
+        device_scale = credit_scale(self.config, share)
         costs = {
             w: worker_cost(
                 self.config,
@@ -395,6 +398,7 @@ class ReferenceRouter:
                 mean_recent_prefill_tokens=mean_recent,
                 trusted=w not in self._untrusted,
                 predicted_w=predicted_w,
+                device_scale=device_scale,
             )
             for w in candidates
         }

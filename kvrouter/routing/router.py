@@ -532,6 +532,7 @@ def _params(config: RouterConfig, block_size: int, slots: SlotManager) -> npt.ND
     params[kernels.P_TEMPERATURE] = config.router_temperature
     params[kernels.P_WORK_WEIGHT] = config.prefill_work_weight
     params[kernels.P_PREDICTED] = config.predicted_credit
+    params[kernels.P_CREDIT_GAIN] = config.credit_load_gain
     return params
 
 

@@ -57,6 +57,7 @@ def configs(draw: st.DrawFn) -> RouterConfig:
     track_blocks, reuse = draw(st.booleans()), draw(st.booleans())
     return RouterConfig(
         predicted_credit=draw(st.sampled_from([0.0, 0.0, 2.0, 1.0, 0.5])),
+        credit_load_gain=draw(st.sampled_from([0.0, 0.0, 1.0, 0.3])),
         overlap_score_credit=draw(st.sampled_from([1.0, 0.0, 1.5, 2.0])),
         overlap_score_credit_decay=draw(st.sampled_from([0.0, 0.5, 3.0])),
         prefill_load_scale=draw(st.sampled_from([1.0, 0.5, 2.5])),

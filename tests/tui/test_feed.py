@@ -148,7 +148,7 @@ def test_shm_feed_sees_workers_blocks_decisions_and_events(warm: Running, shm: S
     assert snap.index_blocks_cap > 0  # the service's default cap: the index is never unbounded
     assert snap.index_blocks is not None
     assert 0 < snap.index_blocks <= snap.index_blocks_cap
-    assert list(snap.weights) == ["credit", "scale", "decode", "work", "pred", "T"]
+    assert list(snap.weights) == ["credit", "scale", "decode", "work", "pred", "gain", "T"]
     assert snap.extra["url"] == warm.url
     explained = next(d for d in reversed(snap.decisions) if d.candidates)
     assert sorted((c.worker_id, c.dp_rank) for c in explained.candidates) == [(1, 0), (2, 0)]

@@ -82,6 +82,7 @@ def explain(decision: Decision) -> dict[str, Any]:
             "decode_active_request_weight": config.decode_active_request_weight,
             "prefill_work_weight": config.prefill_work_weight,
             "predicted_credit": config.predicted_credit,
+            "credit_load_gain": config.credit_load_gain,
             "temperature": config.router_temperature,
             "policy": config.router_selection_policy,
         },

@@ -6,7 +6,8 @@ worker of C4/C8 and S4/S8), both whole traces (without the recent-prefill term k
 1.22 on the first 3,000 conversation requests and 1.21 on the synthetic trace). The conversation trace
 used to be cut to its first 3,000 requests; on that cut the imbalance depends on the seed more than on
 the policy (seeds 0-5 without the predicted tier: 1.065 to 1.141, four of six above 1.10), while on the
-whole trace it stays within 1.04-1.09 on every seed, with or without the tier.
+whole trace it stays within 1.04-1.09 on every seed, with or without the tier (with ``KVROUTER_CONFIG`` as
+issue 34 left it, 1.047-1.075).
 
 Runtime: about 20 s on a 2-core machine (two policies on each of two workloads).
 """

@@ -97,9 +97,9 @@ class ServiceCounters:
             "http_requests": [[*k, n] for k, n in self.http_requests.items()],
             "http_errors": [[*k, n] for k, n in self.http_errors.items()],
             "http_seconds": [[*k, s] for k, s in self.http_seconds.items()],
-            "reuse": [[k[0], k[1], *counts] for k, counts in self.reuse.items()],
+            "reuse": _counts_to_wire(self.reuse),
             "reuse_error": [[k[0], k[1], b.to_wire()] for k, b in self.reuse_error.items()],
-            "predictions": [[k[0], k[1], *counts] for k, counts in self.predictions.items()],
+            "predictions": _counts_to_wire(self.predictions),
             "shadow": self.shadow,
         }
 
@@ -124,15 +124,11 @@ class ServiceCounters:
             http_requests={(str(a), str(b)): int(n) for a, b, n in wire["http_requests"]},
             http_errors={(str(a), str(b)): int(n) for a, b, n in wire["http_errors"]},
             http_seconds={(str(a), str(b)): float(s) for a, b, s in wire["http_seconds"]},
-            reuse={(int(r[0]), int(r[1])): [int(c) for c in r[2:]] for r in wire["reuse"] if len(r) == 8},
+            reuse=_counts_from_wire(wire["reuse"], len(REUSE_FIELDS)),
             reuse_error={
                 (int(w), int(r)): Buckets.from_wire(b, REUSE_ERROR_BUCKETS) for w, r, b in wire["reuse_error"]
             },
-            predictions={
-                (int(r[0]), int(r[1])): [int(c) for c in r[2:]]
-                for r in wire["predictions"]
-                if len(r) == 2 + len(PREDICTION_FIELDS)
-            },
+            predictions=_counts_from_wire(wire["predictions"], len(PREDICTION_FIELDS)),
             shadow={
                 str(name): [float(v) for v in values]
                 for name, values in wire["shadow"].items()
@@ -148,14 +144,8 @@ class ServiceCounters:
         _add(self.http_requests, other.http_requests)
         _add(self.http_errors, other.http_errors)
         _add(self.http_seconds, other.http_seconds)
-        for key, counts in other.reuse.items():
-            mine = self.reuse.setdefault(key, [0] * len(REUSE_FIELDS))
-            for i, count in enumerate(counts):
-                mine[i] += count
-        for key, counts in other.predictions.items():
-            mine = self.predictions.setdefault(key, [0] * len(PREDICTION_FIELDS))
-            for i, count in enumerate(counts):
-                mine[i] += count
+        _add_counts(self.reuse, other.reuse, len(REUSE_FIELDS))
+        _add_counts(self.predictions, other.predictions, len(PREDICTION_FIELDS))
         for key, buckets in other.reuse_error.items():
             self.reuse_error.setdefault(key, Buckets(REUSE_ERROR_BUCKETS)).add(buckets)
         for name, values in other.shadow.items():
@@ -170,6 +160,23 @@ class ServiceCounters:
 
 _K = TypeVar("_K")
 _V = TypeVar("_V", int, float)
+
+
+def _counts_to_wire(table: dict[WorkerKey, list[int]]) -> list[list[int]]:
+    """A per-worker table of counts (``reuse``, ``predictions``) as ``[worker_id, dp_rank, count...]`` rows."""
+    return [[key[0], key[1], *counts] for key, counts in table.items()]
+
+
+def _counts_from_wire(rows: list[list[Any]], width: int) -> dict[WorkerKey, list[int]]:
+    """:func:`_counts_to_wire`'s rows back; a row of another width (another version's fields) is left out."""
+    return {(int(r[0]), int(r[1])): [int(c) for c in r[2:]] for r in rows if len(r) == 2 + width}
+
+
+def _add_counts(mine: dict[WorkerKey, list[int]], theirs: dict[WorkerKey, list[int]], width: int) -> None:
+    for key, counts in theirs.items():
+        sums = mine.setdefault(key, [0] * width)
+        for i, count in enumerate(counts):
+            sums[i] += count
 
 
 def _add(mine: dict[_K, _V], theirs: dict[_K, _V]) -> None:

@@ -87,10 +87,9 @@ class _Blocks:
 
 
 def _check_range(options: object, low: str, high: str, *, minimum: float) -> None:
-    lo, hi = getattr(options, low), getattr(options, high)
-    if lo < minimum:
-        raise ValueError(f"{low} must be >= {minimum:g}, got {lo!r}")
-    if hi < lo:
+    _check_at_least(options, low, minimum)
+    hi, lo = getattr(options, high), getattr(options, low)
+    if not hi >= lo:  # `not >=` also refuses NaN
         raise ValueError(f"{high} ({hi!r}) must be >= {low} ({lo!r})")
 
 

@@ -177,6 +177,8 @@ def test_options_parse_from_key_value_pairs_with_their_types():
         (["group_min=9", "group_max=3"], "group_max (3) must be >= group_min (9)"),
         (["requests=0"], "requests must be a number >= 1, got 0"),
         (["window_ms=nan"], "window_ms must be a number >= 0, got nan"),
+        (["gap_min_s=nan"], "gap_min_s must be a number >= 0, got nan"),
+        (["gap_max_s=nan"], "gap_max_s (nan) must be >= gap_min_s (1.5)"),
     ],
 )
 def test_bad_options_say_what_is_wrong(pairs: list[str], message: str):

@@ -111,6 +111,21 @@ class Running:
         assert 200 <= status < 300, (status, answer)
         return answer
 
+    def register(self, worker_id: int, worker: Worker) -> None:
+        """``/register`` a mock engine in ``MODEL``: its events, replay and HTTP endpoints."""
+        self.ok(
+            "POST",
+            "/register",
+            {
+                "instance_id": worker_id,
+                "endpoint": worker.events[0],
+                "replay_endpoint": worker.replay[0],
+                "model_name": MODEL,
+                "block_size": BLOCK,
+                "http_endpoint": worker.http,
+            },
+        )
+
 
 SERVE_TIMEOUT = 240.0
 """Seconds to readiness: on a cold numba cache the service compiles every kernel first, beside two mock
@@ -166,18 +181,7 @@ def serving(config: ServiceConfig, folder: Path, run_type: type[Running] = Runni
         thread, url = serve(service)
         run = run_type(service, url, workers)
         for wid, worker in zip(MOCK_IDS, workers, strict=True):
-            run.ok(
-                "POST",
-                "/register",
-                {
-                    "instance_id": wid,
-                    "endpoint": worker.events[0],
-                    "replay_endpoint": worker.replay[0],
-                    "model_name": MODEL,
-                    "block_size": BLOCK,
-                    "http_endpoint": worker.http,
-                },
-            )
+            run.register(wid, worker)
         yield run
     finally:
         stop_served(service, thread)

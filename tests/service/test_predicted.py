@@ -62,18 +62,7 @@ def test_a_worker_that_leaves_takes_its_predictions(kvrouter_defaults: Running) 
     chosen = leader["worker_id"]
     worker = run.workers[MOCK_IDS.index(chosen)]
     run.ok("POST", "/unregister", {"instance_id": chosen, "model_name": MODEL})
-    run.ok(  # the same engine back, as after a restart
-        "POST",
-        "/register",
-        {
-            "instance_id": chosen,
-            "endpoint": worker.events[0],
-            "replay_endpoint": worker.replay[0],
-            "model_name": MODEL,
-            "block_size": BLOCK,
-            "http_endpoint": worker.http,
-        },
-    )
+    run.register(chosen, worker)  # the same engine back, as after a restart
     follower = {"model_name": MODEL, "token_ids": shared + prompt(4, 1), "explain": True}
     rows = terms(run.ok("POST", "/select", follower)["explain"])
     assert rows[chosen]["overlap"]["predicted"] == 0

@@ -203,13 +203,7 @@ class Decider:
             )
         if reserve:
             assert selection_id is not None
-            self.reservations.book(
-                selection_id, partition, selection.worker, selection.overlap_blocks * partition.block_size
-            )
-            if selection.predicted_blocks:
-                self.reservations.predictions.made(
-                    selection_id, selection.worker, local, selection.overlap_blocks + selection.predicted_blocks
-                )
+            self.reservations.book(selection_id, partition, selection, local)
             peers = self.registry.peers
             if peers is not None:
                 peers.added(selection_id, partition.slots, request.lora_name)  # queued: no I/O here

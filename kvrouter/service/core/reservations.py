@@ -20,8 +20,12 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+import numpy as np
+import numpy.typing as npt
+
 from ...errors import NotFound
 from ...events.model import WorkerKey
+from ...routing import Selection
 from ...routing.slots import SlotManager
 from .partition import Partition
 from .registry import Registry
@@ -84,9 +88,15 @@ class Reservations:
     def __len__(self) -> int:
         return len(self.own)
 
-    def book(self, selection_id: str, partition: Partition, worker: WorkerKey, predicted: int) -> None:
-        """A decision booked on ``worker`` (the router's slot manager holds its load already)."""
-        self.own[selection_id] = Reservation(partition, worker, time.monotonic(), predicted)
+    def book(
+        self, selection_id: str, partition: Partition, selection: Selection, local: npt.NDArray[np.uint64]
+    ) -> None:
+        """A decision booked on its worker (the router's slot manager holds its load already); one credited
+        blocks in flight there is a bet too (``predictions.py``), settled when the reservation ends."""
+        worker, device = selection.worker, selection.overlap_blocks
+        self.own[selection_id] = Reservation(partition, worker, time.monotonic(), device * partition.block_size)
+        if selection.predicted_blocks:
+            self.predictions.made(selection_id, worker, local, device + selection.predicted_blocks)
 
     def prefill_complete(self, selection_id: str, cached_tokens: int | None = None) -> None:
         """The reservation's first token is out: its prompt stops counting as queued prefill. ``cached_tokens``:

@@ -50,14 +50,19 @@ How:
 
 The cost, per request: the lock and unlock (about 1.4 µs together), two writes of a shared word, and each
 other front's wake for bytes it leaves (its epoll; a refused lock, 1.7 µs with its ``OSError``), against a
-request's 50-90 µs of CPU: server CPU per ``/select`` at 4 fronts stays within 10 % of 2 fronts. Not
+request's 50-90 µs of CPU. Four fronts on two cores still spend 12-16 % more CPU per ``/select`` than two
+(``tools/bench_service.py``, 2026-12-06: 79 against 94 µs), nearly all of it user time in the same Python
+path (66 against 78 µs a request), with the same context switches per request (0.51 and 0.56): four
+interpreters taking turns on two cores' caches. Not
 possible on a shared connection: TLS or HTTP/2 (the fronts would need one session state; a TLS-terminating
 proxy in front is the way). Rejected: a lock word in shared memory taken by compare-and-swap (Python has no
 atomic instruction, and a dead front's word would stay taken); serving each request by whichever front reads
 it first, with no lock (a request that arrives in two reads would be split between fronts);
 ``EPOLLEXCLUSIVE`` (it wakes one waiter per event only when the waiters block on that epoll itself, and each
-front's epoll of copies is watched through its loop's own); dealing each connection to one front (the
-tail above).
+front's epoll of copies is watched through its loop's own; tried with the shared sockets in each loop's own
+epoll, through a selector of our own, and every front serving every connection: 82 against 99 µs, no
+better, and one front alone lost the re-poll of its copies: 106 to 119 µs at one connection); dealing
+each connection to one front (the tail above).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from tui.screens import DetailScreen, HelpScreen, NotThereScreen, ProbeScreen
 from tui.view import INTERVALS, SORT_KEYS, Pane, View
 from tui.widgets import DecisionLog, EventLog, Meters, RateStrip, WorkerTable
 from tui.widgets.meters import Status
-from tui.widgets.worker_table import build_lines, choose_columns, held_tiers
+from tui.widgets.worker_table import build_lines, choose_columns, has_roles, held_tiers
 
 __all__ = ["TopApp"]
 
@@ -214,6 +214,7 @@ class TopApp(App[None]):
             with_p=with_p,
             worker_chars=worker_chars,
             tiers=held_tiers(snapshot.workers),
+            roles=has_roles(snapshot.workers),
         )
         status = Status(
             now=self.clock(),

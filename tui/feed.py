@@ -186,6 +186,7 @@ def _row(
         accuracy=_opt_float(load.get("accuracy")),
         drift=load.get("drift") is True,
         problems=_problems(load.get("problems")),
+        role=str(load.get("role") or "both"),
     )
 
 

@@ -67,6 +67,8 @@ class WorkerRow:
     """The accuracy is below the service's drift threshold."""
     problems: tuple[str, ...] = ()
     """The misconfigurations the service found (its ``trust.py``), each a message a person can act on."""
+    role: str = "both"
+    """The hops it takes in a disaggregated fleet: ``prefill``, ``decode`` or ``both``."""
 
     @property
     def key(self) -> tuple[int, int]:

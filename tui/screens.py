@@ -127,6 +127,7 @@ class DetailScreen(ModalScreen[None]):
             won = [d for d in snapshot.decisions if (d.worker_id, d.dp_rank) == self.key]
             fields = (
                 ("model", row.model),
+                ("role", row.role),
                 ("state", row.state),
                 *(  # one line per tier, device (the cached column) first
                     ("cached blocks" if tier == TIERS[0] else "", f"{count} {tier}")

@@ -59,7 +59,8 @@ from ..errors import ConfigError, KvRouterError
 from ..options import Declared, Panel, build, declared, printed
 from ..plane.registry import WorkerSpec, parse_workers
 from ..routing.config import RouterConfig
-from ..service.core.config import ServiceConfig
+from ..routing.roles import DEFAULT_ROLE
+from ..service.core.config import ServiceConfig, WorkerRole
 from .stacks import stacks_later, stacks_on_sigusr1
 
 if TYPE_CHECKING:
@@ -100,7 +101,18 @@ _TOML_WORKERS: Final = "kvrouter.toml_workers"
 """``ctx.meta`` key of the ``[[workers]]`` tables of the config file, parsed."""
 
 _WORKER_KEYS: Final = frozenset(
-    {"worker_id", "endpoint", "format", "replay_endpoint", "query_endpoint", "topic", "dp_size", "block_size"}
+    {
+        "worker_id",
+        "endpoint",
+        "format",
+        "replay_endpoint",
+        "query_endpoint",
+        "topic",
+        "dp_size",
+        "block_size",
+        "role",
+        "topology_domain",
+    }
 )
 
 _SOURCES: Final = {"COMMANDLINE": "flag", "ENVIRONMENT": "env", "DEFAULT_MAP": "config file", "DEFAULT": "default"}
@@ -109,7 +121,7 @@ _SOURCES: Final = {"COMMANDLINE": "flag", "ENVIRONMENT": "env", "DEFAULT_MAP": "
 # -- the config file -------------------------------------------------------------------------------
 
 
-def load_toml(path: Path, known: set[str]) -> tuple[dict[str, Any], list[WorkerSpec] | None]:
+def load_toml(path: Path, known: set[str]) -> tuple[dict[str, Any], list[tuple[WorkerSpec, WorkerRole]] | None]:
     """Options and ``[[workers]]`` of a config file (see the module docstring).
 
     Args:
@@ -135,7 +147,7 @@ def load_toml(path: Path, known: set[str]) -> tuple[dict[str, Any], list[WorkerS
         raise ConfigError(f"config file {str(path)!r}: [up] must be a table")
     table.update(section)
     values: dict[str, Any] = {}
-    workers: list[WorkerSpec] | None = None
+    workers: list[tuple[WorkerSpec, WorkerRole]] | None = None
     for key, value in table.items():
         name = key.replace("-", "_")
         if name == "workers" and isinstance(value, list):
@@ -147,7 +159,7 @@ def load_toml(path: Path, known: set[str]) -> tuple[dict[str, Any], list[WorkerS
     return values, workers
 
 
-def _toml_worker(path: Path, index: int, item: object) -> WorkerSpec:
+def _toml_worker(path: Path, index: int, item: object) -> tuple[WorkerSpec, WorkerRole]:
     where = f"config file {str(path)!r}: workers[{index}]"
     if not isinstance(item, dict):
         raise ConfigError(f"{where} must be a table")
@@ -156,7 +168,7 @@ def _toml_worker(path: Path, index: int, item: object) -> WorkerSpec:
         raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}; known: {', '.join(sorted(_WORKER_KEYS))}")
     try:
         worker_id, endpoint = int(item["worker_id"]), str(item["endpoint"])
-        return WorkerSpec(
+        spec = WorkerSpec(
             worker_id,
             endpoint,
             format=str(item.get("format", "vllm")),  # type: ignore[arg-type]  # WorkerSpec validates it
@@ -166,6 +178,13 @@ def _toml_worker(path: Path, index: int, item: object) -> WorkerSpec:
             dp_ranks=tuple(range(int(item.get("dp_size", 1)))),
             block_size=int(item.get("block_size", 16)),
         )
+        domain = item.get("topology_domain")
+        role = WorkerRole(
+            worker_id,
+            str(item.get("role", DEFAULT_ROLE)),  # type: ignore[arg-type]  # WorkerRole validates it
+            None if domain is None else str(domain),
+        )
+        return spec, role
     except KeyError as exc:
         raise ConfigError(f"{where}: missing {exc.args[0]!r}") from exc
     except (TypeError, ValueError) as exc:
@@ -192,8 +211,8 @@ def _read_config(ctx: typer.Context, _param: typer.CallbackParam, value: Path | 
 def up(ctx: typer.Context, **values: Any) -> None:
     """Run the router service: the HTTP API, the index appliers, and with no workers a demo fleet."""
     try:
-        specs = _workers(ctx, values["workers"], values["block_size"])
-        service_config = build(ServiceConfig, values, {"workers": tuple(specs)})
+        specs, roles = _workers(ctx, values["workers"], values["block_size"])
+        service_config = build(ServiceConfig, values, {"workers": tuple(specs), "worker_roles": tuple(roles)})
         demo: dict[str, Any] = {"first_worker_id": 1 + max((s.worker_id for s in specs), default=0)}
         if values["mock_workers"] is None and specs:
             demo["mock_workers"] = 0  # given workers, the demo starts no mock engine unless asked
@@ -292,12 +311,14 @@ up.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # what type
 )
 
 
-def _workers(ctx: typer.Context, text: str | None, block_size: int) -> list[WorkerSpec]:
-    """``--workers`` (flag or env) if given, else the config file's (string or ``[[workers]]`` tables)."""
+def _workers(ctx: typer.Context, text: str | None, block_size: int) -> tuple[list[WorkerSpec], list[WorkerRole]]:
+    """``--workers`` (flag or env) if given, else the config file's (string or ``[[workers]]`` tables); and
+    the roles of those tables that are not ``both`` in the default domain."""
     if text is not None:
-        return parse_workers(text, block_size=block_size)
-    toml: list[WorkerSpec] = ctx.meta.get(_TOML_WORKERS, [])
-    return list(toml)
+        return parse_workers(text, block_size=block_size), []
+    toml: list[tuple[WorkerSpec, WorkerRole]] = ctx.meta.get(_TOML_WORKERS, [])
+    roles = [role for _, role in toml if role != WorkerRole(role.worker_id)]
+    return [spec for spec, _ in toml], roles
 
 
 def _resolved(ctx: typer.Context, service: ServiceConfig, demo: EmbeddedConfig) -> dict[str, Any]:

@@ -75,6 +75,8 @@ class ReadyWorker(TypedDict):
     routing_group: str
     worker_id: int
     dp_rank: int
+    role: str
+    """``prefill``, ``decode`` or ``both``."""
 
 
 class ReadyIndex(TypedDict):
@@ -154,6 +156,9 @@ class Worker(TypedDict):
     routing_group: str
     block_size: int
     format: str
+    role: str
+    """``prefill``, ``decode`` or ``both`` (``docs/http-api.md``, "Roles")."""
+    topology_domain: str | None
     endpoints: dict[str, str | None]
     replay_endpoint: str | None
     http_endpoint: str | None
@@ -256,6 +261,7 @@ class WorkerLoad(TypedDict):
     active_requests: int
     recent_prefill_tokens: float
     schedulable: bool
+    role: str
 
 
 class PartitionLoads(TypedDict):

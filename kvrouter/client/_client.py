@@ -77,6 +77,7 @@ SESSION_HEADER: Final = "X-Dynamo-Session-ID"
 
 Format = Literal["vllm", "sglang", "kvrouter"]
 Transport = Literal["zmq", "nats"]
+Role = Literal["prefill", "decode", "both"]
 Prompt = Sequence[int] | str | Sequence[Sequence[int]] | Sequence[str]
 
 
@@ -316,11 +317,14 @@ class Client:
         http_endpoint: str | None = None,
         total_kv_blocks: int | None = None,
         transport: Transport | None = None,
+        role: Role | None = None,
+        topology_domain: str | None = None,
     ) -> Status:
         """``POST /register``: one (instance, dp rank) joins; the first of a partition fixes its block size.
 
         ``endpoint`` is the rank's KV-event PUB (``tcp://host:port``); ``http_endpoint`` what ``/select``
-        returns and what the proxy forwards to. Other fields as ``docs/http-api.md`` lists them.
+        returns and what the proxy forwards to; ``role`` the hops it takes (``both`` when not given), the
+        same for every rank. Other fields as ``docs/http-api.md`` lists them.
 
         Raises:
             ApiError: 409 a rank already registered elsewhere or a block-size mismatch, 400 a bad field.
@@ -340,6 +344,8 @@ class Client:
                 "http_endpoint": http_endpoint,
                 "total_kv_blocks": total_kv_blocks,
                 "transport": transport,
+                "role": role,
+                "topology_domain": topology_domain,
             }
         )
         answer: Status = await self._json("POST", "/register", body)

@@ -174,6 +174,8 @@ class _Player:
                     block_size=record["bs"],
                     dp_rank=rank,
                     format=record["fmt"],
+                    role=record.get("role", "both"),
+                    topology_domain=record.get("dom"),
                 )
                 break
             except ApiError as exc:

@@ -59,7 +59,8 @@ key                       value
                           ``worker_id``, ``dp_rank``, ``potential_prefill_tokens``,
                           ``potential_decode_blocks``, ``active_requests``, ``unhealthy`` (the reason it is
                           skipped, or nil), ``accuracy`` (the rolling share of reuse reports as predicted,
-                          or nil: ``accuracy.py``), ``drift``
+                          or nil: ``accuracy.py``), ``drift``, ``role`` (``prefill``, ``decode`` or
+                          ``both``)
 ``decisions``             the last ``DECISIONS_SHOWN`` entries of the decisions ring, oldest first, in
                           ``GET /decisions``'s shape (``explain`` holds the candidates when explained)
 ``explained``             the most recent explained decision (same shape), or nil: with one decision

@@ -360,6 +360,37 @@ def test_an_approximate_mode_recording_replays_on_an_approx_index(tmp_path):
     assert report.event_batches == 0
 
 
+def test_roles_are_recorded_and_a_fleet_with_a_prefill_worker_replays(tmp_path):
+    """A prefill worker is never a candidate, so its decisions replay as recorded; its ``reg`` record keeps its
+    role and domain (a ``both`` worker's keeps the fields recordings had before roles)."""
+    path = tmp_path / "roles.kvr"
+    config = ServiceConfig(
+        port=0, shards=1, router=RouterConfig(use_kv_events=False, router_ttl_secs=60), record=str(path), router_seed=7
+    )
+    service = Service(config)  # approximate mode: no engine
+    assert service.recording is not None
+    roles = {1: {"role": "prefill", "topology_domain": "rack-a"}, 2: {"role": "decode"}, 3: {}}
+    steps: list[tuple[str, str, Any]] = [
+        ("POST", "/register", {"instance_id": wid, "model_name": MODEL, "block_size": BLOCK, **fields})
+        for wid, fields in roles.items()
+    ]
+    rng = random.Random(7)
+    prefix = [rng.randrange(1, 30_000) for _ in range(3 * BLOCK)]
+    steps += [("POST", "/select", {"model_name": MODEL, "token_ids": prefix + [i + 1] * BLOCK}) for i in range(8)]
+    service.recording.open()
+    try:
+        answers = asyncio.run(_exchange(service, steps))
+    finally:
+        service.recording.close(evicted=0)
+    assert [status for status, _ in answers] == [201] * 3 + [200] * 8
+    assert {answer["worker_id"] for _, answer in answers[3:]} <= {2, 3}
+    recording = read_recording(path, allow_open=False)
+    registered = {r["w"]: (r.get("role"), r.get("dom")) for r in recording.records if r["k"] == "reg"}
+    assert registered == {1: ("prefill", "rack-a"), 2: ("decode", None), 3: (None, None)}
+    report = replay_recording(recording)
+    assert (report.decisions, report.matched) == (8, 8), report.differences
+
+
 async def _exchange(service: Service, steps: list[tuple[str, str, Any]]) -> list[tuple[int, Any]]:
     answers = []
     async with TestClient(TestServer(service.app, host="127.0.0.1")) as client:

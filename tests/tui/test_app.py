@@ -316,6 +316,35 @@ async def test_a_column_per_slower_tier_appears_once_a_worker_holds_blocks_there
         assert app.table.get_cell("3:1", "host").justify == "right"
 
 
+async def test_a_role_column_follows_state_once_a_worker_is_not_both(fake_feed: FakeFeed) -> None:
+    """An aggregated fleet's table is as before roles; a disaggregated one shows each worker's role after its
+    state, in the narrow set too when it fits (at 88 columns), and not at 80 (the detail screen says it)."""
+    app = make_app(fake_feed)
+    async with app.run_test(size=WIDE):
+        await app.tick()
+        assert "role" not in app.table.columns
+    fake_feed.rows[(1, 0)] = replace(fake_feed.rows[(1, 0)], role="prefill")
+    fake_feed.rows[(2, 0)] = replace(fake_feed.rows[(2, 0)], role="decode")
+    fake_feed.step()
+    for size, shown in ((WIDE, True), ((88, 24), True), ((80, 24), False)):
+        app = make_app(fake_feed)
+        async with app.run_test(size=size) as pilot:
+            await app.tick()
+            columns = [key.value for key in app.table.columns]
+            assert ("role" in columns) is shown, (size, columns)
+            assert app.table.virtual_size.width <= size[0]
+            if shown:
+                assert columns[columns.index("state") + 1] == "role"
+                roles = {row: cell(app, row, "role") for row in ("1:0", "2:0", "3:0")}
+                assert roles == {"1:0": "prefill", "2:0": "decode", "3:0": "both"}
+            else:
+                app.table.move_cursor(row=app.table.get_row_index("1:0"))
+                await pilot.press("enter")
+                await pilot.pause()
+                assert isinstance(app.screen, DetailScreen)
+                assert "    role  prefill\n" in str(app.screen.query_one("#detail-text", Static).content)
+
+
 async def test_the_slower_tiers_fold_into_one_other_column_or_none_when_narrow(fake_feed: FakeFeed) -> None:
     """At 88 columns the narrow set has room for one ``other`` column (host + disk), not one per tier; at 80,
     for none: the detail screen still lists every tier."""

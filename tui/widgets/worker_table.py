@@ -44,6 +44,7 @@ __all__ = [
     "WorkerTable",
     "build_lines",
     "choose_columns",
+    "has_roles",
     "held_tiers",
     "row_key",
 ]
@@ -97,6 +98,9 @@ _NARROW: Final = {
 
 _NARROW_LABELS: Final = {"delta": "Δ/s", "overlap": "ovl", "last_event": "last"}
 
+ROLE_COLUMN: Final = Column("role", "role", 7, True, numeric=False)
+"""``prefill``, ``decode`` or ``both``: shown only for a fleet with roles (``choose_columns``)."""
+
 TIER_COLUMNS: Final = {tier: Column(tier, tier, 7, True) for tier in TIERS[1:]} | {
     "other": Column("other", "other", 7, True)
 }
@@ -113,9 +117,13 @@ def held_tiers(workers: Sequence[WorkerRow]) -> tuple[str, ...]:
     return tuple(tier for i, tier in enumerate(TIERS[1:]) if any(row.cached_offloaded[i] for row in workers))
 
 
-def choose_columns(width: int, *, with_p: bool, worker_chars: int = 0, tiers: Sequence[str] = ()) -> tuple[Column, ...]:
+def choose_columns(
+    width: int, *, with_p: bool, worker_chars: int = 0, tiers: Sequence[str] = (), roles: bool = False
+) -> tuple[Column, ...]:
     """The full set if it fits ``width`` (2 cells of padding a column), else the narrow one (78 cells);
-    each with a column per tier of ``tiers`` if they fit, else with one ``other`` column if it fits.
+    each with a column per tier of ``tiers`` if they fit, else with one ``other`` column if it fits; and
+    with ``role`` after ``state`` (``roles``: a disaggregated fleet) in the full set, and in the narrow one
+    when it fits.
 
     Args:
         width: The table's width in cells.
@@ -123,6 +131,7 @@ def choose_columns(width: int, *, with_p: bool, worker_chars: int = 0, tiers: Se
         worker_chars: The longest worker cell; the worker column grows to it (worker ids from a
             registration can be long), which may push the narrow set past 80 columns.
         tiers: The slower tiers some worker holds blocks in (``held_tiers``); none adds no column.
+        roles: Some worker's role is not ``both`` (``has_roles``); else no role column, as before roles.
     """
     width -= SCROLLBAR
     full = tuple(
@@ -130,6 +139,9 @@ def choose_columns(width: int, *, with_p: bool, worker_chars: int = 0, tiers: Se
         for column in COLUMNS
         if with_p or column.key != "p"
     )
+    if roles:
+        at = next(i for i, column in enumerate(full) if column.key == "state") + 1
+        full = (*full[:at], ROLE_COLUMN, *full[at:])
     narrow = tuple(
         replace(
             column,
@@ -142,12 +154,18 @@ def choose_columns(width: int, *, with_p: bool, worker_chars: int = 0, tiers: Se
     extras: list[tuple[Column, ...]] = (
         [tuple(TIER_COLUMNS[t] for t in tiers), (TIER_COLUMNS["other"],)] if tiers else [()]
     )
-    for base, cell_width in ((full, None), (narrow, _NARROW["cached"])):
+    plain = tuple(column for column in narrow if column.key != "role")
+    for base, cell_width in ((full, None), (narrow, _NARROW["cached"]), (plain, _NARROW["cached"])):
         for extra in extras:
             shown = _with_tiers(base, extra, cell_width)
             if sum(column.width + 2 for column in shown) <= width:
                 return shown
-    return narrow
+    return plain
+
+
+def has_roles(workers: Sequence[WorkerRow]) -> bool:
+    """Whether the fleet is disaggregated enough to show roles: some worker is not ``both``."""
+    return any(row.role != "both" for row in workers)
 
 
 def _with_tiers(base: tuple[Column, ...], extra: tuple[Column, ...], width: int | None) -> tuple[Column, ...]:
@@ -202,7 +220,7 @@ def build_lines(snapshot: Snapshot, rates: Rates, view: View, probe_rows: Sequen
     needle = view.filter.lower()
     for row in snapshot.workers:
         name = row_key(row.key)
-        if needle and needle not in f"{name} {row.state} {row.model}".lower():
+        if needle and needle not in f"{name} {row.state} {row.model} {row.role}".lower():
             continue
         candidate = terms.get(row.key)
         probe = probed.get(row.key)
@@ -218,6 +236,7 @@ def build_lines(snapshot: Snapshot, rates: Rates, view: View, probe_rows: Sequen
         line_cells = {
             "worker": Text(f"{marker}{name}"),
             "state": cells.state(row.state),
+            "role": Text(row.role),
             "cached": cells.number(row.cached_blocks),
             "delta": cells.number(cells.signed_rate(delta)),
             **{tier: cells.number(count) for tier, count in zip(TIERS[1:], row.cached_offloaded, strict=True)},

@@ -18,10 +18,11 @@ from typing import Final, Literal
 from ...bridge.subjects import Subjects
 from ...errors import ConfigError
 from ...index.layout import MAX_INDEX_BLOCKS
-from ...options import Panel, option
+from ...options import Panel, derived, option
 from ...plane.config import PlaneConfig
 from ...plane.registry import WorkerSpec
 from ...routing.config import KVROUTER_CONFIG, RouterConfig
+from ...routing.roles import DEFAULT_ROLE, ROLES, Role
 from ...routing.slots import DEFAULT_EXPIRY_SECS
 from ...sim.policies import POLICIES
 
@@ -73,6 +74,26 @@ def _names(text: str) -> tuple[str, ...]:
 def _zmq_port(port: int) -> int | None:
     """``--zmq-port 0`` turns the fast path off (``zmq_port=None``); unset, the field's default applies."""
     return None if port == 0 else port
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRole:
+    """A configured worker's role and topology domain (``[[workers]]``'s ``role`` and ``topology_domain``):
+    what ``/register`` takes beside the event plane's :class:`WorkerSpec`, which follows events only.
+
+    Raises:
+        ConfigError: an unknown role, or a domain that is not 1..256 characters.
+    """
+
+    worker_id: int
+    role: Role = DEFAULT_ROLE
+    topology_domain: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"worker {self.worker_id}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.topology_domain is not None and not 1 <= len(self.topology_domain) <= 256:
+            raise ConfigError(f"worker {self.worker_id}: topology_domain must be 1..256 characters")
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +275,10 @@ class ServiceConfig:
     )
     """Registered in (``model_name``, ``routing_group``) when ``run`` starts. ``kvrouter up`` parses the
     option (with ``--block-size``) or the ``[[workers]]`` tables of its config file into these."""
+    worker_roles: tuple[WorkerRole, ...] = field(
+        default=(), metadata=derived("the role and topology_domain keys of --config's [[workers]] tables")
+    )
+    """The roles of ``workers`` that are not ``both`` or name a topology domain."""
     block_size: int = field(
         default=16,
         metadata=option(

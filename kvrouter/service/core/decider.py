@@ -125,6 +125,11 @@ class Decider:
         candidates = partition.candidates
         if not candidates:
             self.counters.no_worker += 1
+            if partition.schedulable:  # every healthy worker prefills only: no one can generate
+                raise Unavailable(
+                    f"no decode-capable worker in {partition.name}: its {len(partition.schedulable)} schedulable "
+                    "workers all have role prefill; register a worker with role decode or both"
+                )
             waiting = sum(instance.status != "active" for instance in partition.instances.values())
             held = f", {waiting} not followed (pending or failed: /workers)" if waiting else ""
             raise Unavailable(

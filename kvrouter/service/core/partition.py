@@ -29,6 +29,7 @@ from ...events.model import WorkerKey
 from ...index import ApproxIndex
 from ...plane.registry import Format, WorkerSpec
 from ...routing.config import RouterConfig
+from ...routing.roles import DEFAULT_ROLE, Role, decodes
 from ...routing.router import Router
 from ...routing.slots import DEFAULT_EXPIRY_SECS, SlotManager
 
@@ -76,6 +77,10 @@ class Instance:
     """Where the worker serves requests: what ``/select`` returns as ``endpoint``."""
     total_kv_blocks: int | None = None
     """KV blocks per dp rank, when registered: the capacity ``active_decode_blocks_threshold`` needs."""
+    role: Role = DEFAULT_ROLE
+    """The hops of a request it takes (``routing/roles.py``): the same for every rank."""
+    topology_domain: str | None = None
+    """Its KV-transfer domain; None: the default domain."""
     http_ok: bool = True
     """Whether ``http_endpoint`` answered its last health probe."""
     status: InstanceStatus = "active"
@@ -147,8 +152,11 @@ class Partition:
         self.instances: dict[int, Instance] = {}
         self.unhealthy: dict[WorkerKey, str] = {}
         """Keys skipped by ``/select`` and why (``stale``, ``http_endpoint down``)."""
+        self.schedulable: tuple[WorkerKey, ...] = ()
+        """The healthy keys of active instances, whatever their role."""
         self.candidates: tuple[WorkerKey, ...] = ()
-        """The routable keys, one tuple object until the next change (see the module docstring)."""
+        """The keys a whole request may go to (``schedulable`` ones that decode), one tuple object until the
+        next change (see the module docstring)."""
         self.capacities: dict[WorkerKey, int] | None = None
         self.trust: Mapping[WorkerKey, str] = {}
         """Each worker's trust state (the service's ``trust.py``, shared), for explanations."""
@@ -169,8 +177,10 @@ class Partition:
     def rebuild(self) -> None:
         """Recompute the candidate tuple and the capacities after a change: the active instances' ranks that
         are not skipped as unhealthy."""
-        active = (instance for instance in self.instances.values() if instance.status == "active")
-        self.candidates = tuple(key for key in keys_of(active) if key not in self.unhealthy)
+        active = [instance for instance in self.instances.values() if instance.status == "active"]
+        self.schedulable = tuple(key for key in keys_of(active) if key not in self.unhealthy)
+        decoders = keys_of(instance for instance in active if decodes(instance.role))
+        self.candidates = tuple(key for key in decoders if key not in self.unhealthy)
         capacities = {
             (iid, rank): inst.total_kv_blocks
             for iid, inst in self.instances.items()

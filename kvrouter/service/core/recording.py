@@ -31,6 +31,7 @@ import numpy.typing as npt
 
 from ...events.model import WorkerKey
 from ...recording import VERSION, HeldClock, Recorder
+from ...routing.roles import DEFAULT_ROLE
 from ...routing.router import Selection
 from .config import ServiceConfig
 from .partition import Partition
@@ -91,18 +92,21 @@ class ServiceRecording:
         self.recorder.close(evicted=evicted)
 
     def registered(self, t: int, reg: Registration) -> None:
-        self.recorder.add(
-            {
-                "k": "reg",
-                "t": t,
-                "m": reg.model_name,
-                "g": reg.routing_group,
-                "w": reg.instance_id,
-                "r": reg.dp_rank,
-                "bs": reg.block_size,
-                "fmt": reg.format,
-            }
-        )
+        record = {
+            "k": "reg",
+            "t": t,
+            "m": reg.model_name,
+            "g": reg.routing_group,
+            "w": reg.instance_id,
+            "r": reg.dp_rank,
+            "bs": reg.block_size,
+            "fmt": reg.format,
+        }
+        if reg.role != DEFAULT_ROLE:  # absent: both, as every recording made before roles
+            record["role"] = reg.role
+        if reg.topology_domain is not None:
+            record["dom"] = reg.topology_domain
+        self.recorder.add(record)
 
     def unregistered(self, t: int, request: Unregistration) -> None:
         self.recorder.add(

@@ -219,9 +219,18 @@ class Registry:
                 raise Conflict(f"instance {reg.instance_id} dp_rank {reg.dp_rank} is already registered")
             if instance.format != reg.format:
                 raise Conflict(f"instance {reg.instance_id} is registered with format {instance.format}")
+            if instance.role != reg.role:
+                raise Conflict(
+                    f"instance {reg.instance_id} is registered with role {instance.role} (one role per instance)"
+                )
+            if instance.topology_domain != reg.topology_domain:
+                raise Conflict(
+                    f"instance {reg.instance_id} is registered in topology_domain {instance.topology_domain!r} "
+                    "(one domain per instance)"
+                )
         fresh = instance is None
         if instance is None:
-            instance = Instance(reg.instance_id, reg.format)
+            instance = Instance(reg.instance_id, reg.format, role=reg.role, topology_domain=reg.topology_domain)
         updated = Instance(
             reg.instance_id,
             reg.format,
@@ -232,6 +241,8 @@ class Registry:
             topic=instance.topic if instance.ranks else reg.topic,
             http_endpoint=reg.http_endpoint or instance.http_endpoint,
             total_kv_blocks=reg.total_kv_blocks or instance.total_kv_blocks,
+            role=instance.role,
+            topology_domain=instance.topology_domain,
             status=instance.status,
         )
         registrations = [*self._registrations_of(instance), reg]

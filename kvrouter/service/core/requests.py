@@ -19,6 +19,7 @@ import orjson
 
 from ...errors import BadRequest, ConfigError, NotFound
 from ...plane.registry import FORMATS, Format, offset_endpoint
+from ...routing.roles import DEFAULT_ROLE, ROLES, Role
 
 __all__ = [
     "MAX_ID",
@@ -72,6 +73,10 @@ class Registration:
     transport: Transport = "zmq"
     """``nats``: the worker publishes the reference's ``RouterEvent`` JSON on NATS's ``kv-events`` subject
     (``bridge/events.py``); ``endpoint`` is then not needed and the worker is followed as kvrouter-format."""
+    role: Role = DEFAULT_ROLE
+    """The hops of a request the worker takes (``routing/roles.py``); per instance."""
+    topology_domain: str | None = None
+    """Where the worker sits for KV transfers (a rack, a node); None: the one default domain. Per instance."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +275,16 @@ def parse_registration(body: Mapping[str, Any], *, endpoint_required: bool = Tru
         query_endpoint=_endpoint(body, "query_endpoint", required=False),
         http_endpoint=_http_endpoint(body),
         total_kv_blocks=_opt_int(body, "total_kv_blocks", low=1, high=1 << 40),
+        role=_role(body),
+        topology_domain=_opt_str(body, "topology_domain", limit=MAX_NAME),
     )
+
+
+def _role(body: Mapping[str, Any]) -> Role:
+    role = body.get("role", DEFAULT_ROLE)
+    if role not in ROLES:
+        raise BadRequest(f"role: expected one of {', '.join(ROLES)}, got {role!r}")
+    return cast(Role, role)
 
 
 def selection_id(value: object, name: str = "selection_id") -> str:

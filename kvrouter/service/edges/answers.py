@@ -287,6 +287,8 @@ def _worker_json(registry: Registry, partition: Partition, instance: Instance) -
         "routing_group": partition.routing_group,
         "block_size": partition.block_size,
         "format": instance.format,
+        "role": instance.role,
+        "topology_domain": instance.topology_domain,
         "endpoints": {str(rank): ep for rank, ep in sorted(instance.ranks.items())},
         "replay_endpoint": instance.replay_endpoint,
         "http_endpoint": instance.http_endpoint,
@@ -319,6 +321,7 @@ def loads_json(registry: Registry, queue: RouterQueue) -> list[dict[str, Any]]:
                 "active_requests": slots.active_requests(key),
                 "recent_prefill_tokens": round(slots.recent_prefill_tokens(key), 3),
                 "schedulable": key[0] in active and key not in partition.unhealthy,
+                "role": partition.instances[key[0]].role,
             }
             for key in partition.worker_keys()
         ]

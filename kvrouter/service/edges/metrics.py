@@ -102,6 +102,8 @@ class PartitionLoad:
     """Its registered (worker_id, dp_rank) keys: each gets a load series even when idle."""
     pending: int = 0
     """Requests waiting in the partition's router queue (``queue.py``)."""
+    roles: Mapping[int, str] = field(default_factory=dict)
+    """Each registered instance's role (``prefill``, ``decode``, ``both``)."""
 
 
 def _key_labels(key: WorkerKey) -> list[str]:
@@ -322,7 +324,14 @@ class ServiceCollector(Collector):
             "Requests waiting in the partition's router queue (--router-queue-threshold)",
             labels=["model", "routing_group"],
         )
+        role = GaugeMetricFamily(
+            "kvrouter_worker_role",
+            "1 for the role each registered worker (instance) takes: prefill, decode or both",
+            labels=["worker", "role"],
+        )
         for partition in partitions:
+            for worker, name in sorted(partition.roles.items()):
+                role.add_metric([str(worker), name], 1.0)
             count.add_metric([partition.model, partition.routing_group], len(partition.workers))
             pending.add_metric([partition.model, partition.routing_group], partition.pending)
             slots = partition.slots
@@ -333,7 +342,7 @@ class ServiceCollector(Collector):
                 blocks.add_metric(values, slots.active_blocks(key))
                 prefill.add_metric(values, slots.active_prefill_tokens(key))
                 requests.add_metric(values, slots.active_requests(key))
-        yield from (count, blocks, prefill, requests, pending)
+        yield from (count, blocks, prefill, requests, pending, role)
 
 
 def histogram(
@@ -732,6 +741,7 @@ class Metrics:
                 p.slots,
                 tuple(p.worker_keys()),
                 queue.pending(p.model_name, p.routing_group)[0],
+                {iid: instance.role for iid, instance in p.instances.items()},
             )
             for p in list(self.core.registry.partitions.values())
         ]

@@ -44,7 +44,7 @@ from ...errors import BadRequest, EngineError, KvRouterError
 from ...recording import Recorder
 from ...routing.router import Router
 from ...stats import discovery
-from ..core.config import ServiceConfig
+from ..core.config import ServiceConfig, WorkerRole
 from ..core.counters import ServiceCounters
 from ..core.decisions import decision_json
 from ..core.recording import ServiceRecording, tap_endpoint
@@ -466,7 +466,9 @@ class Service:
     def _register_configured(self) -> None:
         """``config.workers`` (``--workers``), registered first: they wait with the rest while the index starts."""
         config = self.config
+        roles = {role.worker_id: role for role in config.worker_roles}
         for spec in config.workers:
+            role = roles.get(spec.worker_id, WorkerRole(spec.worker_id))
             for rank in spec.dp_ranks:
                 self.core.registry.register(
                     Registration(
@@ -480,6 +482,8 @@ class Service:
                         format=spec.format,
                         topic=spec.topic.decode(errors="replace"),
                         query_endpoint=spec.query_endpoint,
+                        role=role.role,
+                        topology_domain=role.topology_domain,
                     )
                 )
 

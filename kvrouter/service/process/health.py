@@ -268,12 +268,20 @@ class Health:
         if waiting := core.registry.waiting:
             reasons.append(f"{waiting} registered workers not followed yet")
         workers = [
-            {"model_name": p.model_name, "routing_group": p.routing_group, "worker_id": k[0], "dp_rank": k[1]}
+            {
+                "model_name": p.model_name,
+                "routing_group": p.routing_group,
+                "worker_id": k[0],
+                "dp_rank": k[1],
+                "role": p.instances[k[0]].role,
+            }
             for p in core.registry.partitions.values()
-            for k in p.candidates
+            for k in p.schedulable
         ]
         if not workers:
             reasons.append("no schedulable worker")
+        elif not any(p.candidates for p in core.registry.partitions.values()):
+            reasons.append("no decode-capable worker (every schedulable worker has role prefill)")
         answer: dict[str, Any] = {}
         sync = self._sync()
         if sync is not None:

@@ -22,6 +22,7 @@ from ...bridge import ReplicaSync
 from ...engine import Engine, EngineView
 from ...events.model import WorkerKey
 from ...index.layout import stats_name
+from ...routing.roles import DEFAULT_ROLE
 from ...stats.segment import DECISIONS_SHOWN, EVENTS_SHOWN, PUBLISH_INTERVAL_S, STATS_VERSION, StatsWriter, percentiles
 from ..core.counters import ServiceCounters
 from ..core.partition import Partition, keys_of
@@ -93,6 +94,7 @@ def worker_loads(core: Core, partition: Partition, keys: Sequence[WorkerKey]) ->
             "trust": core.trust.state(key),
             "problems": core.trust.problems(key),
             "drift": key in core.accuracy.drifting,
+            "role": instance.role if (instance := partition.instances.get(key[0])) else DEFAULT_ROLE,
         }
         for key in keys
     ]

@@ -155,12 +155,23 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
         until(lambda: loads(fronts[0]) == loads(fronts[1]) == {1: (0, 0, 0), 2: (0, 0, 0)}, "every reservation freed")
         # a registration through front 1: done by front 0, seen at once on the same connection, a duplicate
         # through front 0 is refused as on one front
-        worker = {"instance_id": 9, "endpoint": "tcp://127.0.0.1:9", "model_name": "default", "block_size": 16}
+        worker = {
+            "instance_id": 9,
+            "endpoint": "tcp://127.0.0.1:9",
+            "model_name": "default",
+            "block_size": 16,
+            "role": "prefill",  # the role and domain travel with the registry to every front
+            "topology_domain": "rack-9",
+        }
         status, answer = fronts[1].call("POST", "/register", worker)
         assert status == 201, answer
         assert fronts[1].front == 1
-        status, workers = fronts[1].call("GET", "/workers")
-        assert 9 in {row["instance_id"] for row in workers}
+        for either in fronts:
+            status, workers = either.call("GET", "/workers")
+            assert {row["instance_id"]: (row["role"], row["topology_domain"]) for row in workers}[9] == (
+                "prefill",
+                "rack-9",
+            )
         status, answer = fronts[0].call("POST", "/register", worker)
         assert status == 409, answer
         status, answer = fronts[1].call("POST", "/register", {**worker, "block_size": 32, "instance_id": 10})

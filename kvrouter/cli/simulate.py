@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Collection
+from dataclasses import replace
 from importlib.util import find_spec
 from pathlib import Path
 from time import perf_counter
@@ -21,9 +23,12 @@ from typing import Annotated, Final
 import typer
 from rich.console import Console
 
+from ..routing.disagg import DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_MAX_LOCAL_PREFILL_TOKENS, Link
 from ..sim.ceiling import pooled_lru_ceiling
+from ..sim.disagg import DEFAULT_OVERHEAD_MS, simulate_disagg
 from ..sim.policies import POLICIES, make_policy
-from ..sim.report import ReportRow, format_table, rich_table, row_from_result, write_json
+from ..sim.policies.disagg import DISAGG_POLICIES, make_disagg_policy
+from ..sim.report import ReportRow, format_table, rich_table, row_from_disagg, row_from_result, write_json
 from ..sim.simulator import simulate as run_simulation
 from ..sim.trace import SAMPLE_NAME, Trace, load_sample, load_trace
 from ..sim.workloads import WORKLOADS, generate, parse_workload_options
@@ -34,6 +39,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_POLICIES: Final = "round_robin,dynamo_t0,kvrouter"
 """The baseline, the reference's cost and the project's router: the comparison §7 is about."""
+DEFAULT_DISAGG_POLICIES: Final = "kvrouter_disagg,kvrouter_always_split,dynamo_disagg,random_pairs,kvrouter"
+"""With ``--prefill-workers``: the disaggregated policies, and ``kvrouter`` on as many aggregated workers."""
 
 _WORKLOAD: Final = "Workload"
 
@@ -46,6 +53,7 @@ class PrefixSharing(enum.StrEnum):
 
 
 _ROUTING: Final = "Routing"
+_DISAGG: Final = "Disaggregated (--prefill-workers P --decode-workers D)"
 _OUTPUT: Final = "Output"
 
 EPILOG: Final = (
@@ -53,23 +61,24 @@ EPILOG: Final = (
     "  kvrouter simulate                                   # packaged sample, 4 workers, x2\n\n"
     "  kvrouter simulate --policy round_robin,kvrouter --workers 8 --speedup 4 --plot c8.png\n\n"
     "  kvrouter simulate --trace conversation_trace.jsonl --json results.json --event-lag-ms 50\n\n"
-    "  kvrouter simulate --workload fanout --workers 8 --speedup 15 -o seed=3 -o group_max=12"
+    "  kvrouter simulate --workload fanout --workers 8 --speedup 15 -o seed=3 -o group_max=12\n\n"
+    "  kvrouter simulate --prefill-workers 4 --decode-workers 4 --speedup 4   # disaggregated against aggregated"
 )
 
 
-def parse_policies(value: str) -> list[str]:
+def parse_policies(value: str, known: Collection[str] = tuple(POLICIES)) -> list[str]:
     """Policy names from ``"a,b , c"``: stripped, in order, each once.
 
     Raises:
-        typer.BadParameter: an empty list or a name the registry does not know (the message lists them).
+        typer.BadParameter: an empty list or a name not in ``known`` (the message lists them).
     """
     names = list(dict.fromkeys(part.strip() for part in value.split(",") if part.strip()))
     if not names:
-        raise typer.BadParameter(f"no policy given; choose from: {', '.join(POLICIES)}", param_hint="--policy")
-    unknown = [name for name in names if name not in POLICIES]
+        raise typer.BadParameter(f"no policy given; choose from: {', '.join(known)}", param_hint="--policy")
+    unknown = [name for name in names if name not in known]
     if unknown:
         raise typer.BadParameter(
-            f"unknown policy {', '.join(repr(n) for n in unknown)}; choose from: {', '.join(POLICIES)}",
+            f"unknown policy {', '.join(repr(n) for n in unknown)}; choose from: {', '.join(known)}",
             param_hint="--policy",
         )
     return names
@@ -166,17 +175,20 @@ def simulate(
         ),
     ] = 2.0,
     policy: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--policy",
             "-p",
             metavar="P[,P…]",
             envvar="KVROUTER_SIM_POLICY",
             show_envvar=True,
-            help=f"Comma-separated routing policies, each run on the same requests: {', '.join(POLICIES)}.",
+            help=f"Comma-separated routing policies, each run on the same requests: {', '.join(POLICIES)}; "
+            f"with --prefill-workers also {', '.join(DISAGG_POLICIES)} (the aggregated ones then run on P+D "
+            "workers).",
+            show_default=f"{DEFAULT_POLICIES}; disaggregated: {DEFAULT_DISAGG_POLICIES}",
             rich_help_panel=_ROUTING,
         ),
-    ] = DEFAULT_POLICIES,
+    ] = None,
     seed: Annotated[
         int,
         typer.Option(
@@ -211,6 +223,97 @@ def simulate(
             rich_help_panel=_WORKLOAD,
         ),
     ] = PrefixSharing.scheduled,
+    prefill_workers: Annotated[
+        int | None,
+        typer.Option(
+            "--prefill-workers",
+            min=1,
+            metavar="P",
+            envvar="KVROUTER_SIM_PREFILL_WORKERS",
+            show_envvar=True,
+            help="Simulate a disaggregated fleet of P prefill workers and --decode-workers D (replaces --workers).",
+            show_default="aggregated",
+            rich_help_panel=_DISAGG,
+        ),
+    ] = None,
+    decode_workers: Annotated[
+        int | None,
+        typer.Option(
+            "--decode-workers",
+            min=1,
+            metavar="D",
+            envvar="KVROUTER_SIM_DECODE_WORKERS",
+            show_envvar=True,
+            help="The disaggregated fleet's decode workers.",
+            show_default="aggregated",
+            rich_help_panel=_DISAGG,
+        ),
+    ] = None,
+    domains: Annotated[
+        int,
+        typer.Option(
+            "--domains",
+            min=1,
+            metavar="N",
+            help="Topology domains each pool is spread over in turn; a transfer across two is a slow one.",
+            rich_help_panel=_DISAGG,
+        ),
+    ] = 1,
+    kv_bytes_per_token: Annotated[
+        int,
+        typer.Option(
+            "--kv-bytes-per-token",
+            min=1,
+            help=r"KV bytes a token's cache takes (Llama-3-8B-like: 32 x 8 x 128 x 2 x 2). \[bytes]",
+            rich_help_panel=_DISAGG,
+        ),
+    ] = DEFAULT_KV_BYTES_PER_TOKEN,
+    kv_transfer_gbps: Annotated[
+        float,
+        typer.Option(
+            "--kv-transfer-gbps",
+            min=0.001,
+            help=r"Transfer bandwidth between domains. \[Gbit/s]",
+            rich_help_panel=_DISAGG,
+        ),
+    ] = 25.0,
+    kv_transfer_gbps_local: Annotated[
+        float,
+        typer.Option(
+            "--kv-transfer-gbps-local",
+            min=0.001,
+            help=r"Transfer bandwidth inside one domain. \[Gbit/s]",
+            rich_help_panel=_DISAGG,
+        ),
+    ] = 200.0,
+    transfer_overhead_ms: Annotated[
+        float,
+        typer.Option(
+            "--transfer-overhead-ms",
+            min=0.0,
+            help=r"A transfer's fixed cost, before its bytes (an assumption: handshake and round trips). \[ms]",
+            rich_help_panel=_DISAGG,
+        ),
+    ] = DEFAULT_OVERHEAD_MS,
+    max_local_prefill_tokens: Annotated[
+        int,
+        typer.Option(
+            "--disagg-max-local-prefill-tokens",
+            min=0,
+            help=r"kvrouter_disagg: the decode worker prefills a prompt it lacks at most this much of. \[tokens]",
+            rich_help_panel=_DISAGG,
+        ),
+    ] = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    prefill_busy_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--disagg-prefill-busy-tokens",
+            min=0,
+            help=r"kvrouter_disagg: prefill locally when every prefill worker has more queued. \[tokens]",
+            show_default="off",
+            rich_help_panel=_DISAGG,
+        ),
+    ] = None,
     json_out: Annotated[
         Path | None,
         typer.Option(
@@ -238,7 +341,17 @@ def simulate(
     percentiles, ITL, uncached-prefill imbalance (max / mean over workers) and the policy's
     decision time per request.
     """
-    names = parse_policies(policy)
+    pools: tuple[int, int] | None = None
+    if prefill_workers is not None or decode_workers is not None:
+        if prefill_workers is None or decode_workers is None:
+            raise typer.BadParameter(
+                "give --prefill-workers and --decode-workers together", param_hint="--prefill-workers"
+            )
+        pools = (prefill_workers, decode_workers)
+    if pools is not None:
+        names = parse_policies(policy or DEFAULT_DISAGG_POLICIES, (*DISAGG_POLICIES, *POLICIES))
+    else:
+        names = parse_policies(policy or DEFAULT_POLICIES)
     if plot is not None:
         _check_plotting()
     loaded = _load(trace, workload, workload_option or [], write_trace, speedup=speedup, limit=limit)
@@ -251,27 +364,57 @@ def simulate(
         )
     if not loaded.requests:
         raise typer.BadParameter(f"{loaded.name} has no usable request", param_hint="--trace")
+    if pools is not None:
+        workers = sum(pools)
     ceiling = pooled_lru_ceiling(loaded.requests, workers=workers)
+    link = Link(kv_bytes_per_token, kv_transfer_gbps, kv_transfer_gbps_local, transfer_overhead_ms)
     rows: list[ReportRow] = []
     for name in names:
         started = perf_counter()
-        result = run_simulation(
-            loaded.requests,
-            workers=workers,
-            policy=make_policy(name, seed=seed),
-            seed=seed,
-            event_lag_ms=event_lag_ms,
-            prefix_sharing=prefix_sharing.value,
-        )
+        if pools is not None and name in DISAGG_POLICIES:
+            options: dict[str, int | None] = {}
+            if name == "kvrouter_disagg":
+                options = {
+                    "max_local_prefill_tokens": max_local_prefill_tokens,
+                    "prefill_busy_tokens": prefill_busy_tokens,
+                }
+            outcome = simulate_disagg(
+                loaded.requests,
+                prefill_workers=pools[0],
+                decode_workers=pools[1],
+                policy=make_disagg_policy(name, seed=seed, **options),
+                link=link,
+                domains=domains,
+                seed=seed,
+                event_lag_ms=event_lag_ms,
+                prefix_sharing=prefix_sharing.value,
+            )
+            rows.append(row_from_disagg(outcome, trace=loaded.name, speedup=speedup, ceiling=ceiling))
+        else:
+            result = run_simulation(
+                loaded.requests,
+                workers=workers,
+                policy=make_policy(name, seed=seed),
+                seed=seed,
+                event_lag_ms=event_lag_ms,
+                prefix_sharing=prefix_sharing.value,
+            )
+            row = row_from_result(
+                result, trace=loaded.name, workers=workers, speedup=speedup, policy=name, ceiling=ceiling
+            )
+            rows.append(row if pools is not None else replace(row, itl_p90_ms=None))
         log.info("policy simulated policy=%s secs=%.2f", name, perf_counter() - started)
-        rows.append(
-            row_from_result(result, trace=loaded.name, workers=workers, speedup=speedup, policy=name, ceiling=ceiling)
-        )
+    fleet = f"{pools[0]}P+{pools[1]}D against {workers} aggregated" if pools is not None else f"{workers}"
     title = (
-        f"{loaded.name}: {len(loaded.requests)} requests, {workers} workers, arrivals x{speedup:g}, "
+        f"{loaded.name}: {len(loaded.requests)} requests, {fleet} workers, arrivals x{speedup:g}, "
         f"seed {seed}, event lag {event_lag_ms:g} ms, prefix sharing {prefix_sharing.value}; "
         f"pooled-LRU ceiling {ceiling:.3f}"
     )
+    if pools is not None:
+        title += (
+            f"; transfers {kv_bytes_per_token} B/token at {kv_transfer_gbps_local:g} Gbit/s in a domain, "
+            f"{kv_transfer_gbps:g} across ({domains} domains), +{transfer_overhead_ms:g} ms each"
+        )
     console = Console()
     if console.is_terminal:
         console.print(rich_table(rows, title=title))

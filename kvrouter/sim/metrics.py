@@ -68,6 +68,7 @@ class RunResult:
     ttft_p99_ms: float
     ttft_mean_ms: float
     itl_p50_ms: float
+    itl_p90_ms: float
     """Median interval between a sequence's consecutive output tokens, over all tokens."""
     e2e_p99_ms: float
     """Arrival to last token."""

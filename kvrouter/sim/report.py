@@ -21,14 +21,18 @@ from typing import Any, Final, Literal
 from rich import box
 from rich.table import Table
 
+from .disagg import DisaggResult
 from .metrics import RunResult
 
 __all__ = [
+    "DISAGG_JSON_KEYS",
     "JSON_KEYS",
+    "Disagg",
     "ReportRow",
     "format_table",
     "hit_ratios",
     "rich_table",
+    "row_from_disagg",
     "row_from_result",
     "to_json",
     "write_json",
@@ -48,9 +52,30 @@ JSON_KEYS: Final = (
     "ceiling_fraction",
 )
 """Every JSON row has exactly these keys (tests/sim/test_report.py::test_json_keys_are_exact)."""
+DISAGG_JSON_KEYS: Final = (
+    *JSON_KEYS,
+    "prefill_workers",
+    "decode_workers",
+    "output_tokens_per_s",
+    "bytes_transferred",
+    "local_prefill_share",
+)
+"""A disaggregated run's row: ``JSON_KEYS``, its pools, its throughput and its transfers; its ``itl_ms`` has
+``p90`` beside ``p50``."""
 
 BASELINE: Final = "round_robin"
 """The policy the ``xRR`` column divides by (spec §5)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Disagg:
+    """What a disaggregated run adds to its row (``sim/disagg.py``)."""
+
+    prefill_workers: int
+    decode_workers: int
+    output_tokens_per_s: float
+    bytes_transferred: int
+    local_prefill_share: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +101,10 @@ class ReportRow:
     """The pooled-LRU hit-rate ceiling of this trace and worker count; None if not computed."""
     ttfts_ms: tuple[float, ...] = field(default=(), repr=False)
     """Every request's TTFT, for the plot; not part of the JSON."""
+    itl_p90_ms: float | None = None
+    """In a disaggregated comparison's table and JSON (the aggregated JSON keeps ``itl_ms.p50`` alone)."""
+    disagg: Disagg | None = None
+    """A disaggregated run's own figures; None for an aggregated one."""
 
     @property
     def group(self) -> tuple[str, int, float]:
@@ -118,11 +147,40 @@ def row_from_result(
         ttft_p90_ms=result.ttft_p90_ms,
         ttft_p99_ms=result.ttft_p99_ms,
         itl_p50_ms=result.itl_p50_ms,
+        itl_p90_ms=result.itl_p90_ms,
         imbalance=result.prefill_imbalance,
         decision_p50_us=result.decision_us_p50,
         decision_p99_us=result.decision_us_p99,
         ceiling=ceiling,
         ttfts_ms=tuple(result.ttft_ms),
+    )
+
+
+def row_from_disagg(result: DisaggResult, *, trace: str, speedup: float, ceiling: float | None = None) -> ReportRow:
+    """The report's view of one disaggregated run (``sim/disagg.py``); ``workers`` is both pools."""
+    return ReportRow(
+        trace=trace,
+        workers=result.prefill_workers + result.decode_workers,
+        speedup=speedup,
+        policy=result.policy,
+        hit_rate=result.hit_rate,
+        ttft_p50_ms=result.ttft_p50_ms,
+        ttft_p90_ms=result.ttft_p90_ms,
+        ttft_p99_ms=result.ttft_p99_ms,
+        itl_p50_ms=result.itl_p50_ms,
+        itl_p90_ms=result.itl_p90_ms,
+        imbalance=result.prefill_imbalance,
+        decision_p50_us=result.decision_us_p50,
+        decision_p99_us=result.decision_us_p99,
+        ceiling=ceiling,
+        ttfts_ms=result.ttft_ms,
+        disagg=Disagg(
+            prefill_workers=result.prefill_workers,
+            decode_workers=result.decode_workers,
+            output_tokens_per_s=result.output_tokens_per_s,
+            bytes_transferred=result.bytes_transferred,
+            local_prefill_share=result.local_prefill_share,
+        ),
     )
 
 
@@ -140,8 +198,9 @@ def hit_ratios(rows: Sequence[ReportRow]) -> list[float | None]:
 
 
 def to_json(row: ReportRow) -> dict[str, Any]:
-    """The row with exactly ``JSON_KEYS``: nested ``ttft_ms``, ``itl_ms`` and ``decision_us`` percentiles."""
-    return {
+    """The row with exactly ``JSON_KEYS`` (``DISAGG_JSON_KEYS`` for a disaggregated run): nested ``ttft_ms``,
+    ``itl_ms`` and ``decision_us`` percentiles."""
+    out = {
         "trace": row.trace,
         "workers": row.workers,
         "speedup": row.speedup,
@@ -153,6 +212,15 @@ def to_json(row: ReportRow) -> dict[str, Any]:
         "decision_us": {"p50": row.decision_p50_us, "p99": row.decision_p99_us},
         "ceiling_fraction": row.ceiling_fraction,
     }
+    disagg = row.disagg
+    if disagg is not None:
+        out["itl_ms"] = {"p50": row.itl_p50_ms, "p90": row.itl_p90_ms}
+        out["prefill_workers"] = disagg.prefill_workers
+        out["decode_workers"] = disagg.decode_workers
+        out["output_tokens_per_s"] = disagg.output_tokens_per_s
+        out["bytes_transferred"] = disagg.bytes_transferred
+        out["local_prefill_share"] = disagg.local_prefill_share
+    return out
 
 
 def write_json(rows: Iterable[ReportRow], path: Path, **extra: Any) -> None:
@@ -177,15 +245,23 @@ _HEADERS: Final = (
     "dec µs p50",
     "p99",
     "ceiling",
+    "ITL p90",
+    "out tok/s",
+    "moved GB",
+    "local",
 )
+_DISAGG_HEADERS: Final = frozenset({"ITL p90", "out tok/s", "moved GB", "local"})
+"""The columns of a disaggregated comparison only (``--prefill-workers``)."""
 
 
-def _cells(rows: Sequence[ReportRow]) -> tuple[list[list[str]], bool]:
-    """Formatted cells per row, and whether any row has a xRR figure (else the column is left out)."""
+def _cells(rows: Sequence[ReportRow]) -> tuple[list[list[str]], list[int]]:
+    """Formatted cells per row, and the columns to show: xRR when a row has a figure for it, the
+    disaggregated ones when a row is disaggregated."""
     ratios = hit_ratios(rows)
     out = []
     for row, ratio in zip(rows, ratios, strict=True):
         fraction = row.ceiling_fraction
+        disagg = row.disagg
         out.append(
             [
                 row.trace,
@@ -202,19 +278,25 @@ def _cells(rows: Sequence[ReportRow]) -> tuple[list[list[str]], bool]:
                 f"{row.decision_p50_us:.1f}",
                 f"{row.decision_p99_us:.1f}",
                 "" if fraction is None else f"{fraction:.0%}",
+                "" if row.itl_p90_ms is None else f"{row.itl_p90_ms:.2f}",
+                "" if disagg is None else f"{disagg.output_tokens_per_s:.0f}",
+                "" if disagg is None else f"{disagg.bytes_transferred / 1e9:.1f}",
+                "" if disagg is None else f"{disagg.local_prefill_share:.0%}",
             ]
         )
-    return out, any(ratio is not None for ratio in ratios)
-
-
-def _columns(with_ratio: bool) -> list[int]:
-    return [i for i, name in enumerate(_HEADERS) if with_ratio or name != "xRR"]
+    with_ratio = any(ratio is not None for ratio in ratios)
+    with_disagg = any(row.disagg is not None for row in rows)
+    keep = [
+        i
+        for i, name in enumerate(_HEADERS)
+        if (with_ratio or name != "xRR") and (with_disagg or name not in _DISAGG_HEADERS)
+    ]
+    return out, keep
 
 
 def format_table(rows: Sequence[ReportRow]) -> str:
     """A plain-text table (for logs, CI output and files), one line per row, columns aligned."""
-    cells, with_ratio = _cells(rows)
-    keep = _columns(with_ratio)
+    cells, keep = _cells(rows)
     table = [[_HEADERS[i] for i in keep], *([line[i] for i in keep] for line in cells)]
     widths = [max(len(line[c]) for line in table) for c in range(len(keep))]
     left = {_HEADERS.index("trace"), _HEADERS.index("policy")}
@@ -236,6 +318,10 @@ _RICH_HEADERS: Final = {
     "imbal": "prefill\nimbal",
     "dec µs p50": "decide µs\np50",
     "p99": "\np99",
+    "ITL p90": "ITL ms\np90",
+    "out tok/s": "output\ntok/s",
+    "moved GB": "KV moved\nGB",
+    "local": "local\nprefill",
 }
 """Two-line headers for the terminal table, so it fits 80 columns."""
 
@@ -246,8 +332,7 @@ def rich_table(rows: Sequence[ReportRow], *, title: str | None = None) -> Table:
     When every row is of one group, its trace, workers and speedup columns are left out: the title
     should say them, and the table then fits an 80-column terminal.
     """
-    cells, with_ratio = _cells(rows)
-    keep = _columns(with_ratio)
+    cells, keep = _cells(rows)
     if len({row.group for row in rows}) <= 1:
         keep = [i for i in keep if _HEADERS[i] not in ("trace", "W", "speedup")]
     table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0))

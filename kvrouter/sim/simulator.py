@@ -272,6 +272,7 @@ def _result(
         ttft_p99_ms=percentile(ttft, 99),
         ttft_mean_ms=sum(ttft) / len(ttft) if ttft else math.nan,
         itl_p50_ms=weighted_percentile(itl_values, itl_weights, 50),
+        itl_p90_ms=weighted_percentile(itl_values, itl_weights, 90),
         e2e_p99_ms=percentile(e2e, 99),
         prefill_imbalance=imbalance(prefill),
         kv_imbalance=imbalance(kv_area),

@@ -271,6 +271,16 @@ class WorkerModel:
         self._requests[request_id] = seq
         self._waiting.append(seq)
 
+    def receive(self, block_ids: Sequence[int]) -> list[KvEvent]:
+        """A KV transfer landed (disaggregated serving): the prompt's leading full blocks ``block_ids`` are stored
+        and cached, as a decode engine stores the blocks it pulled, for the request added next to find. Call it
+        between iterations. Returns the events an engine publishes for them (``Stored``, and ``Removed`` for what
+        made room); blocks already cached are not stored again, and a full pool stores fewer."""
+        held = self.kv.acquire_full(block_ids, None)
+        self.kv.release(reversed(block_ids[:held]))
+        self.kv.settle()
+        return self.kv.drain_events()
+
     # -- state ----------------------------------------------------------------------------------
 
     def has_work(self) -> bool:

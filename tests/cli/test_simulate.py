@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from kvrouter.cli import app
 from kvrouter.sim.policies import POLICIES
-from kvrouter.sim.report import JSON_KEYS
+from kvrouter.sim.policies.disagg import DISAGG_POLICIES
+from kvrouter.sim.report import DISAGG_JSON_KEYS, JSON_KEYS
 
 runner = CliRunner()
 
@@ -120,3 +121,59 @@ def test_a_trace_and_a_workload_are_not_both_taken(tmp_path: Path):
     result = runner.invoke(app, ["simulate", "--trace", str(trace), "--workload", "rag"])
     assert result.exit_code == 2
     assert "give --trace or --workload, not both" in " ".join(result.output.replace("│", " ").split())
+
+
+DISAGG = ["simulate", "--prefill-workers", "2", "--decode-workers", "2", "--speedup", "4", "--limit", "200"]
+
+
+def test_a_disaggregated_run_compares_every_policy_with_the_aggregated_fleet(tmp_path: Path):
+    out = tmp_path / "disagg.json"
+    result = runner.invoke(app, [*DISAGG, "--json", str(out)], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert "2P+2D against 4 aggregated workers" in result.output
+    assert "131072 B/token at 200 Gbit/s in a domain, 25 across (1 domains), +2 ms each" in result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["policy"] for row in rows] == [*DISAGG_POLICIES, "kvrouter"]
+    for row in rows[:-1]:
+        assert tuple(row) == DISAGG_JSON_KEYS
+        assert set(row["itl_ms"]) == {"p50", "p90"}
+        assert (row["prefill_workers"], row["decode_workers"], row["workers"]) == (2, 2, 4)
+    assert tuple(rows[-1]) == JSON_KEYS  # the aggregated row keeps today's keys exactly
+    assert set(rows[-1]["itl_ms"]) == {"p50"}
+    assert rows[-1]["workers"] == 4
+    by_policy = {row["policy"]: row for row in rows}
+    assert by_policy["kvrouter_always_split"]["local_prefill_share"] == 0.0
+    assert by_policy["kvrouter_disagg"]["local_prefill_share"] > 0.0
+
+
+def test_the_transfer_options_reach_the_simulation(tmp_path: Path):
+    """A slower link and a larger fixed cost per transfer: every split request waits longer for its first token,
+    and a decode worker across domains is avoided (rule 2's link factor) while one in the prefill's is free."""
+    paths = {name: tmp_path / f"{name}.json" for name in ("default", "slow", "domains")}
+    base = [*DISAGG, "--policy", "kvrouter_always_split"]
+    extras = {
+        "default": [],
+        "slow": ["--kv-transfer-gbps-local", "50", "--transfer-overhead-ms", "1000"],
+        "domains": ["--domains", "2", "--kv-transfer-gbps", "0.5"],
+    }
+    rows = {}
+    for name, extra in extras.items():
+        result = runner.invoke(app, [*base, *extra, "--json", str(paths[name])])
+        assert result.exit_code == 0, result.output
+        rows[name] = json.loads(paths[name].read_text())["rows"][0]
+    assert rows["slow"]["ttft_ms"]["p50"] > rows["default"]["ttft_ms"]["p50"] + 1000
+    assert rows["domains"]["ttft_ms"]["p50"] < rows["slow"]["ttft_ms"]["p50"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prefill-workers", "2"], "give --prefill-workers and --decode-workers together"),
+        (["--policy", "kvrouter_disagg"], "unknown policy 'kvrouter_disagg'"),  # aggregated: no such policy
+        (["--prefill-workers", "1", "--decode-workers", "1", "--policy", "nope"], "kvrouter_always_split"),
+    ],
+)
+def test_disaggregated_usage_errors_say_what_is_wrong(args: list[str], message: str):
+    result = runner.invoke(app, ["simulate", *args], env={"COLUMNS": "250"})
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())

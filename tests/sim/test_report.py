@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from kvrouter.sim.report import JSON_KEYS, ReportRow, format_table, hit_ratios, rich_table, to_json, write_json
+from kvrouter.sim.report import (
+    DISAGG_JSON_KEYS,
+    JSON_KEYS,
+    Disagg,
+    ReportRow,
+    format_table,
+    hit_ratios,
+    rich_table,
+    to_json,
+    write_json,
+)
 
 
 def row(policy: str, hit: float, *, trace: str = "conv", workers: int = 4, ceiling: float | None = 0.2) -> ReportRow:
@@ -101,3 +112,31 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path: Path, monkeypatch)
 
     with pytest.raises(RuntimeError, match=r"kvrouter\[plot\]"):
         write_plot([row("kvrouter", 0.1)], tmp_path / "p.png")
+
+
+def test_a_disaggregated_row_adds_its_keys_and_an_aggregated_one_keeps_todays():
+    aggregated = dataclasses.replace(row("kvrouter", 0.2), itl_p90_ms=20.0)  # shown in the table, not the JSON
+    disagg = dataclasses.replace(
+        row("kvrouter_disagg", 0.15),
+        itl_p90_ms=18.0,
+        disagg=Disagg(
+            prefill_workers=2,
+            decode_workers=2,
+            output_tokens_per_s=900.0,
+            bytes_transferred=3_000_000_000,
+            local_prefill_share=0.25,
+        ),
+    )
+    assert tuple(to_json(aggregated)) == JSON_KEYS
+    assert to_json(aggregated)["itl_ms"] == {"p50": 12.5}
+    out = to_json(disagg)
+    assert tuple(out) == DISAGG_JSON_KEYS
+    assert out["itl_ms"] == {"p50": 12.5, "p90": 18.0}
+    assert (out["prefill_workers"], out["decode_workers"], out["bytes_transferred"]) == (2, 2, 3_000_000_000)
+    assert (out["output_tokens_per_s"], out["local_prefill_share"]) == (900.0, 0.25)
+    text = format_table([disagg, aggregated])
+    header, first, second = text.splitlines()
+    assert header.split()[-7:] == ["ITL", "p90", "out", "tok/s", "moved", "GB", "local"]
+    assert first.split()[-4:] == ["18.00", "900", "3.0", "25%"]
+    assert second.split()[-1] == "20.00"  # the aggregated row: its ITL p90, nothing to transfer
+    assert "ITL p90" not in format_table([row("kvrouter", 0.2)])  # an aggregated comparison is as before

@@ -1,0 +1,133 @@
+"""The two choices of a disaggregated request, and when not to split it.
+
+Rules:
+
+1. **The prefill worker** is chosen among the prefill-capable workers by today's cost function (cached
+   overlap against queued prefill and decode load): the prefill hop is an aggregated decision whose
+   output is one token.
+2. **The decode worker** is chosen among the decode-capable workers by::
+
+       cost(w) = active_decode_blocks(w) + missing_blocks(w) x link(w)
+
+   where ``missing_blocks`` are the prompt's blocks ``w`` does not hold (its own cached overlap is
+   reused, as vLLM's decode side pulls only what it lacks), and ``link`` is how much slower than a
+   transfer inside ``w``'s topology domain the transfer from the prefill worker is: 1 inside one domain,
+   ``gbps_local / gbps`` across (8 with the defaults). Lowest cost wins; ties go to the earlier worker.
+3. **The decode worker prefills locally** when the prompt's part it lacks is at most
+   ``max_local_prefill_tokens`` (a transfer's fixed cost and a second hop's latency buy nothing for a
+   short prefill), or when every prefill worker has more than ``prefill_busy_tokens`` queued (a
+   congested prefill pool; None: never). Otherwise the request is split.
+
+Why this decode cost: both terms are blocks the decode worker will hold. The request's own blocks become
+active decode blocks on whichever worker decodes it, so the blocks it already caches are the ones that
+cost neither memory nor transfer there; a block that crosses a slow link costs its extra time on top.
+The unit stays the router's (blocks), so no weight joins the options. Rejected: a cost in seconds
+(decode load has no time without a model of the engine's speed) and least-loaded alone (Dynamo's decode
+choice, which ignores the decode worker's cache and the link).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from ..events.model import WorkerKey
+
+__all__ = [
+    "DEFAULT_KV_BYTES_PER_TOKEN",
+    "DEFAULT_MAX_LOCAL_PREFILL_TOKENS",
+    "Link",
+    "choose_decode",
+    "decode_costs",
+    "local_prefill_reason",
+]
+
+DEFAULT_KV_BYTES_PER_TOKEN: Final = 131_072
+"""A Llama-3-8B-like shape: 32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes."""
+DEFAULT_MAX_LOCAL_PREFILL_TOKENS: Final = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """The KV transfer between a prefill and a decode worker: bandwidths and bytes per token.
+
+    Raises:
+        ValueError: a bandwidth or byte count that is not positive, or a fixed cost below 0.
+    """
+
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    gbps: float = 25.0
+    """Between topology domains."""
+    gbps_local: float = 200.0
+    """Inside one domain."""
+    overhead_ms: float = 0.0
+    """A transfer's fixed cost (handshake, descriptor exchange): 0 in the router, an assumption in the simulator."""
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token < 1 or not self.gbps > 0 or not self.gbps_local > 0:
+            raise ValueError("kv_bytes_per_token, gbps and gbps_local must be positive")
+        if not self.overhead_ms >= 0:
+            raise ValueError(f"overhead_ms must be >= 0, got {self.overhead_ms!r}")
+
+    def factor(self, local: bool) -> float:
+        """How many times slower than inside one domain the transfer is: 1 when ``local``."""
+        return 1.0 if local else self.gbps_local / self.gbps
+
+    def bytes(self, tokens: int) -> int:
+        return max(0, tokens) * self.kv_bytes_per_token
+
+    def ms(self, tokens: int, *, local: bool) -> float:
+        """Milliseconds to move ``tokens`` tokens' KV: the fixed cost, then bytes over the link (0 for none)."""
+        if tokens <= 0:
+            return 0.0
+        return self.overhead_ms + self.bytes(tokens) * 8 / ((self.gbps_local if local else self.gbps) * 1e9) * 1e3
+
+
+def decode_costs(
+    candidates: Sequence[WorkerKey],
+    prompt_blocks: int,
+    overlaps: Mapping[WorkerKey, int],
+    loads: Mapping[WorkerKey, int],
+    factors: Mapping[WorkerKey, float],
+) -> list[float]:
+    """Each candidate's decode cost (rule 2), in ``candidates`` order.
+
+    Args:
+        candidates: the decode-capable workers.
+        prompt_blocks: the prompt's blocks, its partial last block included.
+        overlaps: each worker's cached leading blocks of the prompt (absent: 0).
+        loads: each worker's active decode blocks (absent: 0).
+        factors: each worker's :meth:`Link.factor` from the prefill worker (absent: 1).
+    """
+    return [
+        loads.get(key, 0) + max(0, prompt_blocks - overlaps.get(key, 0)) * factors.get(key, 1.0) for key in candidates
+    ]
+
+
+def choose_decode(costs: Sequence[float], candidates: Sequence[WorkerKey]) -> WorkerKey:
+    """The cheapest candidate; the first of equals."""
+    best = min(range(len(candidates)), key=costs.__getitem__)
+    return candidates[best]
+
+
+def local_prefill_reason(
+    uncached_tokens: int,
+    queued_prefill_tokens: Iterable[int],
+    *,
+    max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    prefill_busy_tokens: int | None = None,
+) -> str | None:
+    """Why the decode worker prefills the request itself (rule 3), or None to split it.
+
+    Args:
+        uncached_tokens: the prompt's tokens the chosen decode worker does not hold.
+        queued_prefill_tokens: each prefill-capable worker's queued prefill tokens.
+    """
+    if uncached_tokens <= max_local_prefill_tokens:
+        return f"short_prefill: {uncached_tokens} uncached tokens <= {max_local_prefill_tokens}"
+    if prefill_busy_tokens is not None:
+        queued = list(queued_prefill_tokens)
+        if queued and min(queued) > prefill_busy_tokens:
+            return f"prefill_busy: every prefill worker has more than {prefill_busy_tokens} tokens queued"
+    return None

@@ -1,0 +1,151 @@
+"""The disaggregated policies ``kvrouter simulate --prefill-workers P --decode-workers D`` compares.
+
+- ``kvrouter_disagg``: kvrouter's two choices and its conditional rule (``routing/disagg.py``): the prefill
+  worker by ``KVROUTER_CONFIG``'s cost among the prefill workers, the decode worker by decode load, own
+  overlap and the link, and the decode worker prefills itself when little is uncached there.
+- ``kvrouter_always_split``: the same two choices, every request split.
+- ``dynamo_disagg``: Dynamo's disaggregated routing as its docs describe it: the KV-aware prefill choice
+  (``dynamo_t0``'s cost) and the least-loaded decode worker (active decode blocks, a random one of equals),
+  every request split.
+- ``random_pairs``: a random prefill worker and a random decode worker, every request split.
+
+The aggregated comparison (``kvrouter`` on P+D workers) is the aggregated simulator's own policy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Final
+
+from ...errors import ConfigError
+from ...events.model import WorkerKey
+from ...routing import RouterConfig
+from ...routing.config import KVROUTER_CONFIG
+from ...routing.disagg import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, choose_decode, decode_costs, local_prefill_reason
+from ..disagg import DisaggPolicy, Fleet, Plan
+from ..policy import Request
+from ._router import RouterPolicy
+
+__all__ = [
+    "DISAGG_POLICIES",
+    "DynamoDisaggPolicy",
+    "KvrouterAlwaysSplitPolicy",
+    "KvrouterDisaggPolicy",
+    "RandomPairsPolicy",
+    "make_disagg_policy",
+]
+
+
+class _PrefillChoice(DisaggPolicy):
+    """A policy whose prefill choice is a :class:`RouterPolicy` over the prefill workers."""
+
+    def __init__(self, config: RouterConfig, seed: int) -> None:
+        self._prefill = RouterPolicy(config, seed=seed)
+
+    def _choose_prefill(self, request: Request, fleet: Fleet) -> WorkerKey:
+        return self._prefill.choose(request, fleet.pool(fleet.prefill))
+
+    def booked_overlap(self, request: Request, worker: WorkerKey, index_overlap: int) -> int:
+        return self._prefill.booked_overlap(request, worker, index_overlap)
+
+
+class KvrouterDisaggPolicy(_PrefillChoice):
+    """kvrouter's conditional disaggregation.
+
+    Args:
+        seed: the prefill choice's tie-break.
+        max_local_prefill_tokens: ``--disagg-max-local-prefill-tokens``.
+        prefill_busy_tokens: ``--disagg-prefill-busy-tokens`` (None: off).
+    """
+
+    name = "kvrouter_disagg"
+    split_always = False
+
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+        prefill_busy_tokens: int | None = None,
+    ) -> None:
+        super().__init__(KVROUTER_CONFIG, seed)
+        self.max_local_prefill_tokens = max_local_prefill_tokens
+        self.prefill_busy_tokens = prefill_busy_tokens
+
+    def plan(self, request: Request, fleet: Fleet) -> Plan:
+        prefill = self._choose_prefill(request, fleet)
+        overlaps = fleet.index.find_matches(request.local_hashes)
+        slots = fleet.slots
+        costs = decode_costs(
+            fleet.decode,
+            math.ceil(request.input_tokens / fleet.block_size),
+            overlaps,
+            {key: slots.active_blocks(key) for key in fleet.decode},
+            {key: fleet.factor(prefill, key) for key in fleet.decode},
+        )
+        decode = choose_decode(costs, fleet.decode)
+        if not self.split_always:
+            reason = local_prefill_reason(
+                request.input_tokens - overlaps.get(decode, 0) * fleet.block_size,
+                (slots.active_prefill_tokens(key) for key in fleet.prefill),
+                max_local_prefill_tokens=self.max_local_prefill_tokens,
+                prefill_busy_tokens=self.prefill_busy_tokens,
+            )
+            if reason is not None:
+                return Plan(decode, None, reason)
+        return Plan(decode, prefill)
+
+
+class KvrouterAlwaysSplitPolicy(KvrouterDisaggPolicy):
+    """kvrouter's two choices with every request split: what the conditional rule is measured against."""
+
+    name = "kvrouter_always_split"
+    split_always = True
+
+
+class DynamoDisaggPolicy(_PrefillChoice):
+    """Dynamo's disaggregated routing: KV-aware prefill (``RouterConfig()``), least-loaded decode, always split."""
+
+    name = "dynamo_disagg"
+
+    def __init__(self, *, seed: int = 0) -> None:
+        super().__init__(RouterConfig(), seed)
+
+    def plan(self, request: Request, fleet: Fleet) -> Plan:
+        prefill = self._choose_prefill(request, fleet)
+        loads = [fleet.slots.active_blocks(key) for key in fleet.decode]
+        least = min(loads)
+        decode = fleet.rng.choice([key for key, load in zip(fleet.decode, loads, strict=True) if load == least])
+        return Plan(decode, prefill)
+
+
+class RandomPairsPolicy(DisaggPolicy):
+    """A uniformly random prefill worker and decode worker for every request."""
+
+    name = "random_pairs"
+
+    def plan(self, request: Request, fleet: Fleet) -> Plan:
+        return Plan(fleet.rng.choice(fleet.decode), fleet.rng.choice(fleet.prefill))
+
+
+DISAGG_POLICIES: Final[dict[str, type[DisaggPolicy]]] = {
+    cls.name: cls for cls in (KvrouterDisaggPolicy, KvrouterAlwaysSplitPolicy, DynamoDisaggPolicy, RandomPairsPolicy)
+}
+"""Every disaggregated policy by the name ``kvrouter simulate`` runs it under."""
+
+
+def make_disagg_policy(name: str, *, seed: int = 0, **options: Any) -> DisaggPolicy:
+    """A fresh disaggregated policy for one run (``options``: its constructor's, as ``make_policy``).
+
+    Raises:
+        ConfigError: an unknown name, or an option the policy does not take.
+    """
+    cls = DISAGG_POLICIES.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown disaggregated policy {name!r}; expected one of {', '.join(DISAGG_POLICIES)}")
+    if cls is not RandomPairsPolicy:
+        options["seed"] = seed
+    try:
+        return cls(**options)
+    except TypeError as exc:
+        raise ConfigError(f"policy {name!r}: {exc}") from None

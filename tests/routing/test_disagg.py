@@ -1,0 +1,73 @@
+"""The two choices of a split request and the conditional rule (``routing/disagg.py``), by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrouter.routing.disagg import (
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    Link,
+    choose_decode,
+    decode_costs,
+    local_prefill_reason,
+)
+
+
+def test_the_default_bytes_per_token_are_a_llama_3_8b_shape():
+    assert DEFAULT_KV_BYTES_PER_TOKEN == 32 * 8 * 128 * 2 * 2
+
+
+def test_a_transfer_is_its_fixed_cost_then_bytes_over_the_link():
+    link = Link(kv_bytes_per_token=1000, gbps=10.0, gbps_local=80.0, overhead_ms=1.5)
+    assert link.bytes(2500) == 2_500_000
+    assert link.ms(2500, local=True) == pytest.approx(1.5 + 2_500_000 * 8 / 80e9 * 1e3)  # 0.25 ms
+    assert link.ms(2500, local=False) == pytest.approx(1.5 + 2.0)
+    assert link.ms(0, local=False) == 0.0  # nothing to move: no transfer at all
+    assert (link.factor(True), link.factor(False)) == (1.0, 8.0)
+
+
+@pytest.mark.parametrize("bad", [{"gbps": 0.0}, {"gbps_local": -1.0}, {"kv_bytes_per_token": 0}, {"overhead_ms": -0.1}])
+def test_a_link_refuses_what_has_no_meaning(bad):
+    with pytest.raises(ValueError, match="must be"):
+        Link(**bad)
+
+
+def test_the_decode_cost_is_load_plus_the_missing_blocks_times_the_link():
+    """Three decode workers for a 10-block prompt from a prefill worker in domain 0."""
+    a, b, c = (10, 0), (11, 0), (12, 0)
+    costs = decode_costs(
+        [a, b, c],
+        10,
+        overlaps={a: 0, b: 6, c: 10},
+        loads={a: 5, b: 20, c: 40},
+        factors={a: 1.0, b: 1.0, c: 8.0},
+    )
+    assert costs == [5 + 10 * 1.0, 20 + 4 * 1.0, 40 + 0 * 8.0]
+    assert choose_decode(costs, [a, b, c]) == a
+    # across a slow link the missing blocks weigh 8 times: a worker holding the prompt wins
+    costs = decode_costs([a, c], 10, overlaps={c: 10}, loads={a: 5, c: 40}, factors={a: 8.0, c: 8.0})
+    assert costs == [85.0, 40.0]
+    assert choose_decode(costs, [a, c]) == c
+
+
+def test_equal_decode_costs_go_to_the_first_worker():
+    a, b = (1, 0), (2, 0)
+    assert choose_decode(decode_costs([a, b], 4, {}, {}, {}), [a, b]) == a
+
+
+@pytest.mark.parametrize(
+    ("uncached", "queued", "busy", "local"),
+    [
+        (512, [0], None, "short_prefill"),  # at the bound: local
+        (513, [0], None, None),  # past it: split
+        (0, [10**9], None, "short_prefill"),  # all cached on the decode worker
+        (4096, [0, 0], None, None),  # a fresh 4k prompt on an idle fleet splits under the defaults
+        (4096, [5000, 6000], 4000, "prefill_busy"),  # every prefill worker past the bound
+        (4096, [5000, 4000], 4000, None),  # one at it: not every one is busy
+        (4096, [10**9], None, None),  # the busy rule is off by default
+        (4096, [], 0, None),  # no prefill worker to call busy
+    ],
+)
+def test_the_edges_of_the_conditional_rule(uncached, queued, busy, local):
+    reason = local_prefill_reason(uncached, queued, prefill_busy_tokens=busy)
+    assert (reason.split(":")[0] if reason else None) == local

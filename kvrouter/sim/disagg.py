@@ -184,7 +184,8 @@ def simulate_disagg(
     models = [WorkerModel(i, config) for i in range(total)]
     index = RadixIndex()
     now = 0.0
-    slots = SlotManager(block_size=block_size, clock=lambda: now / 1000.0)
+    # every booking is freed by the run itself: none may expire (a 2P+6D fleet keeps requests queued for minutes)
+    slots = SlotManager(block_size=block_size, clock=lambda: now / 1000.0, expiry_secs=math.inf)
     fleet = Fleet(
         prefill=prefill_keys,
         decode=decode_keys,

@@ -58,8 +58,8 @@ def test_equal_decode_costs_go_to_the_first_worker():
 @pytest.mark.parametrize(
     ("uncached", "queued", "busy", "local"),
     [
-        (512, [0], None, "short_prefill"),  # at the bound: local
-        (513, [0], None, None),  # past it: split
+        (2048, [0], None, "short_prefill"),  # at the default bound: local
+        (2049, [0], None, None),  # past it: split
         (0, [10**9], None, "short_prefill"),  # all cached on the decode worker
         (4096, [0, 0], None, None),  # a fresh 4k prompt on an idle fleet splits under the defaults
         (4096, [5000, 6000], 4000, "prefill_busy"),  # every prefill worker past the bound

@@ -249,7 +249,8 @@ def test_bad_sources_are_clear_errors(running: Running):
 def test_a_workers_host_tier_blocks_reach_workers_and_both_feeds(running: Running, shm: ShmFeed, wait_until: Any):
     """A kvrouter-format worker (a ``KvPublisher`` here, its own model) holding 2 device blocks and 3 in the
     host tier: ``/workers`` lists both tiers under its listener, ``cached_blocks`` stays the device count,
-    and both feeds' rows carry the host blocks. Registered last in the module and unregistered after."""
+    and both feeds' rows carry the host blocks, and the role it registered with. Registered last in the module
+    and unregistered after."""
     http = HttpFeed(running.url)
     tiers = {"device": 2, "host": 3, "disk": 0, "shared": 0}
     with KvPublisher(9, block_size=BLOCK, endpoint="tcp://127.0.0.1:*", query_endpoint="tcp://127.0.0.1:*") as pub:
@@ -258,7 +259,9 @@ def test_a_workers_host_tier_blocks_reach_workers_and_both_feeds(running: Runnin
         pub.publish()  # before anyone subscribed: the router's join restore (a dump query) brings them
         registration = {"instance_id": 9, "endpoint": pub.endpoint, "query_endpoint": pub.query_endpoint}
         running.ok(
-            "POST", "/register", {**registration, "format": "kvrouter", "model_name": "tiers", "block_size": BLOCK}
+            "POST",
+            "/register",
+            {**registration, "format": "kvrouter", "model_name": "tiers", "block_size": BLOCK, "role": "decode"},
         )
         try:
 
@@ -274,12 +277,13 @@ def test_a_workers_host_tier_blocks_reach_workers_and_both_feeds(running: Runnin
             wait_until(restored, timeout=60, what="/workers lists the tiers of an exact stream")
             assert listener()["cached_blocks"] == 2
 
-            def row(feed: ShmFeed | HttpFeed) -> tuple[int, tuple[int, int, int]] | None:
-                found = [(w.cached_blocks, w.cached_offloaded) for w in feed.poll().workers if w.key == (9, 0)]
+            def row(feed: ShmFeed | HttpFeed) -> tuple[int, tuple[int, int, int], str] | None:
+                rows = feed.poll().workers
+                found = [(w.cached_blocks, w.cached_offloaded, w.role) for w in rows if w.key == (9, 0)]
                 return found[0] if found else None
 
-            wait_until(lambda: row(shm) == (2, (3, 0, 0)), what="the shm feed's row has the host blocks")
-            wait_until(lambda: row(http) == (2, (3, 0, 0)), what="the HTTP feed's row has the host blocks")
+            wait_until(lambda: row(shm) == (2, (3, 0, 0), "decode"), what="the shm feed's row has the host blocks")
+            wait_until(lambda: row(http) == (2, (3, 0, 0), "decode"), what="the HTTP feed's row has the host blocks")
         finally:
             running.call("POST", "/unregister", {"instance_id": 9, "model_name": "tiers"})
 

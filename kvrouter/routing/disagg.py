@@ -28,26 +28,34 @@ choice, which ignores the decode worker's cache and the link).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
-from ..events.model import WorkerKey
+import numpy as np
+import numpy.typing as npt
+
+from ..events.model import StorageTier, WorkerKey
+from .router import OverlapSource, Router, Selection
 
 __all__ = [
     "DEFAULT_KV_BYTES_PER_TOKEN",
     "DEFAULT_MAX_LOCAL_PREFILL_TOKENS",
     "Link",
+    "Split",
     "choose_decode",
     "decode_costs",
     "local_prefill_reason",
+    "select_split",
 ]
 
 DEFAULT_KV_BYTES_PER_TOKEN: Final = 131_072
 """A Llama-3-8B-like shape: 32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes."""
 DEFAULT_MAX_LOCAL_PREFILL_TOKENS: Final = 2048
 """Not 512, the first guess: 2,048 lowered the TTFT p90 of ``kvrouter_disagg`` on every run of
-``tools/bench_disagg.py``'s grid and of six held-out ones, with the ITL p90 within 0.3 ms
+``tools/bench_disagg.py``'s grid and on five of six held-out ones (the sixth 0.2 % higher), with the ITL p90
+within 0.3 ms
 (``docs/routing-benchmark.md``, "Choosing the rule's defaults"). Below 4,096, so a fresh 4k prompt on an
 idle fleet is split."""
 
@@ -135,3 +143,65 @@ def local_prefill_reason(
         if queued and min(queued) > prefill_busy_tokens:
             return f"prefill_busy: every prefill worker has more than {prefill_busy_tokens} tokens queued"
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A disaggregated decision: the decode worker's selection, and the prefill worker's when the request is split."""
+
+    decode: Selection
+    prefill: Selection | None
+    """None: the decode worker prefills the request itself (``reason`` says why)."""
+    reason: str | None
+    decode_costs: tuple[float, ...]
+    """Every decode candidate's rule-2 cost, in the order given."""
+
+
+def select_split(
+    router: Router,
+    index: OverlapSource,
+    prefill_workers: Sequence[WorkerKey],
+    decode_workers: Sequence[WorkerKey],
+    *,
+    local_hashes: Sequence[int] | npt.NDArray[np.uint64],
+    isl_tokens: int,
+    factor: Callable[[WorkerKey, WorkerKey], float],
+    max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    prefill_busy_tokens: int | None = None,
+    capacities: Mapping[WorkerKey, int] | None = None,
+    explain: bool = False,
+) -> Split:
+    """Both choices of one request and the rule between them (rules 1-3), on ``router``'s loads.
+
+    The prefill choice is ``router.select`` among ``prefill_workers``; the decode worker is the cheapest by
+    :func:`decode_costs` (its overlap from ``index``'s device tier, its load from ``router.slots``, ``factor``
+    between the chosen prefill worker and it), and its selection is ``router.select`` on it alone, so that
+    its overlap, cost terms and explanation are the ones a booking and an answer need. Books nothing.
+
+    Args:
+        factor: :meth:`Link.factor` between a prefill and a decode worker (by their topology domains).
+    """
+    local: Any = local_hashes
+    prefill = router.select(
+        index, prefill_workers, local_hashes=local, isl_tokens=isl_tokens, capacities=capacities, explain=explain
+    )
+    device = index.find_matches_by_tier(list(map(int, local)))[StorageTier.DEVICE]
+    slots = router.slots
+    costs = decode_costs(
+        decode_workers,
+        math.ceil(isl_tokens / router.block_size),
+        device,
+        {key: slots.active_blocks(key) for key in decode_workers},
+        {key: factor(prefill.worker, key) for key in decode_workers},
+    )
+    chosen = choose_decode(costs, decode_workers)
+    reason = local_prefill_reason(
+        isl_tokens - device.get(chosen, 0) * router.block_size,
+        (slots.active_prefill_tokens(key) for key in prefill_workers),
+        max_local_prefill_tokens=max_local_prefill_tokens,
+        prefill_busy_tokens=prefill_busy_tokens,
+    )
+    decode = router.select(
+        index, (chosen,), local_hashes=local, isl_tokens=isl_tokens, capacities=capacities, explain=explain
+    )
+    return Split(decode, None if reason else prefill, reason, tuple(costs))

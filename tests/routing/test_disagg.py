@@ -1,15 +1,22 @@
-"""The two choices of a split request and the conditional rule (``routing/disagg.py``), by hand."""
+"""The two choices of a split request and the conditional rule (``routing/disagg.py``), by hand, and
+``select_split`` on a small fleet."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvrouter.events.model import EngineHash, LocalHash, Stored, StoredBlock
+from kvrouter.hashing import sequence_hashes
+from kvrouter.index import RadixIndex
+from kvrouter.routing import Router, SlotManager
+from kvrouter.routing.config import KVROUTER_CONFIG
 from kvrouter.routing.disagg import (
     DEFAULT_KV_BYTES_PER_TOKEN,
     Link,
     choose_decode,
     decode_costs,
     local_prefill_reason,
+    select_split,
 )
 
 
@@ -71,3 +78,57 @@ def test_equal_decode_costs_go_to_the_first_worker():
 def test_the_edges_of_the_conditional_rule(uncached, queued, busy, local):
     reason = local_prefill_reason(uncached, queued, prefill_busy_tokens=busy)
     assert (reason.split(":")[0] if reason else None) == local
+
+
+def stored(worker: int, blocks: list[int]) -> Stored:
+    return Stored(worker, None, tuple(StoredBlock(EngineHash(b), LocalHash(b)) for b in blocks), dp_rank=0, event_id=0)
+
+
+def test_select_split_makes_both_choices_as_the_rules_say():
+    """Prefill workers 0 and 1, decode workers 2 and 3, a 10-block prompt of 512-token blocks. Worker 1 holds 6
+    blocks of it, decode worker 3 holds 4 but carries 12 blocks of load; decode worker 2 is idle."""
+    prompt = list(range(1, 11))
+    index = RadixIndex()
+    index.apply_event(1, stored(1, prompt[:6]))
+    index.apply_event(3, stored(3, prompt[:4]))
+    slots = SlotManager(block_size=512)
+    slots.add_request("busy", (3, 0), sequence_hashes(list(range(100, 112))), 12 * 512, 12)
+    router = Router(KVROUTER_CONFIG, block_size=512, slots=slots, seed=0)
+    prefill, decode = [(0, 0), (1, 0)], [(2, 0), (3, 0)]
+
+    split = select_split(
+        router, index, prefill, decode, local_hashes=prompt, isl_tokens=10 * 512, factor=lambda p, d: 1.0
+    )
+    assert split.prefill is not None
+    assert split.prefill.worker == (1, 0)  # the most overlap among idle prefill workers
+    assert split.decode_costs == (0 + 10 * 1.0, 12 + 6 * 1.0)
+    assert split.decode.worker == (2, 0)
+    assert split.reason is None  # 5,120 uncached tokens on worker 2: split
+
+    # across a slow link from worker 1 (factor 8 to worker 2), the 4 blocks worker 3 holds pay for its load
+    split = select_split(
+        router,
+        index,
+        prefill,
+        decode,
+        local_hashes=prompt,
+        isl_tokens=10 * 512,
+        factor=lambda p, d: 8.0 if d == (2, 0) else 1.0,
+    )
+    assert split.decode_costs == (80.0, 18.0)
+    assert (split.decode.worker, split.decode.overlap_blocks) == ((3, 0), 4)
+
+    # a decode worker lacking at most the bound prefills locally: no prefill selection
+    split = select_split(
+        router,
+        index,
+        prefill,
+        decode,
+        local_hashes=prompt[:4],
+        isl_tokens=4 * 512 + 100,
+        factor=lambda p, d: 8.0,
+    )
+    assert split.prefill is None
+    assert split.decode.worker == (3, 0)
+    assert str(split.reason).startswith("short_prefill: 100 uncached tokens")
+    assert slots.active_requests((2, 0)) == slots.active_requests((1, 0)) == 0  # books nothing

@@ -17,10 +17,10 @@ from ...events.model import WorkerKey
 from ...routing import Router, RouterConfig, Selection
 from ..policy import Cluster, Policy, Request
 
-__all__ = ["RouterPolicy"]
+__all__ = ["RouterPolicy", "still_clock"]
 
 
-def _still_clock() -> float:
+def still_clock() -> float:
     """A clock that never reaches the router's first sweep (60 s after construction): no sweep ever runs."""
     return 0.0
 
@@ -45,7 +45,7 @@ class RouterPolicy(Policy):
         router = self._router
         if router is None or router.slots is not cluster.slots or router.block_size != cluster.block_size:
             router = self._router = Router(
-                self.config, block_size=cluster.block_size, seed=self.seed, clock=_still_clock, slots=cluster.slots
+                self.config, block_size=cluster.block_size, seed=self.seed, clock=still_clock, slots=cluster.slots
             )
         capacities = None
         if self.config.active_decode_blocks_threshold is not None:  # the only reader of capacities

@@ -14,17 +14,17 @@ The aggregated comparison (``kvrouter`` on P+D workers) is the aggregated simula
 
 from __future__ import annotations
 
-import math
 from typing import Any, Final
 
 from ...errors import ConfigError
 from ...events.model import WorkerKey
 from ...routing import RouterConfig
 from ...routing.config import KVROUTER_CONFIG
-from ...routing.disagg import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, choose_decode, decode_costs, local_prefill_reason
+from ...routing.disagg import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, Split, select_split
+from ...routing.router import Router
 from ..disagg import DisaggPolicy, Fleet, Plan
 from ..policy import Request
-from ._router import RouterPolicy
+from ._router import RouterPolicy, still_clock
 
 __all__ = [
     "DISAGG_POLICIES",
@@ -49,17 +49,16 @@ class _PrefillChoice(DisaggPolicy):
         return self._prefill.booked_overlap(request, worker, index_overlap)
 
 
-class KvrouterDisaggPolicy(_PrefillChoice):
-    """kvrouter's conditional disaggregation.
+class KvrouterDisaggPolicy(DisaggPolicy):
+    """kvrouter's conditional disaggregation: :func:`~kvrouter.routing.disagg.select_split`, the service's call.
 
     Args:
-        seed: the prefill choice's tie-break.
+        seed: the router's tie-break.
         max_local_prefill_tokens: ``--disagg-max-local-prefill-tokens``.
         prefill_busy_tokens: ``--disagg-prefill-busy-tokens`` (None: off).
     """
 
     name = "kvrouter_disagg"
-    split_always = False
 
     def __init__(
         self,
@@ -68,39 +67,48 @@ class KvrouterDisaggPolicy(_PrefillChoice):
         max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
         prefill_busy_tokens: int | None = None,
     ) -> None:
-        super().__init__(KVROUTER_CONFIG, seed)
+        self.seed = seed
         self.max_local_prefill_tokens = max_local_prefill_tokens
         self.prefill_busy_tokens = prefill_busy_tokens
+        self._router: Router | None = None
+        self._last: tuple[str, Split] | None = None
 
     def plan(self, request: Request, fleet: Fleet) -> Plan:
-        prefill = self._choose_prefill(request, fleet)
-        overlaps = fleet.index.find_matches(request.local_hashes)
-        slots = fleet.slots
-        costs = decode_costs(
-            fleet.decode,
-            math.ceil(request.input_tokens / fleet.block_size),
-            overlaps,
-            {key: slots.active_blocks(key) for key in fleet.decode},
-            {key: fleet.factor(prefill, key) for key in fleet.decode},
-        )
-        decode = choose_decode(costs, fleet.decode)
-        if not self.split_always:
-            reason = local_prefill_reason(
-                request.input_tokens - overlaps.get(decode, 0) * fleet.block_size,
-                (slots.active_prefill_tokens(key) for key in fleet.prefill),
-                max_local_prefill_tokens=self.max_local_prefill_tokens,
-                prefill_busy_tokens=self.prefill_busy_tokens,
+        router = self._router
+        if router is None or router.slots is not fleet.slots:
+            router = self._router = Router(
+                KVROUTER_CONFIG, block_size=fleet.block_size, seed=self.seed, clock=still_clock, slots=fleet.slots
             )
-            if reason is not None:
-                return Plan(decode, None, reason)
-        return Plan(decode, prefill)
+        split = select_split(
+            router,
+            fleet.index,
+            fleet.prefill,
+            fleet.decode,
+            local_hashes=request.local_hashes,
+            isl_tokens=request.input_tokens,
+            factor=fleet.factor,
+            max_local_prefill_tokens=self.max_local_prefill_tokens,
+            prefill_busy_tokens=self.prefill_busy_tokens,
+        )
+        self._last = (request.request_id, split)
+        return Plan(split.decode.worker, None if split.prefill is None else split.prefill.worker, split.reason)
+
+    def booked_overlap(self, request: Request, worker: WorkerKey, index_overlap: int) -> int:
+        last = self._last
+        if last is None or last[0] != request.request_id or last[1].prefill is None:
+            return index_overlap
+        prefill = last[1].prefill
+        return index_overlap + prefill.predicted_blocks if prefill.worker == worker else index_overlap
 
 
 class KvrouterAlwaysSplitPolicy(KvrouterDisaggPolicy):
-    """kvrouter's two choices with every request split: what the conditional rule is measured against."""
+    """kvrouter's two choices with every request split (no prompt is short enough to stay): what the
+    conditional rule is measured against."""
 
     name = "kvrouter_always_split"
-    split_always = True
+
+    def __init__(self, *, seed: int = 0) -> None:
+        super().__init__(seed=seed, max_local_prefill_tokens=-1)
 
 
 class DynamoDisaggPolicy(_PrefillChoice):

@@ -28,7 +28,6 @@ spread over ``domains`` topology domains in turn (one by default: every transfer
 from __future__ import annotations
 
 import abc
-import heapq
 import math
 import random
 import time
@@ -36,12 +35,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from ..events.model import KvEvent, WorkerKey
+from ..events.model import WorkerKey
 from ..hashing import sequence_hashes
 from ..index import RadixIndex
 from ..routing import SlotManager
 from ..routing.disagg import Link
 from ..worker import Iteration, WorkerConfig, WorkerModel
+from .engines import LANDED, Engines
 from .metrics import imbalance, percentile, weighted_percentile
 from .policy import Cluster, Request
 
@@ -51,13 +51,6 @@ DEFAULT_OVERHEAD_MS = 2.0
 """A transfer's fixed cost in the simulator (an assumption; see the module docstring)."""
 PREFILL_BOOKING = "#prefill"
 """The suffix of a split request's prefill booking in the slot manager."""
-
-_ITERATION_END = 0
-_DELIVERY = 1
-_LANDED = 2
-_ARRIVAL = 3
-_START = 4
-"""Event kinds, in the order they run when simultaneous."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,9 +176,9 @@ def simulate_disagg(
     prefill_keys, decode_keys = keys[:prefill_workers], keys[prefill_workers:]
     models = [WorkerModel(i, config) for i in range(total)]
     index = RadixIndex()
-    now = 0.0
+    engines = Engines(models, index, event_lag_ms)
     # every booking is freed by the run itself: none may expire (a 2P+6D fleet keeps requests queued for minutes)
-    slots = SlotManager(block_size=block_size, clock=lambda: now / 1000.0, expiry_secs=math.inf)
+    slots = SlotManager(block_size=block_size, clock=lambda: engines.now / 1000.0, expiry_secs=math.inf)
     fleet = Fleet(
         prefill=prefill_keys,
         decode=decode_keys,
@@ -203,77 +196,48 @@ def simulate_disagg(
         raise ValueError("request ids must be unique within a run")
     records = [_Record() for _ in requests]
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
-    arrivals = [requests[i].arrival * 1000.0 for i in order]
     decision_us: list[float] = []
-    itl_values: list[float] = []
-    itl_weights: list[int] = []
     moved = 0
-    busy = [False] * total
-    ends = [math.inf] * total
-    """When each worker's running iteration (or skipped stretch) ends; inf between them."""
-    landed: list[list[int]] = [[] for _ in range(total)]
+    waiting: list[list[int]] = [[] for _ in range(total)]
     """Per decode worker: requests whose KV arrived during its iteration, taken at its end."""
     landings: list[list[float]] = [[] for _ in range(total)]
     """Per decode worker: when the transfers on their way to it land."""
-    heap: list[tuple[float, int, int, int, Iteration | list[KvEvent] | int | None]] = []
-    tiebreak = 0
+    ends = engines.ends
 
-    def push(at: float, kind: int, worker: int, payload: Iteration | list[KvEvent] | int | None) -> None:
-        nonlocal tiebreak
-        heapq.heappush(heap, (at, kind, tiebreak, worker, payload))
-        tiebreak += 1
-
-    def deliver(worker: int, events: list[KvEvent]) -> None:
-        if not events:
-            return
-        if event_lag_ms:
-            push(now + event_lag_ms, _DELIVERY, worker, events)
-        else:
-            for event in events:
-                index.apply_event(worker, event)
-
-    def wake(worker: int) -> None:
-        if not busy[worker]:
-            busy[worker] = True
-            push(now, _START, worker, None)
-
-    def start(worker: int, next_arrival: float) -> None:
-        model = models[worker]
-        if not model.has_work():
-            busy[worker] = False
-            return
-        if model.decode_only() and (skip := model.next_event_steps() - 1) > 0:
-            step_ms = model.decode_step_ms()
-            # a stretch stops at the first boundary after anything that may bring this worker a request: an
-            # arrival, a transfer on its way, or a prefill iteration's end (whose first token starts one)
-            bound = min(next_arrival, *landings[worker], *(ends[p] for p in range(prefill_workers)))
-            if bound < math.inf:
-                skip = min(skip, max(1, math.ceil((bound - now) / step_ms)))
-            tokens = skip * model.num_decoding
-            duration = model.fast_forward(skip)
-            itl_values.append(step_ms)
-            itl_weights.append(tokens)
-            ends[worker] = now + duration
-            push(now + duration, _ITERATION_END, worker, None)
-            return
-        iteration = model.step()
-        if iteration.decode_tokens:
-            itl_values.append(iteration.duration_ms)
-            itl_weights.append(iteration.decode_tokens)
-        ends[worker] = now + iteration.duration_ms
-        push(now + iteration.duration_ms, _ITERATION_END, worker, iteration)
+    def bound(worker: int, next_arrival: float) -> float:
+        """A decode stretch stops at the first boundary after anything that may bring this worker a request: an
+        arrival, a transfer on its way, or a prefill iteration's end (whose first token starts one)."""
+        if worker < prefill_workers:
+            return next_arrival
+        return min(next_arrival, *landings[worker], *ends[:prefill_workers])
 
     def join_decode(i: int, worker: int) -> None:
         """The KV of split request ``i`` landed on ``worker``, between its iterations."""
         request = requests[i]
-        deliver(worker, models[worker].receive(request.local_hashes))
+        engines.deliver(worker, models[worker].receive(request.local_hashes))
         models[worker].add_request(
             request.request_id, request.input_tokens, request.output_tokens, request.local_hashes
         )
 
+    def landed(worker: int, i: int) -> None:
+        landings[worker].remove(engines.now)
+        if ends[worker] < math.inf:  # mid-iteration: it joins at the iteration's end
+            waiting[worker].append(i)
+        else:
+            join_decode(i, worker)
+            engines.wake(worker)
+
+    def ended(worker: int, iteration: Iteration | None) -> None:
+        if iteration is not None:
+            finish_iteration(worker, iteration)
+        for i in waiting[worker]:
+            join_decode(i, worker)
+        waiting[worker].clear()
+
     def finish_iteration(worker: int, iteration: Iteration) -> None:
         nonlocal moved
-        deliver(worker, iteration.events)
+        now = engines.now
+        engines.deliver(worker, iteration.events)
         prefilling = worker < prefill_workers
         for request_id, reused in iteration.admitted:
             i = position[request_id]
@@ -290,7 +254,7 @@ def simulate_disagg(
                 local = fleet.domains[keys[worker]] == fleet.domains[keys[record.decode]]
                 at = now + link.ms(tokens, local=local)
                 landings[record.decode].append(at)
-                push(at, _LANDED, record.decode, i)
+                engines.push(at, LANDED, record.decode, i)
             else:
                 records[i].first_token_ms = now
                 slots.mark_prefill_completed(request_id)
@@ -300,7 +264,8 @@ def simulate_disagg(
                 records[i].finish_ms = now
                 slots.free(request_id)
 
-    def route(i: int) -> None:
+    def arrive(k: int) -> None:
+        i = order[k]
         request = requests[i]
         began = time.perf_counter_ns()
         plan = policy.plan(request, fleet)
@@ -317,51 +282,21 @@ def simulate_disagg(
             models[plan.decode[0]].add_request(
                 request.request_id, request.input_tokens, request.output_tokens, request.local_hashes
             )
-            wake(plan.decode[0])
+            engines.wake(plan.decode[0])
             return
         record.prefill = plan.prefill[0]
         booked = policy.booked_overlap(request, plan.prefill, overlaps.get(plan.prefill, 0))
         slots.add_request(request.request_id + PREFILL_BOOKING, plan.prefill, hashes, request.input_tokens, booked)
         slots.add_request(request.request_id, plan.decode, hashes, request.input_tokens, len(request.local_hashes))
         models[plan.prefill[0]].add_request(request.request_id, request.input_tokens, 1, request.local_hashes)
-        wake(plan.prefill[0])
+        engines.wake(plan.prefill[0])
 
-    next_index = 0
-    while True:
-        next_arrival = arrivals[next_index] if next_index < len(arrivals) else math.inf
-        if heap and (heap[0][0], heap[0][1]) < (next_arrival, _ARRIVAL):
-            now, kind, _, worker, payload = heapq.heappop(heap)
-            fleet.now = now / 1000.0
-            if kind == _START:
-                start(worker, next_arrival)
-            elif kind == _ITERATION_END:
-                ends[worker] = math.inf
-                if isinstance(payload, Iteration):
-                    finish_iteration(worker, payload)
-                for i in landed[worker]:
-                    join_decode(i, worker)
-                landed[worker].clear()
-                push(now, _START, worker, None)
-            elif kind == _LANDED:
-                assert isinstance(payload, int)
-                landings[worker].remove(now)
-                if ends[worker] < math.inf:  # mid-iteration: it joins at the iteration's end
-                    landed[worker].append(payload)
-                else:
-                    join_decode(payload, worker)
-                    wake(worker)
-            else:
-                assert isinstance(payload, list)
-                for event in payload:
-                    index.apply_event(worker, event)
-        elif next_index < len(arrivals):
-            now = next_arrival
-            fleet.now = now / 1000.0
-            route(order[next_index])
-            next_index += 1
-        else:
-            break
-    return _result(policy, models, prefill_workers, requests, records, decision_us, (itl_values, itl_weights), moved)
+    def clock(seconds: float) -> None:
+        fleet.now = seconds
+
+    engines.run([requests[i].arrival * 1000.0 for i in order], arrive, ended, landed=landed, bound=bound, clock=clock)
+    itl = (engines.itl_values, engines.itl_weights)
+    return _result(policy, models, prefill_workers, requests, records, decision_us, itl, moved)
 
 
 def _result(

@@ -1,7 +1,8 @@
 """``simulate``: replay a trace through simulated engines under one routing policy, in virtual time.
 
-A deterministic discrete-event loop (``spec/routing-benchmark.md`` §2, §5). Each worker is a
-:class:`~kvrouter.worker.WorkerModel`, which knows iterations but no clock; this loop gives each
+A deterministic discrete-event loop (``spec/routing-benchmark.md`` §2, §5; the loop itself is
+``engines.py``'s, shared with the disaggregated simulator). Each worker is a
+:class:`~kvrouter.worker.WorkerModel`, which knows iterations but no clock; the loop gives each
 iteration its place in simulated time. Three things happen, in this order when simultaneous:
 
 1. **An iteration ends** (the worker decided it, with everything it did, when it started). Its first
@@ -34,7 +35,6 @@ no set of strings is iterated; ties in time are ordered by kind, then by the ord
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import random
@@ -43,23 +43,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..events.model import KvEvent, WorkerKey
+from ..events.model import WorkerKey
 from ..hashing import sequence_hashes
 from ..index import RadixIndex
 from ..routing import SlotManager
 from ..worker import Iteration, WorkerConfig, WorkerModel
+from .engines import Engines
 from .metrics import RunResult, imbalance, percentile, weighted_percentile
 from .policy import Cluster, Policy, Request
 
 __all__ = ["simulate"]
 
 log = logging.getLogger(__name__)
-
-_ITERATION_END = 0
-_DELIVERY = 1
-_ARRIVAL = 2
-_START = 3
-"""Event kinds, in the order they run when simultaneous."""
 
 
 @dataclass(slots=True)
@@ -112,9 +107,8 @@ def simulate(
     keys: tuple[WorkerKey, ...] = tuple((i, 0) for i in range(workers))
     models = [WorkerModel(i, config) for i in range(workers)]
     index = RadixIndex()
-    now = 0.0
-    """Simulated milliseconds."""
-    slots = SlotManager(block_size=block_size, clock=lambda: now / 1000.0)
+    engines = Engines(models, index, event_lag_ms)
+    slots = SlotManager(block_size=block_size, clock=lambda: engines.now / 1000.0)
     cluster = Cluster(
         workers=keys,
         index=index,
@@ -130,53 +124,13 @@ def simulate(
         raise ValueError("request ids must be unique within a run")
     records = [_Record() for _ in requests]
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
-    arrivals = [requests[i].arrival * 1000.0 for i in order]
     decision_us: list[float] = []
-    itl_values: list[float] = []
-    itl_weights: list[int] = []
-    kv_area = [0.0] * workers
-    busy = [False] * workers
-    heap: list[tuple[float, int, int, int, Iteration | list[KvEvent] | None]] = []
-    tiebreak = 0
 
-    def push(at: float, kind: int, worker: int, payload: Iteration | list[KvEvent] | None) -> None:
-        nonlocal tiebreak
-        heapq.heappush(heap, (at, kind, tiebreak, worker, payload))
-        tiebreak += 1
-
-    def apply(worker: int, events: list[KvEvent]) -> None:
-        for event in events:
-            index.apply_event(worker, event)
-
-    def start(worker: int, next_arrival: float) -> None:
-        model = models[worker]
-        if not model.has_work():
-            busy[worker] = False
+    def ended(worker: int, iteration: Iteration | None) -> None:
+        if iteration is None:
             return
-        if model.decode_only() and (skip := model.next_event_steps() - 1) > 0:
-            step_ms = model.decode_step_ms()
-            if next_arrival < math.inf:  # stop at the first iteration boundary at or after it
-                skip = min(skip, max(1, math.ceil((next_arrival - now) / step_ms)))
-            tokens = skip * model.num_decoding
-            duration = model.fast_forward(skip)
-            itl_values.append(step_ms)
-            itl_weights.append(tokens)
-            kv_area[worker] += model.kv.active_blocks * duration
-            push(now + duration, _ITERATION_END, worker, None)
-            return
-        iteration = model.step()
-        if iteration.decode_tokens:
-            itl_values.append(iteration.duration_ms)
-            itl_weights.append(iteration.decode_tokens)
-        kv_area[worker] += model.kv.active_blocks * iteration.duration_ms
-        push(now + iteration.duration_ms, _ITERATION_END, worker, iteration)
-
-    def finish_iteration(worker: int, iteration: Iteration) -> None:
-        if iteration.events:
-            if event_lag_ms:
-                push(now + event_lag_ms, _DELIVERY, worker, iteration.events)
-            else:
-                apply(worker, iteration.events)
+        engines.deliver(worker, iteration.events)
+        now = engines.now
         for request_id, reused in iteration.admitted:
             records[position[request_id]].reused_tokens = reused
         for request_id in iteration.first_tokens:
@@ -188,7 +142,8 @@ def simulate(
             slots.free(request_id)
             policy.finished(requests[i], keys[worker], cluster)
 
-    def route(i: int) -> None:
+    def arrive(k: int) -> None:
+        i = order[k]
         request = requests[i]
         began = time.perf_counter_ns()
         worker = policy.choose(request, cluster)
@@ -207,34 +162,23 @@ def simulate(
         models[worker[0]].add_request(
             request.request_id, request.input_tokens, request.output_tokens, request.local_hashes
         )
-        if not busy[worker[0]]:
-            busy[worker[0]] = True
-            push(now, _START, worker[0], None)
+        engines.wake(worker[0])
 
-    next_index = 0
-    while True:  # hot path: one pass per event
-        next_arrival = arrivals[next_index] if next_index < len(arrivals) else math.inf
-        if heap and (heap[0][0], heap[0][1]) < (next_arrival, _ARRIVAL):
-            now, kind, _, worker, payload = heapq.heappop(heap)
-            cluster.now = now / 1000.0
-            if kind == _START:
-                start(worker, next_arrival)
-            elif kind == _ITERATION_END:
-                if isinstance(payload, Iteration):
-                    finish_iteration(worker, payload)
-                push(now, _START, worker, None)
-            else:
-                assert isinstance(payload, list)
-                apply(worker, payload)
-        elif next_index < len(arrivals):
-            now = next_arrival
-            cluster.now = now / 1000.0
-            route(order[next_index])
-            next_index += 1
-        else:
-            break
+    def clock(seconds: float) -> None:
+        cluster.now = seconds
 
-    return _result(policy, workers, requests, records, models, decision_us, itl_values, itl_weights, kv_area)
+    engines.run([requests[i].arrival * 1000.0 for i in order], arrive, ended, clock=clock)
+    return _result(
+        policy,
+        workers,
+        requests,
+        records,
+        models,
+        decision_us,
+        engines.itl_values,
+        engines.itl_weights,
+        engines.kv_area,
+    )
 
 
 def _result(

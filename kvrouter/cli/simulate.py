@@ -253,8 +253,10 @@ def simulate(
         int,
         typer.Option(
             "--domains",
-            min=1,
             metavar="N",
+            envvar="KVROUTER_SIM_DOMAINS",
+            show_envvar=True,
+            min=1,
             help="Topology domains each pool is spread over in turn; a transfer across two is a slow one.",
             rich_help_panel=_DISAGG,
         ),
@@ -263,6 +265,9 @@ def simulate(
         int,
         typer.Option(
             "--kv-bytes-per-token",
+            metavar="B",
+            envvar="KVROUTER_SIM_KV_BYTES_PER_TOKEN",
+            show_envvar=True,
             min=1,
             help=r"KV bytes a token's cache takes (Llama-3-8B-like: 32 x 8 x 128 x 2 x 2). \[bytes]",
             rich_help_panel=_DISAGG,
@@ -272,6 +277,9 @@ def simulate(
         float,
         typer.Option(
             "--kv-transfer-gbps",
+            metavar="G",
+            envvar="KVROUTER_SIM_KV_TRANSFER_GBPS",
+            show_envvar=True,
             min=0.001,
             help=r"Transfer bandwidth between domains. \[Gbit/s]",
             rich_help_panel=_DISAGG,
@@ -281,6 +289,9 @@ def simulate(
         float,
         typer.Option(
             "--kv-transfer-gbps-local",
+            metavar="G",
+            envvar="KVROUTER_SIM_KV_TRANSFER_GBPS_LOCAL",
+            show_envvar=True,
             min=0.001,
             help=r"Transfer bandwidth inside one domain. \[Gbit/s]",
             rich_help_panel=_DISAGG,
@@ -290,6 +301,9 @@ def simulate(
         float,
         typer.Option(
             "--transfer-overhead-ms",
+            metavar="MS",
+            envvar="KVROUTER_SIM_TRANSFER_OVERHEAD_MS",
+            show_envvar=True,
             min=0.0,
             help=r"A transfer's fixed cost, before its bytes (an assumption: handshake and round trips). \[ms]",
             rich_help_panel=_DISAGG,
@@ -299,6 +313,9 @@ def simulate(
         int,
         typer.Option(
             "--disagg-max-local-prefill-tokens",
+            metavar="T",
+            envvar="KVROUTER_SIM_DISAGG_MAX_LOCAL_PREFILL_TOKENS",
+            show_envvar=True,
             min=0,
             help=r"kvrouter_disagg: the decode worker prefills a prompt it lacks at most this much of. \[tokens]",
             rich_help_panel=_DISAGG,
@@ -308,6 +325,9 @@ def simulate(
         int | None,
         typer.Option(
             "--disagg-prefill-busy-tokens",
+            metavar="T",
+            envvar="KVROUTER_SIM_DISAGG_PREFILL_BUSY_TOKENS",
+            show_envvar=True,
             min=0,
             help=r"kvrouter_disagg: prefill locally when every prefill worker has more queued. \[tokens]",
             show_default="off",

@@ -55,9 +55,8 @@ DEFAULT_KV_BYTES_PER_TOKEN: Final = 131_072
 DEFAULT_MAX_LOCAL_PREFILL_TOKENS: Final = 2048
 """Not 512, the first guess: 2,048 lowered the TTFT p90 of ``kvrouter_disagg`` on every run of
 ``tools/bench_disagg.py``'s grid and on five of six held-out ones (the sixth 0.2 % higher), with the ITL p90
-within 0.3 ms
-(``docs/routing-benchmark.md``, "Choosing the rule's defaults"). Below 4,096, so a fresh 4k prompt on an
-idle fleet is split."""
+within 0.3 ms (``docs/routing-benchmark.md``, "Choosing the rule's defaults"). Below 4,096, so a fresh 4k
+prompt on an idle fleet is split."""
 
 
 @dataclass(frozen=True, slots=True)

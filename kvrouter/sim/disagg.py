@@ -1,7 +1,8 @@
 """``simulate_disagg``: a trace through a disaggregated fleet, prefill workers and decode workers, in virtual time.
 
-The aggregated simulator's loop (``simulator.py``) with a second hop. A :class:`DisaggPolicy` answers each
-arrival with a :class:`Plan`: a decode worker and, when the request is split, a prefill worker.
+The engines' loop the aggregated simulator runs on (``engines.py``), with a second hop. A
+:class:`DisaggPolicy` answers each arrival with a :class:`Plan`: a decode worker and, when the request is
+split, a prefill worker.
 
 - **Split.** The prefill worker gets the prompt with one output token, as vLLM's proxy sends the prefill
   hop (``max_tokens`` 1). Its first token ends the hop; the decode worker then pulls the KV it lacks (the

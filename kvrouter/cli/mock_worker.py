@@ -7,7 +7,9 @@ bound the command prints one line to stdout and flushes it, for whoever started 
     kvrouter-mock-worker ready http=http://127.0.0.1:PORT events=tcp://127.0.0.1:P replay=tcp://127.0.0.1:R
 
 With ``--dp-size`` above 1, ``events`` and ``replay`` list one endpoint per rank, comma-separated
-(rank r on port + r, vLLM's rule); ``replay=none`` when there is no replay / query socket. SIGINT and
+(rank r on port + r, vLLM's rule); ``replay=none`` when there is no replay / query socket. A worker whose
+``--role`` is ``prefill`` or ``both`` adds ``transfer=HOST:PORT``, where decode engines pull its KV
+(``worker/kv_transfer.py``). SIGINT and
 SIGTERM stop the HTTP server and every engine thread and close their sockets; the exit status is 0.
 SIGUSR1 writes every thread's stack to stderr and changes nothing else: what a worker that does not stop
 is doing, for whoever is about to kill it (the tests do, before SIGKILL).
@@ -43,6 +45,7 @@ _POLL_S: Final = 0.1
 
 _ENGINE: Final = "Engine"
 _WIRE: Final = "Events"
+_DISAGG: Final = "Disaggregated serving"
 
 EPILOG: Final = (
     "Examples:\n\n"
@@ -51,12 +54,13 @@ EPILOG: Final = (
 )
 
 
-def ready_line(http: str, endpoints: list[tuple[str, str | None]]) -> str:
+def ready_line(http: str, endpoints: list[tuple[str, str | None]], transfer: str | None = None) -> str:
     """The line printed once everything is bound (see the module docstring)."""
     events = ",".join(events for events, _ in endpoints)
     replays = [replay for _, replay in endpoints]
     replay = ",".join(r for r in replays if r is not None) if all(replays) else "none"
-    return f"{READY} http={http} events={events} replay={replay}"
+    line = f"{READY} http={http} events={events} replay={replay}"
+    return line if transfer is None else f"{line} transfer={transfer}"
 
 
 def _kv_events_subject(namespace: str, component: str) -> str:
@@ -163,6 +167,49 @@ def mock_worker(
     dp_size: Annotated[
         int, typer.Option("--dp-size", min=1, help="Data-parallel ranks, one model each.", rich_help_panel=_ENGINE)
     ] = 1,
+    role: Annotated[
+        str,
+        typer.Option(
+            "--role",
+            help="prefill: answers a prefill hop (kv_transfer_params.do_remote_decode) and offers the prompt's KV; "
+            "decode: pulls it for a decode hop (do_remote_prefill); both: either. Every role serves whole requests.",
+            rich_help_panel=_DISAGG,
+        ),
+    ] = "both",
+    kv_bytes_per_token: Annotated[
+        int,
+        typer.Option(
+            "--kv-bytes-per-token",
+            min=1,
+            help="Modelled KV bytes of one token (paces transfers).",
+            rich_help_panel=_DISAGG,
+        ),
+    ] = 131_072,
+    kv_transfer_gbps: Annotated[
+        float,
+        typer.Option(
+            "--kv-transfer-gbps", min=0.001, help="Modelled link for KV pulls, Gbit/s.", rich_help_panel=_DISAGG
+        ),
+    ] = 25.0,
+    kv_transfer_port: Annotated[
+        int,
+        typer.Option(
+            "--kv-transfer-port",
+            min=0,
+            max=65535,
+            help="Where pulls are served; 0 picks a free one.",
+            rich_help_panel=_DISAGG,
+        ),
+    ] = 0,
+    kv_hold_secs: Annotated[
+        float,
+        typer.Option(
+            "--kv-hold-secs",
+            min=0.001,
+            help="How long an offered prompt's KV waits for its pull.",
+            rich_help_panel=_DISAGG,
+        ),
+    ] = 30.0,
     exit_with_parent: Annotated[
         bool,
         typer.Option(
@@ -190,6 +237,11 @@ def mock_worker(
         kv_events_sndbuf=kv_events_sndbuf,
         nats_url=nats_url,
         nats_subject=_kv_events_subject(namespace, component) if nats_url is not None else "",
+        role=role,  # type: ignore[arg-type]  # MockEngineConfig.validate names a bad one
+        kv_bytes_per_token=kv_bytes_per_token,
+        kv_transfer_gbps=kv_transfer_gbps,
+        kv_transfer_port=kv_transfer_port,
+        kv_hold_secs=kv_hold_secs,
     )
     # The handler runs in the main thread between two bytecodes, possibly inside the wait below. A
     # threading.Event there deadlocked: Event.wait holds its condition's lock while it wakes up, and the
@@ -220,7 +272,9 @@ def mock_worker(
                 )
                 http_thread.start()
                 try:
-                    print(ready_line(server.url, engine.endpoints), flush=True)
+                    transfers = engine.transfers
+                    transfer = None if transfers is None else f"{transfers.host}:{transfers.port}"
+                    print(ready_line(server.url, engine.endpoints, transfer), flush=True)
                     log.info("mock worker ready worker=%d url=%s dp_size=%d", worker_id, server.url, dp_size)
                     parent = os.getppid()
                     while not signals:

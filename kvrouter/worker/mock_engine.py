@@ -63,6 +63,7 @@ from ..errors import ConfigError, RequestFailed
 from ..events.model import U64_MAX, EngineHash, EventBatch, KvEvent, LocalHash, Removed, Stored, StoredBlock
 from ..hashing import block_hashes, sequence_hashes
 from .engine_publisher import DEFAULT_HWM, EnginePublisher
+from .kv_transfer import TransferServer
 from .publisher import KvPublisher
 from .scheduler import GENERATED_ID_BASE, WorkerConfig, WorkerModel, generated_block_id
 
@@ -141,6 +142,15 @@ class MockEngineConfig:
     JSON on ``nats_subject``, ``docs/nats-bridge.md`` "Events over NATS"); None = ZMQ only."""
     nats_subject: str = ""
     """The ``kv-events`` subject of the router's namespace and component."""
+    role: Literal["prefill", "decode", "both"] = "both"
+    """Disaggregated serving (``kv_transfer.py``): a prefill engine offers its prompts' KV after a prefill hop, a
+    decode engine pulls it before a decode hop; ``both`` does either, and every engine serves plain requests."""
+    kv_bytes_per_token: int = 131_072
+    kv_transfer_gbps: float = 25.0
+    kv_transfer_port: int = 0
+    """Where a prefill engine serves pulls; 0 = an ephemeral port."""
+    kv_hold_secs: float = 30.0
+    """How long an offered prompt's KV waits for its pull (wall seconds)."""
 
     def validate(self) -> None:
         """Raises ConfigError naming the first field out of range."""
@@ -157,6 +167,11 @@ class MockEngineConfig:
             (self.kv_events_sndbuf >= 0, "kv_events_sndbuf", ">= 0"),
             (self.nats_url is None or self.format == "kvrouter", "format", "'kvrouter' to publish on NATS"),
             (self.nats_url is None or bool(self.nats_subject), "nats_subject", "set with nats_url"),
+            (self.role in ("prefill", "decode", "both"), "role", "prefill, decode or both"),
+            (self.kv_bytes_per_token >= 1, "kv_bytes_per_token", ">= 1"),
+            (self.kv_transfer_gbps > 0, "kv_transfer_gbps", "> 0"),
+            (0 <= self.kv_transfer_port <= 65535, "kv_transfer_port", "in [0, 65535]"),
+            (self.kv_hold_secs > 0, "kv_hold_secs", "> 0"),
         )
         for ok, name, rule in checks:
             if not ok:
@@ -200,6 +215,8 @@ class Completion:
     ttft_ms: float | None = None
     finish_ms: float | None = None
     error: RequestFailed | None = None
+    received: tuple[int, ...] | None = None
+    """The prompt's block ids pulled from a prefill engine (a decode hop): stored before it is admitted."""
     updates: queue.SimpleQueue[Update] = field(default_factory=queue.SimpleQueue)
     """FIRST_TOKEN, then DONE or FAILED, pushed by the engine thread."""
 
@@ -514,6 +531,11 @@ class _Rank:
         size = self.config.block_size
         request.locals = block_hashes(request.prompt, size)
         request.ids = [h & _PROMPT_ID_MASK for h in sequence_hashes(request.locals)]
+        if request.received is not None and list(request.received) != request.ids:
+            request.fail(
+                RequestFailed("the pulled KV is another prompt's: its block ids differ from this prompt's", 502)
+            )
+            return
         serial = next(self._serials)
         request.serial = serial
         try:
@@ -530,6 +552,13 @@ class _Rank:
             entry = self._prompt_blocks.get(block)
             holder, at, count = entry if entry is not None else (request, index, 0)
             self._prompt_blocks[block] = (holder, at, count + 1)
+        if request.received is not None:  # the pulled KV is stored, and published, before the request runs
+            events = [self._translate(event) for event in self.model.receive(request.ids)]
+            if events:
+                if self._paused:
+                    self._held.append(events)
+                else:
+                    self._send(events)
 
     def _start_iteration(self) -> tuple[float, list[Completion], list[Completion], list[KvEvent]]:
         """Step the model once; returns the wall deadline, who got a first token, who finished, the events."""
@@ -704,9 +733,25 @@ class MockEngine:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._ranks: list[_Rank] = []
         self._next_rank = itertools.count()
+        self.transfers: TransferServer | None = None
+        """Where decode engines pull this prefill engine's KV (role prefill or both)."""
         try:
             for rank in range(config.dp_size):
                 self._ranks.append(_Rank(config, rank, self._context))
+            if config.role != "decode":
+                try:
+                    self.transfers = TransferServer(
+                        config.host,
+                        config.kv_transfer_port,
+                        kv_bytes_per_token=config.kv_bytes_per_token,
+                        gbps=config.kv_transfer_gbps,
+                        speedup=config.speedup_ratio,
+                        hold_secs=config.kv_hold_secs,
+                    )
+                except OSError as exc:
+                    raise ConfigError(
+                        f"mock engine: cannot serve KV pulls on {config.host}:{config.kv_transfer_port}: {exc}"
+                    ) from exc
         except BaseException:
             self.close()
             raise
@@ -731,6 +776,8 @@ class MockEngine:
 
     def close(self) -> None:
         """Stop every engine thread, close its sockets, fail what is still running."""
+        if self.transfers is not None:
+            self.transfers.close()
         stopped = [rank.stop() for rank in self._ranks]
         if all(stopped):
             self._context.term()
@@ -745,8 +792,11 @@ class MockEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def submit(self, prompt: array[int], max_tokens: int, dp_rank: int | None = None) -> Completion:
-        """Queue a completion; wait on its ``updates``. ``dp_rank`` None takes the ranks round robin.
+    def submit(
+        self, prompt: array[int], max_tokens: int, dp_rank: int | None = None, received: Sequence[int] | None = None
+    ) -> Completion:
+        """Queue a completion; wait on its ``updates``. ``dp_rank`` None takes the ranks round robin; ``received``:
+        the prompt's block ids a decode hop pulled (``kv_transfer.py``).
 
         Raises:
             RequestFailed: (400) a rank out of range or a request too large for the cache; (503)
@@ -765,6 +815,8 @@ class MockEngine:
             )
         target = self._ranks[rank]
         request = Completion(prompt, max_tokens, rank, target.now_ms())
+        if received is not None:
+            request.received = tuple(received)
         target.submit(request)
         return request
 

@@ -40,6 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Final
 
 from ..errors import RequestFailed
+from .kv_transfer import TransferFailed, pull
 from .mock_engine import Completion, MockEngine, Update
 
 __all__ = ["MAX_BODY_BYTES", "MockHttpServer"]
@@ -239,8 +240,28 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(stream, bool):
             raise _BadRequest(f"stream must be true or false, got {stream!r}")
         engine = self.server.engine
+        hop = _hop(body.get("kv_transfer_params"), engine.config.role)
+        if hop == "prefill" and stream:
+            raise _BadRequest("a prefill hop (kv_transfer_params.do_remote_decode) is answered whole: stream false")
+        received = None
+        if hop == "decode":
+            params = body["kv_transfer_params"]
+            try:
+                received = pull(
+                    str(params.get("remote_host")),
+                    int(params.get("remote_port")),
+                    str(params.get("remote_request_id")),
+                    timeout=self.server.request_timeout,
+                )
+            except (TypeError, ValueError) as exc:
+                raise _BadRequest(f"kv_transfer_params: remote_host, remote_port and remote_request_id: {exc}") from exc
+            except TransferFailed as exc:
+                raise RequestFailed(str(exc), 502) from exc
         request = engine.submit(
-            prompt, DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, _opt_int(body, "dp_rank", low=0)
+            prompt,
+            DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            _opt_int(body, "dp_rank", low=0),
+            received,
         )
         ident = f"cmpl-mock-{engine.config.worker_id}-{request.dp_rank}-{id(request):x}"
         created = int(time.time())
@@ -254,7 +275,26 @@ class _Handler(BaseHTTPRequestHandler):
         if update is Update.FAILED:
             assert request.error is not None
             raise request.error
-        self._json(200, _completion(request, ident, created, engine.config.worker_id, final=True))
+        answer = _completion(request, ident, created, engine.config.worker_id, final=True)
+        if hop == "prefill":
+            answer["kv_transfer_params"] = self._offer(request)
+        self._json(200, answer)
+
+    def _offer(self, request: Completion) -> dict[str, Any]:
+        """The prefill hop's answer: where the decode engine pulls the prompt's KV (vLLM's NixlConnector's
+        ``kv_transfer_params``, with ``remote_request_id`` naming the offer)."""
+        engine = self.server.engine
+        transfers = engine.transfers
+        assert transfers is not None  # a prefill hop needs role prefill or both
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": f"kvrouter-mock-{engine.config.worker_id}",
+            "remote_block_ids": list(request.ids),
+            "remote_host": transfers.host,
+            "remote_port": transfers.port,
+            "remote_request_id": transfers.offer(request.ids, len(request.prompt)),
+        }
 
     def _next(self, request: Completion) -> Update:
         try:
@@ -313,6 +353,26 @@ def _completion(
         }
         answer["kvrouter"]["finish_ms"] = request.finish_ms
     return answer
+
+
+def _hop(params: object, role: str) -> str | None:
+    """Which hop of a disaggregated request ``kv_transfer_params`` asks for: ``prefill`` (``do_remote_decode``),
+    ``decode`` (``do_remote_prefill``) or None (a whole request, which every role serves).
+
+    Raises:
+        _BadRequest: not an object, both flags, or a hop this worker's role does not take.
+    """
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise _BadRequest(f"kv_transfer_params must be an object, got {_describe(params)}")
+    prefill, decode = params.get("do_remote_decode") is True, params.get("do_remote_prefill") is True
+    if prefill and decode:
+        raise _BadRequest("kv_transfer_params: do_remote_decode and do_remote_prefill are both true")
+    hop = "prefill" if prefill else "decode" if decode else None
+    if hop is not None and role not in (hop, "both"):
+        raise _BadRequest(f"this worker's role is {role}: it does not take a {hop} hop")
+    return hop
 
 
 def _opt_int(body: dict[str, Any], name: str, *, low: int) -> int | None:

@@ -214,8 +214,9 @@ def up(ctx: typer.Context, **values: Any) -> None:
         specs, roles = _workers(ctx, values["workers"], values["block_size"])
         service_config = build(ServiceConfig, values, {"workers": tuple(specs), "worker_roles": tuple(roles)})
         demo: dict[str, Any] = {"first_worker_id": 1 + max((s.worker_id for s in specs), default=0)}
-        if values["mock_workers"] is None and specs:
-            demo["mock_workers"] = 0  # given workers, the demo starts no mock engine unless asked
+        disaggregated = values["mock_prefill_workers"] or values["mock_decode_workers"]
+        if values["mock_workers"] is None and (specs or disaggregated):
+            demo["mock_workers"] = 0  # given workers, or a disaggregated demo: no role-both engine unless asked
         demo_config = build(EmbeddedConfig, values, demo)
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -224,7 +225,7 @@ def up(ctx: typer.Context, **values: Any) -> None:
         return
     if service_config.exposed_without_auth:
         typer.echo(f"kvrouter up: warning: {service_config.host} is not loopback and no --auth-token is set", err=True)
-    raise typer.Exit(serve(service_config, demo_config if demo_config.mock_workers > 0 else None))
+    raise typer.Exit(serve(service_config, demo_config if demo_config.roles else None))
 
 
 def _parameter(option: Declared) -> inspect.Parameter:

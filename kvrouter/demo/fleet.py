@@ -81,7 +81,28 @@ class EmbeddedConfig:
             optional=True,
         ),
     )
-    """Unset, ``kvrouter up`` starts none when it is given workers, else this default."""
+    """Unset, ``kvrouter up`` starts none when it is given workers or a disaggregated demo, else this default."""
+    mock_prefill_workers: int = field(
+        default=0,
+        metadata=option(
+            "--mock-prefill-workers",
+            help="Mock engines of role prefill, for a disaggregated demo (with --mock-decode-workers; they replace "
+            "the default engines, and --mock-workers adds role both ones only when given).",
+            panel=Panel.DEMO,
+            min=0,
+            max=64,
+        ),
+    )
+    mock_decode_workers: int = field(
+        default=0,
+        metadata=option(
+            "--mock-decode-workers",
+            help="Mock engines of role decode, for a disaggregated demo.",
+            panel=Panel.DEMO,
+            min=0,
+            max=64,
+        ),
+    )
     block_size: int = field(default=16, metadata=shared("block_size"))
     num_gpu_blocks: int = field(
         default=4096,
@@ -109,6 +130,15 @@ class EmbeddedConfig:
     seed: int = field(default=0, metadata=option("--seed", help="Seed of the synthetic workload.", panel=Panel.DEMO))
     first_worker_id: int = field(default=1, metadata=derived("after the highest --workers id: mock ids never collide"))
     max_in_flight: int = 32
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """Each mock engine's role, in worker-id order: prefill, then decode, then both."""
+        return (
+            ("prefill",) * self.mock_prefill_workers
+            + ("decode",) * self.mock_decode_workers
+            + ("both",) * self.mock_workers
+        )
 
 
 @dataclass(slots=True)
@@ -172,6 +202,8 @@ class Embedded:
         self._client: Client | None = None
         self._engines: dict[str, Client] = {}
         """A client per engine endpoint, for its streamed ``/v1/completions``."""
+        self._roles: dict[int, str] = {}
+        """Each mock engine's role by worker id (``EmbeddedConfig.roles``)."""
         self._stopped = False
         self.url = ""
 
@@ -190,13 +222,20 @@ class Embedded:
         """
         self.url = url
         cfg = self.config
-        self.print(f"kvrouter up: starting {cfg.mock_workers} mock engines (block size {cfg.block_size}, "
+        roles = cfg.roles
+        self.print(f"kvrouter up: starting {len(roles)} mock engines (block size {cfg.block_size}, "
                    f"{cfg.num_gpu_blocks} blocks each)...")  # fmt: skip
-        ids = range(cfg.first_worker_id, cfg.first_worker_id + cfg.mock_workers)
+        self._roles = dict(zip(range(cfg.first_worker_id, cfg.first_worker_id + len(roles)), roles, strict=True))
         await asyncio.gather(
             *(
-                start_mock(worker_id, self.mocks, block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks)
-                for worker_id in ids
+                start_mock(
+                    worker_id,
+                    self.mocks,
+                    block_size=cfg.block_size,
+                    num_gpu_blocks=cfg.num_gpu_blocks,
+                    extra_args=("--role", role),
+                )
+                for worker_id, role in self._roles.items()
             )
         )
         self._client = client = Client(url, timeout=HTTP_TIMEOUT_S)
@@ -212,6 +251,7 @@ class Embedded:
                 "block_size": cfg.block_size,
                 "dp_rank": 0,
                 "total_kv_blocks": cfg.num_gpu_blocks,
+                "role": self._roles[mock.worker_id],
             }
             try:
                 await client.register(**body)
@@ -231,7 +271,10 @@ class Embedded:
         cfg, url = self.config, self.url
         sample = self.workload.system_prompts[0][: 2 * cfg.block_size]
         select = orjson.dumps({"model_name": cfg.model_name, "token_ids": sample, "explain": True}).decode()
-        workers = ", ".join(f"{m.worker_id}={m.http}" for m in self.mocks)
+        workers = ", ".join(
+            f"{m.worker_id}={m.http}" + ("" if self._roles[m.worker_id] == "both" else f" ({self._roles[m.worker_id]})")
+            for m in self.mocks
+        )
         client = (f"a client sends ~{cfg.client_rate:g} requests/s of multi-turn chat with shared system prompts"
                   if cfg.client_rate > 0 else "no client (--client-rate 0)")  # fmt: skip
         return "\n".join([

@@ -208,6 +208,26 @@ def test_up_routes_the_demo_workload_and_stops_cleanly_on_sigterm(start_up, shm_
     stop_and_check(up, signal.SIGTERM, shm_entries)
 
 
+def test_a_disaggregated_demo_registers_its_roles_and_routes_to_the_decode_workers(start_up, shm_entries):
+    """--mock-prefill-workers 1 --mock-decode-workers 2 replace the four role-both engines; until requests are split
+    over two workers (issue 35), the client's whole requests go to the decode workers, never the prefill one."""
+    up = start_up(
+        "--mock-prefill-workers", "1", "--mock-decode-workers", "2", "--shards", "1", "--status-secs", "1",
+        "--client-rate", "6",
+    )  # fmt: skip
+    url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
+    up.expect(re.compile(r"Ctrl-C stops everything"), START_TIMEOUT_S)
+    assert any("1=http" in line and "(prefill)" in line for line in up.seen)
+    status, workers = get(url + "/workers")
+    assert status == 200
+    assert {row["instance_id"]: row["role"] for row in workers} == {1: "prefill", 2: "decode", 3: "decode"}
+    decided = up.expect(STATUS_LINE, START_TIMEOUT_S, accept=lambda m: int(m[1]) >= 5)
+    assert int(decided[2]) == 0, up.seen  # no request of the client failed
+    status, ring = get(url + "/decisions?since=0")
+    assert {d["worker_id"] for d in ring["decisions"]} <= {2, 3}
+    stop_and_check(up, signal.SIGTERM, shm_entries)
+
+
 def test_a_sigterm_to_the_whole_process_group_is_one_clean_stop(start_up, shm_entries):
     """systemd's default stop (``KillMode=control-group``) and ``kill -TERM -- -<pgid>`` signal every process
     at once. The appliers and the fork server leave their stop to the supervisor, as they do Ctrl-C's

@@ -167,6 +167,10 @@ def test_workers_parse_the_reference_syntax_and_turn_the_demo_off(runner):
     assert resolved["embedded"]["mock_workers"] == 0
     both = resolve(runner, "--workers", "3=tcp://127.0.0.1:5557", "--mock-workers", "2")["embedded"]
     assert (both["mock_workers"], both["first_worker_id"]) == (2, 4)  # mock ids after the given ones
+    pd = resolve(runner, "--mock-prefill-workers", "1", "--mock-decode-workers", "2")["embedded"]
+    assert (pd["mock_workers"], pd["mock_prefill_workers"], pd["mock_decode_workers"]) == (0, 1, 2)
+    mixed = resolve(runner, "--mock-prefill-workers", "1", "--mock-workers", "2")["embedded"]
+    assert (mixed["mock_workers"], mixed["mock_prefill_workers"]) == (2, 1)  # both engines only when given
 
 
 def test_config_file_workers_carry_replay_endpoints_and_the_flag_replaces_them(runner, tmp_path):

@@ -89,6 +89,7 @@ class Panel(enum.StrEnum):
     SERVER = "Server"
     WORKERS = "Workers"
     COST = "Routing cost"
+    DISAGG = "Disaggregated serving (workers of role prefill and decode)"
     EVENTS = "KV events"
     OVERLOAD = "Overload"
     PROXY = "Proxy and sessions (POST /v1/completions)"

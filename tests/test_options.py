@@ -28,6 +28,7 @@ from kvrouter.demo import EmbeddedConfig
 from kvrouter.options import Declared, Panel, build, declared, kind, option, shared
 from kvrouter.plane.config import PlaneConfig
 from kvrouter.routing.config import KVROUTER_CONFIG, RouterConfig
+from kvrouter.routing.disagg import DisaggConfig
 from kvrouter.service.core.config import ServiceConfig
 
 OWN = frozenset({"config", "print_config", "help"})
@@ -49,7 +50,11 @@ NOT_OPTIONS = {
 }
 """Fields of the configs ``kvrouter up`` builds that no option sets, each with its reason."""
 
-NESTED = {"ServiceConfig.router": RouterConfig, "ServiceConfig.plane": PlaneConfig}
+NESTED = {
+    "ServiceConfig.router": RouterConfig,
+    "ServiceConfig.plane": PlaneConfig,
+    "ServiceConfig.disagg": DisaggConfig,
+}
 """Fields holding a config whose own fields declare options."""
 
 SAMPLES: dict[str, Any] = {"shadow_policy": "round_robin", "workers": "1=tcp://127.0.0.1:5557"}
@@ -183,7 +188,7 @@ def test_defaults_are_the_fields_and_router_flags_start_from_kvrouters_tuning():
 
 
 def test_every_field_of_the_configs_up_builds_is_declared_or_listed():
-    reachable = (ServiceConfig, RouterConfig, PlaneConfig, EmbeddedConfig)
+    reachable = (ServiceConfig, RouterConfig, PlaneConfig, DisaggConfig, EmbeddedConfig)
     assert {d.owner for d in OPTIONS} == set(reachable)
     options = {f"{d.owner.__name__}.{d.field}" for d in OPTIONS}
     assert len(options) == len(OPTIONS)  # one declaration per field

@@ -30,23 +30,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import ConfigError
 from ..events.model import StorageTier, WorkerKey
+from ..options import Panel, option
 from .router import OverlapSource, Router, Selection
+from .slots import SlotManager
 
 __all__ = [
     "DEFAULT_KV_BYTES_PER_TOKEN",
     "DEFAULT_MAX_LOCAL_PREFILL_TOKENS",
+    "PREFILL_BOOKING",
+    "DisaggConfig",
     "Link",
+    "Select",
     "Split",
     "choose_decode",
     "decode_costs",
     "local_prefill_reason",
+    "router_select",
     "select_split",
 ]
 
@@ -93,6 +100,68 @@ class Link:
         if tokens <= 0:
             return 0.0
         return self.overhead_ms + self.bytes(tokens) * 8 / ((self.gbps_local if local else self.gbps) * 1e9) * 1e3
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    """``kvrouter up``'s options for disaggregated partitions: the link (rule 2) and when not to split (rule 3).
+
+    Raises:
+        ConfigError: a bandwidth or byte count that is not positive, or a negative token bound.
+    """
+
+    kv_bytes_per_token: int = field(
+        default=DEFAULT_KV_BYTES_PER_TOKEN,
+        metadata=option(
+            "--kv-bytes-per-token",
+            help="[bytes] KV one token takes; the default is a Llama-3-8B-like shape (32 x 8 x 128 x 2 x 2).",
+            panel=Panel.DISAGG,
+            min=1,
+        ),
+    )
+    kv_transfer_gbps: float = field(
+        default=25.0,
+        metadata=option(
+            "--kv-transfer-gbps", help="[Gbit/s] KV transfer bandwidth between topology domains.", panel=Panel.DISAGG
+        ),
+    )
+    kv_transfer_gbps_local: float = field(
+        default=200.0,
+        metadata=option(
+            "--kv-transfer-gbps-local", help="[Gbit/s] KV transfer bandwidth inside one domain.", panel=Panel.DISAGG
+        ),
+    )
+    max_local_prefill_tokens: int = field(
+        default=DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+        metadata=option(
+            "--disagg-max-local-prefill-tokens",
+            help="[tokens] The decode worker prefills a prompt it lacks at most this much of, unsplit.",
+            panel=Panel.DISAGG,
+            min=0,
+        ),
+    )
+    prefill_busy_tokens: int | None = field(
+        default=None,
+        metadata=option(
+            "--disagg-prefill-busy-tokens",
+            help="[tokens] Prefill on the decode worker when every prefill worker has more than this queued.",
+            panel=Panel.DISAGG,
+            min=0,
+            show_default="off",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token < 1 or not self.kv_transfer_gbps > 0 or not self.kv_transfer_gbps_local > 0:
+            raise ConfigError(
+                "DisaggConfig: kv_bytes_per_token, kv_transfer_gbps and kv_transfer_gbps_local must be > 0"
+            )
+        if self.max_local_prefill_tokens < 0 or (self.prefill_busy_tokens is not None and self.prefill_busy_tokens < 0):
+            raise ConfigError("DisaggConfig: token bounds must be >= 0")
+
+    @property
+    def link(self) -> Link:
+        return Link(self.kv_bytes_per_token, self.kv_transfer_gbps, self.kv_transfer_gbps_local)
 
 
 def decode_costs(
@@ -144,6 +213,15 @@ def local_prefill_reason(
     return None
 
 
+PREFILL_BOOKING: Final = "#prefill"
+"""A split request's prefill hop is booked on its prefill worker as ``<id>#prefill`` beside the request's own
+id on its decode worker: two ordinary bookings, so the slot manager, the replica sync and the recording need
+nothing new."""
+
+Select = Callable[[Sequence[WorkerKey], "str | None"], Selection]
+"""``router.select`` among the given workers for one prompt, booking it under the id when one is given."""
+
+
 @dataclass(frozen=True, slots=True)
 class Split:
     """A disaggregated decision: the decode worker's selection, and the prefill worker's when the request is split."""
@@ -157,8 +235,10 @@ class Split:
 
 
 def select_split(
-    router: Router,
+    select: Select,
     index: OverlapSource,
+    slots: SlotManager,
+    block_size: int,
     prefill_workers: Sequence[WorkerKey],
     decode_workers: Sequence[WorkerKey],
     *,
@@ -167,40 +247,65 @@ def select_split(
     factor: Callable[[WorkerKey, WorkerKey], float],
     max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     prefill_busy_tokens: int | None = None,
-    capacities: Mapping[WorkerKey, int] | None = None,
-    explain: bool = False,
+    book: str | None = None,
 ) -> Split:
-    """Both choices of one request and the rule between them (rules 1-3), on ``router``'s loads.
+    """Both choices of one request and the rule between them (rules 1-3), on ``slots``' loads.
 
-    The prefill choice is ``router.select`` among ``prefill_workers``; the decode worker is the cheapest by
-    :func:`decode_costs` (its overlap from ``index``'s device tier, its load from ``router.slots``, ``factor``
-    between the chosen prefill worker and it), and its selection is ``router.select`` on it alone, so that
-    its overlap, cost terms and explanation are the ones a booking and an answer need. Books nothing.
-
-    Args:
-        factor: :meth:`Link.factor` between a prefill and a decode worker (by their topology domains).
+    The prefill choice is ``select`` among ``prefill_workers`` (booking nothing); the decode worker is the
+    cheapest by :func:`decode_costs` (its overlap from ``index``'s device tier, its load from ``slots``,
+    ``factor`` between the chosen prefill worker and it); its selection is ``select`` on it alone, so that its
+    overlap, cost terms and explanation are the ones a booking and an answer need. With ``book``, a split
+    request's prefill is booked on its prefill worker (``select`` on it alone, under ``book`` +
+    :data:`PREFILL_BOOKING`) and the request on its decode worker under ``book``; an unsplit one on its
+    decode worker only. Without ``prefill_workers`` (none healthy) the request is not split.
     """
+    if not prefill_workers:  # a whole request: today's decision among the decode-capable workers
+        alone = "no_prefill_worker: no schedulable worker of role prefill or both"
+        return Split(select(decode_workers, book), None, alone, ())
+    prefill = select(prefill_workers, None)
     local: Any = local_hashes
-    prefill = router.select(
-        index, prefill_workers, local_hashes=local, isl_tokens=isl_tokens, capacities=capacities, explain=explain
-    )
     device = index.find_matches_by_tier(list(map(int, local)))[StorageTier.DEVICE]
-    slots = router.slots
     costs = decode_costs(
         decode_workers,
-        math.ceil(isl_tokens / router.block_size),
+        math.ceil(isl_tokens / block_size),
         device,
         {key: slots.active_blocks(key) for key in decode_workers},
         {key: factor(prefill.worker, key) for key in decode_workers},
     )
     chosen = choose_decode(costs, decode_workers)
     reason = local_prefill_reason(
-        isl_tokens - device.get(chosen, 0) * router.block_size,
+        isl_tokens - device.get(chosen, 0) * block_size,
         (slots.active_prefill_tokens(key) for key in prefill_workers),
         max_local_prefill_tokens=max_local_prefill_tokens,
         prefill_busy_tokens=prefill_busy_tokens,
     )
-    decode = router.select(
-        index, (chosen,), local_hashes=local, isl_tokens=isl_tokens, capacities=capacities, explain=explain
-    )
+    if reason is None and book is not None:
+        prefill = select((prefill.worker,), book + PREFILL_BOOKING)
+    decode = select((chosen,), book)
     return Split(decode, None if reason else prefill, reason, tuple(costs))
+
+
+def router_select(
+    router: Router,
+    index: OverlapSource,
+    local_hashes: Sequence[int] | npt.NDArray[np.uint64],
+    isl_tokens: int,
+    *,
+    capacities: Mapping[WorkerKey, int] | None = None,
+    explain: bool = False,
+) -> Select:
+    """:data:`Select` on ``router`` for one prompt (the simulator's; the service records each call too)."""
+    local: Any = local_hashes
+
+    def select(workers: Sequence[WorkerKey], request_id: str | None) -> Selection:
+        return router.select(
+            index,
+            workers,
+            local_hashes=local,
+            isl_tokens=isl_tokens,
+            capacities=capacities,
+            request_id=request_id,
+            explain=explain,
+        )
+
+    return select

@@ -40,7 +40,7 @@ from ..events.model import WorkerKey
 from ..hashing import sequence_hashes
 from ..index import RadixIndex
 from ..routing import SlotManager
-from ..routing.disagg import Link
+from ..routing.disagg import PREFILL_BOOKING, Link
 from ..worker import Iteration, WorkerConfig, WorkerModel
 from .engines import LANDED, Engines
 from .metrics import imbalance, percentile, weighted_percentile
@@ -50,8 +50,6 @@ __all__ = ["DEFAULT_OVERHEAD_MS", "DisaggPolicy", "DisaggResult", "Fleet", "Plan
 
 DEFAULT_OVERHEAD_MS = 2.0
 """A transfer's fixed cost in the simulator (an assumption; see the module docstring)."""
-PREFILL_BOOKING = "#prefill"
-"""The suffix of a split request's prefill booking in the slot manager."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvrouter.events.model import EngineHash, LocalHash, Stored, StoredBlock
@@ -13,9 +15,11 @@ from kvrouter.routing.config import KVROUTER_CONFIG
 from kvrouter.routing.disagg import (
     DEFAULT_KV_BYTES_PER_TOKEN,
     Link,
+    Split,
     choose_decode,
     decode_costs,
     local_prefill_reason,
+    router_select,
     select_split,
 )
 
@@ -96,9 +100,13 @@ def test_select_split_makes_both_choices_as_the_rules_say():
     router = Router(KVROUTER_CONFIG, block_size=512, slots=slots, seed=0)
     prefill, decode = [(0, 0), (1, 0)], [(2, 0), (3, 0)]
 
-    split = select_split(
-        router, index, prefill, decode, local_hashes=prompt, isl_tokens=10 * 512, factor=lambda p, d: 1.0
-    )
+    def split_of(hashes: list[int], isl: int, factor: Any, book: str | None = None) -> Split:
+        select = router_select(router, index, hashes, isl)
+        return select_split(
+            select, index, slots, 512, prefill, decode, local_hashes=hashes, isl_tokens=isl, factor=factor, book=book
+        )
+
+    split = split_of(prompt, 10 * 512, lambda p, d: 1.0)
     assert split.prefill is not None
     assert split.prefill.worker == (1, 0)  # the most overlap among idle prefill workers
     assert split.decode_costs == (0 + 10 * 1.0, 12 + 6 * 1.0)
@@ -106,29 +114,24 @@ def test_select_split_makes_both_choices_as_the_rules_say():
     assert split.reason is None  # 5,120 uncached tokens on worker 2: split
 
     # across a slow link from worker 1 (factor 8 to worker 2), the 4 blocks worker 3 holds pay for its load
-    split = select_split(
-        router,
-        index,
-        prefill,
-        decode,
-        local_hashes=prompt,
-        isl_tokens=10 * 512,
-        factor=lambda p, d: 8.0 if d == (2, 0) else 1.0,
-    )
+    split = split_of(prompt, 10 * 512, lambda p, d: 8.0 if d == (2, 0) else 1.0)
     assert split.decode_costs == (80.0, 18.0)
     assert (split.decode.worker, split.decode.overlap_blocks) == ((3, 0), 4)
 
     # a decode worker lacking at most the bound prefills locally: no prefill selection
-    split = select_split(
-        router,
-        index,
-        prefill,
-        decode,
-        local_hashes=prompt[:4],
-        isl_tokens=4 * 512 + 100,
-        factor=lambda p, d: 8.0,
-    )
+    split = split_of(prompt[:4], 4 * 512 + 100, lambda p, d: 8.0)
     assert split.prefill is None
     assert split.decode.worker == (3, 0)
     assert str(split.reason).startswith("short_prefill: 100 uncached tokens")
     assert slots.active_requests((2, 0)) == slots.active_requests((1, 0)) == 0  # books nothing
+
+    # booked: a split request's prefill on its prefill worker, the request on its decode worker
+    split = split_of(prompt, 10 * 512, lambda p, d: 1.0, book="r1")
+    assert split.prefill is not None
+    assert slots.booked("r1#prefill").worker == split.prefill.worker == (1, 0)  # type: ignore[union-attr]
+    assert slots.booked("r1").worker == split.decode.worker == (2, 0)  # type: ignore[union-attr]
+    lone = select_split(
+        router_select(router, index, prompt, 10 * 512), index, slots, 512, [], decode,
+        local_hashes=prompt, isl_tokens=10 * 512, factor=lambda p, d: 1.0,
+    )  # fmt: skip
+    assert (lone.prefill, lone.reason) == (None, "no_prefill_worker: no schedulable worker of role prefill or both")

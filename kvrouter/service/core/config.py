@@ -22,6 +22,7 @@ from ...options import Panel, derived, option
 from ...plane.config import PlaneConfig
 from ...plane.registry import WorkerSpec
 from ...routing.config import KVROUTER_CONFIG, RouterConfig
+from ...routing.disagg import DisaggConfig
 from ...routing.roles import DEFAULT_ROLE, ROLES, Role
 from ...routing.slots import DEFAULT_EXPIRY_SECS
 from ...sim.policies import POLICIES
@@ -308,6 +309,8 @@ class ServiceConfig:
     options (``--router-*``) are declared on ``RouterConfig`` and start from this default."""
     plane: PlaneConfig = field(default_factory=PlaneConfig)
     """The event plane's timers (``stale_after``, recovery timeout) for every registered worker."""
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    """Disaggregated partitions' link and split rule (``routing/disagg.py``); its options are declared there."""
     overload_status: int = field(
         default=529,
         metadata=option(

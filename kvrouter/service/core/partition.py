@@ -29,7 +29,7 @@ from ...events.model import WorkerKey
 from ...index import ApproxIndex
 from ...plane.registry import Format, WorkerSpec
 from ...routing.config import RouterConfig
-from ...routing.roles import DEFAULT_ROLE, Role, decodes
+from ...routing.roles import DEFAULT_ROLE, Role, decodes, prefills
 from ...routing.router import Router
 from ...routing.slots import DEFAULT_EXPIRY_SECS, SlotManager
 
@@ -157,6 +157,10 @@ class Partition:
         self.candidates: tuple[WorkerKey, ...] = ()
         """The keys a whole request may go to (``schedulable`` ones that decode), one tuple object until the
         next change (see the module docstring)."""
+        self.prefill_candidates: tuple[WorkerKey, ...] = ()
+        """The ``schedulable`` keys that may take a split request's prefill hop (role prefill or both)."""
+        self.disaggregated = False
+        """A worker of role prefill is active beside a decode-capable one: requests may be split."""
         self.capacities: dict[WorkerKey, int] | None = None
         self.trust: Mapping[WorkerKey, str] = {}
         """Each worker's trust state (the service's ``trust.py``, shared), for explanations."""
@@ -181,6 +185,9 @@ class Partition:
         self.schedulable = tuple(key for key in keys_of(active) if key not in self.unhealthy)
         decoders = keys_of(instance for instance in active if decodes(instance.role))
         self.candidates = tuple(key for key in decoders if key not in self.unhealthy)
+        prefillers = keys_of(instance for instance in active if prefills(instance.role))
+        self.prefill_candidates = tuple(key for key in prefillers if key not in self.unhealthy)
+        self.disaggregated = any(instance.role == "prefill" for instance in active) and bool(decoders)
         capacities = {
             (iid, rank): inst.total_kv_blocks
             for iid, inst in self.instances.items()

@@ -20,7 +20,7 @@ from ...errors import ConfigError
 from ...events.model import WorkerKey
 from ...routing import RouterConfig
 from ...routing.config import KVROUTER_CONFIG
-from ...routing.disagg import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, Split, select_split
+from ...routing.disagg import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, Split, router_select, select_split
 from ...routing.router import Router
 from ..disagg import DisaggPolicy, Fleet, Plan
 from ..policy import Request
@@ -80,8 +80,10 @@ class KvrouterDisaggPolicy(DisaggPolicy):
                 KVROUTER_CONFIG, block_size=fleet.block_size, seed=self.seed, clock=still_clock, slots=fleet.slots
             )
         split = select_split(
-            router,
+            router_select(router, fleet.index, request.local_hashes, request.input_tokens),
             fleet.index,
+            fleet.slots,
+            fleet.block_size,
             fleet.prefill,
             fleet.decode,
             local_hashes=request.local_hashes,

@@ -13,10 +13,10 @@ Rules:
    reused, as vLLM's decode side pulls only what it lacks), and ``link`` is how much slower than a
    transfer inside ``w``'s topology domain the transfer from the prefill worker is: 1 inside one domain,
    ``gbps_local / gbps`` across (8 with the defaults). Lowest cost wins; ties go to the earlier worker.
-3. **The decode worker prefills locally** when the prompt's part it lacks is at most
-   ``max_local_prefill_tokens`` (a transfer's fixed cost and a second hop's latency buy nothing for a
-   short prefill), or when every prefill worker has more than ``prefill_busy_tokens`` queued (a
-   congested prefill pool; None: never). Otherwise the request is split.
+3. **The decode worker prefills locally** when it is the prefill choice too (a ``both`` worker), when the
+   prompt's part it lacks is at most ``max_local_prefill_tokens`` (a transfer's fixed cost and a second
+   hop's latency buy nothing for a short prefill), or when every prefill worker has more than
+   ``prefill_busy_tokens`` queued (a congested prefill pool; None: never). Otherwise the request is split.
 
 Why this decode cost: both terms are blocks the decode worker will hold. The request's own blocks become
 active decode blocks on whichever worker decodes it, so the blocks it already caches are the ones that
@@ -46,6 +46,7 @@ __all__ = [
     "DEFAULT_KV_BYTES_PER_TOKEN",
     "DEFAULT_MAX_LOCAL_PREFILL_TOKENS",
     "PREFILL_BOOKING",
+    "SAME_WORKER",
     "DisaggConfig",
     "Link",
     "Select",
@@ -218,6 +219,9 @@ PREFILL_BOOKING: Final = "#prefill"
 id on its decode worker: two ordinary bookings, so the slot manager, the replica sync and the recording need
 nothing new."""
 
+SAME_WORKER: Final = "same_worker: the prefill choice is the decode worker (a worker of role both)"
+"""Why a request whose two choices are one worker is not split: there is nothing to transfer."""
+
 Select = Callable[[Sequence[WorkerKey], "str | None"], Selection]
 """``router.select`` among the given workers for one prompt, booking it under the id when one is given."""
 
@@ -230,8 +234,8 @@ class Split:
     prefill: Selection | None
     """None: the decode worker prefills the request itself (``reason`` says why)."""
     reason: str | None
-    decode_costs: tuple[float, ...]
-    """Every decode candidate's rule-2 cost, in the order given."""
+    decode_costs: tuple[tuple[WorkerKey, float], ...]
+    """Every decode candidate with its rule-2 cost, in the order given (none when nothing was split)."""
 
 
 def select_split(
@@ -273,16 +277,20 @@ def select_split(
         {key: factor(prefill.worker, key) for key in decode_workers},
     )
     chosen = choose_decode(costs, decode_workers)
-    reason = local_prefill_reason(
-        isl_tokens - device.get(chosen, 0) * block_size,
-        (slots.active_prefill_tokens(key) for key in prefill_workers),
-        max_local_prefill_tokens=max_local_prefill_tokens,
-        prefill_busy_tokens=prefill_busy_tokens,
+    reason = (
+        SAME_WORKER
+        if chosen == prefill.worker
+        else local_prefill_reason(
+            isl_tokens - device.get(chosen, 0) * block_size,
+            (slots.active_prefill_tokens(key) for key in prefill_workers),
+            max_local_prefill_tokens=max_local_prefill_tokens,
+            prefill_busy_tokens=prefill_busy_tokens,
+        )
     )
-    if reason is None and book is not None:
-        prefill = select((prefill.worker,), book + PREFILL_BOOKING)
+    if reason is None and book is not None:  # booked alone on it; the choice among all stays the answer
+        select((prefill.worker,), book + PREFILL_BOOKING)
     decode = select((chosen,), book)
-    return Split(decode, None if reason else prefill, reason, tuple(costs))
+    return Split(decode, None if reason else prefill, reason, tuple(zip(decode_workers, costs, strict=True)))
 
 
 def router_select(

@@ -361,8 +361,9 @@ def test_an_approximate_mode_recording_replays_on_an_approx_index(tmp_path):
 
 
 def test_roles_are_recorded_and_a_fleet_with_a_prefill_worker_replays(tmp_path):
-    """A prefill worker is never a candidate, so its decisions replay as recorded; its ``reg`` record keeps its
-    role and domain (a ``both`` worker's keeps the fields recordings had before roles)."""
+    """A disaggregated partition's decisions replay as recorded, each request's two router calls (the prefill
+    choice, then the decode worker's) in order; a ``reg`` record keeps its role and domain (a ``both``
+    worker's keeps the fields recordings had before roles)."""
     path = tmp_path / "roles.kvr"
     config = ServiceConfig(
         port=0, shards=1, router=RouterConfig(use_kv_events=False, router_ttl_secs=60), record=str(path), router_seed=7
@@ -387,8 +388,46 @@ def test_roles_are_recorded_and_a_fleet_with_a_prefill_worker_replays(tmp_path):
     recording = read_recording(path, allow_open=False)
     registered = {r["w"]: (r.get("role"), r.get("dom")) for r in recording.records if r["k"] == "reg"}
     assert registered == {1: ("prefill", "rack-a"), 2: ("decode", None), 3: (None, None)}
+    assert {answer["split"] for _, answer in answers[3:]} == {False}  # short prompts: prefilled where decoded
     report = replay_recording(recording)
-    assert (report.decisions, report.matched) == (8, 8), report.differences
+    assert (report.decisions, report.matched) == (16, 16), report.differences  # each: the prefill choice, the decode
+
+
+def test_split_reservations_are_recorded_and_replay_with_both_bookings(tmp_path):
+    """Each split reservation is three router calls (the prefill choice, its booking as ``<id>#prefill``, the
+    decode worker's booking), then its first token and end: every call replays as recorded, in order."""
+    path = tmp_path / "split.kvr"
+    config = ServiceConfig(
+        port=0, shards=1, router=RouterConfig(use_kv_events=False, router_ttl_secs=60), record=str(path), router_seed=9
+    )
+    service = Service(config)
+    assert service.recording is not None
+    steps: list[tuple[str, str, Any]] = [
+        ("POST", "/register", {"instance_id": wid, "model_name": MODEL, "block_size": BLOCK, "role": role})
+        for wid, role in ((1, "prefill"), (2, "prefill"), (3, "decode"), (4, "decode"))
+    ]
+    rng = random.Random(9)
+    for i in range(6):
+        prompt = [rng.randrange(1, 30_000) for _ in range(300 * BLOCK)]  # 4,800 tokens: split
+        steps.append(
+            ("POST", "/select_and_reserve", {"model_name": MODEL, "token_ids": prompt, "selection_id": f"s{i}"})
+        )
+        steps.append(("POST", f"/reservations/s{i}/prefill_complete", {}))
+        if i % 2:
+            steps.append(("DELETE", f"/reservations/s{i}", None))
+    service.recording.open()
+    try:
+        answers = asyncio.run(_exchange(service, steps))
+    finally:
+        service.recording.close(evicted=0)
+    assert all(status in (200, 201) for status, _ in answers), answers
+    splits = [answer for _, answer in answers if isinstance(answer, dict) and "split" in answer]
+    assert [answer["split"] for answer in splits] == [True] * 6
+    recording = read_recording(path, allow_open=False)
+    booked = sorted({r["id"] for r in recording.records if r["k"] == "dec" and r.get("id")})
+    assert booked == sorted([f"s{i}" for i in range(6)] + [f"s{i}#prefill" for i in range(6)])
+    report = replay_recording(recording)
+    assert (report.decisions, report.matched) == (18, 18), report.differences
 
 
 async def _exchange(service: Service, steps: list[tuple[str, str, Any]]) -> list[tuple[int, Any]]:

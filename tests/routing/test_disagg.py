@@ -14,6 +14,7 @@ from kvrouter.routing import Router, SlotManager
 from kvrouter.routing.config import KVROUTER_CONFIG
 from kvrouter.routing.disagg import (
     DEFAULT_KV_BYTES_PER_TOKEN,
+    SAME_WORKER,
     Link,
     Split,
     choose_decode,
@@ -109,13 +110,13 @@ def test_select_split_makes_both_choices_as_the_rules_say():
     split = split_of(prompt, 10 * 512, lambda p, d: 1.0)
     assert split.prefill is not None
     assert split.prefill.worker == (1, 0)  # the most overlap among idle prefill workers
-    assert split.decode_costs == (0 + 10 * 1.0, 12 + 6 * 1.0)
+    assert split.decode_costs == (((2, 0), 0 + 10 * 1.0), ((3, 0), 12 + 6 * 1.0))
     assert split.decode.worker == (2, 0)
     assert split.reason is None  # 5,120 uncached tokens on worker 2: split
 
     # across a slow link from worker 1 (factor 8 to worker 2), the 4 blocks worker 3 holds pay for its load
     split = split_of(prompt, 10 * 512, lambda p, d: 8.0 if d == (2, 0) else 1.0)
-    assert split.decode_costs == (80.0, 18.0)
+    assert split.decode_costs == (((2, 0), 80.0), ((3, 0), 18.0))
     assert (split.decode.worker, split.decode.overlap_blocks) == ((3, 0), 4)
 
     # a decode worker lacking at most the bound prefills locally: no prefill selection
@@ -130,6 +131,13 @@ def test_select_split_makes_both_choices_as_the_rules_say():
     assert split.prefill is not None
     assert slots.booked("r1#prefill").worker == split.prefill.worker == (1, 0)  # type: ignore[union-attr]
     assert slots.booked("r1").worker == split.decode.worker == (2, 0)  # type: ignore[union-attr]
+    # a worker of role both chosen for both hops: nothing to transfer, so it is not split
+    both = [(2, 0)]
+    same = select_split(
+        router_select(router, index, prompt, 10 * 512), index, slots, 512, both, both,
+        local_hashes=prompt, isl_tokens=10 * 512, factor=lambda p, d: 1.0,
+    )  # fmt: skip
+    assert (same.prefill, same.decode.worker, same.reason) == (None, (2, 0), SAME_WORKER)
     lone = select_split(
         router_select(router, index, prompt, 10 * 512), index, slots, 512, [], decode,
         local_hashes=prompt, isl_tokens=10 * 512, factor=lambda p, d: 1.0,

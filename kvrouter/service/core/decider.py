@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -34,6 +34,8 @@ from ...errors import (
 )
 from ...events.model import StorageTier, WorkerKey
 from ...hashing import block_hashes_array
+from ...routing.disagg import PREFILL_BOOKING, DisaggConfig, Split, select_split
+from ...routing.router import Selection
 from ...stats.segment import EXPLAIN_INTERVAL_S
 from .affinity import Affinity
 from .counters import ServiceCounters
@@ -49,6 +51,17 @@ from .shadow import Shadows
 __all__ = ["Decider", "QueryAnswer", "ReadIndex"]
 
 NO_FALLBACKS: Final[list[tuple[WorkerKey, float]]] = []
+ONE_HOP: Final = "one_hop: the proxy forwards a request whole to one worker"
+"""Why a disaggregated partition's request through the proxy is not split: the proxy runs one hop."""
+
+
+def ranked_fallbacks(selection: Selection, count: int) -> list[tuple[WorkerKey, float]]:
+    """The next-best eligible candidates of an explained selection, cheapest first, with their costs."""
+    if selection.explanation is None:
+        return NO_FALLBACKS
+    others = [w for w in selection.explanation if not w.selected and not w.busy]
+    others.sort(key=lambda w: w.cost.total)
+    return [(w.worker, w.cost.total) for w in others[:count]]
 
 
 class ReadIndex(Protocol):
@@ -84,6 +97,7 @@ class Decider:
         shadows: Shadows | None = None,
         recording: ServiceRecording | None = None,
         keep_records: bool = False,
+        disagg: DisaggConfig | None = None,
     ) -> None:
         self.index = index
         self.registry = registry
@@ -97,6 +111,8 @@ class Decider:
         self.shadows = shadows
         self.recording = recording
         self.keep_records = keep_records
+        self.disagg = disagg or DisaggConfig()
+        """The link and split rule of disaggregated partitions (``routing/disagg.py``)."""
         """Every decision keeps the router's record (a decision log is written): not only those with an id."""
         self._explain_after = 0.0
         """``perf_counter`` time after which the next decision is explained for the ring (``kvrouter top``)."""
@@ -155,43 +171,74 @@ class Decider:
             candidates = self.affinity.candidates(partition.name, request.session_id, candidates)
         index: Any = partition.approx if partition.approx is not None else self.index
         shadowed = None
-        if self.shadows is not None and not request.probe:  # before the live decision books anything
+        if self.shadows is not None and not request.probe and not partition.disaggregated:  # before any booking
             shadowed = ShadowRound(*self.shadows.choose(partition, index, candidates, selection_id or "", local, isl))
         started = time.perf_counter()
         self.counters.phases["hash"].observe(started - hashing)
         booked = selection_id if reserve else None
-        try:
-            selection = partition.router.select(
+        record = (
+            reserve
+            or selection_id is not None
+            or self.keep_records
+            or shadowed is not None
+            or self.recording is not None
+        )
+
+        def select(workers: Sequence[WorkerKey], request_id: str | None) -> Selection:
+            """One call of the router, recorded, its refusals the core's own."""
+            try:
+                chosen = partition.router.select(
+                    index,
+                    workers,
+                    local_hashes=local,
+                    isl_tokens=isl,
+                    capacities=partition.capacities,
+                    request_id=request_id,
+                    explain=explain or sampled,
+                    record=record,
+                )
+            except (NoWorkerAvailable, DuplicateRequest, EngineError) as exc:
+                if self.recording is not None:
+                    kind = {NoWorkerAvailable: "overloaded", DuplicateRequest: "duplicate"}.get(type(exc), "engine")
+                    self.recording.decided(
+                        t, partition, local, isl, request.lora_name, tuple(workers), request_id, request.probe, None,
+                        kind, unanswered=self._unanswered(partition),
+                    )  # fmt: skip
+                if isinstance(exc, NoWorkerAvailable):
+                    raise Overloaded(f"overloaded: {exc}") from exc
+                if isinstance(exc, DuplicateRequest):
+                    raise Conflict(str(exc)) from exc
+                raise Unavailable(f"engine: {exc}") from exc
+            if self.recording is not None:
+                self.recording.decided(
+                    t, partition, local, isl, request.lora_name, tuple(workers), request_id, request.probe, chosen,
+                    unanswered=self._unanswered(partition),
+                )  # fmt: skip
+            return chosen
+
+        split: Split | None = None
+        if not partition.disaggregated:
+            selection = select(candidates, booked)
+        elif request.whole:  # the proxy forwards one hop: the decode-capable workers take it whole
+            selection = select(candidates, booked)
+            split = Split(selection, None, ONE_HOP, ())
+        else:
+            disagg = self.disagg
+            split = select_split(
+                select,
                 index,
+                partition.slots,
+                partition.block_size,
+                partition.prefill_candidates,
                 candidates,
                 local_hashes=local,
                 isl_tokens=isl,
-                capacities=partition.capacities,
-                request_id=booked,
-                explain=explain or sampled,
-                record=reserve
-                or selection_id is not None
-                or self.keep_records
-                or shadowed is not None
-                or self.recording is not None,
+                factor=self._factor(partition),
+                max_local_prefill_tokens=disagg.max_local_prefill_tokens,
+                prefill_busy_tokens=disagg.prefill_busy_tokens,
+                book=booked,
             )
-        except (NoWorkerAvailable, DuplicateRequest, EngineError) as exc:
-            if self.recording is not None:
-                kind = {NoWorkerAvailable: "overloaded", DuplicateRequest: "duplicate"}.get(type(exc), "engine")
-                self.recording.decided(
-                    t, partition, local, isl, request.lora_name, candidates, booked, request.probe, None, kind,
-                    unanswered=self._unanswered(partition),
-                )  # fmt: skip
-            if isinstance(exc, NoWorkerAvailable):
-                raise Overloaded(f"overloaded: {exc}") from exc
-            if isinstance(exc, DuplicateRequest):
-                raise Conflict(str(exc)) from exc
-            raise Unavailable(f"engine: {exc}") from exc
-        if self.recording is not None:
-            self.recording.decided(
-                t, partition, local, isl, request.lora_name, candidates, booked, request.probe, selection,
-                unanswered=self._unanswered(partition),
-            )  # fmt: skip
+            selection = split.decode
         elapsed = time.perf_counter() - started
         instance = partition.instances[selection.worker[0]]
         if request.probe:  # where it would go: nothing counted, recorded, bound or kept
@@ -205,18 +252,23 @@ class Decider:
                 instance.address,
                 request,
                 local,
+                split=split,
             )
+        prefill = None if split is None else split.prefill
         if reserve:
             assert selection_id is not None
             self.reservations.book(selection_id, partition, selection, local)
             peers = self.registry.peers
-            if peers is not None:
-                peers.added(selection_id, partition.slots, request.lora_name)  # queued: no I/O here
+            if peers is not None:  # queued: no I/O here
+                peers.added(selection_id, partition.slots, request.lora_name)
+                if prefill is not None:
+                    peers.added(selection_id + PREFILL_BOOKING, partition.slots, request.lora_name)
         fallbacks = NO_FALLBACKS
-        if request.fallbacks and selection.explanation is not None:
-            others = [w for w in selection.explanation if not w.selected and not w.busy]
-            others.sort(key=lambda w: w.cost.total)
-            fallbacks = [(w.worker, w.cost.total) for w in others[: request.fallbacks]]
+        if request.fallbacks and split is not None and split.decode_costs:  # the next cheapest decode workers
+            ranked = sorted(split.decode_costs, key=lambda pair: pair[1])
+            fallbacks = [(key, cost) for key, cost in ranked if key != selection.worker][: request.fallbacks]
+        elif request.fallbacks:
+            fallbacks = ranked_fallbacks(selection, request.fallbacks)
         decision = Decision(
             partition,
             selection,
@@ -230,7 +282,12 @@ class Decider:
             elapsed,
             self.next_seq(),
             shadowed,
+            split,
         )
+        if prefill is not None:
+            prefill_instance = partition.instances[prefill.worker[0]]
+            decision.prefill_endpoint = prefill_instance.http_endpoint
+            decision.prefill_address = prefill_instance.address
         for sink in self.sinks:  # hot path: a handful of calls
             sink(decision)
         if sampled:  # the answer is the one an unexplained request gets
@@ -278,6 +335,15 @@ class Decider:
             return local, len(request.token_ids) if request.isl_tokens is None else request.isl_tokens
         local = np.array(request.block_hashes or (), dtype=np.uint64)
         return local, len(local) * block_size if request.isl_tokens is None else request.isl_tokens
+
+    def _factor(self, partition: Partition) -> Callable[[WorkerKey, WorkerKey], float]:
+        """The link factor between two of the partition's workers, by their instances' topology domains."""
+        link, instances = self.disagg.link, partition.instances
+
+        def factor(prefill: WorkerKey, decode: WorkerKey) -> float:
+            return link.factor(instances[prefill[0]].topology_domain == instances[decode[0]].topology_domain)
+
+        return factor
 
     def _unanswered(self, partition: Partition) -> frozenset[int]:
         """The shards the decision just made could not read (none in approximate mode: no shard is asked)."""

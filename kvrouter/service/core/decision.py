@@ -9,6 +9,7 @@ loop. A new consumer of decisions is one more sink here, not another line in the
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ...events.model import WorkerKey
+from ...routing.disagg import PREFILL_BOOKING, Split
 from ...routing.router import Selection
 from ...sim.policy import Cluster, Request
 from .affinity import Affinity
@@ -67,14 +69,22 @@ class Decision:
     seq: int = 0
     """The decisions ring's number (0 for a probe, which no sink sees)."""
     shadows: ShadowRound | None = None
+    split: Split | None = None
+    """In a disaggregated partition (``routing/disagg.py``): both choices; ``selection`` is ``split.decode``.
+    None in an aggregated partition."""
+    prefill_endpoint: str | None = None
+    prefill_address: str | None = None
+    """The prefill worker's, when the request is split."""
 
 
-def explain(decision: Decision) -> dict[str, Any]:
-    """The ``explain`` member: the weights in effect and every candidate's terms."""
+def explain(decision: Decision, selection: Selection | None = None) -> dict[str, Any]:
+    """The ``explain`` member: the weights in effect and every candidate's terms, of ``selection`` (the
+    decision's own by default; a split request's prefill choice otherwise)."""
     partition = decision.partition
     config = partition.router.config
-    explanation = decision.selection.explanation or ()
-    prompt_blocks = decision.selection.isl_tokens // partition.block_size
+    selection = decision.selection if selection is None else selection
+    explanation = selection.explanation or ()
+    prompt_blocks = selection.isl_tokens // partition.block_size
     return {
         "weights": {
             "overlap_credit": config.overlap_score_credit,
@@ -166,6 +176,13 @@ def _ringed(journal: Journal) -> Sink:
             }
         if selection.explanation is not None:
             entry[_EXPLAINED] = explain(decision)["workers"]
+        split = decision.split
+        if split is not None:  # a disaggregated partition's: split, with its prefill worker, or why not
+            entry["split"] = split.prefill is not None
+            if split.prefill is not None:
+                entry["prefill_worker_id"], entry["prefill_dp_rank"] = split.prefill.worker
+            else:
+                entry["local_prefill_reason"] = split.reason
         journal.decided(entry)
 
     return ring
@@ -190,6 +207,11 @@ def _kept(records: DecisionRecords, log: DecisionLog | None) -> Sink:
         )
         if decision.selection_id is not None:
             records.add(recorded)
+            split = decision.split
+            prefill = None if split is None else split.prefill
+            if prefill is not None and prefill.record is not None:  # ``/decisions/{id}``'s ``prefill``
+                records.add(dataclasses.replace(recorded, selection_id=recorded.selection_id + PREFILL_BOOKING,
+                                                record=prefill.record))  # fmt: skip
         if log is not None:
             log.add(recorded)
 

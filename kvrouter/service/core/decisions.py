@@ -32,6 +32,7 @@ import numpy as np
 import orjson
 
 from ...routing import _kernels as kernels
+from ...routing.disagg import PREFILL_BOOKING
 from ...routing.router import DecisionRecord, WorkerExplanation
 
 __all__ = [
@@ -95,6 +96,18 @@ class DecisionRecords:
 
     def get(self, selection_id: str) -> Recorded | None:
         return self._records.get(selection_id)
+
+    def explained(self, selection_id: str) -> dict[str, Any] | None:
+        """``GET /decisions/{selection_id}``'s answer, with a split request's prefill choice as ``prefill``
+        (kept as ``<id>#prefill``); None when the decision is not kept."""
+        recorded = self._records.get(selection_id)
+        if recorded is None:
+            return None
+        answer = decision_json(recorded)
+        prefill = self._records.get(selection_id + PREFILL_BOOKING)
+        if prefill is not None:
+            answer["prefill"] = decision_json(prefill)
+        return answer
 
 
 def _eligible(record: DecisionRecord) -> np.ndarray[Any, np.dtype[np.bool_]]:

@@ -120,6 +120,8 @@ class SelectRequest:
     probe: bool = False
     """Where the prompt would go, explained, without booking, counting, recording or session binding
     (``kvrouter top``'s pinned prompt); ``/select`` only."""
+    whole: bool = False
+    """The caller forwards one hop (the proxy, until it runs both): a disaggregated partition does not split."""
 
 
 @dataclass(frozen=True, slots=True)

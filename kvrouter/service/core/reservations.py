@@ -26,6 +26,7 @@ import numpy.typing as npt
 from ...errors import NotFound
 from ...events.model import WorkerKey
 from ...routing import Selection
+from ...routing.disagg import PREFILL_BOOKING
 from ...routing.slots import SlotManager
 from .partition import Partition
 from .registry import Registry
@@ -89,10 +90,15 @@ class Reservations:
         return len(self.own)
 
     def book(
-        self, selection_id: str, partition: Partition, selection: Selection, local: npt.NDArray[np.uint64]
+        self,
+        selection_id: str,
+        partition: Partition,
+        selection: Selection,
+        local: npt.NDArray[np.uint64],
     ) -> None:
         """A decision booked on its worker (the router's slot manager holds its load already); one credited
-        blocks in flight there is a bet too (``predictions.py``), settled when the reservation ends."""
+        blocks in flight there is a bet too (``predictions.py``), settled when the reservation ends. A split
+        request's prefill booking (``<id>#prefill``) is the slot manager's, found there when the hop ends."""
         worker, device = selection.worker, selection.overlap_blocks
         self.own[selection_id] = Reservation(partition, worker, time.monotonic(), device * partition.block_size)
         if selection.predicted_blocks:
@@ -110,6 +116,7 @@ class Reservations:
         reservation = self.own.get(selection_id) or self._peer(selection_id)
         if reservation is None:
             raise NotFound(f"reservation {selection_id!r} not found")
+        self._end_prefill_hop(reservation.partition, selection_id)  # a split request's: the prefill worker's part
         self._held("pc", selection_id, lambda: reservation.partition.slots.mark_prefill_completed(selection_id))
         peers = self.registry.peers
         if peers is not None:
@@ -126,11 +133,24 @@ class Reservations:
         if reservation is None:
             raise NotFound(f"reservation {selection_id!r} not found")
         self.predictions.freed(selection_id)
+        self._end_prefill_hop(reservation.partition, selection_id)
         self.free_booked(reservation.partition, selection_id)
         peers = self.registry.peers
         if peers is not None:
             peers.freed(selection_id, reservation.worker)
         self.changed(reservation.partition)
+
+    def _end_prefill_hop(self, partition: Partition, selection_id: str) -> None:
+        """A split request's prefill booking ends (its first token, its end or its expiry), here and on the
+        peers: whoever booked it, the slot manager holds it under ``<id>#prefill``."""
+        booking = selection_id + PREFILL_BOOKING
+        booked = partition.slots.booked(booking)
+        if booked is None:
+            return
+        self.free_booked(partition, booking)
+        peers = self.registry.peers
+        if peers is not None:
+            peers.freed(booking, booked.worker)
 
     def free_booked(self, partition: Partition, selection_id: str) -> None:
         """Take a reservation's load off its partition's slot manager."""
@@ -156,6 +176,7 @@ class Reservations:
                 break
             del self.own[selection_id]
             self.predictions.expired(selection_id)
+            self._end_prefill_hop(reservation.partition, selection_id)
             self.free_booked(reservation.partition, selection_id)
             expired.append((selection_id, reservation))
         return expired

@@ -90,6 +90,7 @@ class Core:
             shadows=self.shadows,
             recording=recording,
             keep_records=self.decision_log is not None,
+            disagg=config.disagg,
         )
         self.queue = RouterQueue(
             self.decider,

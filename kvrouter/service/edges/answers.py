@@ -21,8 +21,9 @@ import orjson
 
 from ...events.codecs.dynamo import Encoder
 from ...events.model import StorageTier, WorkerKey
+from ...routing.router import Selection
 from ..core.counters import ServiceCounters
-from ..core.decider import QueryAnswer
+from ..core.decider import QueryAnswer, ranked_fallbacks
 from ..core.decision import Decision, explain
 from ..core.facts import IndexFacts
 from ..core.partition import Instance, Partition, address
@@ -34,6 +35,7 @@ from . import fastparse
 __all__ = [
     "GATEWAY_HEADER",
     "HEADS_CACHED",
+    "PREFILL_HEADER",
     "SelectAnswers",
     "dump_json",
     "loads_json",
@@ -43,14 +45,54 @@ __all__ = [
 ]
 
 GATEWAY_HEADER: Final = "X-Gateway-Destination-Endpoint"
-"""The chosen worker's ``ip:port`` (then the fallbacks'), for a gateway that forwards by header."""
+"""The chosen worker's ``ip:port`` (then the fallbacks'), for a gateway that forwards by header; a split
+request's decode worker."""
+PREFILL_HEADER: Final = "X-Kvrouter-Prefill-Endpoint"
+"""A split request's prefill worker's ``ip:port``."""
 HEADS_CACHED: Final = 4096
 """``/select`` answer heads kept (one per partition, worker and endpoint); cleared when full."""
 
 
 def select_json(decision: Decision) -> dict[str, Any]:
-    """``/select``'s answer (without ``index``)."""
-    selection = decision.selection
+    """``/select``'s answer (without ``index``). In a disaggregated partition: a split request's two choices,
+    each in today's shape, or today's shape with ``"split": false`` and why (``docs/http-api.md``, "Roles")."""
+    split = decision.split
+    body = _chosen(decision, decision.selection, decision.endpoint, decision.address, decision.fallbacks)
+    if split is None:
+        return body
+    if "explain" in body and split.decode_costs:  # the decode choice's every candidate (rule 2)
+        body["explain"]["decode_costs"] = [
+            {"worker_id": key[0], "dp_rank": key[1], "cost": cost} for key, cost in split.decode_costs
+        ]
+    if split.prefill is None:
+        body["split"] = False
+        body["local_prefill_reason"] = split.reason
+        return body
+    sid = body.pop("selection_id", None)
+    prefill = split.prefill
+    prefill_body = _chosen(
+        decision,
+        prefill,
+        decision.prefill_endpoint,
+        decision.prefill_address,
+        ranked_fallbacks(prefill, decision.request.fallbacks),
+    )
+    answer: dict[str, Any] = {"split": True}
+    if sid is not None:
+        answer["selection_id"] = sid
+    answer["prefill"] = prefill_body
+    answer["decode"] = body
+    return answer
+
+
+def _chosen(
+    decision: Decision,
+    selection: Selection,
+    endpoint: str | None,
+    where: str | None,
+    fallbacks: list[tuple[WorkerKey, float]],
+) -> dict[str, Any]:
+    """One choice in ``/select``'s shape: the worker, its overlap and cost, and what the request asked for."""
     partition = decision.partition
     request = decision.request
     block = partition.block_size
@@ -69,8 +111,8 @@ def select_json(decision: Decision) -> dict[str, Any]:
         "routing_group": partition.routing_group,
         "worker_id": wid,
         "dp_rank": rank,
-        "endpoint": decision.endpoint,
-        "address": decision.address,
+        "endpoint": endpoint,
+        "address": where,
         "block_size": block,
         "overlap": {
             "longest_matched": max(device, host, disk),
@@ -95,10 +137,10 @@ def select_json(decision: Decision) -> dict[str, Any]:
                 "address": address(inst.http_endpoint),
                 "cost": cost,
             }
-            for key, cost in decision.fallbacks
+            for key, cost in fallbacks
         ]
     if request.explain or request.probe:
-        body["explain"] = explain(decision)
+        body["explain"] = explain(decision, selection)
     return body
 
 
@@ -137,13 +179,19 @@ class SelectAnswers:
         self._phases["parse"].observe(time.perf_counter() - started)
         return select
 
-    def encode(self, decision: Decision, started: float) -> tuple[bytes, str | None]:
-        """The answer's body and its ``X-Gateway-Destination-Endpoint`` (None: no address), timed as the
-        ``serialise`` phase, and ``total`` since ``started`` (the request's first byte read)."""
+    def encode(self, decision: Decision, started: float) -> tuple[bytes, dict[str, str]]:
+        """The answer's body and its headers (``X-Gateway-Destination-Endpoint``, and a split request's
+        ``X-Kvrouter-Prefill-Endpoint``, when they have an address), timed as the ``serialise`` phase, and
+        ``total`` since ``started`` (the request's first byte read)."""
         serialising = time.perf_counter()
         facts = self._facts
         request = decision.request
-        if request.explain or request.fallbacks or decision.selection.explanation is not None:
+        if (
+            request.explain
+            or request.fallbacks
+            or decision.selection.explanation is not None
+            or decision.split is not None
+        ):
             body = select_json(decision)
             body["index"] = facts.summary
             payload = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
@@ -177,11 +225,15 @@ class SelectAnswers:
                     b"}",
                 )
             )
-        destination = gateway(decision)
+        headers = {}
+        if (destination := gateway(decision)) is not None:
+            headers[GATEWAY_HEADER] = destination
+        if decision.prefill_address is not None:
+            headers[PREFILL_HEADER] = decision.prefill_address
         done = time.perf_counter()
         self._phases["serialise"].observe(done - serialising)
         self._phases["total"].observe(done - started)
-        return payload, destination
+        return payload, headers
 
     def _head(self, partition: Partition, worker: WorkerKey, endpoint: str | None, where: str | None) -> bytes:
         """The answer's opening members up to ``"overlap":{"longest_matched":``, built once per (partition,

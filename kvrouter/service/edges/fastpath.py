@@ -320,7 +320,14 @@ class FastPath:
 
     def _select(self, body: Mapping[str, Any], *, reserve: bool) -> dict[str, Any]:
         self.core.lifecycle.require_index()
-        decision = self.core.queue.select_now(parse_select(body), reserve=reserve)
+        select = parse_select(body)
+        partition = self.core.registry.partitions.get((select.model_name, select.routing_group))
+        if partition is not None and partition.disaggregated:
+            raise BadRequest(
+                f"partition {partition.name} is disaggregated (workers of role prefill): the ZMQ fast path does not "
+                "answer split decisions yet; use HTTP /select or /select_and_reserve"
+            )
+        decision = self.core.queue.select_now(select, reserve=reserve)
         answer = select_json(decision)
         answer["index"] = self.core.facts.summary
         return answer

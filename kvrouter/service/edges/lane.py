@@ -48,7 +48,7 @@ from aiohttp import web
 
 from ..core.requests import cached_tokens, parse_body, reservation_id
 from ..core.state import Core
-from .answers import GATEWAY_HEADER, SelectAnswers
+from .answers import SelectAnswers
 from .gate import FRONT_HEADER, Gate
 from .host import Host
 from .routes import JSON, OK, SESSION_HEADER
@@ -366,10 +366,10 @@ class LaneConnection(asyncio.BufferedProtocol):
         request = lane.answers.parse(
             body, None if session is None else session.decode("utf-8", "surrogateescape"), started
         )
-        payload, gateway = lane.answers.encode(lane.core.queue.select_now(request, reserve=reserve), started)
-        if gateway is None:
+        payload, extra = lane.answers.encode(lane.core.queue.select_now(request, reserve=reserve), started)
+        if not extra:
             return payload, _JSON_TYPE
-        return payload, _JSON_TYPE + f"{GATEWAY_HEADER}: {gateway}\r\n".encode("latin-1")
+        return payload, _JSON_TYPE + b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in extra.items())
 
     @staticmethod
     def _selection_id(method: bytes, target: bytes) -> str:

@@ -149,6 +149,7 @@ class CompletionsProxy:
             routing_group=core.config.routing_group,
             token_ids=tokens,
             session_id=request.headers.get(SESSION_HEADER) or None,
+            whole=True,  # one hop: a disaggregated partition's decode-capable workers take the request whole
         )
         for attempt in range(ATTEMPTS):
             result = await core.queue.select(select, reserve=True, gone=client_gone(request))

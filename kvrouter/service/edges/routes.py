@@ -23,7 +23,7 @@ from multidict import CIMultiDict
 from ...errors import BadRequest, NotFound
 from ..core.requests import cached_tokens, parse_body, parse_query, reservation_id
 from ..core.state import Core
-from .answers import GATEWAY_HEADER, SelectAnswers, dump_json, loads_json, query_json, workers_json
+from .answers import SelectAnswers, dump_json, loads_json, query_json, workers_json
 from .gate import FRONT_HEADER, Gate
 from .host import Host
 
@@ -155,15 +155,14 @@ class Routes:
         self.core.lifecycle.require_index()  # before the parse: its compiled scan waits for the start's compile
         select = self.answers.parse(await request.read(), request.headers.get(SESSION_HEADER), started)
         decision = await self.core.queue.select(select, reserve=reserve, gone=client_gone(request))
-        payload, destination = self.answers.encode(decision, started)
+        payload, extra = self.answers.encode(decision, started)
         facts = self.core.facts
         if self._json_headers[0] is not facts.headers:
             headers = CIMultiDict(facts.headers)
             headers[hdrs.CONTENT_TYPE] = JSON
             self._json_headers = (facts.headers, headers)
         response = web.Response(body=payload, headers=self._json_headers[1])  # aiohttp copies the headers
-        if destination is not None:
-            response.headers[GATEWAY_HEADER] = destination
+        response.headers.update(extra)
         return response
 
     async def _h_select(self, request: web.Request) -> web.Response:

@@ -46,7 +46,6 @@ from ...routing.router import Router
 from ...stats import discovery
 from ..core.config import ServiceConfig, WorkerRole
 from ..core.counters import ServiceCounters
-from ..core.decisions import decision_json
 from ..core.recording import ServiceRecording, tap_endpoint
 from ..core.requests import Registration, parse_registration, parse_thresholds, parse_unregistration
 from ..core.state import Core
@@ -244,9 +243,9 @@ class Service:
 
     async def find_decision(self, selection_id: str) -> dict[str, Any] | None:
         """The decision as it was made, from this front's ring or, with ``--fronts N``, another front's."""
-        recorded = self.core.records.get(selection_id)
-        if recorded is not None:
-            return decision_json(recorded)
+        found = self.core.records.explained(selection_id)
+        if found is not None:
+            return found
         if self.fronts is not None:
             return await self.fronts.find_decision(selection_id)
         return None

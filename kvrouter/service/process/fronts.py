@@ -75,7 +75,6 @@ from ...ready_line import ready_line
 from ...stats import discovery
 from ..core.config import ServiceConfig
 from ..core.counters import ServiceCounters
-from ..core.decisions import decision_json
 from ..core.requests import Registration, Thresholds, Unregistration
 from ..core.state import Core
 from ..edges.lane import Lane
@@ -368,9 +367,9 @@ class Fronts:
         return found
 
     async def _on_decision(self, msg: localbus.LocalMessage) -> None:
-        recorded = self.core.records.get(msg.data.decode(errors="replace"))
-        if recorded is not None:
-            await msg.respond(orjson.dumps(decision_json(recorded)))
+        found = self.core.records.explained(msg.data.decode(errors="replace"))
+        if found is not None:
+            await msg.respond(orjson.dumps(found))
 
     # -- the registry -------------------------------------------------------------------------------
 

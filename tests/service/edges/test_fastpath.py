@@ -22,6 +22,7 @@ from kvrouter.hashing import block_hashes
 from kvrouter.routing.config import RouterConfig
 from kvrouter.service import Service, ServiceConfig
 from kvrouter.service.edges.fastpath import FRAME_SLACK, MAGIC, YIELD_EVERY, FastPath
+from tests.conftest import free_port
 from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, all_trusted, serving
 
 pytestmark = pytest.mark.timeout(120)
@@ -343,3 +344,15 @@ def test_zmq_port_defaults_to_the_next_port_and_none_turns_it_off():
     off = ServiceConfig(zmq_port=None)
     assert off.zmq_port is None
     assert Service(off).fastpath is None
+
+
+def test_a_disaggregated_partition_is_refused_with_a_clear_error(fast: FastRunning, client: Client):
+    """Its answer has another shape (a prefill and a decode worker): HTTP answers it, the fast path says so."""
+    for wid, role in ((71, "prefill"), (72, "decode")):
+        body = {"instance_id": wid, "endpoint": f"tcp://127.0.0.1:{free_port()}", "model_name": "pd-fast"}
+        fast.ok("POST", "/register", {**body, "block_size": BLOCK, "role": role})
+    reply = client.call({"op": "select", "id": 3, "model_name": "pd-fast", "token_ids": list(range(1, 40))})
+    assert reply["status"] == 400
+    assert "disaggregated" in reply["error"]
+    assert "use HTTP /select" in reply["error"]
+    assert client.call({"op": "select", "model_name": MODEL, "token_ids": list(range(1, 40))})["worker_id"] in (1, 2)

@@ -172,6 +172,25 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
                 "prefill",
                 "rack-9",
             )
+        # a split reservation on front 0: both bookings reach front 1 over the local bus, and any front ends them
+        for wid, role in ((11, "prefill"), (12, "decode")):
+            body = {"instance_id": wid, "endpoint": f"tcp://127.0.0.1:{20000 + wid}", "model_name": "pd"}
+            assert fronts[1].call("POST", "/register", {**body, "block_size": 16, "role": role})[0] == 201
+        long_prompt = {"model_name": "pd", "token_ids": list(range(1, 4097)), "selection_id": "pd-split"}
+        status, answer = fronts[0].call("POST", "/select_and_reserve", long_prompt)
+        assert status == 200, answer
+        assert (answer["split"], answer["prefill"]["worker_id"], answer["decode"]["worker_id"]) == (True, 11, 12)
+
+        def pd_loads(client: Client) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+            every = loads(client)
+            return every.get(11, (0, 0, 0)), every.get(12, (0, 0, 0))
+
+        until(lambda: pd_loads(fronts[1]) == ((4096, 256, 1), (4096, 256, 1)), "both bookings on front 1")
+        status, answer = fronts[1].call("POST", "/reservations/pd-split/prefill_complete")
+        assert status == 200, answer
+        until(lambda: pd_loads(fronts[0]) == ((0, 0, 0), (0, 256, 1)), "the prefill hop ended on front 0")
+        assert fronts[0].call("DELETE", "/reservations/pd-split")[0] == 200
+        until(lambda: pd_loads(fronts[0]) == pd_loads(fronts[1]) == ((0, 0, 0), (0, 0, 0)), "both freed")
         status, answer = fronts[0].call("POST", "/register", worker)
         assert status == 409, answer
         status, answer = fronts[1].call("POST", "/register", {**worker, "block_size": 32, "instance_id": 10})
@@ -187,7 +206,8 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
         front_pids = [pid for pid, _ in descendants(up.proc.pid) if b"kvrouter.cli.front" in _cmdline(pid)]
         assert len(front_pids) == 1
         # the log is written once a second: a front killed sooner loses its last second, so wait for it
-        until(lambda: decisions_log.read_bytes().count(b"\n") == 8, "both fronts to write their decisions")
+        # (8 reservations, then the split one)
+        until(lambda: decisions_log.read_bytes().count(b"\n") == 9, "both fronts to write their decisions")
         os.kill(front_pids[0], signal.SIGKILL)
 
         def restarted() -> bool:
@@ -202,12 +222,12 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
         again = on_front(url, 1)
         try:
             status, workers = again.call("GET", "/workers")
-            assert sorted(row["instance_id"] for row in workers) == [1, 2, 9]
+            assert sorted(row["instance_id"] for row in workers) == [1, 2, 9, 11, 12]
             until(lambda: again.call("GET", "/ready")[0] == 200, "the new front 1 ready")
             # the killed front's decisions stay counted: front 0 keeps its last publication
             first = on_front(url, 0)
             try:
-                assert decisions(first) == 8.0
+                assert decisions(first) == 9.0
             finally:
                 first.close()
         finally:
@@ -220,7 +240,7 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
     stop_and_check(up, signal.SIGTERM, shm_entries)
     assert not folder.exists()
     with decisions_log.open("rb") as lines:  # both fronts appended theirs, none twice
-        assert summarise(lines)["decisions"] == 8
+        assert summarise(lines)["decisions"] == 9
 
 
 def _cmdline(pid: int) -> bytes:

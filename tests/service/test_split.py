@@ -1,0 +1,176 @@
+"""A disaggregated partition's decisions (``routing/disagg.py`` in the service): two choices, when not to split,
+both answer shapes, the bookings of a split reservation and their end, and the proxy's one hop. A real
+service on its own thread; the workers are registered endpoints that publish nothing (overlaps are 0), and
+one real mock engine behind the proxy."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvrouter.routing.config import RouterConfig
+from kvrouter.service import Service, ServiceConfig
+from tests.conftest import Worker, free_port
+from tests.service.conftest import BLOCK, http, own_segments, serve, start_mock, stop_mock, stop_served
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "pd"
+LONG = list(range(1, 4096 + 1))  # 256 blocks: a fresh 4k prompt on an idle fleet splits
+SHORT = list(range(5000, 5000 + 1000))  # 1,000 tokens: at most 2,048 uncached, so its decode worker prefills it
+WORKERS = {
+    81: ("prefill", "rack-a", 9081),
+    82: ("prefill", "rack-b", 9082),
+    83: ("decode", "rack-a", 9083),
+    84: ("decode", "rack-b", 9084),
+}
+
+
+class Served:
+    def __init__(self, url: str, mock: Worker) -> None:
+        self.url = url
+        self.mock = mock
+
+    def call(self, method: str, path: str, body: object = None) -> tuple[int, Any, dict[str, str]]:
+        return http(self.url + path, method, body)
+
+    def select(self, prompt: list[int], *, reserve: bool = False, **fields: Any) -> tuple[int, Any, dict[str, str]]:
+        route = "/select_and_reserve" if reserve else "/select"
+        return self.call("POST", route, {"model_name": MODEL, "token_ids": prompt, **fields})
+
+    def loads(self) -> dict[int, tuple[int, int, int]]:
+        _, answer, _ = self.call("GET", "/loads")
+        (partition,) = [p for p in answer if p["model_name"] == MODEL]
+        return {
+            row["worker_id"]: (row["potential_prefill_tokens"], row["potential_decode_blocks"], row["active_requests"])
+            for row in partition["loads"]
+        }
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    folder = tmp_path_factory.mktemp("split")
+    service = Service(ServiceConfig(port=0, shards=1, health_interval_secs=0.1, drain_secs=2.0, router=RouterConfig()))
+    service.start()
+    thread: threading.Thread | None = None
+    mock: Worker | None = None
+    try:
+        mock = start_mock(85, folder / "worker85.err")
+        thread, url = serve(service)
+        run = Served(url, mock)
+        for wid, (role, domain, port) in WORKERS.items():
+            body = {
+                "instance_id": wid,
+                "endpoint": f"tcp://127.0.0.1:{free_port()}",
+                "model_name": MODEL,
+                "block_size": BLOCK,
+                "role": role,
+                "topology_domain": domain,
+                "http_endpoint": f"http://127.0.0.1:{port}",
+            }
+            assert run.call("POST", "/register", body)[0] == 201
+        yield run
+    finally:
+        stop_served(service, thread)
+        if mock is not None:
+            assert stop_mock(mock) == 0
+    assert own_segments() == []
+
+
+def test_a_fresh_long_prompt_is_split_and_both_choices_are_answered(served: Served):
+    status, answer, headers = served.select(LONG, explain=True, fallbacks=1)
+    assert status == 200, answer
+    assert answer["split"] is True
+    assert "selection_id" not in answer  # /select books nothing
+    prefill, decode = answer["prefill"], answer["decode"]
+    assert prefill["worker_id"] in (81, 82)
+    # the decode worker in the prefill worker's domain: the other one's missing blocks cross a slow link
+    expected = 83 if prefill["worker_id"] == 81 else 84
+    assert decode["worker_id"] == expected
+    for part in (prefill, decode):
+        assert set(part) >= {"worker_id", "dp_rank", "endpoint", "address", "overlap", "cost", "explain", "fallbacks"}
+    assert {w["worker_id"] for w in prefill["explain"]["workers"]} == {81, 82}
+    costs = {c["worker_id"]: c["cost"] for c in decode["explain"]["decode_costs"]}
+    assert costs == {expected: 256.0, ({83, 84} - {expected}).pop(): 256.0 * 8}
+    assert [f["worker_id"] for f in decode["fallbacks"]] == [({83, 84} - {expected}).pop()]
+    assert [f["worker_id"] for f in prefill["fallbacks"]] == [({81, 82} - {prefill["worker_id"]}).pop()]
+    other = ({83, 84} - {expected}).pop()  # the decode worker, then its fallback
+    assert (
+        headers["X-Gateway-Destination-Endpoint"] == f"127.0.0.1:{WORKERS[expected][2]},127.0.0.1:{WORKERS[other][2]}"
+    )
+    assert headers["X-Kvrouter-Prefill-Endpoint"] == f"127.0.0.1:{WORKERS[prefill['worker_id']][2]}"
+
+
+def test_a_short_prompt_is_prefilled_by_its_decode_worker(served: Served):
+    status, answer, headers = served.select(SHORT)
+    assert status == 200, answer
+    assert answer["split"] is False
+    assert answer["local_prefill_reason"].startswith("short_prefill: 1000 uncached tokens")
+    assert answer["worker_id"] in (83, 84)  # today's flat shape, with the two keys
+    assert "X-Kvrouter-Prefill-Endpoint" not in headers
+
+
+def test_a_split_reservation_books_both_workers_and_its_first_token_ends_the_prefill_hop(served: Served):
+    before = served.loads()
+    status, answer, _ = served.select(LONG, reserve=True, selection_id="pd-1")
+    assert status == 200, answer
+    assert (answer["split"], answer["selection_id"]) == (True, "pd-1")
+    p, d = answer["prefill"]["worker_id"], answer["decode"]["worker_id"]
+    booked = served.loads()
+    assert booked[p][0] - before[p][0] == 4096  # the prompt's prefill, queued on the prefill worker
+    assert booked[p][2] - before[p][2] == 1
+    assert booked[d][2] - before[d][2] == 1  # and the request on the decode worker
+    assert booked[d][1] - before[d][1] == 256
+
+    status, kept, _ = served.call("GET", "/decisions/pd-1")
+    assert status == 200, kept
+    assert (kept["worker_id"], kept["prefill"]["worker_id"]) == (d, p)  # both choices kept, each explained
+    assert {w["worker_id"] for w in kept["prefill"]["workers"]} == {81, 82}
+
+    assert served.call("POST", "/reservations/pd-1/prefill_complete", {})[0] == 200
+    done = served.loads()
+    assert done[p] == before[p]  # the prefill hop's booking is gone
+    assert (done[d][0], done[d][2]) == (before[d][0], before[d][2] + 1)  # the decode worker's: decoding now
+    assert served.call("DELETE", "/reservations/pd-1")[0] == 200
+    assert served.loads() == before
+
+
+def test_freeing_a_split_reservation_before_its_first_token_frees_both(served: Served):
+    before = served.loads()
+    status, answer, _ = served.select(LONG, reserve=True, selection_id="pd-2")
+    assert (status, answer["split"]) == (200, True)
+    assert served.call("DELETE", "/reservations/pd-2")[0] == 200
+    assert served.loads() == before
+
+
+def test_the_proxy_forwards_a_disaggregated_partitions_request_whole_to_a_decode_worker(served: Served):
+    """Until the proxy runs both hops, it takes one: the request goes whole to a decode-capable worker (the
+    real mock engine 85, registered as role both), and nothing stays booked."""
+    mock = served.mock
+    body = {
+        "instance_id": 85,
+        "endpoint": mock.events[0],
+        "replay_endpoint": mock.replay[0],
+        "model_name": "pd-proxy",
+        "block_size": BLOCK,
+        "http_endpoint": mock.http,
+    }
+    assert served.call("POST", "/register", body)[0] == 201
+    prefill = {"instance_id": 86, "endpoint": f"tcp://127.0.0.1:{free_port()}", "model_name": "pd-proxy"}
+    assert served.call("POST", "/register", {**prefill, "block_size": BLOCK, "role": "prefill"})[0] == 201
+    request = urllib.request.Request(
+        served.url + "/v1/completions",
+        data=b'{"model": "pd-proxy", "prompt": ' + str(LONG[:300]).encode() + b', "max_tokens": 3}',
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": "Bearer s3cret"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+        assert response.headers["X-Kvrouter-Worker"].startswith("85")  # the decode-capable engine, whole
+    _, loads, _ = served.call("GET", "/loads")
+    (partition,) = [p for p in loads if p["model_name"] == "pd-proxy"]
+    assert all(row["active_requests"] == 0 for row in partition["loads"])

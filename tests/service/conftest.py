@@ -68,10 +68,11 @@ def http(
             return exc.code, json.loads(text) if text else None, dict(exc.headers)
 
 
-def start_mock(worker_id: int, err: Path, *, speedup: str = MOCK_SPEEDUP) -> Worker:
+def start_mock(worker_id: int, err: Path, *args: str, speedup: str = MOCK_SPEEDUP) -> Worker:
+    """A vLLM-format mock engine (``args``: more ``kvrouter mock-worker`` flags, ``--role`` say)."""
     command = [sys.executable, "-m", "kvrouter", "mock-worker", "--port", "0", "--worker-id", str(worker_id)]
     command += ["--zmq-kv-events-port", "0", "--zmq-replay-port", "0", "--speedup-ratio", speedup]
-    command += ["--format", "vllm", "--block-size", str(BLOCK), "--num-gpu-blocks", "512"]
+    command += ["--format", "vllm", "--block-size", str(BLOCK), "--num-gpu-blocks", "512", *args]
     with err.open("w") as stderr:
         proc = subprocess.Popen(
             command, cwd=Path(kvrouter.__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=stderr, text=True

@@ -5,9 +5,12 @@ one real mock engine behind the proxy."""
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -147,9 +150,9 @@ def test_freeing_a_split_reservation_before_its_first_token_frees_both(served: S
     assert served.loads() == before
 
 
-def test_the_proxy_forwards_a_disaggregated_partitions_request_whole_to_a_decode_worker(served: Served):
-    """Until the proxy runs both hops, it takes one: the request goes whole to a decode-capable worker (the
-    real mock engine 85, registered as role both), and nothing stays booked."""
+def test_the_proxy_forwards_a_short_prompt_whole_to_a_decode_worker(served: Served):
+    """300 tokens: not split, so the request goes whole to a decode-capable worker (the real mock engine 85,
+    registered as role both; the prefill worker 86 has no http endpoint and is not asked), nothing stays booked."""
     mock = served.mock
     body = {
         "instance_id": 85,
@@ -174,3 +177,109 @@ def test_the_proxy_forwards_a_disaggregated_partitions_request_whole_to_a_decode
     _, loads, _ = served.call("GET", "/loads")
     (partition,) = [p for p in loads if p["model_name"] == "pd-proxy"]
     assert all(row["active_requests"] == 0 for row in partition["loads"])
+
+
+@pytest.fixture(scope="module")
+def hops(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Worker, Worker]]:
+    """A real prefill engine (87) and decode engine (88) in partition ``pd-hops``, which speak vLLM's exchange."""
+    folder = tmp_path_factory.mktemp("hops")
+    started: list[Worker] = []
+    try:
+        for wid, role in ((87, "prefill"), (88, "decode")):
+            worker = start_mock(wid, folder / f"worker{wid}.err", "--role", role)
+            started.append(worker)
+            body = {
+                "instance_id": wid,
+                "endpoint": worker.events[0],
+                "replay_endpoint": worker.replay[0],
+                "model_name": "pd-hops",
+                "block_size": BLOCK,
+                "http_endpoint": worker.http,
+                "role": role,
+            }
+            assert served.call("POST", "/register", body)[0] == 201
+        yield started[0], started[1]
+    finally:
+        assert [stop_mock(worker) for worker in started] == [0] * len(started)
+
+
+def complete(served: Served, prompt: list[int], **extra: Any) -> tuple[int, bytes, dict[str, str]]:
+    body = {"model": "pd-hops", "prompt": prompt, "max_tokens": 4, **extra}
+    request = urllib.request.Request(
+        served.url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": "Bearer s3cret"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read(), dict(response.headers)
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, exc.read(), dict(exc.headers)
+
+
+def held_blocks(worker: Worker) -> int:
+    return sum(len(rank["blocks"]) for rank in worker.cache()["ranks"])
+
+
+def nothing_booked(served: Served, model: str) -> bool:
+    _, loads, _ = served.call("GET", "/loads")
+    return all(row["active_requests"] == 0 for p in loads if p["model_name"] == model for row in p["loads"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_proxy_runs_both_hops_of_a_split_request(served: Served, hops: tuple[Worker, Worker], stream: bool):
+    """The prefill hop on 87 (one token, kv_transfer_params), then the original request on 88 with the prefill
+    answer's parameters: 88 pulls the KV over its socket, reuses it and answers; nothing stays booked."""
+    prefill, decode = hops
+    prompt = list(range(100_000 + 10_000 * stream, 100_000 + 10_000 * stream + 3000))  # fresh, 187 blocks: split
+    before, computed = held_blocks(decode), held_blocks(prefill)
+    status, data, headers = complete(served, prompt, stream=stream)
+    assert status == 200, data
+    assert headers["X-Kvrouter-Worker"] == "88:0"
+    if stream:
+        assert data.rstrip().endswith(b"data: [DONE]")
+    else:
+        answer = json.loads(data)
+        assert answer["usage"]["completion_tokens"] == 4
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == (3000 // BLOCK) * BLOCK  # all pulled
+    assert held_blocks(prefill) >= computed + 3000 // BLOCK  # the prefill engine computed the prompt
+    assert held_blocks(decode) >= before + 3000 // BLOCK  # and the decode engine cached what it pulled
+    assert nothing_booked(served, "pd-hops")
+
+
+def test_a_failed_pull_reaches_the_client_as_an_error_and_nothing_stays_booked(served: Served, tmp_path: Path):
+    """A prefill engine whose offers expire at once: the decode engine's pull finds nothing, answers 502, and the
+    proxy passes it on."""
+    prefill = start_mock(89, tmp_path / "worker89.err", "--role", "prefill", "--kv-hold-secs", "0.001")
+    decode = start_mock(90, tmp_path / "worker90.err", "--role", "decode")
+    try:
+        for worker, wid, role in ((prefill, 89, "prefill"), (decode, 90, "decode")):
+            body = {"instance_id": wid, "endpoint": worker.events[0], "model_name": "pd-expired"}
+            body |= {"block_size": BLOCK, "http_endpoint": worker.http, "role": role}
+            assert served.call("POST", "/register", body)[0] == 201
+        request = {"model": "pd-expired", "prompt": list(range(200_000, 203_000)), "max_tokens": 2}
+        status, answer, _ = served.call("POST", "/v1/completions", request)
+        assert status == 502
+        assert "KV pull" in json.dumps(answer)
+        assert nothing_booked(served, "pd-expired")
+    finally:
+        assert [stop_mock(prefill), stop_mock(decode)] == [0, 0]
+
+
+def test_a_prefill_worker_that_refuses_is_skipped_and_the_decode_worker_prefills(served: Served, hops: Any):
+    """The only prefill worker of ``pd-refused`` listens nowhere: its refusal marks it down, the request is
+    decided again, and with no prefill worker left the decode engine (88) prefills it itself."""
+    _, decode = hops
+    dead = {"instance_id": 91, "endpoint": f"tcp://127.0.0.1:{free_port()}", "model_name": "pd-refused"}
+    dead |= {"block_size": BLOCK, "http_endpoint": f"http://127.0.0.1:{free_port()}", "role": "prefill"}
+    assert served.call("POST", "/register", dead)[0] == 201
+    live = {"instance_id": 92, "endpoint": decode.events[0], "model_name": "pd-refused", "block_size": BLOCK}
+    assert served.call("POST", "/register", {**live, "http_endpoint": decode.http, "role": "decode"})[0] == 201
+    request = {"model": "pd-refused", "prompt": list(range(300_000, 303_000)), "max_tokens": 2}
+    status, answer, headers = served.call("POST", "/v1/completions", request)
+    assert status == 200, answer
+    assert headers["X-Kvrouter-Worker"] == "92:0"
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed there, not pulled
+    assert nothing_booked(served, "pd-refused")

@@ -51,8 +51,8 @@ from .shadow import Shadows
 __all__ = ["Decider", "QueryAnswer", "ReadIndex"]
 
 NO_FALLBACKS: Final[list[tuple[WorkerKey, float]]] = []
-ONE_HOP: Final = "one_hop: the proxy forwards a request whole to one worker"
-"""Why a disaggregated partition's request through the proxy is not split: the proxy runs one hop."""
+ONE_HOP: Final = "one_hop: asked for one worker (the prefill workers refused the connection)"
+"""Why a request asked ``whole`` is not split: the proxy's, once the prefill workers refused it twice."""
 
 
 def ranked_fallbacks(selection: Selection, count: int) -> list[tuple[WorkerKey, float]]:
@@ -219,7 +219,7 @@ class Decider:
         split: Split | None = None
         if not partition.disaggregated:
             selection = select(candidates, booked)
-        elif request.whole:  # the proxy forwards one hop: the decode-capable workers take it whole
+        elif request.whole:  # one hop asked for: the decode-capable workers take it whole
             selection = select(candidates, booked)
             split = Split(selection, None, ONE_HOP, ())
         else:

@@ -121,7 +121,8 @@ class SelectRequest:
     """Where the prompt would go, explained, without booking, counting, recording or session binding
     (``kvrouter top``'s pinned prompt); ``/select`` only."""
     whole: bool = False
-    """The caller forwards one hop (the proxy, until it runs both): a disaggregated partition does not split."""
+    """The caller sends the request to one worker (the proxy, once the prefill workers refused it twice): a
+    disaggregated partition does not split it."""
 
 
 @dataclass(frozen=True, slots=True)

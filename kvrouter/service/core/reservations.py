@@ -140,6 +140,14 @@ class Reservations:
             peers.freed(selection_id, reservation.worker)
         self.changed(reservation.partition)
 
+    def end_prefill_hop(self, selection_id: str) -> None:
+        """A split request's prefill hop answered (the proxy): its prefill worker's booking ends; the decode
+        worker's stays until its first token."""
+        reservation = self.own.get(selection_id)
+        if reservation is not None:
+            self._end_prefill_hop(reservation.partition, selection_id)
+            self.changed(reservation.partition)
+
     def _end_prefill_hop(self, partition: Partition, selection_id: str) -> None:
         """A split request's prefill booking ends (its first token, its end or its expiry), here and on the
         peers: whoever booked it, the slot manager holds it under ``<id>#prefill``."""

@@ -16,6 +16,14 @@ server-wide would also cancel every other route mid-write), and a streaming hand
 next writes, which for a long decode can be many seconds later. The watcher cancels the handler's
 upstream read, which closes the worker's connection too, so the worker stops generating for nobody.
 
+**A split request** (a disaggregated partition, ``routing/disagg.py``) runs two hops, as vLLM's disaggregated
+proxy does with its NixlConnector: the prompt to the prefill worker with one output token, not streamed, and
+``kv_transfer_params`` asking it to keep the KV for a remote decode (its booking ends with that answer); then
+the original request to the decode worker with the ``kv_transfer_params`` the prefill worker returned (where
+to pull the KV from). A prefill worker that refuses the connection is marked down and the request decided
+again, once; refused again, the decode worker prefills the request itself. A failed pull shows as the decode
+worker's error status, passed to the client like any other.
+
 **A worker that refuses the connection** (nothing was sent, so retrying cannot duplicate work) is marked
 down at once, as its health probe would after a few ticks, and the request is decided again among the
 rest, once — the next decision's winner is the next-best worker, the fallback ``/select`` would have
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from typing import Any, Final, Protocol
 
@@ -61,6 +70,16 @@ USAGE_TAIL_BYTES: Final = 8192
 """The end of a streamed answer kept to read its usage chunk: the engine's reused tokens (``accuracy.py``)."""
 ATTEMPTS: Final = 2
 """The chosen worker, then once more after a refused connection."""
+PREFILL_HOP: Final = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""The ``kv_transfer_params`` of a prefill hop, as vLLM's disaggregated proxy sends them."""
+JSON_TYPE: Final = {"Content-Type": "application/json"}
 
 
 class _Tokenizer(Protocol):
@@ -149,14 +168,30 @@ class CompletionsProxy:
             routing_group=core.config.routing_group,
             token_ids=tokens,
             session_id=request.headers.get(SESSION_HEADER) or None,
-            whole=True,  # one hop: a disaggregated partition's decode-capable workers take the request whole
         )
         for attempt in range(ATTEMPTS):
             result = await core.queue.select(select, reserve=True, gone=client_gone(request))
             selection_id = result.selection_id
             assert selection_id is not None
+            decode_body = forward
+            if result.split is not None and result.split.prefill is not None:
+                try:
+                    decode_body = await self._prefill_hop(result, body, forward)
+                except aiohttp.ClientConnectorError as exc:  # nothing was sent: decide again without it
+                    self._free(selection_id)
+                    self._mark_down(result, exc, prefill=True)
+                    if attempt + 1 < ATTEMPTS:
+                        self.retried += 1
+                        continue
+                    select = dataclasses.replace(select, whole=True)  # refused twice: the decode worker prefills
+                    result = await core.queue.select(select, reserve=True, gone=client_gone(request))
+                    selection_id = result.selection_id
+                    assert selection_id is not None
+                except BaseException:
+                    self._free(selection_id)
+                    raise
             try:
-                upstream = await self._connect(result, forward)
+                upstream = await self._connect(result, decode_body)
             except aiohttp.ClientConnectorError as exc:
                 self._free(selection_id)
                 self._mark_down(result, exc)
@@ -174,6 +209,39 @@ class CompletionsProxy:
                 upstream.close()
                 self._free(selection_id)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _prefill_hop(self, result: Decision, body: dict[str, Any], forward: bytes) -> bytes:
+        """A split request's first hop, as vLLM's proxy sends it to the NixlConnector: the prompt with one output
+        token, whole (not streamed), asking the prefill worker to keep its KV for a remote decode. Its answer's
+        ``kv_transfer_params`` go to the decode worker with the original request (returned, as its body); the
+        prefill worker's booking ends here. A refused connection is the caller's to retry elsewhere;
+        :class:`UpstreamFailed` for any other failure.
+        """
+        split, selection_id = result.split, result.selection_id
+        assert split is not None
+        assert split.prefill is not None
+        assert selection_id is not None
+        name = _name(result, split.prefill.worker)
+        if result.prefill_endpoint is None:
+            raise UpstreamFailed(f"prefill worker {name} registered no http_endpoint to forward to")
+        hop = {**orjson.loads(forward), "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_HOP}
+        hop.pop("stream_options", None)
+        url = result.prefill_endpoint.rstrip("/") + ROUTE
+        try:
+            async with self._session().post(url, data=orjson.dumps(hop), headers=JSON_TYPE) as answer:
+                data = await answer.read()
+        except aiohttp.ClientConnectorError:
+            raise
+        except aiohttp.ClientError as exc:
+            self.upstream_failed += 1
+            raise UpstreamFailed(f"prefill worker {name} failed before answering: {exc!r}") from exc
+        params = _transfer_params(data) if answer.status < 400 else None
+        if params is None:
+            self.upstream_failed += 1
+            detail = data[:200].decode(errors="replace")
+            raise UpstreamFailed(f"prefill worker {name} answered {answer.status} without kv_transfer_params: {detail}")
+        self.core.reservations.end_prefill_hop(selection_id)
+        return orjson.dumps({**body, "prompt": orjson.loads(forward)["prompt"], "kv_transfer_params": params})
 
     async def _connect(self, result: Decision, body: bytes) -> aiohttp.ClientResponse:
         """Send the request to the chosen worker; its answer's headers. :class:`UpstreamFailed` for any
@@ -193,11 +261,14 @@ class CompletionsProxy:
         with contextlib.suppress(ServiceError):  # expired meanwhile: nothing left to take back
             self.core.reservations.free(selection_id)
 
-    def _mark_down(self, result: Decision, exc: Exception) -> None:
-        """The worker refused a connection: skip it now, as its health probe would in a few ticks (which
-        also brings it back once it answers)."""
-        self.core.registry.mark_down(result.partition, result.selection.worker[0], "http_endpoint refused")
-        log.warning("proxy worker refused worker=%s endpoint=%s error=%s", _name(result), result.endpoint, exc)
+    def _mark_down(self, result: Decision, exc: Exception, *, prefill: bool = False) -> None:
+        """The worker (a split request's prefill worker, with ``prefill``) refused a connection: skip it now, as
+        its health probe would in a few ticks (which also brings it back once it answers)."""
+        split = result.split
+        worker = split.prefill.worker if prefill and split is not None and split.prefill else result.selection.worker
+        endpoint = result.prefill_endpoint if prefill else result.endpoint
+        self.core.registry.mark_down(result.partition, worker[0], "http_endpoint refused")
+        log.warning("proxy worker refused worker=%s endpoint=%s error=%s", _name(result, worker), endpoint, exc)
 
     async def _relay(
         self, request: web.Request, upstream: aiohttp.ClientResponse, result: Decision
@@ -292,6 +363,15 @@ def _cached(answer: Any) -> int | None:
     return value if type(value) is int and value >= 0 else None
 
 
-def _name(result: Decision) -> str:
-    worker_id, rank = result.selection.worker
+def _name(result: Decision, worker: tuple[int, int] | None = None) -> str:
+    worker_id, rank = result.selection.worker if worker is None else worker
     return f"{worker_id}:{rank}"
+
+
+def _transfer_params(answer: bytes) -> dict[str, Any] | None:
+    """A prefill hop's ``kv_transfer_params``: where the decode worker pulls the KV; None when absent."""
+    try:
+        params = orjson.loads(answer).get("kv_transfer_params")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return params if isinstance(params, dict) and params.get("do_remote_prefill") is True else None

@@ -58,6 +58,8 @@ class EmbeddedError(KvRouterError):
 
 DEFAULT_MOCK_WORKERS: Final = 4
 """Mock engines ``kvrouter up`` starts when no ``--workers`` are given and ``--mock-workers`` is not set."""
+DOCUMENTS: Final = 0.3
+"""The disaggregated demo's share of sessions that open with a fresh long document (``Workload``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +198,9 @@ class Embedded:
         self._decisions = decisions if decisions is not None else self._own_decisions
         self.mocks: list[MockProcess] = []
         self.stats = Stats()
-        self.workload = Workload(config.seed, config.block_size)
+        self.workload = Workload(
+            config.seed, config.block_size, documents=DOCUMENTS if config.mock_prefill_workers else 0.0
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._requests: set[asyncio.Task[None]] = set()
         self._client: Client | None = None
@@ -342,6 +346,16 @@ class Embedded:
         assert client is not None
         selection: str | None = None
         try:
+            if cfg.mock_prefill_workers:  # a disaggregated fleet: the router's proxy runs both hops
+                cached, worker = await self._through_proxy(prompt, max_tokens)
+                stats.decisions += 1
+                stats.total_decisions += 1
+                if worker is not None:
+                    stats.per_worker[worker] += 1
+                stats.cached_tokens += cached
+                stats.completed_prompt_tokens += len(prompt)
+                stats.completed += 1
+                return
             try:
                 answer = await client.select_and_reserve(
                     cfg.model_name, routing_group=cfg.routing_group, token_ids=prompt
@@ -370,6 +384,28 @@ class Embedded:
             if selection is not None and not self._stopped:
                 with contextlib.suppress(ApiError, ServiceUnreachable):
                     await client.free(selection)
+
+    async def _through_proxy(self, prompt: list[int], max_tokens: int) -> tuple[int, int | None]:
+        """One request through ``POST /v1/completions``, streamed: the engine's ``cached_tokens``, and the worker
+        that answered (the decode worker of a split request). The proxy books, splits and frees it.
+
+        Raises:
+            ApiError: the router or an engine refused. ValueError: a failure mid-stream.
+        """
+        client = self._client
+        assert client is not None
+        cached = 0
+        stream = client.stream_completions(
+            prompt, model=self.config.model_name, max_tokens=max_tokens, stream_options={"include_usage": True}
+        )
+        async with stream:
+            async for chunk in stream:
+                if "error" in chunk:
+                    raise ValueError(f"engine error: {chunk['error']}")
+                usage = chunk.get("usage") or {}
+                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) or 0)
+        name = stream.worker
+        return cached, None if not name else int(name.split(":")[0])
 
     def _endpoint(self, answer: Selection, worker: int) -> str:
         """The chosen engine's HTTP URL: the answer's ``endpoint`` when it is one, else the mock's own."""

@@ -30,11 +30,14 @@ class Workload:
     """Synthetic multi-turn chat, deterministic from a seed (see the module docstring).
 
     ``system_prompts`` are 20-60 blocks each; a session picks one with weight 1/(rank+1), then each turn
-    adds 16-200 user tokens and the previous answer (synthetic ids: the mock returns none).
+    adds 16-200 user tokens and the previous answer (synthetic ids: the mock returns none). A share
+    ``documents`` of sessions first paste a fresh document of 3,000-5,000 tokens (the disaggregated demo's:
+    its long fresh prompts are the ones worth splitting).
     """
 
-    def __init__(self, seed: int, block_size: int) -> None:
+    def __init__(self, seed: int, block_size: int, *, documents: float = 0.0) -> None:
         self.rng = random.Random(seed)
+        self.documents = documents
         self.system_prompts = [
             [self.rng.randrange(1, VOCAB) for _ in range(block_size * self.rng.randint(20, 60))]
             for _ in range(SYSTEM_PROMPTS)
@@ -43,7 +46,10 @@ class Workload:
 
     def session(self) -> Session:
         system = self.rng.choices(range(SYSTEM_PROMPTS), self.weights)[0]
-        return Session(system, self.rng.randint(2, 6))
+        session = Session(system, self.rng.randint(2, 6))
+        if self.documents and self.rng.random() < self.documents:
+            session.history = [self.rng.randrange(1, VOCAB) for _ in range(self.rng.randint(3000, 5000))]
+        return session
 
     def turn(self, session: Session) -> tuple[list[int], int]:
         """(the prompt of the session's next turn, its max_tokens); the session's history grows by it."""

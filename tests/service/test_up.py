@@ -209,8 +209,9 @@ def test_up_routes_the_demo_workload_and_stops_cleanly_on_sigterm(start_up, shm_
 
 
 def test_a_disaggregated_demo_registers_its_roles_and_routes_to_the_decode_workers(start_up, shm_entries):
-    """--mock-prefill-workers 1 --mock-decode-workers 2 replace the four role-both engines; until requests are split
-    over two workers (issue 35), the client's whole requests go to the decode workers, never the prefill one."""
+    """--mock-prefill-workers 1 --mock-decode-workers 2 replace the four role-both engines, registered with their
+    roles; the client's requests go through the proxy, which splits them or not, and each decision's worker (the
+    decode worker) is a decode engine."""
     up = start_up(
         "--mock-prefill-workers", "1", "--mock-decode-workers", "2", "--shards", "1", "--status-secs", "1",
         "--client-rate", "6",
@@ -225,6 +226,12 @@ def test_a_disaggregated_demo_registers_its_roles_and_routes_to_the_decode_worke
     assert int(decided[2]) == 0, up.seen  # no request of the client failed
     status, ring = get(url + "/decisions?since=0")
     assert {d["worker_id"] for d in ring["decisions"]} <= {2, 3}
+    assert all("split" in d for d in ring["decisions"])  # a disaggregated partition's decisions, say split or not
+    deadline = time.monotonic() + START_TIMEOUT_S  # a session that opens with a long document is split
+    while not any(d.get("split") for d in get(url + "/decisions?since=0")[1]["decisions"]):
+        assert time.monotonic() < deadline, "no request of the demo was split"
+        time.sleep(0.2)
+    assert int(up.expect(STATUS_LINE, START_TIMEOUT_S)[2]) == 0, up.seen  # the two hops failed none
     stop_and_check(up, signal.SIGTERM, shm_entries)
 
 

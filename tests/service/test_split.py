@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from http.client import HTTPConnection, HTTPResponse
 from pathlib import Path
 from typing import Any
 
@@ -283,3 +285,60 @@ def test_a_prefill_worker_that_refuses_is_skipped_and_the_decode_worker_prefills
     assert headers["X-Kvrouter-Worker"] == "92:0"
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed there, not pulled
     assert nothing_booked(served, "pd-refused")
+
+
+@pytest.fixture
+def slow_pair(served: Served, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Worker, Worker, str]]:
+    """A prefill and a decode engine at real speed (a long answer takes seconds) in a partition of their own."""
+    model = f"pd-slow-{request.node.name[-12:]}"
+    base = 93 if "away" in request.node.name else 95
+    started: list[Worker] = []
+    try:
+        for wid, role in ((base, "prefill"), (base + 1, "decode")):
+            worker = start_mock(wid, tmp_path / f"worker{wid}.err", "--role", role, speedup="1")
+            started.append(worker)
+            body = {"instance_id": wid, "endpoint": worker.events[0], "model_name": model, "block_size": BLOCK}
+            assert served.call("POST", "/register", {**body, "http_endpoint": worker.http, "role": role})[0] == 201
+        yield started[0], started[1], model
+    finally:
+        for worker in started:
+            if worker.proc.poll() is None:
+                stop_mock(worker)
+
+
+def open_stream(served: Served, model: str, prompt: list[int], max_tokens: int) -> HTTPResponse:
+    """A streamed completion through the proxy, its first chunk read."""
+    host, port = served.url.removeprefix("http://").split(":")
+    connection = HTTPConnection(host, int(port), timeout=60)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True})
+    connection.request(
+        "POST", "/v1/completions", body, {"Content-Type": "application/json", "Authorization": "Bearer s3cret"}
+    )
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # the first token: both hops done
+    return response
+
+
+def test_a_client_that_goes_away_from_a_split_request_leaves_nothing_booked(served: Served, slow_pair: Any):
+    _, _, model = slow_pair
+    response = open_stream(served, model, list(range(400_000, 403_000)), 2000)
+    response.close()  # gone, with 1,999 tokens still to come
+    deadline = time.monotonic() + 10
+    while not nothing_booked(served, model):
+        assert time.monotonic() < deadline, "the split request stayed booked after its client left"
+        time.sleep(0.05)
+
+
+def test_a_decode_worker_dropping_mid_stream_is_an_error_in_band_and_nothing_stays_booked(
+    served: Served, slow_pair: Any
+):
+    _, decode, model = slow_pair
+    response = open_stream(served, model, list(range(500_000, 503_000)), 2000)
+    decode.proc.kill()  # mid-stream
+    rest = response.read()
+    assert b"failed mid-stream" in rest
+    deadline = time.monotonic() + 10
+    while not nothing_booked(served, model):
+        assert time.monotonic() < deadline, "the split request stayed booked after its decode worker died"
+        time.sleep(0.05)

@@ -5,7 +5,8 @@ around the select-and-reserve protocol — ``Service.select(reserve=True)`` (so 
 next decisions), forward the body to the chosen worker's ``http_endpoint`` + ``/v1/completions``,
 ``prefill_complete`` at the first streamed chunk (the first token; for a non-streamed answer, when the
 answer arrives), ``free`` when the answer ends. The reservation is freed on every way out: the normal
-end, a worker error status, the worker's connection dropping mid-stream, the client going away, a
+end, a worker error status, the worker's connection dropping mid-stream (an error chunk then tells the
+client; a stream that ends without ``data: [DONE]`` was cut, however it ended), the client going away, a
 cancellation, an exception. The reservation's own expiry (300 s) is only the last net.
 
 **Streaming** is passed through chunk by chunk (whatever ``readany`` returns, written as it arrives), not
@@ -80,6 +81,8 @@ PREFILL_HOP: Final = {
 }
 """The ``kv_transfer_params`` of a prefill hop, as vLLM's disaggregated proxy sends them."""
 JSON_TYPE: Final = {"Content-Type": "application/json"}
+DONE: Final = b"data: [DONE]"
+"""How an OpenAI stream ends; a stream that ends without it was cut (its worker died or dropped it)."""
 
 
 class _Tokenizer(Protocol):
@@ -306,6 +309,8 @@ class CompletionsProxy:
                     tail = (tail + chunk)[-USAGE_TAIL_BYTES:]
                 if (reused := _reused_in_stream(tail)) is not None:
                     self.core.reservations.report_reuse(selection_id, reused)
+                if upstream.status < 400 and DONE not in tail:  # closed without OpenAI's end: the worker died
+                    raise aiohttp.ClientPayloadError("the stream ended before its data: [DONE]")
             except aiohttp.ClientError as exc:  # the worker dropped mid-stream: tell the client, in-band
                 self.upstream_failed += 1
                 log.warning("proxy stream broken worker=%s error=%r", _name(result), exc)

@@ -153,10 +153,10 @@ class DisaggConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.kv_bytes_per_token < 1 or not self.kv_transfer_gbps > 0 or not self.kv_transfer_gbps_local > 0:
-            raise ConfigError(
-                "DisaggConfig: kv_bytes_per_token, kv_transfer_gbps and kv_transfer_gbps_local must be > 0"
-            )
+        try:
+            self.link  # noqa: B018 (the link checks its own fields)
+        except ValueError as exc:
+            raise ConfigError(f"DisaggConfig: {exc}") from exc
         if self.max_local_prefill_tokens < 0 or (self.prefill_busy_tokens is not None and self.prefill_busy_tokens < 0):
             raise ConfigError("DisaggConfig: token bounds must be >= 0")
 
@@ -268,7 +268,8 @@ def select_split(
         return Split(select(decode_workers, book), None, alone, ())
     prefill = select(prefill_workers, None)
     local: Any = local_hashes
-    device = index.find_matches_by_tier(list(map(int, local)))[StorageTier.DEVICE]
+    hashes = local.tolist() if isinstance(local, np.ndarray) else list(local)  # every index takes a list
+    device = index.find_matches_by_tier(hashes)[StorageTier.DEVICE]
     costs = decode_costs(
         decode_workers,
         math.ceil(isl_tokens / block_size),

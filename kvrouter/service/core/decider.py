@@ -112,6 +112,8 @@ class Decider:
         self.recording = recording
         self.keep_records = keep_records
         self.disagg = disagg or DisaggConfig()
+        self.link = self.disagg.link
+        """The KV link between topology domains (rule 2's factor), made once."""
         """The link and split rule of disaggregated partitions (``routing/disagg.py``)."""
         """Every decision keeps the router's record (a decision log is written): not only those with an id."""
         self._explain_after = 0.0
@@ -338,7 +340,7 @@ class Decider:
 
     def _factor(self, partition: Partition) -> Callable[[WorkerKey, WorkerKey], float]:
         """The link factor between two of the partition's workers, by their instances' topology domains."""
-        link, instances = self.disagg.link, partition.instances
+        link, instances = self.link, partition.instances
 
         def factor(prefill: WorkerKey, decode: WorkerKey) -> float:
             return link.factor(instances[prefill[0]].topology_domain == instances[decode[0]].topology_domain)

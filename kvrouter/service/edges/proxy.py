@@ -179,7 +179,7 @@ class CompletionsProxy:
             decode_body = forward
             if result.split is not None and result.split.prefill is not None:
                 try:
-                    decode_body = await self._prefill_hop(result, body, forward)
+                    decode_body = await self._prefill_hop(result, forward)
                 except aiohttp.ClientConnectorError as exc:  # nothing was sent: decide again without it
                     self._free(selection_id)
                     self._mark_down(result, exc, prefill=True)
@@ -213,7 +213,7 @@ class CompletionsProxy:
                 self._free(selection_id)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _prefill_hop(self, result: Decision, body: dict[str, Any], forward: bytes) -> bytes:
+    async def _prefill_hop(self, result: Decision, forward: bytes) -> bytes:
         """A split request's first hop, as vLLM's proxy sends it to the NixlConnector: the prompt with one output
         token, whole (not streamed), asking the prefill worker to keep its KV for a remote decode. Its answer's
         ``kv_transfer_params`` go to the decode worker with the original request (returned, as its body); the
@@ -227,7 +227,8 @@ class CompletionsProxy:
         name = _name(result, split.prefill.worker)
         if result.prefill_endpoint is None:
             raise UpstreamFailed(f"prefill worker {name} registered no http_endpoint to forward to")
-        hop = {**orjson.loads(forward), "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_HOP}
+        sent = orjson.loads(forward)  # the body as forwarded (its prompt as token ids)
+        hop = {**sent, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_HOP}
         hop.pop("stream_options", None)
         url = result.prefill_endpoint.rstrip("/") + ROUTE
         try:
@@ -244,7 +245,7 @@ class CompletionsProxy:
             detail = data[:200].decode(errors="replace")
             raise UpstreamFailed(f"prefill worker {name} answered {answer.status} without kv_transfer_params: {detail}")
         self.core.reservations.end_prefill_hop(selection_id)
-        return orjson.dumps({**body, "prompt": orjson.loads(forward)["prompt"], "kv_transfer_params": params})
+        return orjson.dumps({**sent, "kv_transfer_params": params})
 
     async def _connect(self, result: Decision, body: bytes) -> aiohttp.ClientResponse:
         """Send the request to the chosen worker; its answer's headers. :class:`UpstreamFailed` for any

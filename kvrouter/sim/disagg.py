@@ -42,7 +42,7 @@ from ..index import RadixIndex
 from ..routing import SlotManager
 from ..routing.disagg import PREFILL_BOOKING, Link
 from ..worker import Iteration, WorkerConfig, WorkerModel
-from .engines import LANDED, Engines
+from .engines import LANDED, Engines, arrival_order
 from .metrics import imbalance, percentile, weighted_percentile
 from .policy import Cluster, Request
 
@@ -190,11 +190,8 @@ def simulate_disagg(
         now=0.0,
         rng=random.Random(seed),
     )
-    position = {request.request_id: i for i, request in enumerate(requests)}
-    if len(position) != len(requests):
-        raise ValueError("request ids must be unique within a run")
+    position, order = arrival_order(requests)
     records = [_Record() for _ in requests]
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     decision_us: list[float] = []
     moved = 0
     waiting: list[list[int]] = [[] for _ in range(total)]

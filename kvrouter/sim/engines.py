@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 from ..events.model import KvEvent
 from ..index import RadixIndex
 from ..worker import Iteration, WorkerModel
+from .policy import Request
 
-__all__ = ["ARRIVAL", "DELIVERY", "ITERATION_END", "LANDED", "START", "Engines"]
+__all__ = ["ARRIVAL", "DELIVERY", "ITERATION_END", "LANDED", "START", "Engines", "arrival_order"]
 
 ITERATION_END = 0
 DELIVERY = 1
@@ -27,6 +28,18 @@ START = 4
 """Event kinds, in the order they run when simultaneous."""
 
 Payload = Iteration | list[KvEvent] | int | None
+
+
+def arrival_order(requests: Sequence[Request]) -> tuple[dict[str, int], list[int]]:
+    """Each request's position by its id, and the positions in arrival order (ties in the given order).
+
+    Raises:
+        ValueError: two requests with one id.
+    """
+    position = {request.request_id: i for i, request in enumerate(requests)}
+    if len(position) != len(requests):
+        raise ValueError("request ids must be unique within a run")
+    return position, sorted(range(len(requests)), key=lambda i: requests[i].arrival)
 
 
 class Engines:

@@ -12,6 +12,7 @@ everything else needs only rich, which typer already brings.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -119,7 +120,7 @@ class ReportRow:
 
 
 def row_from_result(
-    result: RunResult,
+    result: RunResult | DisaggResult,
     *,
     trace: str,
     workers: int,
@@ -130,7 +131,7 @@ def row_from_result(
     """The report's view of one simulation run.
 
     Args:
-        result: what ``kvrouter.sim.simulator.simulate`` measured.
+        result: what ``kvrouter.sim.simulator.simulate`` (or ``simulate_disagg``) measured.
         trace: the trace's or workload's name.
         workers: the fleet size the run used.
         speedup: the arrival speedup the requests were loaded with.
@@ -158,30 +159,16 @@ def row_from_result(
 
 def row_from_disagg(result: DisaggResult, *, trace: str, speedup: float, ceiling: float | None = None) -> ReportRow:
     """The report's view of one disaggregated run (``sim/disagg.py``); ``workers`` is both pools."""
-    return ReportRow(
-        trace=trace,
-        workers=result.prefill_workers + result.decode_workers,
-        speedup=speedup,
-        policy=result.policy,
-        hit_rate=result.hit_rate,
-        ttft_p50_ms=result.ttft_p50_ms,
-        ttft_p90_ms=result.ttft_p90_ms,
-        ttft_p99_ms=result.ttft_p99_ms,
-        itl_p50_ms=result.itl_p50_ms,
-        itl_p90_ms=result.itl_p90_ms,
-        imbalance=result.prefill_imbalance,
-        decision_p50_us=result.decision_us_p50,
-        decision_p99_us=result.decision_us_p99,
-        ceiling=ceiling,
-        ttfts_ms=result.ttft_ms,
-        disagg=Disagg(
-            prefill_workers=result.prefill_workers,
-            decode_workers=result.decode_workers,
-            output_tokens_per_s=result.output_tokens_per_s,
-            bytes_transferred=result.bytes_transferred,
-            local_prefill_share=result.local_prefill_share,
-        ),
+    workers = result.prefill_workers + result.decode_workers
+    row = row_from_result(result, trace=trace, workers=workers, speedup=speedup, ceiling=ceiling)
+    disagg = Disagg(
+        prefill_workers=result.prefill_workers,
+        decode_workers=result.decode_workers,
+        output_tokens_per_s=result.output_tokens_per_s,
+        bytes_transferred=result.bytes_transferred,
+        local_prefill_share=result.local_prefill_share,
     )
+    return dataclasses.replace(row, disagg=disagg)
 
 
 def hit_ratios(rows: Sequence[ReportRow]) -> list[float | None]:

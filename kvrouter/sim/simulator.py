@@ -48,7 +48,7 @@ from ..hashing import sequence_hashes
 from ..index import RadixIndex
 from ..routing import SlotManager
 from ..worker import Iteration, WorkerConfig, WorkerModel
-from .engines import Engines
+from .engines import Engines, arrival_order
 from .metrics import RunResult, imbalance, percentile, weighted_percentile
 from .policy import Cluster, Policy, Request
 
@@ -119,11 +119,8 @@ def simulate(
         rng=random.Random(seed),
     )
 
-    position = {request.request_id: i for i, request in enumerate(requests)}
-    if len(position) != len(requests):
-        raise ValueError("request ids must be unique within a run")
+    position, order = arrival_order(requests)
     records = [_Record() for _ in requests]
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     decision_us: list[float] = []
 
     def ended(worker: int, iteration: Iteration | None) -> None:

@@ -76,6 +76,9 @@ class TransferServer:
         self.hold_secs = hold_secs
         self._offers: dict[str, _Offer] = {}
         self._lock = threading.Lock()
+        self._serving = 0
+        self._served = 0
+        self._cut = 0
         owner = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -110,6 +113,12 @@ class TransferServer:
         """Wall seconds a transfer of ``tokens`` tokens' KV takes."""
         return tokens * self.kv_bytes_per_token * 8 / (self.gbps * 1e9) / self.speedup
 
+    def status(self) -> dict[str, int]:
+        """What ``GET /health`` shows: offers waiting, pulls in progress, pulls served whole and cut. A drill
+        kills a prefill engine while ``serving`` is above 0, so that it is killed mid-transfer."""
+        with self._lock:
+            return {"offered": len(self._offers), "serving": self._serving, "served": self._served, "cut": self._cut}
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
@@ -137,14 +146,25 @@ class TransferServer:
             return
         payload = struct.pack(f"<{len(offer.ids)}Q", *offer.ids)
         pause = self.seconds(offer.tokens) / CHUNKS
+        with self._lock:
+            self._serving += 1
+        whole = False
         try:
             sock.sendall(json.dumps({"ok": True, "blocks": len(offer.ids)}).encode() + b"\n")
             size = -(-len(payload) // CHUNKS) or 1
             for start in range(0, max(len(payload), 1), size):
                 time.sleep(pause)
                 sock.sendall(payload[start : start + size])
+            whole = True
         except OSError as exc:  # the decode engine went away: its pull fails on its side
             log.info("kv transfer cut transfer=%s error=%r", transfer, exc)
+        finally:
+            with self._lock:
+                self._serving -= 1
+                if whole:
+                    self._served += 1
+                else:
+                    self._cut += 1
 
 
 def pull(host: str, port: int, transfer: str, *, timeout: float) -> list[int]:

@@ -15,7 +15,9 @@ the rank's engine thread (:class:`~kvrouter.worker.mock_engine.MockEngine`) and 
 | ``GET /health`` | | ``{"status": "ok", ..., "published"}``; 503 ``"failed"`` once an engine thread died |
 
 ``published``: per rank, ``last_seq`` / ``last_event_id`` read without the engine thread, so it is cheap to
-poll (``kvrouter replay``'s slow-consumer drill watches a burst go out with it).
+poll (``kvrouter replay``'s slow-consumer drill watches a burst go out with it). An engine that offers KV
+(role ``prefill`` or ``both``) adds ``transfers``: offers waiting, pulls in progress (``serving``), served and cut
+(the prefill-kill drill kills it while ``serving`` is above 0).
 
 (*) A ``text_completion``, OpenAI-shaped, with ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens
 reused from the cache at admission) and a ``kvrouter`` object: simulated ``ttft_ms`` and ``finish_ms``, ``dp_rank``.
@@ -201,6 +203,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "dp_size": cfg.dp_size,
                 "format": cfg.format,
                 "published": engine.positions(),
+                **({} if engine.transfers is None else {"transfers": engine.transfers.status()}),
             },
         )
 

@@ -46,9 +46,12 @@ def test_a_prefill_hop_then_a_decode_hop_moves_the_prompts_kv(start_worker: Call
     assert params["remote_host"] == "127.0.0.1"
     assert isinstance(params["remote_port"], int)
     assert cached_prompt_blocks(decode) == 0
+    assert prefill.call("GET", "/health")[1]["transfers"] == {"offered": 1, "serving": 0, "served": 0, "cut": 0}
+    assert "transfers" not in decode.call("GET", "/health")[1]  # a decode engine offers nothing
 
     answer = decode.complete(PROMPT, 8, kv_transfer_params=params)
     assert answer["usage"]["completion_tokens"] == 8
+    assert prefill.call("GET", "/health")[1]["transfers"] == {"offered": 0, "serving": 0, "served": 1, "cut": 0}
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK  # the pulled blocks, reused
     assert cached_prompt_blocks(decode) >= 4  # stored, as an engine stores what it pulled (and published)
 
@@ -135,6 +138,7 @@ def test_a_prefill_engine_killed_mid_transfer_breaks_the_pull(start_worker: Call
         pulling.start()
         time.sleep(1.0)
         assert pulling.is_alive(), "the pull ended before the kill: the link is not slow enough to test this"
+        assert prefill.call("GET", "/health")[1]["transfers"]["serving"] == 1  # what the prefill-kill drill waits for
         killed = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         pulling.join(30)

@@ -48,6 +48,17 @@ The NATS drills run on a :class:`~kvrouter.replay.replicas.ReplicaStack` (two ``
 For both, the end check adds, per replica, the index equal to every engine's cache and ``GET /loads``
 equal across replicas, and that every message the sync lost was counted and re-synced.
 
+The disaggregated drill runs on a stack of prefill and decode engines (half of ``--mock-workers`` each, the
+router's proxy running both hops of every split request):
+
+- ``prefill-kill``: SIGKILL to the victim, a prefill engine, while a decode engine is pulling KV from it
+  (its ``/health`` shows a pull in progress; its link is slowed to :data:`VICTIM_GBPS` so that pulls last
+  long enough to be caught). The decode hops pulling from it fail, and their clients get the error; prefill
+  hops sent to it are refused, and the proxy decides them again. Seen when the router lists the victim
+  ``unhealthy`` (the proxy's refused connection or its health probe); then the victim is started again, as
+  its supervisor would, and registered in place of the dead one. The end check adds that every client was
+  answered or refused (none left hanging) and that nothing stays booked (``GET /loads`` all zero).
+
 The victim is chosen by the seed among the stack's engines. Each drill names what it needs: drills that
 signal a process or read a segment need a :class:`~kvrouter.replay.stack.LocalStack`.
 
@@ -69,7 +80,7 @@ from typing import Any, Final
 from .replicas import ReplicaStack
 from .stack import Mock, ReplayError, Stack
 
-__all__ = ["DRILLS", "GAP_BATCHES", "KILLED_REPLICA", "NOT_BUILT", "SLOW_HWM", "Drill", "Rows"]
+__all__ = ["DRILLS", "GAP_BATCHES", "KILLED_REPLICA", "NOT_BUILT", "SLOW_HWM", "VICTIM_GBPS", "Drill", "Rows"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +116,26 @@ overflow: its fault is then not seen, and the drill fails saying so)."""
 
 STALL_POLL_S: Final = 0.1
 
+VICTIM_GBPS: Final = 0.5
+"""The prefill-kill victim's modelled link: a replay prompt (~860 tokens of 131,072 bytes) takes ~1.8
+simulated seconds to pull (0.2 s wall at x8), so a poll every :data:`TRANSFER_POLL_S` catches one in
+progress; at the default 25 Gbit/s a pull is over in a few wall milliseconds."""
+
+DISAGG_LOCAL_TOKENS: Final = 128
+"""The disaggregated stack's ``--disagg-max-local-prefill-tokens``: the default 2,048 scaled as the replay
+workload is (1/16, ``workload.py``); at 2,048 nearly every scaled prompt is prefilled on its decode engine,
+and nothing is pulled."""
+
+TRANSFER_WAIT_S: Final = 10.0
+"""How long prefill-kill waits for a pull from its victim before killing it anyway (it then reports
+``mid_transfer`` false, and the drill fails: the fault asked for did not happen)."""
+
+TRANSFER_POLL_S: Final = 0.01
+
+NOTICE_MAX_S: Final = 15.0
+"""How long prefill-kill waits for the router to list its dead victim unhealthy: the health probe's period
+(4 ticks of ``--health-interval-secs``) and its timeout, with room for a loaded machine."""
+
 KILLED_REPLICA: Final = 1
 """The replica ``replica-kill`` kills: the second, so the first's control segment (which applier follows
 which worker) stays readable for the other drills' bookkeeping."""
@@ -135,6 +166,8 @@ class Drill:
     """Runs on the replica stack (two ``kvrouter up --router-replica-sync`` and a NATS server)."""
     own_nats: bool = False
     """Takes the NATS server down: needs the one this run started (skipped with ``--nats-url``)."""
+    disagg: bool = False
+    """Runs on the disaggregated stack (prefill and decode engines); its victim is a prefill engine."""
 
 
 def _moved(counter: str) -> Callable[[Stack, Mock, dict[str, Any], Rows, Rows], bool]:
@@ -231,6 +264,40 @@ async def _published(stack: Stack, victim: Mock) -> int:
     return int(health["published"][0].get("last_seq") or 0)
 
 
+async def _prefill_kill(stack: Stack, victim: Mock) -> dict[str, Any]:
+    serving = 0
+    deadline = time.monotonic() + TRANSFER_WAIT_S
+    while not serving and time.monotonic() < deadline:
+        status, health = await stack.call("GET", victim.http + "/health")
+        transfers = health.get("transfers") if status == 200 and isinstance(health, dict) else None
+        serving = int(transfers.get("serving", 0)) if isinstance(transfers, dict) else 0
+        if not serving:
+            await asyncio.sleep(TRANSFER_POLL_S)
+    pid = await stack.kill_mock(victim)
+    killed = time.monotonic()
+    log.info("prefill engine killed worker=%d pid=%d pulls_in_progress=%d", victim.worker_id, pid, serving)
+    noticed_s = None
+    while time.monotonic() - killed < NOTICE_MAX_S:
+        rows = await stack.workers()
+        if any(int(row["instance_id"]) == victim.worker_id and row["status"] == "unhealthy" for row in rows):
+            noticed_s = round(time.monotonic() - killed, 3)
+            break
+        await asyncio.sleep(STALL_POLL_S)
+    fresh = await stack.restart_mock(victim)
+    return {
+        "worker": victim.worker_id,
+        "pid": pid,
+        "mid_transfer": serving > 0,
+        "pulls_in_progress": serving,
+        "noticed_s": noticed_s,
+        "restarted_http": fresh.http,
+    }
+
+
+def _prefill_kill_seen(_stack: Stack, _victim: Mock, done: dict[str, Any], _before: Rows, _now: Rows) -> bool:
+    return bool(done["mid_transfer"]) and done["noticed_s"] is not None
+
+
 def _replica_stack(stack: Stack) -> ReplicaStack:
     if not isinstance(stack, ReplicaStack):
         raise ReplayError("this drill needs the replica stack")
@@ -291,6 +358,15 @@ DRILLS: Final[dict[str, Drill]] = {
         ),
         Drill("nats-outage", needs_local=True, inject=_nats_outage, seen=_outage_noticed, replicas=True, own_nats=True),
         Drill("replica-kill", needs_local=True, inject=_replica_kill, seen=_replica_replaced, replicas=True),
+        Drill(
+            "prefill-kill",
+            needs_local=True,
+            inject=_prefill_kill,
+            seen=_prefill_kill_seen,
+            router_args=("--disagg-max-local-prefill-tokens", str(DISAGG_LOCAL_TOKENS)),
+            victim_args=("--kv-transfer-gbps", str(VICTIM_GBPS)),
+            disagg=True,
+        ),
     )
 }
 """The drills this version runs, in the issue's order."""

@@ -160,22 +160,6 @@ class ReplicaStack(LocalStack):
             raise ReplayError(f"GET {url}/ready has no replica_sync: {str(body)[:200]}")
         return sync
 
-    async def loads(self, url: str) -> dict[str, list[int]]:
-        """``GET /loads`` of the replica at ``url``: ``"worker:rank"`` -> [prefill tokens, active blocks, requests]."""
-        try:
-            body = await self.client(url).loads()
-        except ApiError as exc:
-            raise ReplayError(f"GET {url}/loads answered {exc.status}: {exc.message[:200]}") from exc
-        return {
-            f"{row['worker_id']}:{row['dp_rank']}": [
-                int(row["potential_prefill_tokens"]),
-                int(row["potential_decode_blocks"]),
-                int(row["active_requests"]),
-            ]
-            for partition in body
-            for row in partition["loads"]
-        }
-
     async def kill_replica(self, index: int) -> dict[str, Any]:
         """SIGKILL replica ``index`` and every process of it (its session: appliers, fork server), sweep what
         it left in ``/dev/shm``, start it again on the same port and register the engines on it. Returns what

@@ -9,6 +9,7 @@ flight on a restarted engine), ``restarts`` and ``mismatch``. ``docs/replay.md``
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -33,9 +34,11 @@ class Skipped:
 
 def ok(result: RunResult) -> bool:
     """Converged, every gap accounted, and the fault was seen (a fault never seen tested nothing); with
-    replicas, also their loads agreeing and every loss of the sync counted."""
+    replicas, also their loads agreeing and every loss of the sync counted; on a disaggregated stack, also
+    every client answered or refused and nothing left booked."""
     agree = result.replicas is None or bool(result.replicas["loads_agree"])
-    return result.converged and result.accounted and result.fault_seen and agree
+    settled = result.booked is None or (not result.booked and not result.unanswered)
+    return result.converged and result.accounted and result.fault_seen and agree and settled
 
 
 def quality(result: RunResult) -> dict[str, Any]:
@@ -47,7 +50,9 @@ def drill_json(result: RunResult | Skipped, baseline: RunResult | None) -> dict[
     if isinstance(result, Skipped):
         return {"drill": result.drill, "status": "skipped", "reason": result.reason}
     baseline = result.baseline or baseline  # the replica drills' own, on their stack
-    extra = {} if result.replicas is None else {"replicas": result.replicas}
+    extra: dict[str, Any] = {} if result.replicas is None else {"replicas": result.replicas}
+    if result.booked is not None:
+        extra |= {"unanswered": result.unanswered, "booked": result.booked}
     return {
         "drill": result.drill,
         "status": "ok" if ok(result) else "failed",
@@ -62,6 +67,7 @@ def drill_json(result: RunResult | Skipped, baseline: RunResult | None) -> dict[
         "probe_answers": len(result.probes.answers),
         "requests": len(result.outcomes),
         "errors": result.errors,
+        "error_kinds": dict(Counter(o.error for o in result.outcomes if o.error is not None)),
         **quality(result),
         "baseline": quality(baseline) if baseline is not None else None,
         "elapsed_s": result.elapsed_s,
@@ -156,6 +162,10 @@ def render(console: Console, results: Sequence[RunResult | Skipped], baseline: R
     for result in results:
         if isinstance(result, RunResult) and result.replicas is not None:
             console.print(f"{result.drill}: {replicas_line(result.replicas)}")
+    for result in results:
+        if isinstance(result, RunResult) and result.booked is not None:
+            booked = ", ".join(f"worker {w}: {load}" for w, load in result.booked.items()) or "nothing"
+            console.print(f"{result.drill}: {result.unanswered} clients left unanswered; left booked: {booked}")
     for result in results:
         if isinstance(result, RunResult) and not result.converged and result.mismatch:
             console.print(f"[red]{result.drill}[/red]: the index differs from the engines: {result.mismatch}")

@@ -73,6 +73,9 @@ class RunResult:
     """With replicas: whether their loads agree at the end, and per replica what its sync counted."""
     baseline: RunResult | None = None
     """The run without a fault on the same stack, when it is not the session's first (the replica stack's)."""
+    booked: dict[str, list[int]] | None = None
+    """On a disaggregated stack: the workers ``GET /loads`` still shows a booking for after every answer
+    (``"worker:rank"`` -> [prefill tokens, active blocks, requests]); None: not checked."""
 
     @property
     def completed(self) -> list[Outcome]:
@@ -95,6 +98,11 @@ class RunResult:
             return {"p50": only, "p90": only}
         cuts = statistics.quantiles(values, n=10, method="inclusive")
         return {"p50": round(cuts[4], 2), "p90": round(cuts[8], 2)}
+
+    @property
+    def unanswered(self) -> int:
+        """Requests neither answered nor refused (the connection failed, or they timed out)."""
+        return sum(not o.answered for o in self.outcomes)
 
     @property
     def wrong_answers(self) -> int:
@@ -264,6 +272,8 @@ async def run(
     if watcher is not None and watcher.done() and not watcher.cancelled() and watcher.exception() is not None:
         raise watcher.exception()  # type: ignore[misc]
     result.probes.departed.update(stack.departed)
+    if stack.disaggregated:
+        result.booked = {worker: load for worker, load in (await stack.loads()).items() if any(load)}
     for url, generation in zip(stack.urls, generations, strict=True):  # replicas: each follows every engine
         after = _rows(await stack.workers(url))
         rows_before = before.get(url, {}) if stack.generation_of(url) == generation else {}  # a new router: from 0

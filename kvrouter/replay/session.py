@@ -6,12 +6,14 @@ TTFT differ from the baseline's only by its fault (and by the timing noise of a 
 run cannot remove; ``docs/replay.md`` says so). The seed picks the probe prompts among the workload's
 prompts and the victim engine; the workload itself is the trace's.
 
-Two stacks, one after the other: the single-node drills on a :class:`LocalStack` (started with the flags
-its drills need, e.g. the slow consumer's small queues), then the NATS drills on a
-:class:`~kvrouter.replay.replicas.ReplicaStack` with its own warm-up and baseline (a replica stack routes
-differently: two views, requests alternating). Each stack is stopped before the next starts, so the two
-never share the 2 cores. The NATS drills are ``skipped`` with the reason when no ``nats-server`` can be
-found (nor ``--nats-url`` given), with ``--url``, and for ``nats-outage`` with ``--nats-url``.
+Up to three stacks, one after the other: the single-node drills on a :class:`LocalStack` (started with the
+flags its drills need, e.g. the slow consumer's small queues), then the disaggregated drill on a
+:class:`LocalStack` of prefill and decode engines (half of ``--mock-workers`` each), then the NATS drills on
+a :class:`~kvrouter.replay.replicas.ReplicaStack`. The last two have their own warm-up and baseline (they
+route differently: split requests; two views, requests alternating). Each stack is stopped before the next
+starts, so they never share the 2 cores. The NATS drills are ``skipped`` with the reason when no
+``nats-server`` can be found (nor ``--nats-url`` given), with ``--url``, and for ``nats-outage`` with
+``--nats-url``; the disaggregated one with ``--url`` and with fewer than two engines.
 """
 
 from __future__ import annotations
@@ -109,8 +111,9 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
     )
     stack: Stack
     victim_index: int | None = None
-    single = [name for name in options.drills if not DRILLS[name].replicas]
+    single = [name for name in options.drills if not DRILLS[name].replicas and not DRILLS[name].disagg]
     on_replicas = [name for name in options.drills if DRILLS[name].replicas]
+    on_disagg = [name for name in options.drills if DRILLS[name].disagg]
     if options.url is not None:
         stack = AttachedStack(options.url, options.model_name)
     else:
@@ -143,6 +146,26 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
             runnable.append(name)
         else:
             results.append(Skipped(name, "needs local processes (not with --url)"))
+    disagg_stack: LocalStack | None = None
+    disagg_victim = 0
+    if on_disagg and options.url is not None:
+        results += [Skipped(name, "needs local processes (not with --url)") for name in on_disagg]
+    elif on_disagg and options.mock_workers < 2:
+        why = "needs a prefill and a decode engine (--mock-workers 2 or more)"
+        results += [Skipped(name, why) for name in on_disagg]
+    elif on_disagg:
+        prefill = options.mock_workers // 2
+        disagg_victim = rng.randrange(prefill)  # drawn after the single stack's victim, which stays as it was
+        asked = [DRILLS[name] for name in on_disagg]
+        disagg_stack = LocalStack(
+            replace(
+                config,
+                prefill_workers=prefill,
+                router_args=tuple(arg for drill in asked for arg in drill.router_args),
+                mock_args=((disagg_victim + 1, tuple(arg for drill in asked for arg in drill.victim_args)),),
+                logs=None if options.logs is None else str(Path(options.logs) / "disagg"),
+            )
+        )
     on_stack = []
     why_not = ReplicaStack.available(options.nats_url)
     for name in on_replicas:
@@ -182,6 +205,28 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
                 await stack.close()
         else:
             await stack.close()  # never started: its temporary directory goes now, not at exit
+        if disagg_stack is not None:
+            try:
+                with console.status("starting the disaggregated stack (kvrouter up, prefill and decode engines)..."):
+                    await disagg_stack.start()
+                workload["disaggregated"] = {
+                    "url": disagg_stack.url,
+                    "router_pid": disagg_stack.router_pid(),
+                    "prefill_workers": [m.worker_id for m in disagg_stack.mocks if m.role == "prefill"],
+                    "decode_workers": [m.worker_id for m in disagg_stack.mocks if m.role == "decode"],
+                }
+                victim = disagg_stack.mocks[disagg_victim]
+                disagg_runs = await _runs(
+                    disagg_stack, on_disagg, requests, prompts, victim, progress, results, " (P/D)"
+                )
+                for result in results:
+                    if isinstance(result, RunResult) and result.drill in on_disagg:
+                        result.baseline = disagg_runs[0]
+                baselines += disagg_runs
+                workload["disagg_baseline"] = {**quality(disagg_runs[0]), "booked": disagg_runs[0].booked,
+                                               "unanswered": disagg_runs[0].unanswered}  # fmt: skip
+            finally:
+                await disagg_stack.close()
         if on_stack:
             logs = None if options.logs is None else str(Path(options.logs) / "replicas")
             replicas = ReplicaStack(replace(config, logs=logs), nats_url=options.nats_url)
@@ -206,8 +251,8 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
             finally:
                 await replicas.close()
     baseline = baselines[0] if baselines else None
-    if len(baselines) > 1:
-        workload["replica_baseline"] = quality(baselines[1])
+    if on_stack and len(baselines) > 1:
+        workload["replica_baseline"] = quality(baselines[-1])
     order = {name: i for i, name in enumerate(options.drills)}
     results.sort(key=lambda r: order[r.drill])
     workload["not_built"] = list(NOT_BUILT)

@@ -77,6 +77,9 @@ class StackConfig:
     """What :class:`LocalStack` starts."""
 
     mock_workers: int = 4
+    prefill_workers: int = 0
+    """A disaggregated fleet: the first this many engines take role ``prefill`` and the rest role ``decode``
+    (the prefill-kill drill's); 0: every engine is ``both``."""
     block_size: int = 16
     num_gpu_blocks: int = 4096
     """Per mock (``kvrouter up``'s demo default): the default workload's 400 requests need ~19,600 blocks, more than
@@ -98,6 +101,12 @@ class StackConfig:
     """A directory for the stack's logs (``up.log``: every router's stderr; ``nats.log``), made if missing
     and left in place (``--keep-logs``); None: a temporary directory, removed with the stack."""
 
+    def role_of(self, worker_id: int) -> str:
+        """Engine ``worker_id``'s role (ids count from 1)."""
+        if not self.prefill_workers:
+            return "both"
+        return "prefill" if worker_id <= self.prefill_workers else "decode"
+
 
 @dataclass(frozen=True, slots=True)
 class Mock:
@@ -107,6 +116,7 @@ class Mock:
     http: str
     events: str = ""
     replay: str | None = None
+    role: str = "both"
 
 
 class Stack:
@@ -191,6 +201,7 @@ class Stack:
             "model_name": self.model_name,
             "block_size": self.block_size,
             "dp_rank": 0,
+            "role": mock.role,
         }
 
     async def register(self, mock: Mock, url: str | None = None) -> None:
@@ -299,6 +310,27 @@ class Stack:
     async def retire(self, mock: Mock) -> None:
         """Stop an engine :meth:`add_mock` started; nothing for an attached stack."""
 
+    async def kill_mock(self, mock: Mock) -> int:
+        """SIGKILL an engine (:class:`LocalStack` only); returns its pid.
+
+        Raises:
+            ReplayError: always here: an attached stack's engines are not ours.
+        """
+        raise ReplayError("killing an engine needs a local stack")
+
+    async def restart_mock(self, mock: Mock) -> Mock:
+        """Start a killed engine again (:class:`LocalStack` only).
+
+        Raises:
+            ReplayError: always here: an attached stack starts no process.
+        """
+        raise ReplayError("restarting an engine needs a local stack")
+
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill and decode engines: each run also checks that every client was answered and nothing stays booked."""
+        return False
+
     async def restart_router(self) -> int:
         """Stop the router and start it again on the same port (:class:`LocalStack` only); returns the old pid.
 
@@ -318,6 +350,28 @@ class Stack:
     def shards_of(self) -> dict[int, int]:
         """Worker id -> the shard following it; empty when the stack's segments are not ours to read."""
         return {}
+
+    async def loads(self, url: str | None = None) -> dict[str, list[int]]:
+        """``GET /loads`` of the router at ``url`` (default: :attr:`url`): ``"worker:rank"`` -> [prefill tokens,
+        active blocks, requests].
+
+        Raises:
+            ReplayError: the router refused. ServiceUnreachable: it did not answer.
+        """
+        client = self.client(url)
+        try:
+            body = await client.loads()
+        except ApiError as exc:
+            raise ReplayError(f"GET {client.url}/loads answered {exc.status}: {exc.message[:200]}") from exc
+        return {
+            f"{row['worker_id']}:{row['dp_rank']}": [
+                int(row["potential_prefill_tokens"]),
+                int(row["potential_decode_blocks"]),
+                int(row["active_requests"]),
+            ]
+            for partition in body
+            for row in partition["loads"]
+        }
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
@@ -358,28 +412,67 @@ class LocalStack(Stack):
 
     async def _start_mocks(self) -> None:
         """The engines, started together, then registered (on every router)."""
-        cfg = self.config
         try:
-            await asyncio.gather(
-                *(
-                    start_mock(
-                        worker_id,
-                        self.processes,
-                        block_size=cfg.block_size,
-                        num_gpu_blocks=cfg.num_gpu_blocks,
-                        speedup_ratio=cfg.speedup_ratio,
-                        extra_args=dict(cfg.mock_args).get(worker_id, ()),
-                    )
-                    for worker_id in range(1, cfg.mock_workers + 1)
-                )
-            )
+            await asyncio.gather(*(self._start_mock(worker_id) for worker_id in range(1, self.config.mock_workers + 1)))
         except KvRouterError as exc:
             raise ReplayError(str(exc)) from exc
         self.processes.sort(key=lambda p: p.worker_id)
-        self.mocks = [Mock(p.worker_id, p.http, p.events, p.replay) for p in self.processes]
+        self.mocks = [self._mock(p) for p in self.processes]
         self.fleet = list(self.mocks)
         for mock in self.mocks:
             await self.register(mock)
+
+    async def _start_mock(self, worker_id: int) -> MockProcess:
+        """Engine ``worker_id`` with its role and its flags from the config.
+
+        Raises:
+            MockError: it did not start.
+        """
+        cfg = self.config
+        return await start_mock(
+            worker_id,
+            self.processes,
+            block_size=cfg.block_size,
+            num_gpu_blocks=cfg.num_gpu_blocks,
+            speedup_ratio=cfg.speedup_ratio,
+            extra_args=("--role", cfg.role_of(worker_id), *dict(cfg.mock_args).get(worker_id, ())),
+        )
+
+    def _mock(self, process: MockProcess) -> Mock:
+        role = self.config.role_of(process.worker_id)
+        return Mock(process.worker_id, process.http, process.events, process.replay, role)
+
+    async def kill_mock(self, mock: Mock) -> int:
+        """SIGKILL engine ``mock`` (no drain, no goodbye: as a crash or an OOM kill ends it) and reap it; returns
+        its pid. It stays registered: noticing it is the router's job."""
+        (process,) = [p for p in self.processes if p.worker_id == mock.worker_id]
+        with contextlib.suppress(ProcessLookupError):
+            process.proc.kill()
+        await process.proc.wait()
+        log.info("mock engine killed worker=%d pid=%d", mock.worker_id, process.proc.pid)
+        return process.proc.pid
+
+    async def restart_mock(self, mock: Mock) -> Mock:
+        """Start killed engine ``mock`` again, as its supervisor would: a new process of the same id, role and
+        flags (new ports: the old ones may be taken meanwhile), registered again in place of the old
+        registration. Returns the new engine, which replaces ``mock`` in :attr:`mocks` and :attr:`fleet`.
+
+        Raises:
+            ReplayError: it did not start, or the router refused it.
+        """
+        await self.retire(mock)
+        try:
+            process = await self._start_mock(mock.worker_id)
+        except KvRouterError as exc:
+            raise ReplayError(str(exc)) from exc
+        fresh = self._mock(process)
+        for url in self.urls:
+            await self._unregister(mock, url)
+        await self.register(fresh)
+        self.mocks = [fresh if m.worker_id == mock.worker_id else m for m in self.mocks]
+        self.fleet = [fresh if m.worker_id == mock.worker_id else m for m in self.fleet]
+        log.info("mock engine restarted worker=%d pid=%d http=%s", fresh.worker_id, process.proc.pid, fresh.http)
+        return fresh
 
     async def _start_router(self, port: int) -> None:
         """``kvrouter up`` on ``port`` (0: any), its URL read from its first line; stdout drained from then on."""
@@ -473,20 +566,17 @@ class LocalStack(Stack):
     def router_pid(self) -> int:
         return 0 if self.up is None else self.up.pid
 
+    @property
+    def disaggregated(self) -> bool:
+        return self.config.prefill_workers > 0
+
     async def add_mock(self) -> Mock:
         worker_id = max(p.worker_id for p in self.processes) + 1
-        cfg = self.config
         try:
-            process = await start_mock(
-                worker_id,
-                self.processes,
-                block_size=cfg.block_size,
-                num_gpu_blocks=cfg.num_gpu_blocks,
-                speedup_ratio=cfg.speedup_ratio,
-            )
+            process = await self._start_mock(worker_id)
         except KvRouterError as exc:
             raise ReplayError(str(exc)) from exc
-        mock = Mock(process.worker_id, process.http, process.events, process.replay)
+        mock = self._mock(process)
         await self.register(mock)
         self.mocks.append(mock)
         return mock

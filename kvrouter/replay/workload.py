@@ -69,6 +69,9 @@ class Outcome:
     cached_tokens: int = 0
     ttft_ms: float | None = None
     error: str | None = None
+    answered: bool = False
+    """An answer came, a refusal (a status, an in-band error) included; False: the connection failed or the
+    request timed out (a client left hanging)."""
 
 
 def _hash_tokens(hash_id: int) -> list[int]:
@@ -155,9 +158,11 @@ async def drive(
     async def send(client: Client, request: ReplayRequest, outcome: Outcome) -> None:
         try:
             await _one(client, model, request, outcome)
+            outcome.answered = True
         except ApiError as exc:  # refused (its status), or a payload that did not parse (that error's name)
             outcome.worker = outcome.worker or exc.headers.get("X-Kvrouter-Worker", "")
             outcome.error = f"status {exc.status}" if exc.__cause__ is None else type(exc.__cause__).__name__
+            outcome.answered = True
         except ServiceUnreachable as exc:  # named by aiohttp's error (refused, disconnected, timed out)
             outcome.error = type(exc.__cause__ or exc).__name__
         finally:

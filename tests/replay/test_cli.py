@@ -16,9 +16,9 @@ from tests.conftest import free_port
 runner = CliRunner()
 
 
-def test_every_drill_of_the_issue_is_built():
+def test_every_drill_of_the_issues_is_built():
     issue = {"gap", "engine-restart", "applier-kill", "router-restart", "worker-churn", "slow-consumer",
-             "nats-outage", "replica-kill"}  # fmt: skip
+             "nats-outage", "replica-kill", "prefill-kill"}  # fmt: skip
     assert set(DRILLS) == issue
     assert NOT_BUILT == ()
     assert "not built" not in runner.invoke(app, ["replay", "--help"], env={"COLUMNS": "200"}).output
@@ -32,7 +32,7 @@ def test_an_unknown_drill_is_a_usage_error_listing_the_drills():
 
 def test_all_or_nothing_means_every_drill_built_in_the_issues_order():
     issue_order = ("gap", "engine-restart", "applier-kill", "worker-churn", "router-restart", "slow-consumer",
-                   "nats-outage", "replica-kill")  # fmt: skip
+                   "nats-outage", "replica-kill", "prefill-kill")  # fmt: skip
     assert parse_drills(None) == parse_drills("all") == tuple(DRILLS) == issue_order
     assert parse_drills(" applier-kill, gap ,gap") == ("applier-kill", "gap")
 

@@ -9,9 +9,10 @@ split, a prefill worker.
   prompt's tokens past its own cached prefix, the partial last block included), which takes
   :meth:`~kvrouter.routing.disagg.Link.ms` over the link between the two workers' topology domains. The KV
   lands at the decode worker's next iteration boundary: its blocks are stored as an engine stores pulled
-  blocks (``WorkerModel.receive``, KV events and all), and the request joins the decode worker's queue,
-  where it finds its prompt cached and prefills only what did not travel (nothing, or the tokens evicted
-  meanwhile). Its TTFT is the decode worker's first token.
+  blocks (``WorkerModel.receive``, KV events and all), and the request joins the decode worker's queue as a
+  received prompt (``WorkerModel.add_request(received=True)``): it prefills nothing (or, when a pulled block
+  was evicted before it was admitted, from there on), and its first token takes one decode step. Its TTFT
+  is the decode worker's first token.
 - **Local.** The decode worker gets the request and prefills it itself, as an aggregated worker.
 
 Bookings, as the router books a split request: the prefill worker's prefill under ``<id>#prefill`` until the
@@ -212,7 +213,7 @@ def simulate_disagg(
         request = requests[i]
         engines.deliver(worker, models[worker].receive(request.local_hashes))
         models[worker].add_request(
-            request.request_id, request.input_tokens, request.output_tokens, request.local_hashes
+            request.request_id, request.input_tokens, request.output_tokens, request.local_hashes, received=True
         )
 
     def landed(worker: int, i: int) -> None:

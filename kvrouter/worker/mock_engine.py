@@ -539,7 +539,13 @@ class _Rank:
         serial = next(self._serials)
         request.serial = serial
         try:
-            self.model.add_request(request.request_id, len(request.prompt), request.max_tokens, request.ids)
+            self.model.add_request(
+                request.request_id,
+                len(request.prompt),
+                request.max_tokens,
+                request.ids,
+                received=request.received is not None,
+            )
         except ValueError as exc:
             self._serials = itertools.count(serial)  # the model did not take a serial either
             request.fail(RequestFailed(str(exc), 400))

@@ -58,6 +58,16 @@ see ``kv_cache.py``), and generated blocks freed instead of cached when released
 0.0016 high). Not tried, as the gate passed: stamping the first token at the end of the prefill phase
 rather than of the iteration (it would be earlier by one decode step, 6-16 ms).
 
+Received prompts (a disaggregated fleet's decode hop, ``add_request(received=True)``): the prompt's KV
+came whole from the prefill worker, the partial last block included (vLLM's NixlConnector sends every block
+of the prompt), so when all its full blocks are still cached at admission the decode worker prefills none
+of it: no prefill time, and its first token comes out at the end of the iteration it is admitted in, which
+runs a decode step for it even when nothing else is decoding. The reference's own disaggregated mocker does
+the same (a decode worker's scheduled prompt tokens add nothing to the prefill time), and so do the engines:
+vLLM computes only the last prompt token again, inside the decode batch; SGLang's decode server skips the
+prefill forward. The reused tokens it reports are the cached full blocks', as for any admission. A full
+block evicted between the landing and the admission is prefilled again from there, partial block included.
+
 Fast-forwarding: a decoding sequence's token count is not stored but derived from a per-worker decode
 step counter (``generated = decode_steps - offset``), and a heap holds the step at which each sequence
 next crosses a block boundary or finishes. A decode phase therefore costs O(sequences with an event),
@@ -171,6 +181,7 @@ class _Seq:
         "output_tokens",
         "partial",
         "prompt_tokens",
+        "received",
         "request_id",
         "serial",
         "state",
@@ -203,6 +214,8 @@ class _Seq:
         """Bumped on preemption and completion, so stale heap entries are skipped."""
         self.first_token_out = False
         self.admitted = False
+        self.received = False
+        """Its prompt's KV was transferred to this worker (disaggregated serving), until its first admission."""
 
 
 class WorkerModel:
@@ -245,8 +258,18 @@ class WorkerModel:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_tokens: int, output_tokens: int, block_ids: Sequence[int]) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        block_ids: Sequence[int],
+        *,
+        received: bool = False,
+    ) -> None:
         """Queue a request (FCFS). ``block_ids`` name its full prompt blocks: ``prompt_tokens // block_size`` ids.
+        ``received``: a decode hop whose prompt's KV was pulled from a prefill worker (:meth:`receive` stored the
+        full blocks first): see "Received prompts" in the module docstring.
 
         Raises:
             ValueError: the ids do not match the prompt, an id is negative or in the generated range,
@@ -267,6 +290,7 @@ class WorkerModel:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already on worker {self.worker_id}")
         seq = _Seq(request_id, self._serials, prompt_tokens, output_tokens, list(block_ids))
+        seq.received = received
         self._serials += 1
         self._requests[request_id] = seq
         self._waiting.append(seq)
@@ -364,6 +388,8 @@ class WorkerModel:
         budget = self.config.max_num_batched_tokens - self._decoding
         done_prefill: list[_Seq] = []
         new_tokens = 0
+        forward = False
+        """A received prompt was admitted: its first token takes a forward pass even with nothing else decoding."""
 
         # 1a. Running sequences continue their prefill.
         for seq in list(self._prefilling):
@@ -390,6 +416,11 @@ class WorkerModel:
             seq.target = seq.prompt_tokens + seq.generated
             hits = self.kv.prefix_hits(seq.full_ids, computed_only=self._computed_only)
             cached = min(hits * size, seq.target)
+            reused = min(cached, seq.prompt_tokens)
+            if seq.received and hits == len(seq.full_ids):  # the partial last block travelled with the rest
+                cached = seq.target
+                forward = True
+            seq.received = False
             chunk = min(seq.target - cached, budget)
             seq.held = self.kv.acquire_full(seq.full_ids[:hits], None)
             seq.computed = cached
@@ -400,7 +431,7 @@ class WorkerModel:
                 break
             if not seq.admitted:
                 seq.admitted = True
-                it.admitted.append((seq.request_id, min(cached, seq.prompt_tokens)))
+                it.admitted.append((seq.request_id, reused))
             self._running[seq.serial] = seq
             seq.computed += chunk
             budget -= chunk
@@ -418,6 +449,8 @@ class WorkerModel:
             duration += decode_ms(self.kv_usage)
             it.decode_tokens = self._decoding
             self._decode_phase()
+        elif forward:
+            duration += decode_ms(self.kv_usage)
 
         # 3. Sequences that finished prefilling emit their first token (the prefill's output).
         for seq in done_prefill:

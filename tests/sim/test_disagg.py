@@ -13,7 +13,7 @@ from kvrouter.sim.policies.disagg import DISAGG_POLICIES, KvrouterDisaggPolicy, 
 from kvrouter.sim.policy import Request
 from kvrouter.sim.trace import load_sample
 from kvrouter.worker import WorkerModel
-from kvrouter.worker.timing import prefill_ms
+from kvrouter.worker.timing import decode_ms, prefill_ms
 
 LINK = Link(kv_bytes_per_token=131_072, gbps=25.0, gbps_local=200.0, overhead_ms=2.0)
 
@@ -50,7 +50,8 @@ def transfer_ms(tokens: int, *, local: bool = True) -> float:
 
 def test_a_split_request_is_prefill_then_transfer_then_the_decode_workers_tail():
     """1P+1D, a fresh 4-block prompt and 100 tokens more: the prefill worker computes it all, the decode worker
-    pulls all of it and prefills only the partial block it cannot cache."""
+    pulls all of it, the partial block too, and prefills nothing: its first token is one decode step over the
+    prompt's 5 blocks."""
     isl = 4 * 512 + 100
     result = simulate_disagg(
         [request("a", 0.0, isl, 4, [1, 2, 3, 4])],
@@ -59,7 +60,7 @@ def test_a_split_request_is_prefill_then_transfer_then_the_decode_workers_tail()
         policy=Fixed(Plan((1, 0), (0, 0))),
         link=LINK,
     )
-    assert result.ttft_ms[0] == pytest.approx(prefill_ms(isl) + transfer_ms(isl) + prefill_ms(100))
+    assert result.ttft_ms[0] == pytest.approx(prefill_ms(isl) + transfer_ms(isl) + decode_ms(5 / 2048))
     assert result.bytes_transferred == isl * 131_072
     assert result.local_prefill_share == 0.0
     assert result.hit_rate == 0.0  # the prefill hop found nothing cached; the pulled blocks are no hit
@@ -74,7 +75,7 @@ def test_a_second_request_pulls_only_what_the_decode_worker_lacks_and_across_dom
     result = simulate_disagg([first, second], prefill_workers=1, decode_workers=2, policy=policy, link=LINK, domains=2)
     assert result.bytes_transferred == (4 * 512 + 2 * 512) * 131_072
     # the second prefill reuses the prefill worker's 4 cached blocks and computes 2; its transfer is 2 blocks
-    second_ttft = prefill_ms(2 * 512) + transfer_ms(2 * 512, local=False) + 0.0
+    second_ttft = prefill_ms(2 * 512) + transfer_ms(2 * 512, local=False) + decode_ms(6 / 2048)
     assert result.ttft_ms[1] == pytest.approx(second_ttft)
     assert result.hit_rate == pytest.approx((4 * 512) / (10 * 512))
     # the router saw the pulled blocks on the decode worker: its index follows the decode worker's events

@@ -277,3 +277,35 @@ def test_a_follower_reuses_a_running_prefills_blocks_as_the_engine_does(sharing:
 def test_prefix_sharing_takes_only_the_two_engines_behaviours():
     with pytest.raises(ValueError, match="prefix_sharing must be 'scheduled' or 'computed'"):
         WorkerConfig(prefix_sharing="eventually")  # type: ignore[arg-type]
+
+
+def test_a_received_prompt_prefills_nothing_and_its_first_token_takes_one_decode_step():
+    """A decode hop whose KV was pulled whole (the partial block too): no prefill time, one decode step for its
+    first token, and the reused tokens reported are the cached full blocks'."""
+    model = WorkerModel(0, WorkerConfig(num_blocks=64))
+    assert [shape(event) for event in model.receive(ids(1, 4))] == [("stored", None, ids(1, 4))]
+    model.add_request("r", 4 * BS + 100, 3, ids(1, 4), received=True)
+    first = model.step()
+    assert first.prefill_tokens == 0
+    assert first.first_tokens == ["r"]
+    assert first.admitted == [("r", 4 * BS)]
+    assert first.duration_ms == pytest.approx(decode_ms(5 / 64))  # 4 full blocks and the partial one, held
+
+
+def test_a_received_prompt_missing_a_pulled_block_prefills_from_there_as_any_request():
+    model = WorkerModel(0, WorkerConfig(num_blocks=64))
+    model.receive(ids(1, 2))  # blocks 3 and 4 gone (evicted between the landing and the admission)
+    model.add_request("r", 4 * BS + 100, 3, ids(1, 4), received=True)
+    first = model.step()
+    assert first.prefill_tokens == 2 * BS + 100
+    assert first.duration_ms == pytest.approx(prefill_ms(2 * BS + 100))
+    assert first.admitted == [("r", 2 * BS)]
+
+
+def test_a_request_not_received_prefills_its_uncached_tail():
+    model = WorkerModel(0, WorkerConfig(num_blocks=64))
+    model.receive(ids(1, 4))
+    model.add_request("r", 4 * BS + 100, 3, ids(1, 4))
+    first = model.step()
+    assert first.prefill_tokens == 100
+    assert first.duration_ms == pytest.approx(prefill_ms(100))

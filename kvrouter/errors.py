@@ -122,9 +122,14 @@ class ServiceError(KvRouterError):
 
 class BadRequest(ServiceError, ValueError):
     """A body or field the service cannot take: not JSON, a wrong type, a token id outside u32, an
-    unknown format. The message names the field; the client fixes the request (HTTP 400)."""
+    unknown format. The message names the field; the client fixes the request (HTTP 400). ``param``, when
+    given, is the field's path alone (OpenAI's error shape has it apart)."""
 
     kind = "bad_request"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class Unauthorized(ServiceError):

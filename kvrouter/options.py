@@ -126,6 +126,9 @@ class Option:
     """Option value → field value (``"a, b"`` → ``("a", "b")``); None: the value as click resolved it."""
     secret: bool = False
     """``--print-config`` shows ``"<set>"``, never the value."""
+    multiple: bool = False
+    """Repeatable (``--model-path a=DIR --model-path b=DIR``; a list in TOML): ``convert`` gets the values as a
+    list. Needs ``optional``."""
 
     @property
     def name(self) -> str:

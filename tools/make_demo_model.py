@@ -1,6 +1,6 @@
-"""Make the demo model that ships in the package: a small tokenizer and a chat template (``kvrouter/demo/model``).
+"""Make the demo model that ships in the package: a small tokenizer and a chat template (``kvrouter/chat/demo_model``).
 
-    python tools/make_demo_model.py [--vocab 2048] [--out kvrouter/demo/model]
+    python tools/make_demo_model.py [--vocab 2048] [--out kvrouter/chat/demo_model]
 
 ``kvrouter up``'s demo fleet serves chat with no ``--model-path``, so the package needs a tokenizer and a
 template of its own, made from text it may ship: this repository's own docs (``README.md`` and ``docs/``).
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, default=2048, help="vocabulary size (default: 2048)")
-    parser.add_argument("--out", type=Path, default=ROOT / "kvrouter" / "demo" / "model", help="where to write")
+    parser.add_argument("--out", type=Path, default=ROOT / "kvrouter" / "chat" / "demo_model", help="where to write")
     args = parser.parse_args(argv)
     texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     tokenizer = Tokenizer(models.BPE())

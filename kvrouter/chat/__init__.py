@@ -7,7 +7,7 @@ engines render with it too, so the router and its demo engines always agree on a
 from __future__ import annotations
 
 from .messages import ROLES, checked_messages
-from .model import ChatModel
+from .model import DEMO_MODEL, ChatModel
 from .template import ChatTemplate
 
-__all__ = ["ROLES", "ChatModel", "ChatTemplate", "checked_messages"]
+__all__ = ["DEMO_MODEL", "ROLES", "ChatModel", "ChatTemplate", "checked_messages"]

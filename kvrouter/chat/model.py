@@ -18,6 +18,10 @@ Or from two files (``--tokenizer FILE --chat-template FILE``), special tokens fr
 adding special tokens, as vLLM and SGLang encode a chat prompt: the template writes them.
 
 ``generation_config.json`` is not read: it holds sampling defaults, which change nothing the router routes on.
+
+:data:`DEMO_MODEL` is the small model the package ships for its demo (``tools/make_demo_model.py`` makes it
+from the repository's own docs): the mock engines render and tokenize chat with it unless given
+``--model-path``, and ``kvrouter up``'s demo router serves it, so both agree on every prompt's tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ from typing import Any, Final
 from ..errors import BadRequest, ConfigError
 from .template import ChatTemplate
 
-__all__ = ["ChatModel"]
+__all__ = ["DEMO_MODEL", "ChatModel"]
+
+DEMO_MODEL: Final = Path(__file__).resolve().with_name("demo_model")
+"""The shipped demo model directory (``tokenizer.json``, ``tokenizer_config.json``, ``config.json``)."""
 
 LIMIT_KEYS: Final = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 """``config.json`` keys that give a model's context length, first found wins."""

@@ -22,11 +22,13 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 from typing import Annotated, Final
 
 import typer
 
+from ..chat import DEMO_MODEL, ChatModel
 from ..errors import ConfigError
 from ..worker.engine_publisher import DEFAULT_HWM
 from ..worker.mock_engine import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_GPU_BLOCKS, FORMATS, MockEngine, MockEngineConfig
@@ -210,6 +212,14 @@ def mock_worker(
             rich_help_panel=_DISAGG,
         ),
     ] = 30.0,
+    model_path: Annotated[
+        Path,
+        typer.Option(
+            "--model-path",
+            help="A local model directory (tokenizer.json, tokenizer_config.json's chat template): "
+            "/v1/chat/completions renders and tokenizes with it. Default: the demo model shipped in the package.",
+        ),
+    ] = DEMO_MODEL,
     exit_with_parent: Annotated[
         bool,
         typer.Option(
@@ -256,13 +266,14 @@ def mock_worker(
     try:
         with stacks_on_sigusr1():
             try:
+                chat = ChatModel.from_directory("mock", model_path)
                 engine = MockEngine(config)
             except ConfigError as exc:
                 typer.echo(f"kvrouter mock-worker: {exc}", err=True)
                 raise typer.Exit(2) from exc
             with engine:
                 try:
-                    server = MockHttpServer(engine, host, port)
+                    server = MockHttpServer(engine, host, port, chat=chat)
                 except OSError as exc:
                     typer.echo(f"kvrouter mock-worker: cannot listen on {host}:{port}: {exc}", err=True)
                     raise typer.Exit(2) from exc

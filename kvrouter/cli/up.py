@@ -245,6 +245,8 @@ def _parameter(option: Declared) -> inspect.Parameter:
         show_default=declaration.show_default,
         rich_help_panel=declaration.panel.value,
     )
+    if declaration.multiple:
+        value_type = list[value_type]  # type: ignore[valid-type]
     annotation = value_type if default is not None else value_type | None
     return inspect.Parameter(
         declaration.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[annotation, info]

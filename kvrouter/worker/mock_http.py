@@ -41,7 +41,8 @@ from array import array
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Final
 
-from ..errors import RequestFailed
+from ..chat import ChatModel, checked_messages
+from ..errors import BadRequest, RequestFailed
 from .kv_transfer import TransferFailed, pull
 from .mock_engine import Completion, MockEngine, Update
 
@@ -73,14 +74,24 @@ class MockHttpServer(ThreadingHTTPServer):
         host: the address to listen on.
         port: the TCP port; 0 picks a free one (read it back from ``server_address``).
         request_timeout: longest wait for one completion before answering 504.
+        chat: the model ``/v1/chat/completions`` renders and tokenizes with; None: no chat route.
     """
 
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, engine: MockEngine, host: str, port: int, *, request_timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        engine: MockEngine,
+        host: str,
+        port: int,
+        *,
+        request_timeout: float = 600.0,
+        chat: ChatModel | None = None,
+    ) -> None:
         self.engine = engine
         self.request_timeout = request_timeout
+        self.chat = chat
         self.errors_logged: set[str] = set()
         self.connection_errors = 0
         """Connections that failed outside a route (a client that reset before its request was read)."""
@@ -119,6 +130,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         routes = {
             "/v1/completions": self._completions,
+            "/v1/chat/completions": self._chat,
             "/faults": self._faults,
             "/restart": self._restart,
             "/overlap": self._overlap,
@@ -237,8 +249,25 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, {"ranks": ranks})
 
     def _completions(self, body: dict[str, Any]) -> None:
-        prompt = _prompt(body.get("prompt"))
-        max_tokens = _opt_int(body, "max_tokens", low=1)
+        self._serve(body, _prompt(body.get("prompt")), _opt_int(body, "max_tokens", low=1), chat=False)
+
+    def _chat(self, body: dict[str, Any]) -> None:
+        """``/v1/chat/completions``: the messages rendered and tokenized with the worker's model (the router
+        renders with the same files), then served as a completion of those tokens, in ``chat.completion``
+        shape."""
+        chat = self.server.chat
+        if chat is None:
+            raise _BadRequest("this mock worker serves no chat: start it with --model-path")
+        max_tokens = _opt_int(body, "max_completion_tokens", low=1) or _opt_int(body, "max_tokens", low=1)
+        try:
+            ids = chat.encode(chat.render(checked_messages(body.get("messages"))))
+            chat.check_length(len(ids), max_tokens)
+        except BadRequest as exc:
+            raise _BadRequest(str(exc)) from exc
+        self._serve(body, array("I", ids), max_tokens, chat=True)
+
+    def _serve(self, body: dict[str, Any], prompt: array[int], max_tokens: int | None, *, chat: bool) -> None:
+        """One completion of ``prompt``, answered whole or streamed, as a completion or a chat completion."""
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise _BadRequest(f"stream must be true or false, got {stream!r}")
@@ -266,19 +295,19 @@ class _Handler(BaseHTTPRequestHandler):
             _opt_int(body, "dp_rank", low=0),
             received,
         )
-        ident = f"cmpl-mock-{engine.config.worker_id}-{request.dp_rank}-{id(request):x}"
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-mock-{engine.config.worker_id}-{request.dp_rank}-{id(request):x}"
         created = int(time.time())
         if stream:
             options = body.get("stream_options")
             continuous = isinstance(options, dict) and options.get("continuous_usage_stats") is True
-            self._stream(request, ident, created, continuous=continuous)
+            self._stream(request, ident, created, continuous=continuous, chat=chat)
             return
         while (update := self._next(request)) is Update.FIRST_TOKEN:
             pass
         if update is Update.FAILED:
             assert request.error is not None
             raise request.error
-        answer = _completion(request, ident, created, engine.config.worker_id, final=True)
+        answer = _completion(request, ident, created, engine.config.worker_id, final=True, chat=chat)
         if hop == "prefill":
             answer["kv_transfer_params"] = self._offer(request)
         self._json(200, answer)
@@ -305,7 +334,7 @@ class _Handler(BaseHTTPRequestHandler):
         except queue.Empty:
             raise TimeoutError from None
 
-    def _stream(self, request: Completion, ident: str, created: int, *, continuous: bool) -> None:
+    def _stream(self, request: Completion, ident: str, created: int, *, continuous: bool, chat: bool) -> None:
         worker = self.server.engine.config.worker_id
         update = self._next(request)
         if update is Update.FAILED:  # before anything was sent: a plain error status
@@ -317,13 +346,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        self._event(_completion(request, ident, created, worker, final=False, usage=continuous))
+        self._event(_completion(request, ident, created, worker, final=False, usage=continuous, chat=chat, chunk=True))
         update = self._next(request)
         if update is Update.FAILED:
             assert request.error is not None
             self._event({"error": {"message": str(request.error), "type": "engine_error", "code": 503}})
         else:
-            self._event(_completion(request, ident, created, worker, final=True))
+            self._event(_completion(request, ident, created, worker, final=True, chat=chat, chunk=True))
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
@@ -333,17 +362,35 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _completion(
-    request: Completion, ident: str, created: int, worker_id: int, *, final: bool, usage: bool = False
+    request: Completion,
+    ident: str,
+    created: int,
+    worker_id: int,
+    *,
+    final: bool,
+    usage: bool = False,
+    chat: bool = False,
+    chunk: bool = False,
 ) -> dict[str, Any]:
-    """A ``text_completion`` object (or stream chunk); ``final`` adds the finish reason, usage and finish time;
+    """A ``text_completion`` object (or stream chunk); with ``chat``, a ``chat.completion`` (a
+    ``chat.completion.chunk`` with ``chunk``). ``final`` adds the finish reason, usage and finish time;
     ``usage`` adds usage to a first chunk (vLLM's ``stream_options.continuous_usage_stats``), so a gateway
-    learns the reused tokens at the first token."""
+    learns the reused tokens at the first token. A stream's last chunk always carries usage, so its
+    ``cached_tokens`` are known."""
+    reason = "length" if final else None
+    choice: dict[str, Any]
+    if chat:
+        kind = "chat.completion.chunk" if chunk else "chat.completion"
+        message = {"role": "assistant", "content": ""}
+        choice = {"index": 0, ("delta" if chunk else "message"): message, "logprobs": None, "finish_reason": reason}
+    else:
+        kind, choice = "text_completion", {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
     answer: dict[str, Any] = {
         "id": ident,
-        "object": "text_completion",
+        "object": kind,
         "created": created,
         "model": "kvrouter-mock",
-        "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length" if final else None}],
+        "choices": [choice],
         "kvrouter": {"worker_id": worker_id, "dp_rank": request.dp_rank, "ttft_ms": request.ttft_ms},
     }
     if final or usage:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvrouter.chat import ChatModel, ChatTemplate, checked_messages
+from kvrouter.chat import DEMO_MODEL, ChatModel, ChatTemplate, checked_messages
 from kvrouter.errors import BadRequest, ConfigError
 
-DEMO = Path(__file__).resolve().parents[2] / "kvrouter" / "demo" / "model"
+DEMO = DEMO_MODEL
 
 CHATML = (
     "{% for message in messages %}"

@@ -455,3 +455,26 @@ def test_nats_events_need_the_kvrouter_format():
     result = CliRunner().invoke(app, ["mock-worker", "--nats-url", "nats://127.0.0.1:1", "--format", "vllm"])
     assert result.exit_code == 2
     assert "'kvrouter' to publish on NATS" in result.output
+
+
+def test_chat_completions_render_with_the_demo_model_and_report_cached_tokens(start_worker):
+    """``/v1/chat/completions``: the messages rendered and tokenized with the shipped demo model (the router
+    renders with the same files), answered as ``chat.completion``; a second turn reuses the first's blocks."""
+    from kvrouter.chat import DEMO_MODEL, ChatModel, checked_messages
+
+    worker = start_worker()
+    messages = [{"role": "system", "content": "You route requests. " * 20}, {"role": "user", "content": "hi"}]
+    ids = ChatModel.from_directory("demo", DEMO_MODEL).encode(
+        ChatModel.from_directory("demo", DEMO_MODEL).render(checked_messages(messages))
+    )
+    first = worker.call("POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 2})[1]
+    assert first["object"] == "chat.completion"
+    assert first["choices"][0]["message"] == {"role": "assistant", "content": ""}
+    assert first["usage"]["prompt_tokens"] == len(ids)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    status, bad = worker.call("POST", "/v1/chat/completions", {"messages": [{"role": "bot"}]})
+    assert status == 400
+    assert "messages[0].role" in bad["error"]["message"]
+    again = worker.call("POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 2})[1]
+    block = worker.cache()["block_size"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) // block * block

@@ -380,6 +380,33 @@ class ServiceConfig:
         ),
     )
     """A local ``tokenizer.json`` for text prompts of ``/v1/completions``; None takes token-id prompts only."""
+    chat_template: str | None = field(
+        default=None,
+        metadata=option(
+            "--chat-template",
+            help="A Jinja2 chat template file: with --tokenizer, /v1/chat/completions serves --model-name "
+            "(a --model-path directory has both).",
+            panel=Panel.PROXY,
+            show_default="off",
+        ),
+    )
+    """With ``tokenizer``: the default model's chat template (``kvrouter/chat/model.py``)."""
+    model_paths: tuple[str, ...] = field(
+        default=(),
+        metadata=option(
+            "--model-path",
+            help="[NAME=]DIR: a local model directory as Hugging Face lays it out (tokenizer.json, "
+            "tokenizer_config.json's chat template, config.json): /v1/chat/completions renders and tokenizes "
+            "model NAME's chats with it (DIR alone: --model-name). Repeatable, one per model; never downloads.",
+            panel=Panel.PROXY,
+            show_default="none",
+            optional=True,
+            multiple=True,
+            value_type=str,
+            convert=tuple,
+        ),
+    )
+    """``[NAME=]DIR`` per model served on ``/v1/chat/completions`` (:meth:`chat_models`)."""
 
     # -- Replica sync
     replica_sync: bool = field(
@@ -479,6 +506,19 @@ class ServiceConfig:
     decisions_ring: int = 1024
     events_ring: int = 1024
 
+    def chat_models(self) -> list[tuple[str, str | None]]:
+        """(model name, directory) per model served on ``/v1/chat/completions``: each ``--model-path``, then
+        ``--model-name`` with ``--tokenizer --chat-template`` (directory None: those two files)."""
+        out: list[tuple[str, str | None]] = []
+        for entry in self.model_paths:
+            name, sep, path = entry.partition("=")
+            if not sep or os.sep in name or not name:
+                name, path = self.model_name, entry
+            out.append((name, path))
+        if self.chat_template is not None:
+            out.append((self.model_name, None))
+        return out
+
     @property
     def exposed_without_auth(self) -> bool:
         """The API binds beyond this machine (:func:`is_loopback`) and no token guards its write routes."""
@@ -518,6 +558,17 @@ class ServiceConfig:
                 )
         if self.tokenizer is not None and not os.path.isfile(self.tokenizer):
             raise ConfigError(f"ServiceConfig.tokenizer: no such file {self.tokenizer!r}")
+        if self.chat_template is not None and (self.tokenizer is None or not os.path.isfile(self.chat_template)):
+            raise ConfigError(
+                f"ServiceConfig.chat_template: needs a tokenizer and an existing file, got {self.chat_template!r}"
+            )
+        names = [name for name, _ in self.chat_models()]
+        for name in names:
+            if names.count(name) > 1:
+                raise ConfigError(f"ServiceConfig.model_paths: model {name!r} is given {names.count(name)} times")
+        for name, path in self.chat_models():
+            if path is not None and not os.path.isdir(path):
+                raise ConfigError(f"ServiceConfig.model_paths: {name}={path} is not a directory")
         if self.queue_threshold is not None and (type(self.queue_threshold) is not int or self.queue_threshold < 1):
             raise ConfigError(
                 f"ServiceConfig.queue_threshold must be an integer >= 1 or None, got {self.queue_threshold!r}"

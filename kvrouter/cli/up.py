@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final
 import typer
 from rich.markup import escape
 
+from ..chat import DEMO_MODEL
 from ..demo import EmbeddedConfig
 from ..errors import ConfigError, KvRouterError
 from ..options import Declared, Panel, build, declared, printed
@@ -218,6 +219,10 @@ def up(ctx: typer.Context, **values: Any) -> None:
         if values["mock_workers"] is None and (specs or disaggregated):
             demo["mock_workers"] = 0  # given workers, or a disaggregated demo: no role-both engine unless asked
         demo_config = build(EmbeddedConfig, values, demo)
+        if demo_config.roles and service_config.model_name not in dict(service_config.chat_models()):
+            # the demo's engines chat with the shipped model: the router renders with the same files
+            served = (*service_config.model_paths, f"{service_config.model_name}={DEMO_MODEL}")
+            service_config = dataclasses.replace(service_config, model_paths=served)
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if values["print_config"]:

@@ -399,6 +399,7 @@ class ServiceConfig:
             "tokenizer_config.json's chat template, config.json): /v1/chat/completions renders and tokenizes "
             "model NAME's chats with it (DIR alone: --model-name). Repeatable, one per model; never downloads.",
             panel=Panel.PROXY,
+            metavar="[NAME=]DIR",
             show_default="none",
             optional=True,
             multiple=True,

@@ -13,6 +13,9 @@ parse their own framing, then pass through the same gate:
   same number in its reply). An engine not up is a 503, other bad input a 400, anything unexpected a 500
   logged with its traceback.
 - **Counting.** Every answered request goes into the per-route counters ``/metrics`` shows.
+- **OpenAI's error shape** on the routes OpenAI's clients call (:data:`OPENAI_ROUTES`):
+  ``{"error": {"message", "type", "param", "code"}}``, the type named from the status (:func:`openai_error`);
+  every other route keeps ``{"error": message}``.
 """
 
 from __future__ import annotations
@@ -41,9 +44,34 @@ from ..core.config import ServiceConfig
 from ..core.counters import ServiceCounters
 from ..core.lifecycle import Lifecycle
 
-__all__ = ["ALWAYS_SERVED", "FRONT_HEADER", "OPEN_ROUTES", "UNAUTHORIZED", "Gate", "Refusal", "status"]
+__all__ = [
+    "ALWAYS_SERVED",
+    "FRONT_HEADER",
+    "OPENAI_ROUTES",
+    "OPEN_ROUTES",
+    "UNAUTHORIZED",
+    "Gate",
+    "Refusal",
+    "openai_error",
+    "status",
+]
 
 log = logging.getLogger(__name__)
+
+OPENAI_ROUTES: Final = frozenset({"/v1/chat/completions", "/v1/models"})
+"""Routes whose errors take OpenAI's shape (``/v1/completions`` keeps kvrouter's, as it always answered)."""
+
+_OPENAI_TYPES: Final = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    529: "rate_limit_error",
+    502: "upstream_error",
+    503: "service_unavailable_error",
+}
 
 OPEN_ROUTES: Final = frozenset({"/query", "/query_by_hash", "/select"})
 """POST routes that only read (no state changes): open even with an auth token. Every other POST and
@@ -69,12 +97,22 @@ _STATUSES: Final[tuple[tuple[type[ServiceError], int], ...]] = (
 class Refusal:
     """One refused request as an edge answers it: the status, the message, the extra headers."""
 
-    __slots__ = ("headers", "message", "status")
+    __slots__ = ("headers", "message", "param", "status")
 
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, headers: dict[str, str] | None = None, *, param: str | None = None
+    ) -> None:
         self.status = status
         self.message = message
         self.headers = headers or {}
+        self.param = param
+        """The request field at fault, when the refusal names one (OpenAI's error shape has it apart)."""
+
+
+def openai_error(status: int, message: str, param: str | None = None) -> dict[str, object]:
+    """OpenAI's error body for a refusal of ``status``."""
+    kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def status(exc: ServiceError, overload_status: int) -> int:
@@ -133,7 +171,7 @@ class Gate:
                 return Refusal(code, str(exc), {"Retry-After": str(exc.retry_after)})
             if isinstance(exc, Unauthorized):
                 return Refusal(code, str(exc), {"WWW-Authenticate": "Bearer"})
-            return Refusal(code, str(exc))
+            return Refusal(code, str(exc), param=exc.param if isinstance(exc, BadRequest) else None)
         if isinstance(exc, EngineError):  # not up yet, or closing
             return Refusal(503, f"engine: {exc}")
         if isinstance(exc, (KvRouterError, ValueError)):

@@ -162,10 +162,18 @@ class CompletionsProxy:
         self.core.lifecycle.require_index()
         body = parse_body(raw)
         tokens, forward = self._prompt(body, raw)
-        core = self.core
-        model = body.get("model", core.config.model_name)
+        model = body.get("model", self.core.config.model_name)
         if not isinstance(model, str) or not model:
             raise BadRequest("model: expected a non-empty string")
+        return await self.forward(request, model, tokens, forward, ROUTE)
+
+    async def forward(
+        self, request: web.Request, model: str, tokens: npt.NDArray[np.uint32], forward: bytes, route: str
+    ) -> web.StreamResponse:
+        """Route ``tokens``, book them, and send ``forward`` (the body as the worker gets it) to the chosen
+        worker's ``route`` (both hops of a split request); the answer is relayed. ``/v1/chat/completions``
+        comes here too, with the tokens of its rendered prompt."""
+        core = self.core
         select = SelectRequest(
             model_name=model,
             routing_group=core.config.routing_group,
@@ -179,7 +187,7 @@ class CompletionsProxy:
             decode_body = forward
             if result.split is not None and result.split.prefill is not None:
                 try:
-                    decode_body = await self._prefill_hop(result, forward)
+                    decode_body = await self._prefill_hop(result, forward, route)
                 except aiohttp.ClientConnectorError as exc:  # nothing was sent: decide again without it
                     self._free(selection_id)
                     self._mark_down(result, exc, prefill=True)
@@ -194,7 +202,7 @@ class CompletionsProxy:
                     self._free(selection_id)
                     raise
             try:
-                upstream = await self._connect(result, decode_body)
+                upstream = await self._connect(result, decode_body, route)
             except aiohttp.ClientConnectorError as exc:
                 self._free(selection_id)
                 self._mark_down(result, exc)
@@ -213,7 +221,7 @@ class CompletionsProxy:
                 self._free(selection_id)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _prefill_hop(self, result: Decision, forward: bytes) -> bytes:
+    async def _prefill_hop(self, result: Decision, forward: bytes, route: str) -> bytes:
         """A split request's first hop, as vLLM's proxy sends it to the NixlConnector: the prompt with one output
         token, whole (not streamed), asking the prefill worker to keep its KV for a remote decode. Its answer's
         ``kv_transfer_params`` go to the decode worker with the original request (returned, as its body); the
@@ -229,8 +237,10 @@ class CompletionsProxy:
             raise UpstreamFailed(f"prefill worker {name} registered no http_endpoint to forward to")
         sent = orjson.loads(forward)  # the body as forwarded (its prompt as token ids)
         hop = {**sent, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_HOP}
+        if "max_completion_tokens" in hop:  # chat's newer name, which vLLM reads first
+            hop["max_completion_tokens"] = 1
         hop.pop("stream_options", None)
-        url = result.prefill_endpoint.rstrip("/") + ROUTE
+        url = result.prefill_endpoint.rstrip("/") + route
         try:
             async with self._session().post(url, data=orjson.dumps(hop), headers=JSON_TYPE) as answer:
                 data = await answer.read()
@@ -247,12 +257,12 @@ class CompletionsProxy:
         self.core.reservations.end_prefill_hop(selection_id)
         return orjson.dumps({**sent, "kv_transfer_params": params})
 
-    async def _connect(self, result: Decision, body: bytes) -> aiohttp.ClientResponse:
+    async def _connect(self, result: Decision, body: bytes, route: str) -> aiohttp.ClientResponse:
         """Send the request to the chosen worker; its answer's headers. :class:`UpstreamFailed` for any
         failure but a refused connection (which the caller retries elsewhere)."""
         if result.endpoint is None:
             raise UpstreamFailed(f"worker {_name(result)} registered no http_endpoint to forward to")
-        url = result.endpoint.rstrip("/") + ROUTE
+        url = result.endpoint.rstrip("/") + route
         try:
             return await self._session().post(url, data=body, headers={"Content-Type": "application/json"})
         except aiohttp.ClientConnectorError:

@@ -24,7 +24,7 @@ from ...errors import BadRequest, NotFound
 from ..core.requests import cached_tokens, parse_body, parse_query, reservation_id
 from ..core.state import Core
 from .answers import SelectAnswers, dump_json, loads_json, query_json, workers_json
-from .gate import FRONT_HEADER, Gate
+from .gate import FRONT_HEADER, OPENAI_ROUTES, Gate, openai_error
 from .host import Host
 
 __all__ = ["JSON", "OK", "SESSION_HEADER", "Routes", "client_gone"]
@@ -106,10 +106,16 @@ class Routes:
             gate.authorize(request.method, name, request.headers.get("Authorization", ""))
             response = await handler(request)
         except web.HTTPException as exc:  # no such route (404), method (405), body too large (413)
-            response = _json({"error": exc.reason if exc.status != 413 else exc.text or "body too large"}, exc.status)
+            message = exc.reason if exc.status != 413 else exc.text or "body too large"
+            body = openai_error(exc.status, message) if request.path in OPENAI_ROUTES else {"error": message}
+            response = _json(body, exc.status)
         except Exception as exc:
             refusal = gate.refusal(exc, name)
-            response = _json({"error": refusal.message}, refusal.status, refusal.headers or None)
+            if request.path in OPENAI_ROUTES:
+                body = openai_error(refusal.status, refusal.message, refusal.param)
+            else:
+                body = {"error": refusal.message}
+            response = _json(body, refusal.status, refusal.headers or None)
         finally:
             lifecycle.inflight -= 1
         front = self.host.front

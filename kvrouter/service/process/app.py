@@ -51,6 +51,7 @@ from ..core.requests import Registration, parse_registration, parse_thresholds, 
 from ..core.state import Core
 from ..edges import fastparse
 from ..edges.answers import SelectAnswers
+from ..edges.chat import ChatRoutes, load_chat_models
 from ..edges.fastpath import FastPath
 from ..edges.gate import Gate
 from ..edges.lane import Lane
@@ -168,6 +169,9 @@ class Service:
         self.proxy = CompletionsProxy(self.core)
         """``POST /v1/completions`` (its counters: client gone, retried, failed)."""
         self.proxy.add_to(self.app)
+        self.chat = ChatRoutes(self.core, self.proxy, load_chat_models(config))
+        """``POST /v1/chat/completions`` (over the proxy) and ``GET /v1/models``."""
+        self.chat.add_to(self.app)
         self.relay_fastpath: FastPathRelay | None = None
         """Front 0 of ``--fronts N``: the fast path's one endpoint, relayed to every front."""
         self.fastpath: FastPath | None = None

@@ -205,6 +205,11 @@ def test_dynamos_client_flow_registers_as_soon_as_health_answers(cache: str, tmp
         assert refused.status == 503, refused
         assert refused.headers.get("Retry-After") == "2"
         assert "the index is starting" in refused.body["error"]
+        chat = run.call("POST", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status == 503, chat  # OpenAI's clients get the same answer, in OpenAI's shape
+        assert chat.headers.get("Retry-After") == "2"
+        assert chat.body["error"]["type"] == "service_unavailable_error"
+        assert "the index is starting" in chat.body["error"]["message"]
         assert statuses(run) == dict.fromkeys(range(1, WORKERS + 1), "pending")
         ready = run.call("GET", "/ready")
         assert ready.status == 503

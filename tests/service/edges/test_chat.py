@@ -1,0 +1,240 @@
+"""``POST /v1/chat/completions`` and ``GET /v1/models`` through a real service to real mock engines.
+
+Three models, each with its own tokenizer files and template: ``m`` (the shipped demo model; workers 1 and
+2), ``plain`` (the demo tokenizer under another template and a 200-token context; worker 3, started with the
+same directory, as an engine serves its own model) and ``bare`` (worker 4, registered with no model
+directory here). The router renders and tokenizes each chat with the model's files and routes on those
+tokens; the engine renders again. Every refusal is OpenAI's error shape, and nothing stays booked.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvrouter.chat import DEMO_MODEL, ChatModel, checked_messages
+from kvrouter.routing.config import KVROUTER_CONFIG
+from kvrouter.service import Service, ServiceConfig
+from tests.conftest import Worker, _wait_until
+from tests.service.conftest import BLOCK, Running, serve, start_mock, stop_mock, stop_served
+from tests.service.edges.test_proxy import booked, listening
+
+pytestmark = pytest.mark.timeout(180)
+
+PLAIN_TEMPLATE = (
+    "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('the first message may not be the assistant') }}"
+    "{% endif %}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+)
+SYSTEM = "You are the router's assistant; you answer questions about workers, blocks and caches. " * 4
+
+
+def plain_model(folder: Path) -> Path:
+    folder.mkdir()
+    shutil.copy(DEMO_MODEL / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": PLAIN_TEMPLATE}))
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 200}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    tmp = tmp_path_factory.mktemp("chat")
+    plain = plain_model(tmp / "plain")
+    config = ServiceConfig(
+        port=0,
+        shards=1,
+        health_interval_secs=60.0,
+        drain_secs=2.0,
+        router=KVROUTER_CONFIG,  # the service's default routing
+        model_paths=(f"m={DEMO_MODEL}", f"plain={plain}"),
+    )
+    service = Service(config)
+    service.start()  # forks the applier: before the service thread
+    workers: list[Worker] = []
+    thread: threading.Thread | None = None
+    try:
+        for wid in (1, 2, 3, 4):
+            extra = ("--model-path", str(plain)) if wid == 3 else ()
+            workers.append(start_mock(wid, tmp / f"worker{wid}.err", *extra, speedup="10000"))
+        thread, url = serve(service)
+        run = Running(service, url, workers)
+        for wid, model in ((1, "m"), (2, "m"), (3, "plain"), (4, "bare")):
+            worker = workers[wid - 1]
+            registration = {"instance_id": wid, "endpoint": worker.events[0], "replay_endpoint": worker.replay[0]}
+            registration |= {"model_name": model, "block_size": BLOCK, "http_endpoint": worker.http}
+            run.ok("POST", "/register", registration)
+        _wait_until(lambda: listening(service, 4), what="the engine following the four mock engines")
+        yield run
+    finally:
+        stop_served(service, thread)
+        codes = [stop_mock(worker) for worker in workers]
+        assert codes == [0] * len(workers)
+
+
+def post_chat(run: Running, body: dict[str, Any]) -> tuple[int, Any, dict[str, str]]:
+    """One chat through the router: (status, parsed JSON or the SSE events' payloads, headers)."""
+    parts = urllib.parse.urlsplit(run.url)
+    assert parts.hostname is not None
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        data = response.read()
+        headers = dict(response.getheaders())
+        if headers.get("Content-Type", "").startswith("text/event-stream"):
+            events = [line[6:] for line in data.decode().split("\n") if line.startswith("data: ")]
+            return response.status, events, headers
+        return response.status, json.loads(data), headers
+    finally:
+        conn.close()
+
+
+def decision(run: Running, headers: dict[str, str]) -> dict[str, Any]:
+    return run.ok("GET", f"/decisions/{headers['X-Kvrouter-Selection-Id']}")  # type: ignore[no-any-return]
+
+
+def conversation(turns: int, topic: str = "") -> list[dict[str, str]]:
+    """A conversation's first ``turns`` user turns; ``topic`` opens the system prompt (one no other test sent)."""
+    messages = [{"role": "system", "content": topic + SYSTEM}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Question {turn}: which worker holds the prefix of turn {turn}?"})
+        if turn < turns - 1:
+            messages.append({"role": "assistant", "content": f"Worker {turn % 2 + 1} holds it."})
+    return messages
+
+
+def test_models_lists_every_model_a_worker_serves(chat: Running):
+    answer = chat.ok("GET", "/v1/models")
+    assert answer == {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "owned_by": "kvrouter"} for name in ("bare", "m", "plain")],
+    }
+
+
+def test_a_chat_is_routed_on_its_rendered_tokens_and_forwarded_unchanged(chat: Running):
+    status, answer, headers = post_chat(chat, {"model": "m", "messages": conversation(1), "max_tokens": 3})
+    assert status == 200, answer
+    assert answer["object"] == "chat.completion"
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    worker = int(headers["X-Kvrouter-Worker"].split(":")[0])
+    assert worker in (1, 2)
+    made = decision(chat, headers)
+    assert made["isl_tokens"] == answer["usage"]["prompt_tokens"]  # the router's tokens are the engine's
+    assert booked(chat) == 0
+
+
+def test_a_streamed_chat_passes_its_chunks_through_and_frees(chat: Running):
+    body = {"model": "m", "messages": conversation(1), "max_tokens": 3, "stream": True}
+    status, events, headers = post_chat(chat, body)
+    assert status == 200
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert {chunk["object"] for chunk in chunks} == {"chat.completion.chunk"}
+    assert chunks[-1]["usage"]["prompt_tokens"] == decision(chat, headers)["isl_tokens"]
+    assert booked(chat) == 0
+
+
+def test_a_conversations_next_turn_goes_where_its_history_is_cached(chat: Running):
+    """Both workers of ``m`` get a request of their own first: kvrouter's work factor prices a worker with no
+    recent prefill at 0, which ties with a cached worker's 0 on a cold fleet (see the closing note)."""
+    talk = conversation(2, topic="Follow-up questions. ")
+    for i in range(2):
+        post_chat(chat, {"model": "m", "messages": [{"role": "user", "content": f"warm {i} " * 30}], "max_tokens": 1})
+    first = post_chat(chat, {"model": "m", "messages": talk[:2], "max_tokens": 2})
+    assert first[0] == 200
+    worker = first[2]["X-Kvrouter-Worker"].split(":")[0]
+    model = ChatModel.from_directory("m", DEMO_MODEL)
+    tokens = model.encode(model.render(checked_messages(talk[:2])))
+
+    def indexed() -> bool:  # the first turn's KV events are in: its full blocks on its worker
+        scores = chat.ok("POST", "/query", {"model_name": "m", "token_ids": tokens})["scores"]
+        return bool(scores.get(worker, {}).get("0", 0) == len(tokens) // BLOCK * BLOCK)
+
+    _wait_until(indexed, what="the first turn's blocks in the index")
+    status, answer, headers = post_chat(chat, {"model": "m", "messages": talk, "max_tokens": 2})
+    assert status == 200
+    made = decision(chat, headers)
+    assert headers["X-Kvrouter-Worker"] == first[2]["X-Kvrouter-Worker"], json.dumps(made)
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    assert cached == made["overlap_blocks"] * BLOCK  # the engine reused what the router predicted
+
+
+def test_each_model_renders_with_its_own_template_and_tokenizer(chat: Running):
+    messages = conversation(1)[1:]
+    plain = post_chat(chat, {"model": "plain", "messages": messages, "max_tokens": 1})
+    demo = post_chat(chat, {"model": "m", "messages": messages, "max_tokens": 1})
+    assert plain[0] == demo[0] == 200
+    assert plain[2]["X-Kvrouter-Worker"] == "3:0"
+    for _status, answer, headers in (plain, demo):
+        assert decision(chat, headers)["isl_tokens"] == answer["usage"]["prompt_tokens"]
+    assert plain[1]["usage"]["prompt_tokens"] != demo[1]["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, "model", "no worker serves 'nope'"),
+        ({"model": "bare", "messages": [{"role": "user", "content": "x"}]}, "model", "--model-path bare=DIR"),
+        ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content", "required for this role"),
+        ({"model": "m", "messages": [{"role": "bot", "content": "x"}]}, "messages[0].role", "expected one of"),
+        ({"model": "m", "messages": []}, "messages", "non-empty list"),
+        ({"model": "m", "n": 2, "messages": [{"role": "user", "content": "x"}]}, "n", "send n=1"),
+        ({"model": "m", "stream": "yes", "messages": [{"role": "user", "content": "x"}]}, "stream", "true or false"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "model", "non-empty string"),
+        (
+            {"model": "plain", "messages": [{"role": "user", "content": "word " * 300}]},
+            "messages",
+            "maximum context length is 200 tokens",
+        ),
+        (
+            {"model": "plain", "max_tokens": 150, "messages": [{"role": "user", "content": "word " * 40}]},
+            "messages",
+            "maximum context length is 200 tokens",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "cache_salt": "tenant-1"},
+            "cache_salt",
+            "not routed yet",
+        ),
+    ],
+)
+def test_bad_chats_answer_400_in_openais_shape_and_book_nothing(chat: Running, body, param, message):
+    status, answer, _ = post_chat(chat, body)
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["code"] == 400
+    assert message in error["message"]
+    assert booked(chat) == 0
+
+
+def test_a_template_that_raises_is_a_400_naming_the_template(chat: Running):
+    messages = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "x"}]
+    status, answer, _ = post_chat(chat, {"model": "plain", "messages": messages})
+    assert status == 400
+    assert answer["error"]["param"] == "messages"
+    assert "the first message may not be the assistant" in answer["error"]["message"]
+    assert "chat template" in answer["error"]["message"]
+    status, answer, _ = post_chat(chat, {"model": "m", "messages": messages[1:], "chat_template_kwargs": "no"})
+    assert status == 400
+    assert answer["error"]["param"] == "chat_template_kwargs"
+    assert booked(chat) == 0
+
+
+def test_other_routes_keep_their_own_error_shape(chat: Running):
+    status, answer, _ = chat.call("POST", "/select", {"model_name": "nope", "token_ids": [1, 2, 3]})
+    assert status == 404
+    assert isinstance(answer["error"], str)
+    status, answer, _ = chat.call("GET", "/v1/chat/completions")
+    assert status == 405
+    assert answer["error"]["type"] == "invalid_request_error"

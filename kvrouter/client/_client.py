@@ -665,6 +665,61 @@ class Client:
         body, headers = _completion(prompt, model, max_tokens, session_id, {**fields, "stream": True})
         return CompletionStream(self._send("POST", "/v1/completions", body, None, headers, None), self)
 
+    async def chat_completions(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        /,
+        *,
+        model: str,
+        max_tokens: int | None = None,
+        session_id: str | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        """``POST /v1/chat/completions``: the router renders the messages with the model's template to route
+        them, books the request, and returns the engine's ``chat.completion`` as it came. Arguments as
+        :meth:`completions`, with OpenAI's ``messages`` in place of the prompt.
+
+        Raises:
+            ApiError: the router's refusal (400 in OpenAI's shape for bad messages or an unknown model, 503,
+                529) or the engine's error, with its message.
+        """
+        if "stream" in fields:
+            raise TypeError("chat_completions() does not stream; use stream_chat_completions()")
+        body, headers = _chat(messages, model, max_tokens, session_id, fields)
+        answer: dict[str, Any] = (await self.request("POST", "/v1/chat/completions", body, headers=headers)).body
+        return answer
+
+    def stream_chat_completions(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        /,
+        *,
+        model: str,
+        max_tokens: int | None = None,
+        session_id: str | None = None,
+        **fields: Any,
+    ) -> CompletionStream:
+        """``POST /v1/chat/completions`` with ``"stream": true``: the engine's ``chat.completion.chunk`` events,
+        used as :meth:`stream_completions`."""
+        body, headers = _chat(messages, model, max_tokens, session_id, {**fields, "stream": True})
+        return CompletionStream(self._send("POST", "/v1/chat/completions", body, None, headers, None), self)
+
+    async def models(self) -> list[dict[str, Any]]:
+        """``GET /v1/models``: the models workers are registered for, OpenAI's model objects."""
+        data: list[dict[str, Any]] = (await self.request("GET", "/v1/models")).body["data"]
+        return data
+
+
+def _chat(
+    messages: Sequence[Mapping[str, Any]],
+    model: str,
+    max_tokens: int | None,
+    session_id: str | None,
+    fields: Mapping[str, Any],
+) -> tuple[dict[str, Any], dict[str, str]]:
+    body = {**fields, **_drop_none({"model": model, "messages": list(messages), "max_tokens": max_tokens})}
+    return body, {} if session_id is None else {SESSION_HEADER: session_id}
+
 
 def _completion(
     prompt: Prompt, model: str | None, max_tokens: int | None, session_id: str | None, fields: Mapping[str, Any]
@@ -742,6 +797,12 @@ class CompletionStream:
     def selection_id(self) -> str:
         """The router's reservation for this request (``X-Kvrouter-Selection-Id``)."""
         return self.headers.get("X-Kvrouter-Selection-Id", "")
+
+    @property
+    def overlap_tokens(self) -> int:
+        """The prompt tokens the router found cached on the chosen worker (``X-Kvrouter-Overlap-Tokens``): what
+        it predicts the engine reports as ``cached_tokens``; 0 before entering."""
+        return int(self.headers.get("X-Kvrouter-Overlap-Tokens", 0))
 
     async def __aenter__(self) -> CompletionStream:
         response = await self._sending.__aenter__()

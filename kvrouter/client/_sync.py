@@ -16,7 +16,7 @@ import asyncio
 import concurrent.futures
 import threading
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Concatenate, Final, Generic, ParamSpec, TypeVar, overload
 
@@ -160,6 +160,8 @@ class SyncClient:
     events = _Blocking(Client.events)
     metrics = _Blocking(Client.metrics)
     completions = _Blocking(Client.completions)
+    chat_completions = _Blocking(Client.chat_completions)
+    models = _Blocking(Client.models)
 
     def stream_completions(
         self,
@@ -174,6 +176,22 @@ class SyncClient:
         """As :meth:`Client.stream_completions`: ``with c.stream_completions(prompt) as s: for chunk in s``."""
         stream = self._client.stream_completions(
             prompt, model=model, max_tokens=max_tokens, session_id=session_id, **fields
+        )
+        return SyncCompletionStream(self, stream)
+
+    def stream_chat_completions(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        /,
+        *,
+        model: str,
+        max_tokens: int | None = None,
+        session_id: str | None = None,
+        **fields: Any,
+    ) -> SyncCompletionStream:
+        """As :meth:`Client.stream_chat_completions`: ``with c.stream_chat_completions(messages, model=m) as s``."""
+        stream = self._client.stream_chat_completions(
+            messages, model=model, max_tokens=max_tokens, session_id=session_id, **fields
         )
         return SyncCompletionStream(self, stream)
 

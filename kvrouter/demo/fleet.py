@@ -9,37 +9,37 @@ exercises them end to end:
   engines would.
 - **The client** is an asyncio task in the front's own loop (``kvrouter.client.Client``, as an operator's
   script would use it; a thread or process would cost more than the few requests a second it sends).
-  Each request is the router protocol, not the proxy: ``/select_and_reserve`` → the chosen engine's
-  ``/v1/completions`` (token-id prompt, streamed) → ``/reservations/{id}/prefill_complete`` at the first
-  token → ``DELETE /reservations/{id}`` at the end, always, so an error never leaks a reservation. The
-  engine's ``/v1/completions`` is streamed by the same client's ``stream_completions``, pointed at the
-  engine (the proxy's protocol is the engine's). The workload is synthetic multi-turn chat: a few shared
-  system prompts (popular ones more often), sessions of 2-6 turns whose prompts grow by the previous turn
+  It speaks OpenAI's chat to the router, as the clients of a fleet do: each request is one streamed
+  ``POST /v1/chat/completions``, which the router renders with the demo model's template
+  (``kvrouter/chat``), routes on those tokens, books, forwards to the chosen engine (both hops of a split
+  request) and frees. The workload is synthetic multi-turn chat: a few shared system prompts (popular ones
+  more often), sessions of 2-6 turns whose messages grow by the previous turn and its answer
   (``workload.py``).
-- **The status line** every few seconds: decisions per second, the hit rate the router predicted
-  (overlap tokens / prompt tokens of the chosen workers) beside the one the engines reported
+- **The status line** every few seconds: decisions per second, the hit rate the router predicted (the
+  ``X-Kvrouter-Overlap-Tokens`` of each answer over its prompt tokens) beside the one the engines reported
   (``cached_tokens``), and each worker's active blocks from ``GET /loads``.
 
 Rejected: an in-process mock engine (its threads would share the front's GIL and skew what the demo
-shows) and driving the mocks without the router protocol (the demo would then show nothing routed).
+shows) and driving the mocks without the router (the demo would then show nothing routed). The router's
+own protocol (``/select_and_reserve`` and the reservation routes) is what the banner's ``curl`` lines show.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, TextIO
 
 import orjson
 
-from ..client import ApiError, Client, Selection, ServiceUnreachable
+from ..chat import DEMO_MODEL, ChatModel
+from ..client import ApiError, Client, ServiceUnreachable
 from ..errors import KvRouterError
 from ..options import Panel, derived, option, shared
 from .mocks import MockProcess, start_mock, stop_mocks
@@ -166,24 +166,6 @@ class Stats:
             log.warning("demo client request failed kind=%s detail=%s (logged once per kind)", kind, detail)
 
 
-def overlap_tokens(answer: Mapping[str, Any]) -> int:
-    """The chosen worker's predicted overlap in tokens: ``overlap.dp[rank]``, else ``gpu``, else
-    ``longest_matched`` (the selection service's shapes)."""
-    overlap = answer.get("overlap")
-    if not isinstance(overlap, dict):
-        return 0
-    by_rank = overlap.get("dp")
-    if isinstance(by_rank, dict):
-        value = by_rank.get(str(answer.get("dp_rank", 0)))
-        if isinstance(value, int):
-            return value
-    for key in ("gpu", "longest_matched"):
-        value = overlap.get(key)
-        if isinstance(value, int):
-            return value
-    return 0
-
-
 class Embedded:
     """The demo fleet of ``kvrouter up``: :meth:`start` once the API listens, :meth:`stop_client` on a
     signal (synchronous, from the signal handler), :meth:`close` after the service stopped."""
@@ -198,14 +180,10 @@ class Embedded:
         self._decisions = decisions if decisions is not None else self._own_decisions
         self.mocks: list[MockProcess] = []
         self.stats = Stats()
-        self.workload = Workload(
-            config.seed, config.block_size, documents=DOCUMENTS if config.mock_prefill_workers else 0.0
-        )
+        self.workload = Workload(config.seed, documents=DOCUMENTS if config.mock_prefill_workers else 0.0)
         self._tasks: list[asyncio.Task[None]] = []
         self._requests: set[asyncio.Task[None]] = set()
         self._client: Client | None = None
-        self._engines: dict[str, Client] = {}
-        """A client per engine endpoint, for its streamed ``/v1/completions``."""
         self._roles: dict[int, str] = {}
         """Each mock engine's role by worker id (``EmbeddedConfig.roles``)."""
         self._stopped = False
@@ -273,8 +251,11 @@ class Embedded:
     def banner(self) -> str:
         """What to try next, printed once the fleet is registered."""
         cfg, url = self.config, self.url
-        sample = self.workload.system_prompts[0][: 2 * cfg.block_size]
+        chat_model = ChatModel.from_directory(cfg.model_name, DEMO_MODEL)
+        sample = chat_model.encode(self.workload.system_prompts[0])[: 2 * cfg.block_size]
         select = orjson.dumps({"model_name": cfg.model_name, "token_ids": sample, "explain": True}).decode()
+        ask = [{"role": "user", "content": "Which worker holds my prefix?"}]
+        chat = orjson.dumps({"model": cfg.model_name, "messages": ask, "max_tokens": 16}).decode()
         workers = ", ".join(
             f"{m.worker_id}={m.http}" + ("" if self._roles[m.worker_id] == "both" else f" ({self._roles[m.worker_id]})")
             for m in self.mocks
@@ -288,6 +269,7 @@ class Embedded:
             f"  curl -s {url}/health",
             f"  curl -s {url}/workers",
             f"  curl -s {url}/loads",
+            f"  curl -s {url}/v1/chat/completions -d '{chat}'   # OpenAI's chat, routed and forwarded",
             f"  curl -s {url}/select -d '{select}'",
             f"  curl -s '{url}/decisions?since=0'   # the last decisions, each candidate's cost terms",
             "  kvrouter top   # in another terminal (from a checkout: .venv/bin/kvrouter top): the live dashboard",
@@ -307,17 +289,11 @@ class Embedded:
         pending = [*self._tasks, *self._requests]
         if pending:
             await asyncio.wait(pending, timeout=2.0)
-        for client in [*([self._client] if self._client is not None else []), *self._engines.values()]:
-            await client.aclose()
+        if self._client is not None:
+            await self._client.aclose()
         await stop_mocks(self.mocks)
 
     # -- internals ---------------------------------------------------------------------------------
-
-    def _engine(self, endpoint: str) -> Client:
-        found = self._engines.get(endpoint)
-        if found is None:
-            found = self._engines[endpoint] = Client(endpoint, timeout=HTTP_TIMEOUT_S)
-        return found
 
     async def _drive(self) -> None:
         """Poisson arrivals at ``client_rate``; each takes an idle session (a new one when none is idle)."""
@@ -335,45 +311,40 @@ class Embedded:
             else:
                 session = self.workload.session()
                 sessions.append(session)
-            prompt, max_tokens = self.workload.turn(session)
+            messages, max_tokens = self.workload.turn(session)
             session.busy = True
-            task = asyncio.create_task(self._request(session, prompt, max_tokens))
+            task = asyncio.create_task(self._request(session, messages, max_tokens))
             self._requests.add(task)
             task.add_done_callback(self._requests.discard)
 
-    async def _request(self, session: Session, prompt: list[int], max_tokens: int) -> None:
-        cfg, stats, client = self.config, self.stats, self._client
+    async def _request(self, session: Session, messages: list[dict[str, Any]], max_tokens: int) -> None:
+        """One turn through ``POST /v1/chat/completions``, streamed; the router books, splits and frees it."""
+        stats, client = self.stats, self._client
         assert client is not None
-        selection: str | None = None
         try:
-            if cfg.mock_prefill_workers:  # a disaggregated fleet: the router's proxy runs both hops
-                cached, worker = await self._through_proxy(prompt, max_tokens)
-                stats.decisions += 1
-                stats.total_decisions += 1
-                if worker is not None:
-                    stats.per_worker[worker] += 1
-                stats.cached_tokens += cached
-                stats.completed_prompt_tokens += len(prompt)
-                stats.completed += 1
-                return
-            try:
-                answer = await client.select_and_reserve(
-                    cfg.model_name, routing_group=cfg.routing_group, token_ids=prompt
-                )
-            except ApiError as exc:
-                stats.error(f"select {exc.status}", exc.message[:200])
-                return
-            selection = str(answer.get("selection_id"))
-            worker = int(answer["worker_id"])
+            cached, prompt_tokens = 0, 0
+            stream = client.stream_chat_completions(
+                messages, model=self.config.model_name, max_tokens=max_tokens, stream_options={"include_usage": True}
+            )
+            content: list[str] = []
+            async with stream:
+                async for chunk in stream:
+                    if "error" in chunk:
+                        raise ValueError(f"engine error: {chunk['error']}")
+                    for choice in chunk.get("choices") or ():
+                        content.append((choice.get("delta") or {}).get("content") or "")
+                    usage = chunk.get("usage") or {}
+                    prompt_tokens = int(usage.get("prompt_tokens", prompt_tokens) or 0)
+                    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) or 0)
+            session.answered("".join(content))
             stats.decisions += 1
             stats.total_decisions += 1
-            stats.per_worker[worker] += 1
-            stats.prompt_tokens += len(prompt)
-            stats.predicted_tokens += overlap_tokens(answer)
-            endpoint = self._endpoint(answer, worker)
-            cached = await self._complete(endpoint, prompt, max_tokens, answer["dp_rank"], selection)
+            if stream.worker:
+                stats.per_worker[int(stream.worker.split(":")[0])] += 1
+            stats.prompt_tokens += prompt_tokens
+            stats.predicted_tokens += stream.overlap_tokens
             stats.cached_tokens += cached
-            stats.completed_prompt_tokens += len(prompt)
+            stats.completed_prompt_tokens += prompt_tokens
             stats.completed += 1
         except asyncio.CancelledError:
             raise
@@ -381,67 +352,6 @@ class Embedded:
             stats.error(type(exc).__name__, str(exc)[:200])
         finally:
             session.busy = False
-            if selection is not None and not self._stopped:
-                with contextlib.suppress(ApiError, ServiceUnreachable):
-                    await client.free(selection)
-
-    async def _through_proxy(self, prompt: list[int], max_tokens: int) -> tuple[int, int | None]:
-        """One request through ``POST /v1/completions``, streamed: the engine's ``cached_tokens``, and the worker
-        that answered (the decode worker of a split request). The proxy books, splits and frees it.
-
-        Raises:
-            ApiError: the router or an engine refused. ValueError: a failure mid-stream.
-        """
-        client = self._client
-        assert client is not None
-        cached = 0
-        stream = client.stream_completions(
-            prompt, model=self.config.model_name, max_tokens=max_tokens, stream_options={"include_usage": True}
-        )
-        async with stream:
-            async for chunk in stream:
-                if "error" in chunk:
-                    raise ValueError(f"engine error: {chunk['error']}")
-                usage = chunk.get("usage") or {}
-                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) or 0)
-        name = stream.worker
-        return cached, None if not name else int(name.split(":")[0])
-
-    def _endpoint(self, answer: Selection, worker: int) -> str:
-        """The chosen engine's HTTP URL: the answer's ``endpoint`` when it is one, else the mock's own."""
-        endpoint = answer.get("endpoint")
-        if isinstance(endpoint, str) and endpoint.startswith("http"):
-            return endpoint.rstrip("/")
-        for mock in self.mocks:
-            if mock.worker_id == worker:
-                return mock.http
-        raise ValueError(f"/select_and_reserve chose worker {worker}, which is not a mock engine")
-
-    async def _complete(self, endpoint: str, prompt: list[int], max_tokens: int, dp_rank: int, selection: str) -> int:
-        """Stream one completion; prefill complete at the first chunk. The engine's ``cached_tokens``.
-
-        Raises:
-            ApiError: the engine refused. ValueError: it failed mid-stream. ServiceUnreachable: no answer.
-        """
-        client = self._client
-        assert client is not None
-        options = {"include_usage": True, "continuous_usage_stats": True}  # the reused tokens at the first token
-        cached = 0
-        first = True
-        stream = self._engine(endpoint).stream_completions(
-            prompt, max_tokens=max_tokens, stream_options=options, dp_rank=dp_rank
-        )
-        async with stream:  # iterated to its end, past [DONE]: the engine closes the connection, never reset
-            async for chunk in stream:
-                if "error" in chunk:
-                    raise ValueError(f"engine error: {chunk['error']}")
-                usage = chunk.get("usage") or {}
-                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) or 0)
-                if first:  # with the engine's reused tokens: the router's index accuracy (accuracy.py)
-                    first = False
-                    with contextlib.suppress(ApiError):  # a reservation gone (expired): nothing to mark
-                        await client.prefill_complete(selection, cached_tokens=cached)
-        return cached
 
     async def _status(self) -> None:
         """One line every ``status_secs``: decisions/s, hit rates, active blocks per worker. A line that fails

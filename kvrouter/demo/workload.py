@@ -1,19 +1,33 @@
-"""The demo's synthetic workload: multi-turn chat with a few shared system prompts, deterministic from a seed.
+"""The demo's synthetic workload: multi-turn chat, as OpenAI messages, with a few shared system prompts.
 
-Popular system prompts come more often (weight 1/(rank+1)), and each session's prompts grow by the previous
-turn, so the overlap a router can find comes both from shared prefixes and from a session's own history.
+Deterministic from a seed. Popular system prompts come more often (weight 1/(rank+1)), and each session's
+messages grow by the previous turn, so the overlap a router can find comes both from shared prefixes and
+from a session's own history. The text is words of the demo model's vocabulary (``kvrouter/chat``), so
+every prompt renders and tokenizes as the router and the mock engines both do it.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
-__all__ = ["SYSTEM_PROMPTS", "Session", "Workload"]
+from ..chat import DEMO_MODEL
 
-VOCAB: Final = 32_000
+__all__ = ["SYSTEM_PROMPTS", "Session", "Workload", "vocabulary"]
+
 SYSTEM_PROMPTS: Final = 6
+WORD_PREFIX: Final = "Ġ"
+"""How the demo's byte-level BPE marks a token that starts a word."""
+
+
+def vocabulary() -> list[str]:
+    """The whole words of the demo model's vocabulary, sorted: text made of them tokenizes compactly."""
+    vocab = json.loads((DEMO_MODEL / "tokenizer.json").read_text())["model"]["vocab"]
+    return sorted(
+        token[1:] for token in vocab if token.startswith(WORD_PREFIX) and token[1:].isalpha() and len(token) > 3
+    )
 
 
 @dataclass(slots=True)
@@ -22,40 +36,48 @@ class Session:
 
     system: int
     turns_left: int
-    history: list[int] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    document: str = ""
+    """A long fresh text the first user turn pastes (the disaggregated demo's), or nothing."""
     busy: bool = False
+
+    def answered(self, content: str) -> None:
+        """The engine's answer to the last turn joins the history, as a chat client keeps it."""
+        self.messages.append({"role": "assistant", "content": content})
 
 
 class Workload:
     """Synthetic multi-turn chat, deterministic from a seed (see the module docstring).
 
-    ``system_prompts`` are 20-60 blocks each; a session picks one with weight 1/(rank+1), then each turn
-    adds 16-200 user tokens and the previous answer (synthetic ids: the mock returns none). A share
-    ``documents`` of sessions first paste a fresh document of 3,000-5,000 tokens (the disaggregated demo's:
-    its long fresh prompts are the ones worth splitting).
+    ``system_prompts`` are 200-640 words each; a session picks one with weight 1/(rank+1), then each turn
+    adds a user message of 10-130 words, and the client adds the engine's answer. A share ``documents`` of
+    sessions open by pasting a fresh document of 2,000-3,300 words (the disaggregated demo's: its long fresh
+    prompts are the ones worth splitting).
     """
 
-    def __init__(self, seed: int, block_size: int, *, documents: float = 0.0) -> None:
+    def __init__(self, seed: int, *, documents: float = 0.0) -> None:
         self.rng = random.Random(seed)
         self.documents = documents
-        self.system_prompts = [
-            [self.rng.randrange(1, VOCAB) for _ in range(block_size * self.rng.randint(20, 60))]
-            for _ in range(SYSTEM_PROMPTS)
-        ]
+        self.words = vocabulary()
+        self.system_prompts = [self._text(self.rng.randint(200, 640)) for _ in range(SYSTEM_PROMPTS)]
         self.weights = [1.0 / (rank + 1) for rank in range(SYSTEM_PROMPTS)]
+
+    def _text(self, words: int) -> str:
+        return " ".join(self.rng.choice(self.words) for _ in range(words))
 
     def session(self) -> Session:
         system = self.rng.choices(range(SYSTEM_PROMPTS), self.weights)[0]
         session = Session(system, self.rng.randint(2, 6))
+        session.messages.append({"role": "system", "content": self.system_prompts[system]})
         if self.documents and self.rng.random() < self.documents:
-            session.history = [self.rng.randrange(1, VOCAB) for _ in range(self.rng.randint(3000, 5000))]
+            session.document = self._text(self.rng.randint(2000, 3300))
         return session
 
-    def turn(self, session: Session) -> tuple[list[int], int]:
-        """(the prompt of the session's next turn, its max_tokens); the session's history grows by it."""
-        session.history.extend(self.rng.randrange(1, VOCAB) for _ in range(self.rng.randint(16, 200)))
-        prompt = self.system_prompts[session.system] + session.history
-        max_tokens = self.rng.randint(32, 192)
-        session.history.extend(self.rng.randrange(1, VOCAB) for _ in range(max_tokens))
+    def turn(self, session: Session) -> tuple[list[dict[str, Any]], int]:
+        """(the messages of the session's next turn, its max_tokens); the session's history grows by the turn."""
+        text = self._text(self.rng.randint(10, 130))
+        if session.document:
+            text, session.document = f"{session.document}\n\n{text}", ""
+        session.messages.append({"role": "user", "content": text})
         session.turns_left -= 1
-        return prompt, max_tokens
+        return list(session.messages), self.rng.randint(32, 192)

@@ -8,7 +8,6 @@ warns once when its API is off loopback without a token (``serve`` replaced, not
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 from pathlib import Path
@@ -302,25 +301,6 @@ def test_help_is_grouped_with_units_env_vars_and_an_example(runner):
         "kvrouter up --workers",
     ):
         assert needle in text, needle
-
-
-def test_the_demo_workload_shares_system_prompts_and_grows_sessions():
-    from kvrouter.demo.workload import SYSTEM_PROMPTS, Workload
-
-    first, again = Workload(7, 16), Workload(7, 16)
-    assert first.system_prompts == again.system_prompts  # deterministic from the seed
-    assert len(first.system_prompts) == SYSTEM_PROMPTS
-    assert all(len(p) % 16 == 0 for p in first.system_prompts)
-    session = first.session()
-    prompts = []
-    while session.turns_left:
-        prompt, max_tokens = first.turn(session)
-        assert max_tokens >= 1
-        prompts.append(prompt)
-    system = first.system_prompts[session.system]
-    for earlier, later in itertools.pairwise(prompts):
-        assert later[: len(earlier)] == earlier  # a turn extends the previous prompt (plus its answer)
-        assert earlier[: len(system)] == system
 
 
 def test_the_subscriber_queue_flags_set_the_event_planes_bounds(runner):

@@ -57,13 +57,18 @@ from ..core.requests import SelectRequest, parse_body, token_array
 from ..core.state import Core
 from .routes import SESSION_HEADER, client_gone
 
-__all__ = ["DISCONNECT_POLL_S", "WORKER_HEADER", "CompletionsProxy"]
+__all__ = ["DISCONNECT_POLL_S", "OVERLAP_HEADER", "WORKER_HEADER", "CompletionsProxy"]
 
 log = logging.getLogger(__name__)
 
 ROUTE: Final = "/v1/completions"
 WORKER_HEADER: Final = "X-Kvrouter-Worker"
 SELECTION_HEADER: Final = "X-Kvrouter-Selection-Id"
+OVERLAP_HEADER: Final = "X-Kvrouter-Overlap-Tokens"
+"""The prompt tokens the router found cached on the worker it chose: what it expects the engine to report
+as ``cached_tokens`` (a client compares the two without asking ``/decisions``). For a split request, the
+prefill worker's: the decode engine reports the KV it pulled as cached, which no index predicts (so the
+index accuracy join skips split requests)."""
 DISCONNECT_POLL_S: Final = 0.05
 """How often a request in flight checks that its client is still connected."""
 CONNECT_TIMEOUT_S: Final = 5.0
@@ -291,7 +296,10 @@ class CompletionsProxy:
         ended or the client went away."""
         selection_id = result.selection_id
         assert selection_id is not None
-        headers = {WORKER_HEADER: _name(result), SELECTION_HEADER: selection_id}
+        prefill = result.split.prefill if result.split is not None else None
+        split = prefill is not None  # its decode engine reports the KV it pulled as cached: no accuracy sample
+        overlap = (prefill or result.selection).overlap_blocks * result.partition.block_size
+        headers = {WORKER_HEADER: _name(result), SELECTION_HEADER: selection_id, OVERLAP_HEADER: str(overlap)}
         task = asyncio.current_task()
         assert task is not None
         gone = asyncio.Event()
@@ -302,7 +310,7 @@ class CompletionsProxy:
             if not content_type.startswith("text/event-stream"):
                 data = await upstream.read()
                 if upstream.status < 400:
-                    self.core.reservations.prefill_complete(selection_id, _reused(data))
+                    self.core.reservations.prefill_complete(selection_id, None if split else _reused(data))
                 headers["Content-Type"] = content_type
                 return web.Response(body=data, status=upstream.status, headers=headers)
             headers["Content-Type"] = content_type
@@ -318,7 +326,7 @@ class CompletionsProxy:
                         self.core.reservations.prefill_complete(selection_id)
                     await response.write(chunk)
                     tail = (tail + chunk)[-USAGE_TAIL_BYTES:]
-                if (reused := _reused_in_stream(tail)) is not None:
+                if not split and (reused := _reused_in_stream(tail)) is not None:
                     self.core.reservations.report_reuse(selection_id, reused)
                 if upstream.status < 400 and DONE not in tail:  # closed without OpenAI's end: the worker died
                     raise aiohttp.ClientPayloadError("the stream ended before its data: [DONE]")

@@ -22,6 +22,7 @@ import typer.core
 import typer.main
 from typer.testing import CliRunner
 
+from kvrouter.chat import DEMO_MODEL
 from kvrouter.cli import app
 from kvrouter.cli.up import OPTIONS, ROUTER_FLAGS
 from kvrouter.demo import EmbeddedConfig
@@ -58,6 +59,8 @@ NESTED = {
 """Fields holding a config whose own fields declare options."""
 
 SAMPLES: dict[str, Any] = {"shadow_policy": "round_robin", "workers": "1=tcp://127.0.0.1:5557"}
+COMPANIONS: dict[str, tuple[str, str]] = {"chat_template": ("KVROUTER_TOKENIZER", "tokenizer")}
+"""Options the config accepts only beside another one: (that option's variable, the option sampled for it)."""
 """A valid value for the options unset by default whose type's plain value (``FALLBACK``) the config refuses;
 ``decision_log``, ``record`` and ``tokenizer`` get paths under ``tmp_path``."""
 FALLBACK: dict[Any, Any] = {int: 1, float: 1.0, str: "x"}
@@ -97,13 +100,15 @@ def printed_value(resolved: dict[str, Any], d: Declared) -> Any:
 
 
 def sample(d: Declared, tmp_path: Path) -> Any:
-    """The option's default, else a value that the configs accept."""
+    """The option's default, else a value that the configs accept (a list for a repeatable option)."""
     if d.option.name in ("decision_log", "record"):
         return str(tmp_path / f"{d.option.name}.out")
-    if d.option.name == "tokenizer":
-        path = tmp_path / "tokenizer.json"
+    if d.option.name in ("tokenizer", "chat_template"):
+        path = tmp_path / f"{d.option.name}.file"
         path.write_text("{}")
         return str(path)
+    if d.option.name == "model_path":
+        return [f"m={DEMO_MODEL}", str(DEMO_MODEL)]
     if d.option.name in SAMPLES:
         return SAMPLES[d.option.name]
     if d.default is not None and not d.option.optional:
@@ -211,6 +216,10 @@ def test_each_option_is_read_from_its_flag_its_variables_and_its_toml_key(runner
     d = BY_NAME[name]
     value = sample(d, tmp_path)
     text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+    if d.option.multiple:  # click splits a repeatable option's variable on whitespace
+        text = " ".join(value)
+    companion = COMPANIONS.get(name)
+    beside = {} if companion is None else {companion[0]: sample(BY_NAME[companion[1]], tmp_path)}
     expected: Any = value
     if d.option.convert is not None:
         expected = list(v) if isinstance(v := d.option.convert(value), tuple) else v
@@ -224,17 +233,19 @@ def test_each_option_is_read_from_its_flag_its_variables_and_its_toml_key(runner
             assert printed_value(resolved, d) == expected
 
     for variable in d.option.envvars:
-        check(resolve(runner, env={variable: text}), "env")
+        check(resolve(runner, env={**beside, variable: text}), "env")
     toml = tmp_path / "up.toml"
     toml.write_text(f"[up]\n{name} = {json.dumps(value)}\n")
-    check(resolve(runner, "--config", str(toml)), "config file")
+    check(resolve(runner, "--config", str(toml), env=beside), "config file")
     for flag in flags_of(d):
         if isinstance(value, bool):
             resolved = resolve(runner, flag)
             assert resolved["sources"][name] == "flag"
             assert printed_value(resolved, d) is (not flag.startswith("--no-"))
+        elif d.option.multiple:
+            check(resolve(runner, *(arg for item in value for arg in (flag, item)), env=beside), "flag")
         else:
-            check(resolve(runner, flag, text), "flag")
+            check(resolve(runner, flag, text, env=beside), "flag")
 
 
 def test_help_lists_each_option_under_its_group_in_declaration_order(runner):

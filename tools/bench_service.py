@@ -801,14 +801,16 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
 def floor_point(script: Path, connections: int, seconds: float) -> dict[str, Any]:
     """The machine's own tail: wrk against this file's ``_floor`` server, which answers every request at
     once from asyncio with no work at all (what no server on this machine can beat)."""
-    port = free_port()
-    floor = subprocess.Popen([sys.executable, __file__, "_floor", "--port", str(port)])
-    server = Server("floor", f"http://127.0.0.1:{port}", floor, Path(os.devnull))
+    floor = subprocess.Popen([sys.executable, __file__, "_floor", "--port", "0"], stdout=subprocess.PIPE)
+    assert floor.stdout is not None
+    line = floor.stdout.readline()  # the port it bound: chosen by its own bind, so no other process can take it first
+    server = Server("floor", f"http://127.0.0.1:{line.decode().strip() or 0}", floor, Path(os.devnull))
     try:
         wait_http(server, "/health", START_TIMEOUT)
         return run_wrk(server, script, connections, seconds)
     finally:
         stop(server)
+        floor.stdout.close()
 
 
 def serve_floor(port: int) -> int:
@@ -838,6 +840,7 @@ def serve_floor(port: int) -> int:
 
     async def run() -> None:
         server = await asyncio.get_running_loop().create_server(Answering, "127.0.0.1", port)
+        print(server.sockets[0].getsockname()[1], flush=True)
         await server.serve_forever()
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

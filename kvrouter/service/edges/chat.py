@@ -19,9 +19,9 @@ What is refused, always before anything is booked, with OpenAI's error shape (``
 
 ``/v1/models`` lists the models workers are registered for, in OpenAI's shape.
 
-Left for later (issue 36): ``--forward-tokens``, LoRA adapters, ``cache_salt`` (the router would route on
-unsalted blocks while the engine salts them: a request with one is refused rather than misrouted),
-priorities, tracing, and reusing the tokens of a conversation's earlier turns.
+``cache_salt`` is routed as ``/select`` routes it: the prompt's blocks hashed with the salt (the reference's
+``compute_salt_hash``). Left for later (issue 36): ``--forward-tokens``, LoRA adapters, priorities,
+tracing, and reusing the tokens of a conversation's earlier turns.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ...errors import BadRequest
 from ..core.config import ServiceConfig
 from ..core.requests import parse_body
 from ..core.state import Core
-from .proxy import CompletionsProxy
+from .proxy import CompletionsProxy, cache_salt
 
 __all__ = ["CHAT_ROUTE", "MODELS_ROUTE", "ChatRoutes", "load_chat_models"]
 
@@ -111,7 +111,8 @@ class ChatRoutes:
         if not ids:
             raise BadRequest("messages: the rendered prompt is empty", param="messages")
         chat.check_length(len(ids), _max_tokens(body))
-        return await self.proxy.forward(request, model, np.asarray(ids, dtype=np.uint32), raw, CHAT_ROUTE)
+        tokens = np.asarray(ids, dtype=np.uint32)
+        return await self.proxy.forward(request, model, tokens, raw, CHAT_ROUTE, cache_salt(body))
 
     def _model(self, name: str) -> ChatModel:
         """The chat model of ``name``, served by some worker.
@@ -143,11 +144,6 @@ def _check_request(body: Mapping[str, Any]) -> None:
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest(f"stream: expected true or false, got {stream!r}", param="stream")
-    if body.get("cache_salt") is not None:
-        raise BadRequest(
-            "cache_salt: not routed yet (the router would match unsalted blocks the engine never shares)",
-            param="cache_salt",
-        )
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:

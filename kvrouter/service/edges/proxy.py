@@ -57,7 +57,7 @@ from ..core.requests import SelectRequest, parse_body, token_array
 from ..core.state import Core
 from .routes import SESSION_HEADER, client_gone
 
-__all__ = ["DISCONNECT_POLL_S", "OVERLAP_HEADER", "WORKER_HEADER", "CompletionsProxy"]
+__all__ = ["DISCONNECT_POLL_S", "OVERLAP_HEADER", "WORKER_HEADER", "CompletionsProxy", "cache_salt"]
 
 log = logging.getLogger(__name__)
 
@@ -170,20 +170,28 @@ class CompletionsProxy:
         model = body.get("model", self.core.config.model_name)
         if not isinstance(model, str) or not model:
             raise BadRequest("model: expected a non-empty string")
-        return await self.forward(request, model, tokens, forward, ROUTE)
+        return await self.forward(request, model, tokens, forward, ROUTE, cache_salt(body))
 
     async def forward(
-        self, request: web.Request, model: str, tokens: npt.NDArray[np.uint32], forward: bytes, route: str
+        self,
+        request: web.Request,
+        model: str,
+        tokens: npt.NDArray[np.uint32],
+        forward: bytes,
+        route: str,
+        salt: str | None = None,
     ) -> web.StreamResponse:
-        """Route ``tokens``, book them, and send ``forward`` (the body as the worker gets it) to the chosen
-        worker's ``route`` (both hops of a split request); the answer is relayed. ``/v1/chat/completions``
-        comes here too, with the tokens of its rendered prompt."""
+        """Route ``tokens`` (hashed with the request's ``cache_salt``, ``salt``, as ``/select`` hashes them),
+        book them, and send ``forward`` (the body as the worker gets it) to the chosen worker's ``route`` (both
+        hops of a split request); the answer is relayed. ``/v1/chat/completions`` comes here too, with the
+        tokens of its rendered prompt."""
         core = self.core
         select = SelectRequest(
             model_name=model,
             routing_group=core.config.routing_group,
             token_ids=tokens,
             session_id=request.headers.get(SESSION_HEADER) or None,
+            cache_salt=salt,
         )
         for attempt in range(ATTEMPTS):
             result = await core.queue.select(select, reserve=True, gone=client_gone(request))
@@ -349,6 +357,18 @@ class CompletionsProxy:
             return response
         finally:
             watcher.cancel()
+
+
+def cache_salt(body: dict[str, Any]) -> str | None:
+    """The body's ``cache_salt`` (vLLM's: a tenant's blocks shared only with requests of the same salt).
+
+    Raises:
+        BadRequest: not a non-empty string.
+    """
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise BadRequest("cache_salt: expected a non-empty string", param="cache_salt")
+    return salt
 
 
 async def _watch(request: web.Request, task: asyncio.Task[Any], gone: asyncio.Event) -> None:

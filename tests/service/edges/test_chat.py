@@ -101,6 +101,19 @@ def decision(run: Running, headers: dict[str, str]) -> dict[str, Any]:
     return run.ok("GET", f"/decisions/{headers['X-Kvrouter-Selection-Id']}")  # type: ignore[no-any-return]
 
 
+def wait_indexed(run: Running, messages: list[dict[str, str]], headers: dict[str, str]) -> None:
+    """Until the KV events of a chat answered with ``headers`` are in the index: its full blocks on its worker."""
+    worker = headers["X-Kvrouter-Worker"].split(":")[0]
+    model = ChatModel.from_directory("m", DEMO_MODEL)
+    tokens = model.encode(model.render(checked_messages(messages)))
+
+    def indexed() -> bool:
+        scores = run.ok("POST", "/query", {"model_name": "m", "token_ids": tokens})["scores"]
+        return bool(scores.get(worker, {}).get("0", 0) == len(tokens) // BLOCK * BLOCK)
+
+    _wait_until(indexed, what="the chat's blocks in the index")
+
+
 def conversation(turns: int, topic: str = "") -> list[dict[str, str]]:
     """A conversation's first ``turns`` user turns; ``topic`` opens the system prompt (one no other test sent)."""
     messages = [{"role": "system", "content": topic + SYSTEM}]
@@ -150,15 +163,7 @@ def test_a_conversations_next_turn_goes_where_its_history_is_cached(chat: Runnin
         post_chat(chat, {"model": "m", "messages": [{"role": "user", "content": f"warm {i} " * 30}], "max_tokens": 1})
     first = post_chat(chat, {"model": "m", "messages": talk[:2], "max_tokens": 2})
     assert first[0] == 200
-    worker = first[2]["X-Kvrouter-Worker"].split(":")[0]
-    model = ChatModel.from_directory("m", DEMO_MODEL)
-    tokens = model.encode(model.render(checked_messages(talk[:2])))
-
-    def indexed() -> bool:  # the first turn's KV events are in: its full blocks on its worker
-        scores = chat.ok("POST", "/query", {"model_name": "m", "token_ids": tokens})["scores"]
-        return bool(scores.get(worker, {}).get("0", 0) == len(tokens) // BLOCK * BLOCK)
-
-    _wait_until(indexed, what="the first turn's blocks in the index")
+    wait_indexed(chat, talk[:2], first[2])
     status, answer, headers = post_chat(chat, {"model": "m", "messages": talk, "max_tokens": 2})
     assert status == 200
     made = decision(chat, headers)
@@ -166,6 +171,20 @@ def test_a_conversations_next_turn_goes_where_its_history_is_cached(chat: Runnin
     cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0
     assert cached == made["overlap_blocks"] * BLOCK  # the engine reused what the router predicted
+
+
+def test_a_cache_salt_is_hashed_into_the_blocks_routed_on(chat: Running):
+    """As ``/select`` with ``cache_salt``: the salted prompt's blocks are other blocks than the plain ones."""
+    talk = conversation(1, topic="Salted questions. ")
+    first = post_chat(chat, {"model": "m", "messages": talk, "max_tokens": 1})
+    assert first[0] == 200
+    wait_indexed(chat, talk, first[2])
+    salted = post_chat(chat, {"model": "m", "messages": talk, "max_tokens": 1, "cache_salt": "tenant-1"})
+    plain = post_chat(chat, {"model": "m", "messages": talk, "max_tokens": 1})
+    assert salted[0] == plain[0] == 200
+    assert decision(chat, salted[2])["best_overlap_blocks"] == 0
+    assert decision(chat, plain[2])["best_overlap_blocks"] > 0
+    assert booked(chat) == 0
 
 
 def test_each_model_renders_with_its_own_template_and_tokenizer(chat: Running):
@@ -201,9 +220,9 @@ def test_each_model_renders_with_its_own_template_and_tokenizer(chat: Running):
             "maximum context length is 200 tokens",
         ),
         (
-            {"model": "m", "messages": [{"role": "user", "content": "x"}], "cache_salt": "tenant-1"},
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "cache_salt": 7},
             "cache_salt",
-            "not routed yet",
+            "non-empty string",
         ),
     ],
 )

@@ -355,6 +355,18 @@ class ServiceConfig:
         ),
     )
     """How long a request waits in the queue before it is refused with ``overload_status``."""
+    queue_priority_age_secs: float | None = field(
+        default=10.0,
+        metadata=option(
+            "--router-queue-priority-age-secs",
+            help="[secs] A queued request's priority class improves by one per this long waited, so a low "
+            "class is never starved (priority: the body's field or X-Kvrouter-Priority; lower first).",
+            panel=Panel.OVERLOAD,
+            min=0.001,
+        ),
+    )
+    """The router queue's ageing interval (``queue.py``): a waiting request moves up one priority class per
+    interval; None: classes never age."""
 
     # -- Proxy and sessions
     session_affinity_ttl_secs: float | None = field(

@@ -10,11 +10,18 @@ the load allows, in the policy's order — Dynamo's ``SchedulerQueue``
   ``/busy_threshold``), *or* when the partition's queue already holds requests: the reference's
   "backlog anti-bypass" (``should_queue = has_backlog || all_workers_busy``), so a newcomer never
   overtakes a request that was there first.
-- **Order.** Highest key first, ties by arrival (§4.4): ``fcfs`` keys a request by
-  ``priority_jump - arrival_offset`` (earliest first), ``wspt`` (weighted shortest processing time) by
-  ``(1 + priority_jump) / isl_tokens`` (shortest prompt first; the weight is 1 + the priority jump).
-  kvrouter's ``/select`` bodies carry no priority, so ``priority_jump`` is 0 and the orders are arrival
-  and prompt length.
+- **Order.** First by **priority class** (kvrouter's, issue 36): a request's ``priority``, vLLM's meaning
+  (an integer, lower first, 0 by default; ``priority`` in a proxied body or ``X-Kvrouter-Priority``).
+  **Ageing** (``--router-queue-priority-age-secs``, 10 s) lowers a waiting request's class by one per
+  interval it has waited, so a low class is never starved: a request of class 2 competes as class 1
+  after 10 s, as class 0 after 20 s. Within a class, highest key first, ties by arrival (§4.4): ``fcfs``
+  keys a request by ``priority_jump - arrival_offset`` (earliest first), ``wspt`` (weighted shortest
+  processing time) by ``(1 + priority_jump) / isl_tokens`` (shortest prompt first; the weight is 1 + the
+  priority jump); ``priority_jump`` is 0 (no kvrouter request carries one), so the orders are arrival and
+  prompt length. Each class is a heap; a request that ages moves to the next class's heap when its
+  interval ends (a heap of those times), so the head is found in O(log n) and no scan of the waiting
+  requests ever runs. Rejected: the effective class computed per waiter at every retry (a scan of the
+  whole queue per decision: quadratic in a long queue's drain).
 - **When waiting requests are retried.** On every change that can lower a partition's load or widen its
   candidates: a reservation freed, a prefill completed, a worker registered or unregistered, thresholds
   moved by ``/busy_threshold``; and on every health tick (``health_interval_secs``; reservations expire
@@ -55,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Generic, Literal, TypeVar
 
 from ...errors import ClientGone, Overloaded, ServiceError, Stopping
+from .histogram import Buckets
 
 if TYPE_CHECKING:
     from .counters import ServiceCounters
@@ -63,9 +71,12 @@ if TYPE_CHECKING:
     from .partition import Partition
     from .requests import SelectRequest
 
-__all__ = ["POLICIES", "PendingQueue", "QueuePolicy", "RouterQueue", "Ticket", "queue_key"]
+__all__ = ["POLICIES", "WAIT_BUCKETS", "PendingQueue", "QueuePolicy", "RouterQueue", "Ticket", "queue_key"]
 
 log = logging.getLogger(__name__)
+
+WAIT_BUCKETS: Final = tuple(0.001 * 2**n for n in range(17))
+"""Queue wait buckets [s]: 1 ms doubling to 65 s (the default timeout is 60 s)."""
 
 QueuePolicy = Literal["fcfs", "wspt"]
 POLICIES: Final[tuple[QueuePolicy, ...]] = ("fcfs", "wspt")
@@ -91,6 +102,12 @@ class Ticket(Generic[T]):
     isl_tokens: int
     key: float
     seq: int
+    priority: int = 0
+    """The request's own class (what ``/metrics`` counts it under)."""
+    klass: int = 0
+    """Its class now: ``priority`` less the intervals it has waited."""
+    arrived: float = 0.0
+    """The queue clock when it was pushed."""
     queued: bool = True
 
 
@@ -101,40 +118,77 @@ class PendingQueue(Generic[T]):
     ``pending_isl_tokens`` are what ``/loads`` reports (the reference's ``potential_loads`` fields).
     """
 
-    def __init__(self, policy: QueuePolicy, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        policy: QueuePolicy,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        age_secs: float | None = None,
+    ) -> None:
+        """``age_secs``: the ageing interval (one class per interval waited); None: classes never age."""
         if policy not in POLICIES:
             raise ValueError(f"queue policy must be one of {POLICIES}, got {policy!r}")
+        if age_secs is not None and not age_secs > 0:
+            raise ValueError(f"age_secs must be > 0 or None, got {age_secs!r}")
         self.policy: QueuePolicy = policy
+        self.age_secs = age_secs
         self._clock = clock
         self._start = clock()
-        self._heap: list[tuple[float, int, Ticket[T]]] = []
+        self._classes: dict[int, list[tuple[float, int, Ticket[T]]]] = {}
+        """Class -> heap of (-key, seq, ticket); an entry whose ticket left or moved on is skipped."""
+        self._ageing: list[tuple[float, int, Ticket[T]]] = []
+        """(when the ticket moves up a class, seq, ticket)."""
         self._seq = itertools.count()
         self.pending_count = 0
         self.pending_isl_tokens = 0
+        self.by_priority: dict[int, int] = {}
+        """Waiting tickets per own priority (``/metrics``' ``kvrouter_queue_pending_by_priority``)."""
 
     def __len__(self) -> int:
         return self.pending_count
 
-    def push(self, item: T, *, isl_tokens: int, priority_jump: float = 0.0) -> Ticket[T]:
+    def push(self, item: T, *, isl_tokens: int, priority: int = 0, priority_jump: float = 0.0) -> Ticket[T]:
         arrival = self._clock() - self._start
         key = queue_key(self.policy, priority_jump=priority_jump, arrival_offset=arrival, isl_tokens=isl_tokens)
-        ticket = Ticket(item, isl_tokens, key, next(self._seq))
-        heapq.heappush(self._heap, (-key, ticket.seq, ticket))
+        ticket = Ticket(item, isl_tokens, key, next(self._seq), priority, priority, arrival)
+        heapq.heappush(self._classes.setdefault(priority, []), (-key, ticket.seq, ticket))
+        if self.age_secs is not None:
+            heapq.heappush(self._ageing, (arrival + self.age_secs, ticket.seq, ticket))
         self.pending_count += 1
         self.pending_isl_tokens += isl_tokens
+        self.by_priority[priority] = self.by_priority.get(priority, 0) + 1
         return ticket
 
+    def _age(self) -> None:
+        """Move every ticket whose interval ended up a class, as often as it has waited intervals."""
+        ageing, step = self._ageing, self.age_secs
+        if not ageing or step is None:
+            return
+        now = self._clock() - self._start
+        while ageing and ageing[0][0] <= now:
+            due, seq, ticket = heapq.heappop(ageing)
+            if not ticket.queued:
+                continue
+            ticket.klass -= 1
+            heapq.heappush(self._classes.setdefault(ticket.klass, []), (-ticket.key, seq, ticket))
+            heapq.heappush(ageing, (due + step, seq, ticket))
+
     def peek(self) -> Ticket[T] | None:
-        """The next ticket to serve, or None."""
-        heap = self._heap
-        while heap and not heap[0][2].queued:
-            heapq.heappop(heap)
-        return heap[0][2] if heap else None
+        """The next ticket to serve, or None: the best key of the lowest class now."""
+        self._age()
+        for klass in sorted(self._classes):
+            heap = self._classes[klass]
+            while heap and (not heap[0][2].queued or heap[0][2].klass != klass):
+                heapq.heappop(heap)
+            if heap:
+                return heap[0][2]
+            del self._classes[klass]
+        return None
 
     def pop(self) -> Ticket[T] | None:
         ticket = self.peek()
         if ticket is not None:
-            heapq.heappop(self._heap)
+            heapq.heappop(self._classes[ticket.klass])
             self._unqueue(ticket)
         return ticket
 
@@ -146,13 +200,19 @@ class PendingQueue(Generic[T]):
         return True
 
     def tickets(self) -> list[Ticket[T]]:
-        """The queued tickets, in no particular order."""
-        return [t for _, _, t in self._heap if t.queued]
+        """The queued tickets, in no particular order, each in its class now."""
+        self._age()
+        return [t for klass, heap in self._classes.items() for _, _, t in heap if t.queued and t.klass == klass]
 
     def _unqueue(self, ticket: Ticket[T]) -> None:
         ticket.queued = False
         self.pending_count -= 1
         self.pending_isl_tokens -= ticket.isl_tokens
+        left = self.by_priority[ticket.priority] - 1
+        if left:
+            self.by_priority[ticket.priority] = left
+        else:
+            del self.by_priority[ticket.priority]
 
 
 @dataclass(slots=True, eq=False)
@@ -161,6 +221,7 @@ class _Waiter:
     reserve: bool
     future: asyncio.Future[Decision]
     gone: Callable[[], bool] | None
+    since: float = 0.0
     timer: asyncio.TimerHandle | None = None
     queue: PendingQueue[_Waiter] | None = field(default=None, repr=False)
 
@@ -181,6 +242,7 @@ class RouterQueue:
         threshold: int | None,
         policy: QueuePolicy,
         timeout_secs: float,
+        age_secs: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.decider = decider
@@ -188,6 +250,10 @@ class RouterQueue:
         self.threshold = threshold
         self.policy: QueuePolicy = policy
         self.timeout_secs = timeout_secs
+        self.age_secs = age_secs
+        """The priority classes' ageing interval (``--router-queue-priority-age-secs``); None: no ageing."""
+        self.waits: dict[int, Buckets] = {}
+        """Per priority: how long its decided waiters waited [s] (``kvrouter_router_queue_wait_seconds``)."""
         self._clock = clock
         self._queues: dict[tuple[str, str], PendingQueue[_Waiter]] = {}
         self._scheduled: set[tuple[str, str]] = set()
@@ -203,6 +269,11 @@ class RouterQueue:
         """(pending_count, pending_isl_tokens) of the partition's queue."""
         queue = self._queues.get((model, group))
         return (queue.pending_count, queue.pending_isl_tokens) if queue is not None else (0, 0)
+
+    def pending_by_priority(self, model: str, group: str) -> dict[int, int]:
+        """The partition's waiting requests per priority."""
+        queue = self._queues.get((model, group))
+        return dict(queue.by_priority) if queue is not None else {}
 
     # -- the entry -----------------------------------------------------------------------------
 
@@ -243,15 +314,16 @@ class RouterQueue:
             partition = self.decider.registry.partition(*key)  # unknown before queueing
             refusal = Overloaded(f"overloaded: {partition.name} has a queue")
         if queue is None:
-            queue = self._queues[key] = PendingQueue(self.policy, clock=self._clock)
+            queue = self._queues[key] = PendingQueue(self.policy, clock=self._clock, age_secs=self.age_secs)
         if len(queue) >= self.threshold:
             self.rejected_full += 1
             self.counters.overloaded += 1
             raise Overloaded(
                 f"{refusal}; the router queue is full ({len(queue)} waiting, --router-queue-threshold)"
             ) from refusal
-        waiter = _Waiter(request, reserve, asyncio.get_running_loop().create_future(), gone, queue=queue)
-        ticket = queue.push(waiter, isl_tokens=self._isl(request))
+        future = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(request, reserve, future, gone, self._clock(), queue=queue)
+        ticket = queue.push(waiter, isl_tokens=self._isl(request), priority=request.priority)
         self.queued_total += 1
         waiter.timer = asyncio.get_running_loop().call_later(self.timeout_secs, self._expire, ticket)
         self.changed_key(key)  # the backlog path may find the load already free
@@ -338,6 +410,10 @@ class RouterQueue:
         if isinstance(outcome, ServiceError):
             waiter.future.set_exception(outcome)
         else:
+            buckets = self.waits.get(ticket.priority)
+            if buckets is None:
+                buckets = self.waits[ticket.priority] = Buckets(WAIT_BUCKETS)
+            buckets.observe(self._clock() - waiter.since)
             waiter.future.set_result(outcome)
 
     def _expire(self, ticket: Ticket[_Waiter]) -> None:

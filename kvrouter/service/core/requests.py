@@ -123,6 +123,8 @@ class SelectRequest:
     whole: bool = False
     """The caller sends the request to one worker (the proxy, once the prefill workers refused it twice): a
     disaggregated partition does not split it."""
+    priority: int = 0
+    """Its class in the router queue (vLLM's meaning: lower first); the proxy's routes take it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +158,19 @@ def _int(body: Mapping[str, Any], name: str, default: int | None = None, *, low:
         raise BadRequest(f"{name}: expected an integer, got {type(value).__name__}")
     if not low <= value <= high:
         raise BadRequest(f"{name}: {value} is outside [{low}, {high}]")
+    return value
+
+
+def parse_priority(value: object, where: str = "priority") -> int:
+    """A request's class in the router queue (vLLM's ``priority``: an integer, lower first); 0 when absent.
+
+    Raises:
+        BadRequest: not an integer in [-2**31, 2**31).
+    """
+    if value is None:
+        return 0
+    if type(value) is not int or not -(1 << 31) <= value < 1 << 31:
+        raise BadRequest(f"{where}: expected an integer in [-2**31, 2**31) (lower first), got {value!r}", param=where)
     return value
 
 
@@ -397,4 +412,5 @@ def parse_select(body: Mapping[str, Any], *, tokens: npt.NDArray[np.uint32] | No
         explain=_bool(body, "explain"),
         probe=_bool(body, "probe"),
         fallbacks=_int(body, "fallbacks", 0, high=MAX_FALLBACKS),
+        priority=parse_priority(body.get("priority")),
     )

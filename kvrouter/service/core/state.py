@@ -98,6 +98,7 @@ class Core:
             threshold=config.queue_threshold,
             policy=config.queue_policy,
             timeout_secs=config.queue_timeout_secs,
+            age_secs=config.queue_priority_age_secs,
         )
         self.registry.changed = self.queue.changed
         self.reservations.changed = self.queue.changed

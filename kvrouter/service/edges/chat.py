@@ -20,8 +20,9 @@ What is refused, always before anything is booked, with OpenAI's error shape (``
 ``/v1/models`` lists the models workers are registered for, in OpenAI's shape.
 
 ``cache_salt`` is routed as ``/select`` routes it: the prompt's blocks hashed with the salt (the reference's
-``compute_salt_hash``). Left for later (issue 36): ``--forward-tokens``, LoRA adapters, priorities,
-tracing, and reusing the tokens of a conversation's earlier turns.
+``compute_salt_hash``); ``priority`` (or ``X-Kvrouter-Priority``) is the request's class in the router queue
+(``core/queue.py``). Left for later (issue 36): ``--forward-tokens``, LoRA adapters, tracing, and reusing
+the tokens of a conversation's earlier turns.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ...errors import BadRequest
 from ..core.config import ServiceConfig
 from ..core.requests import parse_body
 from ..core.state import Core
-from .proxy import CompletionsProxy, cache_salt
+from .proxy import CompletionsProxy, cache_salt, priority
 
 __all__ = ["CHAT_ROUTE", "MODELS_ROUTE", "ChatRoutes", "load_chat_models"]
 
@@ -112,7 +113,9 @@ class ChatRoutes:
             raise BadRequest("messages: the rendered prompt is empty", param="messages")
         chat.check_length(len(ids), _max_tokens(body))
         tokens = np.asarray(ids, dtype=np.uint32)
-        return await self.proxy.forward(request, model, tokens, raw, CHAT_ROUTE, cache_salt(body))
+        return await self.proxy.forward(
+            request, model, tokens, raw, CHAT_ROUTE, cache_salt(body), priority(request, body)
+        )
 
     def _model(self, name: str) -> ChatModel:
         """The chat model of ``name``, served by some worker.

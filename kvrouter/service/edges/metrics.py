@@ -104,6 +104,8 @@ class PartitionLoad:
     """Requests waiting in the partition's router queue (``queue.py``)."""
     roles: Mapping[int, str] = field(default_factory=dict)
     """Each registered instance's role (``prefill``, ``decode``, ``both``)."""
+    pending_by_priority: Mapping[int, int] = field(default_factory=dict)
+    """The waiting requests per priority (``queue.py``'s classes, by each request's own priority)."""
 
 
 def _key_labels(key: WorkerKey) -> list[str]:
@@ -329,7 +331,14 @@ class ServiceCollector(Collector):
             "1 for the role each registered worker (instance) takes: prefill, decode or both",
             labels=["worker", "role"],
         )
+        by_priority = GaugeMetricFamily(
+            "kvrouter_queue_pending_by_priority",
+            "Requests waiting in the partition's router queue, by their own priority (lower first)",
+            labels=["model", "priority"],
+        )
         for partition in partitions:
+            for klass, waiting in sorted(partition.pending_by_priority.items()):
+                by_priority.add_metric([partition.model, str(klass)], waiting)
             for worker, name in sorted(partition.roles.items()):
                 role.add_metric([str(worker), name], 1.0)
             count.add_metric([partition.model, partition.routing_group], len(partition.workers))
@@ -342,7 +351,7 @@ class ServiceCollector(Collector):
                 blocks.add_metric(values, slots.active_blocks(key))
                 prefill.add_metric(values, slots.active_prefill_tokens(key))
                 requests.add_metric(values, slots.active_requests(key))
-        yield from (count, blocks, prefill, requests, pending, role)
+        yield from (count, blocks, prefill, requests, pending, by_priority, role)
 
 
 def histogram(
@@ -742,6 +751,7 @@ class Metrics:
                 tuple(p.worker_keys()),
                 queue.pending(p.model_name, p.routing_group)[0],
                 {iid: instance.role for iid, instance in p.instances.items()},
+                queue.pending_by_priority(p.model_name, p.routing_group),
             )
             for p in list(self.core.registry.partitions.values())
         ]
@@ -753,6 +763,13 @@ class Metrics:
         workers = [key for p in list(core.registry.partitions.values()) for key in p.worker_keys()]
         yield from accuracy_families(core.accuracy, workers)
         yield from output_families()
+        waits: dict[tuple[str, ...], Buckets] = {(str(k),): b for k, b in sorted(core.queue.waits.items())}
+        yield histogram(
+            "kvrouter_router_queue_wait_seconds",
+            "How long requests decided from the router queue waited, by their own priority",
+            waits,
+            ["priority"],
+        )
         if host.sync is not None:
             yield from replica_sync_families(host.sync)
         if host.durable is not None:

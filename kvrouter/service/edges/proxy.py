@@ -53,17 +53,27 @@ from aiohttp import web
 
 from ...errors import BadRequest, ServiceError, UpstreamFailed
 from ..core.decision import Decision
-from ..core.requests import SelectRequest, parse_body, token_array
+from ..core.requests import SelectRequest, parse_body, parse_priority, token_array
 from ..core.state import Core
 from .routes import SESSION_HEADER, client_gone
 
-__all__ = ["DISCONNECT_POLL_S", "OVERLAP_HEADER", "WORKER_HEADER", "CompletionsProxy", "cache_salt"]
+__all__ = [
+    "DISCONNECT_POLL_S",
+    "OVERLAP_HEADER",
+    "PRIORITY_HEADER",
+    "WORKER_HEADER",
+    "CompletionsProxy",
+    "cache_salt",
+    "priority",
+]
 
 log = logging.getLogger(__name__)
 
 ROUTE: Final = "/v1/completions"
 WORKER_HEADER: Final = "X-Kvrouter-Worker"
 SELECTION_HEADER: Final = "X-Kvrouter-Selection-Id"
+PRIORITY_HEADER: Final = "X-Kvrouter-Priority"
+"""A request's router-queue priority for clients that cannot add ``priority`` to the body."""
 OVERLAP_HEADER: Final = "X-Kvrouter-Overlap-Tokens"
 """The prompt tokens the router found cached on the worker it chose: what it expects the engine to report
 as ``cached_tokens`` (a client compares the two without asking ``/decisions``). For a split request, the
@@ -170,7 +180,7 @@ class CompletionsProxy:
         model = body.get("model", self.core.config.model_name)
         if not isinstance(model, str) or not model:
             raise BadRequest("model: expected a non-empty string")
-        return await self.forward(request, model, tokens, forward, ROUTE, cache_salt(body))
+        return await self.forward(request, model, tokens, forward, ROUTE, cache_salt(body), priority(request, body))
 
     async def forward(
         self,
@@ -180,11 +190,12 @@ class CompletionsProxy:
         forward: bytes,
         route: str,
         salt: str | None = None,
+        klass: int = 0,
     ) -> web.StreamResponse:
         """Route ``tokens`` (hashed with the request's ``cache_salt``, ``salt``, as ``/select`` hashes them),
         book them, and send ``forward`` (the body as the worker gets it) to the chosen worker's ``route`` (both
-        hops of a split request); the answer is relayed. ``/v1/chat/completions`` comes here too, with the
-        tokens of its rendered prompt."""
+        hops of a split request); the answer is relayed. ``klass`` is its priority in the router queue.
+        ``/v1/chat/completions`` comes here too, with the tokens of its rendered prompt."""
         core = self.core
         select = SelectRequest(
             model_name=model,
@@ -192,6 +203,7 @@ class CompletionsProxy:
             token_ids=tokens,
             session_id=request.headers.get(SESSION_HEADER) or None,
             cache_salt=salt,
+            priority=klass,
         )
         for attempt in range(ATTEMPTS):
             result = await core.queue.select(select, reserve=True, gone=client_gone(request))
@@ -369,6 +381,25 @@ def cache_salt(body: dict[str, Any]) -> str | None:
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise BadRequest("cache_salt: expected a non-empty string", param="cache_salt")
     return salt
+
+
+def priority(request: web.Request, body: dict[str, Any]) -> int:
+    """The request's priority in the router queue: the body's ``priority`` (vLLM's field, which the engine
+    gets too), else the ``X-Kvrouter-Priority`` header (for clients that cannot add a field), else 0.
+
+    Raises:
+        BadRequest: not an integer.
+    """
+    if body.get("priority") is not None:
+        return parse_priority(body["priority"])
+    header = request.headers.get(PRIORITY_HEADER)
+    if header is None:
+        return 0
+    try:
+        value = int(header)
+    except ValueError:
+        raise BadRequest(f"{PRIORITY_HEADER}: expected an integer, got {header!r}") from None
+    return parse_priority(value, PRIORITY_HEADER)
 
 
 async def _watch(request: web.Request, task: asyncio.Task[Any], gone: asyncio.Event) -> None:

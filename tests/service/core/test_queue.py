@@ -87,6 +87,49 @@ def test_removed_tickets_leave_the_counts_and_the_order():
     assert drain(queue) == ["c"]
 
 
+def test_priority_classes_come_first_lowest_first_and_the_policy_orders_each_class():
+    clock = Clock()
+    queue: PendingQueue[str] = PendingQueue("wspt", clock=clock)
+    for name, isl, klass in (("a", 40, 1), ("b", 10, 1), ("c", 40, 0), ("d", 80, -1), ("e", 20, 0)):
+        queue.push(name, isl_tokens=isl, priority=klass)
+        clock.now += 1.0
+    assert queue.by_priority == {1: 2, 0: 2, -1: 1}
+    assert drain(queue) == ["d", "e", "c", "b", "a"]  # class -1, then 0 (shortest first), then 1
+    assert queue.by_priority == {}
+
+
+def test_a_waiting_request_moves_up_one_class_per_interval_so_a_low_class_is_not_starved():
+    clock = Clock()
+    queue: PendingQueue[str] = PendingQueue("fcfs", clock=clock, age_secs=10.0)
+    queue.push("low", isl_tokens=10, priority=2)
+    clock.now += 15.0  # low has waited one interval: class 1 now
+    queue.push("high", isl_tokens=10, priority=1)
+    queue.push("top", isl_tokens=10, priority=0)
+    head = queue.peek()
+    assert head is not None
+    assert head.item == "top"
+    clock.now += 15.0  # 30 s: low has waited three intervals (class -1), top one (class -1), high one (0)
+    assert drain(queue) == ["low", "top", "high"]  # low and top tie on class: the earlier first
+    still: PendingQueue[str] = PendingQueue("fcfs", clock=clock)  # without ageing, classes stay
+    still.push("low", isl_tokens=10, priority=2)
+    clock.now += 25.0
+    still.push("high", isl_tokens=10, priority=1)
+    assert drain(still) == ["high", "low"]
+
+
+def test_a_removed_ticket_leaves_its_class_and_its_ageing():
+    clock = Clock()
+    queue: PendingQueue[str] = PendingQueue("fcfs", clock=clock, age_secs=1.0)
+    gone = queue.push("gone", isl_tokens=10, priority=5)
+    queue.push("kept", isl_tokens=10, priority=5)
+    assert queue.remove(gone)
+    clock.now += 30.0  # many intervals: only the ticket still queued moves
+    assert [t.item for t in queue.tickets()] == ["kept"]
+    assert queue.tickets()[0].klass == 5 - 30
+    assert drain(queue) == ["kept"]
+    assert (queue.pending_count, queue.by_priority) == (0, {})
+
+
 def test_config_validates_the_queue():
     with pytest.raises(ConfigError, match="queue_threshold"):
         ServiceConfig(queue_threshold=0)
@@ -94,6 +137,8 @@ def test_config_validates_the_queue():
         ServiceConfig(queue_policy="lcfs")  # type: ignore[arg-type]  # what a caller might send
     with pytest.raises(ConfigError, match="queue_timeout_secs"):
         ServiceConfig(queue_timeout_secs=0)
+    with pytest.raises(ValueError, match="age_secs"):
+        PendingQueue("fcfs", age_secs=0.0)
     assert ServiceConfig().queue_threshold is None  # no queue: today's 529
 
 
@@ -141,8 +186,16 @@ def with_client(service: Service, body: Callable[[TestClient[Any, Any]], Awaitab
     asyncio.run(main())
 
 
-def reserve(client: TestClient[Any, Any], selection_id: str, n: int) -> asyncio.Task[ClientResponse]:
-    body = {"model_name": MODEL, "token_ids": prompt(n, next(FRESH_SEEDS)), "selection_id": selection_id}
+def reserve(
+    client: TestClient[Any, Any], selection_id: str, n: int, priority: int | None = None
+) -> asyncio.Task[ClientResponse]:
+    body: dict[str, Any] = {
+        "model_name": MODEL,
+        "token_ids": prompt(n, next(FRESH_SEEDS)),
+        "selection_id": selection_id,
+    }
+    if priority is not None:
+        body["priority"] = priority
     return asyncio.ensure_future(client.post("/select_and_reserve", json=body))
 
 
@@ -153,12 +206,17 @@ async def loads(client: TestClient[Any, Any]) -> dict[str, Any]:
 
 
 async def served_in_order(
-    client: TestClient[Any, Any], svc: Service, arrivals: list[tuple[str, int]], *, threshold: int
+    client: TestClient[Any, Any],
+    svc: Service,
+    arrivals: list[tuple[str, int]],
+    *,
+    threshold: int,
+    priorities: dict[str, int] | None = None,
 ) -> list[str]:
     """Queue ``arrivals`` one after the other behind the blocker, then free one reservation at a time."""
     tasks: dict[str, asyncio.Task[ClientResponse]] = {}
     for i, (name, n) in enumerate(arrivals):
-        tasks[name] = reserve(client, name, n)
+        tasks[name] = reserve(client, name, n, (priorities or {}).get(name))
         await until(lambda i=i: svc.core.queue.pending(MODEL, "default")[0] == i + 1, f"{name} queued")  # type: ignore[misc]
     state = await loads(client)
     assert state["pending_count"] == len(arrivals)
@@ -203,6 +261,74 @@ def test_requests_wait_instead_of_529_and_are_served_in_policy_order(policy: str
         assert await served_in_order(client, svc, ARRIVALS, threshold=3) == expected
 
     with_client(svc, body)
+
+
+def test_a_filled_queue_serves_by_priority_then_policy_and_metrics_count_each_class():
+    svc = service(queue_threshold=4, queue_priority_age_secs=None)
+    classes = {"later": 1, "first": -1, "low": 3, "second": -1}
+
+    async def body(client: TestClient[Any, Any]) -> None:
+        await busy_partition(client)
+        arrivals = [("later", 8), ("first", 8), ("low", 8), ("second", 8)]
+        tasks = {name: reserve(client, name, n, classes[name]) for name, n in arrivals}
+        await until(lambda: svc.core.queue.pending(MODEL, "default")[0] == 4, "four queued")
+        metrics = await (await client.get("/metrics")).text()
+        for klass, count in ((-1, 2), (1, 1), (3, 1)):
+            assert f'kvrouter_queue_pending_by_priority{{model="{MODEL}",priority="{klass}"}} {count}.0' in metrics
+        order, holder = [], "blocker"
+        while tasks:
+            assert (await client.delete(f"/reservations/{holder}")).status == 200
+            await until(lambda: any(t.done() for t in tasks.values()), "a queued request served")
+            (holder,) = [name for name, task in tasks.items() if task.done()]
+            assert tasks.pop(holder).result().status == 200
+            order.append(holder)
+        assert order == ["first", "second", "later", "low"]
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvrouter_router_queue_wait_seconds_count{priority="3"} 1.0' in metrics
+        assert 'kvrouter_router_queue_wait_seconds_count{priority="-1"} 2.0' in metrics
+        assert (await client.delete(f"/reservations/{holder}")).status == 200
+
+    with_client(svc, body)
+
+
+def test_ageing_lets_a_long_waiting_low_class_ahead_of_a_newer_high_one():
+    svc = service(queue_threshold=4, queue_priority_age_secs=0.2)
+
+    async def body(client: TestClient[Any, Any]) -> None:
+        await busy_partition(client)
+        low = reserve(client, "low", 8, priority=2)
+        await until(lambda: svc.core.queue.pending(MODEL, "default")[0] == 1, "low queued")
+        await asyncio.sleep(0.5)  # two intervals: class 0 now
+        high = reserve(client, "high", 8, priority=1)
+        await until(lambda: svc.core.queue.pending(MODEL, "default")[0] == 2, "high queued")
+        assert (await client.delete("/reservations/blocker")).status == 200
+        await until(lambda: low.done() or high.done(), "one served")
+        assert low.done()
+        assert not high.done()
+        assert (await client.delete("/reservations/low")).status == 200
+        await until(high.done, "high served")
+        assert (await client.delete("/reservations/high")).status == 200
+
+    with_client(svc, body)
+
+
+def test_the_proxy_takes_the_priority_from_the_body_else_the_header():
+    from aiohttp.test_utils import make_mocked_request
+
+    from kvrouter.errors import BadRequest
+    from kvrouter.service.edges.proxy import PRIORITY_HEADER, priority
+
+    bare = make_mocked_request("POST", "/v1/chat/completions")
+    headed = make_mocked_request("POST", "/v1/chat/completions", headers={PRIORITY_HEADER: "-3"})
+    assert priority(bare, {}) == 0
+    assert priority(headed, {}) == -3
+    assert priority(headed, {"priority": 4}) == 4  # the body's field wins
+    with pytest.raises(BadRequest, match="priority: expected an integer"):
+        priority(bare, {"priority": "high"})
+    with pytest.raises(BadRequest, match=f"{PRIORITY_HEADER}: expected an integer"):
+        priority(make_mocked_request("POST", "/", headers={PRIORITY_HEADER: "high"}), {})
+    with pytest.raises(BadRequest, match="2\\*\\*31"):
+        priority(bare, {"priority": 1 << 40})
 
 
 def test_without_a_queue_threshold_overload_is_still_529():

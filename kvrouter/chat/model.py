@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ..errors import BadRequest, ConfigError
+from .prefixes import PrefixCache
 from .template import ChatTemplate
 
 __all__ = ["DEMO_MODEL", "ChatModel"]
@@ -73,6 +74,28 @@ class ChatModel:
         self.templates = dict(templates)
         self.context_limit = context_limit
         self.source = source
+        self.prefixes = self._prefix_cache()
+        """A conversation's earlier turns tokenized once (``prefixes.py``); None when the model's template or
+        tokenizer does not split safely at messages, and every prompt is encoded whole."""
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        specials = [token.content for token in self.tokenizer.get_added_tokens_decoder().values() if token.special]
+        sample = [{"role": "user", "content": "x"}]
+        try:
+            bare, prompted = (self.render(sample, add_generation_prompt=flag) for flag in (False, True))
+        except BadRequest:  # a template that refuses a lone user turn: no sample, no cache
+            return None
+        if not prompted.startswith(bare) or len(prompted) == len(bare):
+            return None
+        cache = PrefixCache(self.encode, specials, prompted[len(bare) :])
+
+        def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+            return self.render(messages, add_generation_prompt=generation_prompt)
+
+        try:
+            return cache if cache.verified(render) else None
+        except BadRequest:
+            return None
 
     @classmethod
     def from_directory(cls, name: str, path: str | os.PathLike[str]) -> ChatModel:
@@ -136,6 +159,26 @@ class ChatModel:
     def encode(self, text: str) -> list[int]:
         """The prompt's token ids, no special tokens added (the template wrote them)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def prompt_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        extra: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """The token ids of the rendered prompt: :meth:`render` then :meth:`encode`, reusing a conversation's
+        earlier turns when the model allows it (``prefixes.py``); always what a full encode gives.
+
+        Raises:
+            BadRequest: the template raised.
+        """
+        text = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, extra=extra)
+        if self.prefixes is None:
+            return self.encode(text)
+        context = [tools, extra]
+        return self.prefixes.encode(messages, text, generation_prompt=add_generation_prompt, context=context)
 
     def check_length(self, prompt_tokens: int, max_tokens: int | None) -> None:
         """Refuse a request that does not fit the context.

@@ -260,7 +260,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise _BadRequest("this mock worker serves no chat: start it with --model-path")
         max_tokens = _opt_int(body, "max_completion_tokens", low=1) or _opt_int(body, "max_tokens", low=1)
         try:
-            ids = chat.encode(chat.render(checked_messages(body.get("messages"))))
+            ids = chat.prompt_ids(checked_messages(body.get("messages")))
             chat.check_length(len(ids), max_tokens)
         except BadRequest as exc:
             raise _BadRequest(str(exc)) from exc

@@ -21,8 +21,8 @@ What is refused, always before anything is booked, with OpenAI's error shape (``
 
 ``cache_salt`` is routed as ``/select`` routes it: the prompt's blocks hashed with the salt (the reference's
 ``compute_salt_hash``); ``priority`` (or ``X-Kvrouter-Priority``) is the request's class in the router queue
-(``core/queue.py``). Left for later (issue 36): ``--forward-tokens``, LoRA adapters, tracing, and reusing
-the tokens of a conversation's earlier turns.
+(``core/queue.py``). A conversation's earlier turns are tokenized once (``ChatModel.prompt_ids``,
+``chat/prefixes.py``). Left for later (issue 36): ``--forward-tokens``, LoRA adapters and tracing.
 """
 
 from __future__ import annotations
@@ -107,8 +107,7 @@ class ChatRoutes:
         generation_prompt = body.get("add_generation_prompt", True)
         if not isinstance(generation_prompt, bool):
             raise BadRequest("add_generation_prompt: expected true or false", param="add_generation_prompt")
-        text = chat.render(messages, tools=tools, add_generation_prompt=generation_prompt, extra=extra)
-        ids = chat.encode(text)
+        ids = chat.prompt_ids(messages, tools=tools, add_generation_prompt=generation_prompt, extra=extra)
         if not ids:
             raise BadRequest("messages: the rendered prompt is empty", param="messages")
         chat.check_length(len(ids), _max_tokens(body))

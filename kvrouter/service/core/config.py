@@ -403,6 +403,17 @@ class ServiceConfig:
         ),
     )
     """With ``tokenizer``: the default model's chat template (``kvrouter/chat/model.py``)."""
+    forward_tokens: bool = field(
+        default=False,
+        metadata=option(
+            "--forward-tokens",
+            help="Send a chat's rendered token ids to the engine's /v1/completions (and turn its answer back "
+            "into chat objects) instead of forwarding the chat unchanged to /v1/chat/completions.",
+            panel=Panel.PROXY,
+        ),
+    )
+    """``/v1/chat/completions`` sends the router's tokens to the engine's ``/v1/completions``
+    (``edges/chat_answer.py`` turns the answer back), so the engine prefills exactly what was routed."""
     model_paths: tuple[str, ...] = field(
         default=(),
         metadata=option(

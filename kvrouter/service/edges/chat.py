@@ -19,10 +19,13 @@ What is refused, always before anything is booked, with OpenAI's error shape (``
 
 ``/v1/models`` lists the models workers are registered for, in OpenAI's shape.
 
+``--forward-tokens`` sends the router's token ids to the engine's ``/v1/completions`` instead (the chat-only
+fields dropped) and turns the answer back into chat objects (``chat_answer.py``).
+
 ``cache_salt`` is routed as ``/select`` routes it: the prompt's blocks hashed with the salt (the reference's
 ``compute_salt_hash``); ``priority`` (or ``X-Kvrouter-Priority``) is the request's class in the router queue
 (``core/queue.py``). A conversation's earlier turns are tokenized once (``ChatModel.prompt_ids``,
-``chat/prefixes.py``). Left for later (issue 36): ``--forward-tokens``, LoRA adapters and tracing.
+``chat/prefixes.py``). Left for later (issue 36): LoRA adapters and tracing.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import numpy as np
+import orjson
 from aiohttp import web
 
 from ...chat import ChatModel, checked_messages
@@ -43,6 +47,7 @@ from .proxy import CompletionsProxy, cache_salt, priority
 __all__ = ["CHAT_ROUTE", "MODELS_ROUTE", "ChatRoutes", "load_chat_models"]
 
 CHAT_ROUTE: Final = "/v1/chat/completions"
+COMPLETIONS_ROUTE: Final = "/v1/completions"
 MODELS_ROUTE: Final = "/v1/models"
 OWNED_BY: Final = "kvrouter"
 
@@ -112,9 +117,12 @@ class ChatRoutes:
             raise BadRequest("messages: the rendered prompt is empty", param="messages")
         chat.check_length(len(ids), _max_tokens(body))
         tokens = np.asarray(ids, dtype=np.uint32)
-        return await self.proxy.forward(
-            request, model, tokens, raw, CHAT_ROUTE, cache_salt(body), priority(request, body)
-        )
+        salt, klass = cache_salt(body), priority(request, body)
+        if self.core.config.forward_tokens:
+            forward = orjson.dumps(_as_completion(body, ids))
+            route = COMPLETIONS_ROUTE
+            return await self.proxy.forward(request, model, tokens, forward, route, salt, klass, as_chat=True)
+        return await self.proxy.forward(request, model, tokens, raw, CHAT_ROUTE, salt, klass)
 
     def _model(self, name: str) -> ChatModel:
         """The chat model of ``name``, served by some worker.
@@ -146,6 +154,39 @@ def _check_request(body: Mapping[str, Any]) -> None:
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest(f"stream: expected true or false, got {stream!r}", param="stream")
+
+
+CHAT_ONLY: Final = frozenset(
+    {
+        "messages",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "functions",
+        "function_call",
+    }
+)
+"""Fields of a chat request that a completions request does not take (``--forward-tokens`` drops them: the
+prompt's tokens already hold what rendering made of them; chat's logprobs are a flag, completions' a count)."""
+
+
+def _as_completion(body: Mapping[str, Any], ids: list[int]) -> dict[str, Any]:
+    """The ``/v1/completions`` body of a chat (``--forward-tokens``): its tokens as the prompt, the rest of
+    its fields as they came."""
+    out = {key: value for key, value in body.items() if key not in CHAT_ONLY}
+    out["prompt"] = ids
+    limit = _max_tokens(body)
+    if limit is not None:
+        out["max_tokens"] = limit
+    return out
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:

@@ -55,6 +55,7 @@ from ...errors import BadRequest, ServiceError, UpstreamFailed
 from ..core.decision import Decision
 from ..core.requests import SelectRequest, parse_body, parse_priority, token_array
 from ..core.state import Core
+from .chat_answer import ChatAnswer
 from .routes import SESSION_HEADER, client_gone
 
 __all__ = [
@@ -191,10 +192,13 @@ class CompletionsProxy:
         route: str,
         salt: str | None = None,
         klass: int = 0,
+        *,
+        as_chat: bool = False,
     ) -> web.StreamResponse:
         """Route ``tokens`` (hashed with the request's ``cache_salt``, ``salt``, as ``/select`` hashes them),
         book them, and send ``forward`` (the body as the worker gets it) to the chosen worker's ``route`` (both
-        hops of a split request); the answer is relayed. ``klass`` is its priority in the router queue.
+        hops of a split request); the answer is relayed (``as_chat``: a completion's turned into a chat's,
+        ``chat_answer.py``, for ``--forward-tokens``). ``klass`` is its priority in the router queue.
         ``/v1/chat/completions`` comes here too, with the tokens of its rendered prompt."""
         core = self.core
         select = SelectRequest(
@@ -240,7 +244,7 @@ class CompletionsProxy:
                 self._free(selection_id)
                 raise
             try:
-                return await self._relay(request, upstream, result)
+                return await self._relay(request, upstream, result, ChatAnswer() if as_chat else None)
             finally:
                 upstream.close()
                 self._free(selection_id)
@@ -310,10 +314,14 @@ class CompletionsProxy:
         log.warning("proxy worker refused worker=%s endpoint=%s error=%s", _name(result, worker), endpoint, exc)
 
     async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, result: Decision
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        result: Decision,
+        convert: ChatAnswer | None = None,
     ) -> web.StreamResponse:
-        """Pass the worker's answer on; prefill completes at its first chunk. Returns when the answer
-        ended or the client went away."""
+        """Pass the worker's answer on (through ``convert`` when given); prefill completes at its first chunk.
+        Returns when the answer ended or the client went away."""
         selection_id = result.selection_id
         assert selection_id is not None
         prefill = result.split.prefill if result.split is not None else None
@@ -331,6 +339,8 @@ class CompletionsProxy:
                 data = await upstream.read()
                 if upstream.status < 400:
                     self.core.reservations.prefill_complete(selection_id, None if split else _reused(data))
+                    if convert is not None:
+                        data = convert.whole(data)
                 headers["Content-Type"] = content_type
                 return web.Response(body=data, status=upstream.status, headers=headers)
             headers["Content-Type"] = content_type
@@ -344,8 +354,13 @@ class CompletionsProxy:
                     if first:
                         first = False
                         self.core.reservations.prefill_complete(selection_id)
+                    if convert is not None:
+                        chunk = convert.stream(chunk)
                     await response.write(chunk)
                     tail = (tail + chunk)[-USAGE_TAIL_BYTES:]
+                if convert is not None and (rest := convert.end()):
+                    await response.write(rest)
+                    tail = (tail + rest)[-USAGE_TAIL_BYTES:]
                 if not split and (reused := _reused_in_stream(tail)) is not None:
                     self.core.reservations.report_reuse(selection_id, reused)
                 if upstream.status < 400 and DONE not in tail:  # closed without OpenAI's end: the worker died

@@ -256,6 +256,23 @@ def test_up_without_a_demo_serves_and_stops_on_sigint(start_up, shm_entries):
     stop_and_check(up, signal.SIGINT, shm_entries)
 
 
+def test_up_in_approximate_mode_starts_routes_and_stops(start_up, shm_entries):
+    """``--no-router-kv-events`` (the reference's approximate mode): the start compiles the kernels with an
+    exact router (approximate mode's are the same), and decisions are recorded in the approximate index."""
+    up = start_up("--mock-workers", "0", "--shards", "1", "--no-router-kv-events")
+    url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
+    up.expect(re.compile(r"curl -s http://\S+/metrics"), START_TIMEOUT_S)
+    assert not any("did not start" in line for line in up.seen)
+    registration = {"instance_id": 1, "model_name": "m", "block_size": 16}
+    assert post(url + "/register", registration)[0] == 201
+    tokens = list(range(64))
+    first = post(url + "/select_and_reserve", {"model_name": "m", "token_ids": tokens})
+    assert first[0] == 200, first
+    again = post(url + "/select", {"model_name": "m", "token_ids": tokens})
+    assert again[1]["overlap"]["gpu"] == 64  # the first decision, recorded as cached on its worker
+    stop_and_check(up, signal.SIGINT, shm_entries)
+
+
 def test_up_stops_cleanly_on_sighup_too(start_up, shm_entries):
     """Closing the terminal (or its tmux) sends SIGHUP: a clean stop, not a death with leftovers."""
     up = start_up("--mock-workers", "0", "--shards", "1")

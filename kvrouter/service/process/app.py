@@ -535,7 +535,9 @@ class Service:
             self._warm(self.engine)
 
     def _warm(self, index: Engine | EngineView) -> None:
-        router = Router(self.config.router, block_size=16, seed=0)
+        """Compile the router's and the parser's kernels on the engine (in approximate mode too: the kernels
+        are the same, and only an exact router decides on the engine's index)."""
+        router = Router(replace(self.config.router, use_kv_events=True), block_size=16, seed=0)
         router.select(index, ((0, 0),), tokens=list(range(64)))
         fastparse.warm()
         index.find_matches([1, 2, 3])

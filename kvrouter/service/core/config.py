@@ -403,6 +403,17 @@ class ServiceConfig:
         ),
     )
     """With ``tokenizer``: the default model's chat template (``kvrouter/chat/model.py``)."""
+    otlp_endpoint: str | None = field(
+        default=None,
+        metadata=option(
+            "--otlp-endpoint",
+            help="An OpenTelemetry collector's base URL: a span per proxied request (queue wait, decision, "
+            "upstream call) POSTed to URL/v1/traces as OTLP/HTTP protobuf; a client's traceparent is continued.",
+            panel=Panel.PROXY,
+            show_default="off",
+        ),
+    )
+    """Where the proxy's spans go (``edges/tracing.py``); None: no tracing, nothing imported."""
     forward_tokens: bool = field(
         default=False,
         metadata=option(

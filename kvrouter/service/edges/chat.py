@@ -25,7 +25,8 @@ fields dropped) and turns the answer back into chat objects (``chat_answer.py``)
 ``cache_salt`` is routed as ``/select`` routes it: the prompt's blocks hashed with the salt (the reference's
 ``compute_salt_hash``); ``priority`` (or ``X-Kvrouter-Priority``) is the request's class in the router queue
 (``core/queue.py``). A conversation's earlier turns are tokenized once (``ChatModel.prompt_ids``,
-``chat/prefixes.py``). Left for later (issue 36): LoRA adapters and tracing.
+``chat/prefixes.py``); ``--otlp-endpoint`` traces it as any proxied request (``tracing.py``). Left for later
+(issue 36): LoRA adapters.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from typing import Any, Final, Protocol
 
 import aiohttp
@@ -57,6 +58,7 @@ from ..core.requests import SelectRequest, parse_body, parse_priority, token_arr
 from ..core.state import Core
 from .chat_answer import ChatAnswer
 from .routes import SESSION_HEADER, client_gone
+from .tracing import RequestTrace, Tracing
 
 __all__ = [
     "DISCONNECT_POLL_S",
@@ -110,6 +112,8 @@ class CompletionsProxy:
 
     def __init__(self, core: Core) -> None:
         self.core = core
+        self.tracing = Tracing(core.config.otlp_endpoint)
+        """Spans of the requests forwarded (``--otlp-endpoint``; ``tracing.py``)."""
         self._client: aiohttp.ClientSession | None = None
         self._tokenizer: _Tokenizer | None = None
         self.client_gone = 0
@@ -125,6 +129,7 @@ class CompletionsProxy:
         app.on_cleanup.append(self.close)
 
     async def close(self, _app: web.Application | None = None) -> None:
+        self.tracing.close()
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -208,15 +213,42 @@ class CompletionsProxy:
             session_id=request.headers.get(SESSION_HEADER) or None,
             cache_salt=salt,
             priority=klass,
+            fallbacks=1 if self.tracing.endpoint is not None else 0,  # the decision span names the runner-up
         )
+        trace = self.tracing.request(request, route)
+        if trace is None:
+            return await self._forward(request, select, forward, route, as_chat, None)
+        try:
+            response = await self._forward(request, select, forward, route, as_chat, trace)
+        except BaseException as exc:
+            trace.failed(exc)
+            raise
+        trace.end(response.status)
+        return response
+
+    async def _forward(
+        self,
+        request: web.Request,
+        select: SelectRequest,
+        forward: bytes,
+        route: str,
+        as_chat: bool,
+        trace: RequestTrace | None,
+    ) -> web.StreamResponse:
+        """:meth:`forward`'s work, its spans told to ``trace`` when tracing is on."""
+        core = self.core
         for attempt in range(ATTEMPTS):
+            asked = time.time_ns()
             result = await core.queue.select(select, reserve=True, gone=client_gone(request))
+            if trace is not None:
+                trace.decided(result, asked, time.time_ns())
             selection_id = result.selection_id
             assert selection_id is not None
+            headers = JSON_TYPE if trace is None else trace.upstream(JSON_TYPE)
             decode_body = forward
             if result.split is not None and result.split.prefill is not None:
                 try:
-                    decode_body = await self._prefill_hop(result, forward, route)
+                    decode_body = await self._prefill_hop(result, forward, route, headers)
                 except aiohttp.ClientConnectorError as exc:  # nothing was sent: decide again without it
                     self._free(selection_id)
                     self._mark_down(result, exc, prefill=True)
@@ -224,14 +256,17 @@ class CompletionsProxy:
                         self.retried += 1
                         continue
                     select = dataclasses.replace(select, whole=True)  # refused twice: the decode worker prefills
+                    asked = time.time_ns()
                     result = await core.queue.select(select, reserve=True, gone=client_gone(request))
+                    if trace is not None:
+                        trace.decided(result, asked, time.time_ns())
                     selection_id = result.selection_id
                     assert selection_id is not None
                 except BaseException:
                     self._free(selection_id)
                     raise
             try:
-                upstream = await self._connect(result, decode_body, route)
+                upstream = await self._connect(result, decode_body, route, headers)
             except aiohttp.ClientConnectorError as exc:
                 self._free(selection_id)
                 self._mark_down(result, exc)
@@ -250,7 +285,7 @@ class CompletionsProxy:
                 self._free(selection_id)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _prefill_hop(self, result: Decision, forward: bytes, route: str) -> bytes:
+    async def _prefill_hop(self, result: Decision, forward: bytes, route: str, headers: dict[str, str]) -> bytes:
         """A split request's first hop, as vLLM's proxy sends it to the NixlConnector: the prompt with one output
         token, whole (not streamed), asking the prefill worker to keep its KV for a remote decode. Its answer's
         ``kv_transfer_params`` go to the decode worker with the original request (returned, as its body); the
@@ -271,7 +306,7 @@ class CompletionsProxy:
         hop.pop("stream_options", None)
         url = result.prefill_endpoint.rstrip("/") + route
         try:
-            async with self._session().post(url, data=orjson.dumps(hop), headers=JSON_TYPE) as answer:
+            async with self._session().post(url, data=orjson.dumps(hop), headers=headers) as answer:
                 data = await answer.read()
         except aiohttp.ClientConnectorError:
             raise
@@ -286,14 +321,16 @@ class CompletionsProxy:
         self.core.reservations.end_prefill_hop(selection_id)
         return orjson.dumps({**sent, "kv_transfer_params": params})
 
-    async def _connect(self, result: Decision, body: bytes, route: str) -> aiohttp.ClientResponse:
+    async def _connect(
+        self, result: Decision, body: bytes, route: str, headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
         """Send the request to the chosen worker; its answer's headers. :class:`UpstreamFailed` for any
         failure but a refused connection (which the caller retries elsewhere)."""
         if result.endpoint is None:
             raise UpstreamFailed(f"worker {_name(result)} registered no http_endpoint to forward to")
         url = result.endpoint.rstrip("/") + route
         try:
-            return await self._session().post(url, data=body, headers={"Content-Type": "application/json"})
+            return await self._session().post(url, data=body, headers=headers)
         except aiohttp.ClientConnectorError:
             raise
         except aiohttp.ClientError as exc:

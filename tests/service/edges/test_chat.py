@@ -79,13 +79,16 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         assert codes == [0] * len(workers)
 
 
-def post_chat(run: Running, body: dict[str, Any]) -> tuple[int, Any, dict[str, str]]:
+def post_chat(
+    run: Running, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, Any, dict[str, str]]:
     """One chat through the router: (status, parsed JSON or the SSE events' payloads, headers)."""
     parts = urllib.parse.urlsplit(run.url)
     assert parts.hostname is not None
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        sent = {"Content-Type": "application/json", **(headers or {})}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), sent)
         response = conn.getresponse()
         data = response.read()
         headers = dict(response.getheaders())

@@ -216,12 +216,9 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
                     "decode_workers": [m.worker_id for m in disagg_stack.mocks if m.role == "decode"],
                 }
                 victim = disagg_stack.mocks[disagg_victim]
-                disagg_runs = await _runs(
+                disagg_runs = await _own_runs(
                     disagg_stack, on_disagg, requests, prompts, victim, progress, results, " (P/D)"
                 )
-                for result in results:
-                    if isinstance(result, RunResult) and result.drill in on_disagg:
-                        result.baseline = disagg_runs[0]
                 baselines += disagg_runs
                 workload["disagg_baseline"] = {**quality(disagg_runs[0]), "booked": disagg_runs[0].booked,
                                                "unanswered": disagg_runs[0].unanswered}  # fmt: skip
@@ -241,13 +238,9 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
                     "namespace": replicas.namespace,
                 }
                 victim = replicas.mocks[victim_index if victim_index is not None else 0]
-                replica_runs = await _runs(
+                baselines += await _own_runs(
                     replicas, on_stack, requests, prompts, victim, progress, results, " (replicas)"
                 )
-                for result in results:
-                    if isinstance(result, RunResult) and result.drill in on_stack:
-                        result.baseline = replica_runs[0]
-                baselines += replica_runs
             finally:
                 await replicas.close()
     baseline = baselines[0] if baselines else None
@@ -257,6 +250,25 @@ async def replay(options: ReplayOptions, trace: Trace, console: Console) -> Outc
     results.sort(key=lambda r: order[r.drill])
     workload["not_built"] = list(NOT_BUILT)
     return Outcomes(baseline, results, workload)
+
+
+async def _own_runs(
+    stack: Stack,
+    names: Sequence[str],
+    requests: Sequence[ReplayRequest],
+    prompts: list[list[int]],
+    victim: Mock,
+    progress: Progress,
+    results: list[RunResult | Skipped],
+    label: str,
+) -> list[RunResult]:
+    """:func:`_runs` on a stack of these drills' own (the disaggregated one, the replicas'): each drill's
+    result is judged against that stack's baseline, not the single-node one."""
+    runs = await _runs(stack, names, requests, prompts, victim, progress, results, label)
+    for result in results:
+        if isinstance(result, RunResult) and result.drill in names:
+            result.baseline = runs[0]
+    return runs
 
 
 async def _runs(

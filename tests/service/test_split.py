@@ -144,6 +144,23 @@ def test_a_split_reservation_books_both_workers_and_its_first_token_ends_the_pre
     assert served.loads() == before
 
 
+def test_a_split_reservations_reuse_report_is_no_accuracy_sample(served: Served):
+    """Its decode engine reports the KV it pulled as cached, which no index predicts: the report (a gateway's
+    here, the proxy's alike) leaves the decode worker's index accuracy as it was."""
+
+    def reports(worker: int) -> int:
+        (row,) = [r for r in served.call("GET", "/workers")[1] if r["instance_id"] == worker]
+        return int((row.get("accuracy") or {}).get("0", {}).get("reports", 0))
+
+    status, answer, _ = served.select(LONG, reserve=True, selection_id="pd-acc")
+    assert (status, answer["split"]) == (200, True)
+    decode = answer["decode"]["worker_id"]
+    before = reports(decode)
+    assert served.call("POST", "/reservations/pd-acc/prefill_complete", {"cached_tokens": 4096})[0] == 200
+    assert reports(decode) == before
+    assert served.call("DELETE", "/reservations/pd-acc")[0] == 200
+
+
 def test_freeing_a_split_reservation_before_its_first_token_frees_both(served: Served):
     before = served.loads()
     status, answer, _ = served.select(LONG, reserve=True, selection_id="pd-2")

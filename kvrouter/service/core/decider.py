@@ -259,7 +259,7 @@ class Decider:
         prefill = None if split is None else split.prefill
         if reserve:
             assert selection_id is not None
-            self.reservations.book(selection_id, partition, selection, local)
+            self.reservations.book(selection_id, partition, selection, local, split=prefill is not None)
             peers = self.registry.peers
             if peers is not None:  # queued: no I/O here
                 peers.added(selection_id, partition.slots, request.lora_name)

@@ -95,12 +95,17 @@ class Reservations:
         partition: Partition,
         selection: Selection,
         local: npt.NDArray[np.uint64],
+        *,
+        split: bool = False,
     ) -> None:
         """A decision booked on its worker (the router's slot manager holds its load already); one credited
         blocks in flight there is a bet too (``predictions.py``), settled when the reservation ends. A split
-        request's prefill booking (``<id>#prefill``) is the slot manager's, found there when the hop ends."""
+        request's prefill booking (``<id>#prefill``) is the slot manager's, found there when the hop ends.
+        A split request keeps no prediction: its decode engine reports the KV it pulled as cached, which no
+        index predicts, so its reuse report (the proxy's or a gateway's) compares nothing."""
         worker, device = selection.worker, selection.overlap_blocks
-        self.own[selection_id] = Reservation(partition, worker, time.monotonic(), device * partition.block_size)
+        predicted = None if split else device * partition.block_size
+        self.own[selection_id] = Reservation(partition, worker, time.monotonic(), predicted)
         if selection.predicted_blocks:
             self.predictions.made(selection_id, worker, local, device + selection.predicted_blocks)
 

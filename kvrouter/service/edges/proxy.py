@@ -81,7 +81,7 @@ OVERLAP_HEADER: Final = "X-Kvrouter-Overlap-Tokens"
 """The prompt tokens the router found cached on the worker it chose: what it expects the engine to report
 as ``cached_tokens`` (a client compares the two without asking ``/decisions``). For a split request, the
 prefill worker's: the decode engine reports the KV it pulled as cached, which no index predicts (so the
-index accuracy join skips split requests)."""
+index accuracy join skips split requests: ``Reservations.book``)."""
 DISCONNECT_POLL_S: Final = 0.05
 """How often a request in flight checks that its client is still connected."""
 CONNECT_TIMEOUT_S: Final = 5.0
@@ -362,7 +362,6 @@ class CompletionsProxy:
         selection_id = result.selection_id
         assert selection_id is not None
         prefill = result.split.prefill if result.split is not None else None
-        split = prefill is not None  # its decode engine reports the KV it pulled as cached: no accuracy sample
         overlap = (prefill or result.selection).overlap_blocks * result.partition.block_size
         headers = {WORKER_HEADER: _name(result), SELECTION_HEADER: selection_id, OVERLAP_HEADER: str(overlap)}
         task = asyncio.current_task()
@@ -375,7 +374,7 @@ class CompletionsProxy:
             if not content_type.startswith("text/event-stream"):
                 data = await upstream.read()
                 if upstream.status < 400:
-                    self.core.reservations.prefill_complete(selection_id, None if split else _reused(data))
+                    self.core.reservations.prefill_complete(selection_id, _reused(data))
                     if convert is not None:
                         data = convert.whole(data)
                 headers["Content-Type"] = content_type
@@ -398,7 +397,7 @@ class CompletionsProxy:
                 if convert is not None and (rest := convert.end()):
                     await response.write(rest)
                     tail = (tail + rest)[-USAGE_TAIL_BYTES:]
-                if not split and (reused := _reused_in_stream(tail)) is not None:
+                if (reused := _reused_in_stream(tail)) is not None:
                     self.core.reservations.report_reuse(selection_id, reused)
                 if upstream.status < 400 and DONE not in tail:  # closed without OpenAI's end: the worker died
                     raise aiohttp.ClientPayloadError("the stream ended before its data: [DONE]")

@@ -100,12 +100,15 @@ class PartitionLoad:
     """The partition's router's slot manager: active blocks, prefill tokens, requests per worker."""
     workers: Sequence[WorkerKey] = field(default_factory=tuple)
     """Its registered (worker_id, dp_rank) keys: each gets a load series even when idle."""
-    pending: int = 0
-    """Requests waiting in the partition's router queue (``queue.py``)."""
     roles: Mapping[int, str] = field(default_factory=dict)
     """Each registered instance's role (``prefill``, ``decode``, ``both``)."""
     pending_by_priority: Mapping[int, int] = field(default_factory=dict)
-    """The waiting requests per priority (``queue.py``'s classes, by each request's own priority)."""
+    """The requests waiting in the partition's router queue (``queue.py``), per their own priority."""
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting in the partition's router queue."""
+        return sum(self.pending_by_priority.values())
 
 
 def _key_labels(key: WorkerKey) -> list[str]:
@@ -749,7 +752,6 @@ class Metrics:
                 p.routing_group,
                 p.slots,
                 tuple(p.worker_keys()),
-                queue.pending(p.model_name, p.routing_group)[0],
                 {iid: instance.role for iid, instance in p.instances.items()},
                 queue.pending_by_priority(p.model_name, p.routing_group),
             )

@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +170,22 @@ def captured_payloads(captured: Mapping[str, Any], twin: Mapping[str, Any]) -> l
             if isinstance(reply, ReplayFrame):
                 pairs.append((reply.payload, expected))
     return pairs
+
+
+def with_twin_lora(batch: EventBatch, twin_events: Sequence[Any]) -> EventBatch:
+    """A decoded batch with each store's LoRA adapter as its twin event has it (``lora_name``, ``lora_id``): the
+    decoder keeps only the local hashes it makes with the name, and the engine encoders write the adapter."""
+    stores = iter([fields for fields in map(twin_fields, twin_events) if fields["type"] == "BlockStored"])
+
+    def named(event: KvEvent) -> KvEvent:
+        if not isinstance(event, Stored):
+            return event
+        fields = next(stores)
+        return replace(event, lora_name=fields.get("lora_name"), lora_id=fields.get("lora_id"))
+
+    events = tuple(map(named, batch.events))
+    assert next(stores, "ended") == "ended", "a twin store the decoder did not keep"
+    return replace(batch, events=events)
 
 
 def decode_in_router_view_order(

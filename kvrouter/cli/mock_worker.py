@@ -212,6 +212,15 @@ def mock_worker(
             rich_help_panel=_DISAGG,
         ),
     ] = 30.0,
+    lora_adapter: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--lora-adapter",
+            help="A LoRA adapter it serves (repeat for more): a request whose model names it is computed with "
+            "it, its blocks hashed with the name and published with lora_name, as vLLM's --lora-modules.",
+            rich_help_panel=_ENGINE,
+        ),
+    ] = None,
     model_path: Annotated[
         Path,
         typer.Option(
@@ -252,6 +261,7 @@ def mock_worker(
         kv_transfer_gbps=kv_transfer_gbps,
         kv_transfer_port=kv_transfer_port,
         kv_hold_secs=kv_hold_secs,
+        lora_adapters=tuple(lora_adapter or ()),
     )
     # The handler runs in the main thread between two bytecodes, possibly inside the wait below. A
     # threading.Event there deadlocked: Event.wait holds its condition's lock while it wakes up, and the

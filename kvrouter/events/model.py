@@ -117,6 +117,12 @@ class Stored:
     dp_rank: int = 0
     event_id: int = 0
     tier: StorageTier = StorageTier.DEVICE
+    lora_name: str | None = None
+    """The LoRA adapter the blocks were computed with, as engines send it: their local hashes include it
+    already; only the engine encoders, which send tokens rather than local hashes, need it."""
+    lora_id: int | None = None
+    """vLLM's number for that adapter (``LoRARequest.lora_int_id``), which vLLM sends beside the name; the
+    router never reads it (vLLM deprecates it), only the vLLM encoder writes it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,6 +151,9 @@ class MockEngineConfig:
     """Where a prefill engine serves pulls; 0 = an ephemeral port."""
     kv_hold_secs: float = 30.0
     """How long an offered prompt's KV waits for its pull (wall seconds)."""
+    lora_adapters: tuple[str, ...] = ()
+    """The LoRA adapters it serves (vLLM's ``--lora-modules`` names): a request whose ``model`` names one is
+    computed with it, so its blocks are hashed with the name and stored with ``lora_name``, as vLLM's."""
 
     def validate(self) -> None:
         """Raises ConfigError naming the first field out of range."""
@@ -172,6 +175,7 @@ class MockEngineConfig:
             (self.kv_transfer_gbps > 0, "kv_transfer_gbps", "> 0"),
             (0 <= self.kv_transfer_port <= 65535, "kv_transfer_port", "in [0, 65535]"),
             (self.kv_hold_secs > 0, "kv_hold_secs", "> 0"),
+            (all(1 <= len(name) <= 256 for name in self.lora_adapters), "lora_adapters", "names of 1..256 characters"),
         )
         for ok, name, rule in checks:
             if not ok:
@@ -217,6 +221,8 @@ class Completion:
     error: RequestFailed | None = None
     received: tuple[int, ...] | None = None
     """The prompt's block ids pulled from a prefill engine (a decode hop): stored before it is admitted."""
+    lora_name: str | None = None
+    """The LoRA adapter it runs with: part of every one of its blocks' hashes (and so of their ids)."""
     updates: queue.SimpleQueue[Update] = field(default_factory=queue.SimpleQueue)
     """FIRST_TOKEN, then DONE or FAILED, pushed by the engine thread."""
 
@@ -350,7 +356,8 @@ class _KvrouterSink:
         for event in events:
             if isinstance(event, Stored):
                 tokens = [token for block in event.blocks for token in block.token_ids or ()]
-                pub.store([block.engine_hash for block in event.blocks], tokens, parent=event.parent)
+                engine = [block.engine_hash for block in event.blocks]
+                pub.store(engine, tokens, parent=event.parent, lora_name=event.lora_name)
             elif isinstance(event, Removed):
                 pub.remove(event.engine_hashes)
             else:
@@ -529,7 +536,7 @@ class _Rank:
     def _add(self, request: Completion) -> None:
         """Queue ``request`` in the model; runs on the engine thread."""
         size = self.config.block_size
-        request.locals = block_hashes(request.prompt, size)
+        request.locals = block_hashes(request.prompt, size, lora_name=request.lora_name)
         request.ids = [h & _PROMPT_ID_MASK for h in sequence_hashes(request.locals)]
         if request.received is not None and list(request.received) != request.ids:
             request.fail(
@@ -611,14 +618,17 @@ class _Rank:
         assert isinstance(event, Stored), f"the model emits Stored and Removed only, got {event!r}"
         parent: int | None = event.parent
         blocks = []
+        lora = None
         for stored in event.blocks:
             block = int(stored.engine_hash)
             owner, index = self._owner(block)
             local = self._local(owner, index)
+            lora = owner.lora_name  # one store is one chain, and a chain's ids carry its adapter: one for all
             self._cached[block] = _Block(parent, owner.locals, index + 1)
             blocks.append(StoredBlock(EngineHash(block), LocalHash(local), owner.tokens(index, self.config.block_size)))
             parent = block
-        return Stored(worker, event.parent, tuple(blocks), dp_rank=self.rank)
+        lora_id = None if lora is None else self.config.lora_adapters.index(lora) + 1  # vLLM numbers from 1
+        return Stored(worker, event.parent, tuple(blocks), dp_rank=self.rank, lora_name=lora, lora_id=lora_id)
 
     def _owner(self, block: int) -> tuple[Completion, int]:
         """The live request a stored block belongs to, and the block's index in it."""
@@ -636,7 +646,7 @@ class _Rank:
         """The local hash of ``owner``'s block ``index``, hashing generated blocks up to it on first use."""
         size = self.config.block_size
         while len(owner.locals) <= index:
-            owner.locals.append(block_hashes(owner.tokens(len(owner.locals), size), size)[0])
+            owner.locals.append(block_hashes(owner.tokens(len(owner.locals), size), size, lora_name=owner.lora_name)[0])
         return owner.locals[index]
 
     def _forget_prompt(self, request: Completion) -> None:
@@ -799,10 +809,15 @@ class MockEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def submit(
-        self, prompt: array[int], max_tokens: int, dp_rank: int | None = None, received: Sequence[int] | None = None
+        self,
+        prompt: array[int],
+        max_tokens: int,
+        dp_rank: int | None = None,
+        received: Sequence[int] | None = None,
+        lora_name: str | None = None,
     ) -> Completion:
         """Queue a completion; wait on its ``updates``. ``dp_rank`` None takes the ranks round robin; ``received``:
-        the prompt's block ids a decode hop pulled (``kv_transfer.py``).
+        the prompt's block ids a decode hop pulled (``kv_transfer.py``); ``lora_name``: the adapter it runs with.
 
         Raises:
             RequestFailed: (400) a rank out of range or a request too large for the cache; (503)
@@ -820,7 +835,7 @@ class MockEngine:
                 400,
             )
         target = self._ranks[rank]
-        request = Completion(prompt, max_tokens, rank, target.now_ms())
+        request = Completion(prompt, max_tokens, rank, target.now_ms(), lora_name=lora_name)
         if received is not None:
             request.received = tuple(received)
         target.submit(request)
@@ -838,14 +853,18 @@ class MockEngine:
             "ranks": [future.result(timeout) for future in ranks],
         }
 
-    def overlaps(self, prompts: Sequence[array[int]], timeout: float) -> list[Any]:
-        """``POST /overlap``: every rank's overlap (leading cached blocks) with each prompt.
+    def overlaps(self, prompts: Sequence[array[int]], timeout: float, lora_name: str | None = None) -> list[Any]:
+        """``POST /overlap``: every rank's overlap (leading cached blocks) with each prompt (run with the LoRA
+        adapter ``lora_name``).
 
         The prompts are hashed here, once, into the ids the ranks name prompt blocks by (masked sequence
         hashes); each rank then only looks them up between iterations.
         """
         size = self.config.block_size
-        ids = [[h & _PROMPT_ID_MASK for h in sequence_hashes(block_hashes(prompt, size))] for prompt in prompts]
+        ids = [
+            [h & _PROMPT_ID_MASK for h in sequence_hashes(block_hashes(prompt, size, lora_name=lora_name))]
+            for prompt in prompts
+        ]
         futures = [rank.call(functools.partial(rank.overlaps, ids)) for rank in self._ranks]
         return [future.result(timeout) for future in futures]
 

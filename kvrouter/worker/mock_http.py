@@ -232,7 +232,10 @@ class _Handler(BaseHTTPRequestHandler):
                 parsed.append(_prompt(prompt))
             except _BadRequest as exc:
                 raise _BadRequest(f"prompts[{i}]: {exc}") from None
-        self._json(200, {"ranks": self.server.engine.overlaps(parsed, CONTROL_TIMEOUT_S)})
+        lora = body.get("lora_name")
+        if lora is not None and not isinstance(lora, str):
+            raise _BadRequest(f"lora_name must be a string, got {_describe(lora)}")
+        self._json(200, {"ranks": self.server.engine.overlaps(parsed, CONTROL_TIMEOUT_S, lora)})
 
     def _faults(self, body: dict[str, Any]) -> None:
         drop = _opt_int(body, "drop_batches", low=0)
@@ -289,11 +292,13 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _BadRequest(f"kv_transfer_params: remote_host, remote_port and remote_request_id: {exc}") from exc
             except TransferFailed as exc:
                 raise RequestFailed(str(exc), 502) from exc
+        model = body.get("model")
         request = engine.submit(
             prompt,
             DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
             _opt_int(body, "dp_rank", low=0),
             received,
+            model if model in engine.config.lora_adapters else None,  # any other name is the base model's
         )
         ident = f"{'chatcmpl' if chat else 'cmpl'}-mock-{engine.config.worker_id}-{request.dp_rank}-{id(request):x}"
         created = int(time.time())

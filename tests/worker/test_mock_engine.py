@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import pytest
 import zmq
 
@@ -206,6 +207,42 @@ def test_overlap_counts_each_prompts_leading_cached_blocks(start_worker):
     assert rank["last_seq"] == worker.cache()["ranks"][0]["last_seq"]
     assert worker.call("POST", "/overlap", {"prompts": [[-1]]})[0] == 400
     assert worker.call("POST", "/overlap", {})[0] == 400
+
+
+def test_an_adapters_blocks_are_its_own_and_published_with_its_name_as_vllm_does(start_worker, context):
+    """``model`` naming a served adapter runs with it: its blocks are hashed with the name (reused by the same
+    adapter only), and its stores carry ``lora_name``, ``lora_id`` (numbered from 1 in the order served) and
+    the name as each block's ``extra_keys``, as vLLM 0.33's; the router's decoder rebuilds the cache from them."""
+    worker = start_worker("--lora-adapter", "sql", "--lora-adapter", "chat")
+    stream = Stream(context, worker.events[0], worker.replay[0])
+    prompt = list(range(1, 3 * BLOCK + 5))
+    try:
+        _joined(worker, stream)
+        cached = [
+            worker.complete(prompt, 2, model=model)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            for model in ("sql", "sql", "chat", "base", "unserved")  # any other name is the base model's
+        ]
+        assert cached == [0, 3 * BLOCK, 0, 0, 3 * BLOCK]
+        (rank,) = worker.cache()["ranks"]
+        payloads = stream.complete(rank["last_seq"])
+        _assert_index_is_cache(_index(payloads)[0], rank)
+        stores = [
+            event
+            for payload in payloads
+            for event in msgpack.unpackb(payload, raw=False)[1]
+            if event["type"] == "BlockStored"
+        ]
+        adapters = {(e["lora_name"], e["lora_id"]) for e in stores}
+        assert adapters == {("sql", 1), ("chat", 2), (None, None)}
+        for event in stores:
+            named = event["lora_name"]
+            assert event.get("extra_keys") == (None if named is None else [[named]] * len(event["block_hashes"]))
+        _, answer = worker.call("POST", "/overlap", {"prompts": [prompt], "lora_name": "chat"})
+        assert answer["ranks"][0]["overlaps"] == [3]
+        _, answer = worker.call("POST", "/overlap", {"prompts": [prompt], "lora_name": "other"})
+        assert answer["ranks"][0]["overlaps"] == [0]
+    finally:
+        stream.close()
 
 
 def test_stream_sends_first_token_then_done(start_worker):

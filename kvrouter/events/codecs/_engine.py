@@ -97,6 +97,9 @@ class Dialect:
     """The encoder writes hashes as signed i64 (SGLang) rather than u64."""
     store_per_block: bool
     """The encoder writes one BlockStored per block, each the parent of the next (SGLang's pages)."""
+    lora_extra_keys: bool
+    """A LoRA store carries ``lora_id`` and the adapter's name as each block's ``extra_keys`` (vLLM, whose
+    block hashes take the name as an extra key); otherwise ``lora_id`` stays nil (SGLang)."""
 
 
 class EngineDecoder:
@@ -352,9 +355,9 @@ class EngineEncoder:
     """Writes batches as the engine's own publisher does, for the mock engine and for tests.
 
     The wire has no worker id, event ids or local hashes: a decoder takes the worker id as given,
-    renumbers events and re-hashes the tokens, so every block must carry its ``token_ids``. The model
-    holds no LoRA name or multimodal keys either, so a store is written as a base-model one: a LoRA
-    or multimodal block's local hash does not survive the trip; one without does, exactly.
+    renumbers events and re-hashes the tokens (with the store's ``lora_name``), so every block must carry
+    its ``token_ids``. The model holds no multimodal keys, so a multimodal block's local hash does not
+    survive the trip; any other does, exactly.
     """
 
     dialect: ClassVar[Dialect]
@@ -400,8 +403,8 @@ class EngineEncoder:
             if d.store_per_block and len(event.blocks) > 1:
                 parents = [event.parent, *(b.engine_hash for b in event.blocks[:-1])]
                 pages = [(parent, (block,)) for parent, block in zip(parents, event.blocks, strict=True)]
-                return [self._stored(parent, blocks, medium, where) for parent, blocks in pages]
-            return [self._stored(event.parent, event.blocks, medium, where)]
+                return [self._stored(parent, blocks, medium, event, where) for parent, blocks in pages]
+            return [self._stored(event.parent, event.blocks, medium, event, where)]
         if isinstance(event, Removed):
             values = {
                 "block_hashes": [self._hash(h) for h in event.engine_hashes],
@@ -410,7 +413,9 @@ class EngineEncoder:
             return [self._write(BLOCK_REMOVED, values, d.removed_fields, d.removed_map_keys)]
         return [self._write(ALL_BLOCKS_CLEARED, {}, (), ())]
 
-    def _stored(self, parent: EngineHash | None, blocks: Sequence[StoredBlock], medium: str, where: str) -> object:
+    def _stored(
+        self, parent: EngineHash | None, blocks: Sequence[StoredBlock], medium: str, event: Stored, where: str
+    ) -> object:
         tokens: list[int] = []
         sizes = set()
         for j, block in enumerate(blocks):
@@ -420,21 +425,30 @@ class EngineEncoder:
             sizes.add(len(block.token_ids))
         if len(sizes) > 1:
             raise EncodeError(f"{where}: blocks of one store have unequal token counts {sorted(sizes)}")
-        values = {
+        values: dict[str, object] = {
             "block_hashes": [self._hash(b.engine_hash) for b in blocks],
             "parent_block_hash": None if parent is None else self._hash(parent),
             "token_ids": tokens,
             "block_size": sizes.pop() if sizes else 0,
             "medium": medium,
+            "lora_name": event.lora_name,
         }
+        if event.lora_name is not None and self.dialect.lora_extra_keys:
+            values["lora_id"] = event.lora_id
+            values["extra_keys"] = [[event.lora_name] for _ in blocks]
         return self._write(BLOCK_STORED, values, self.dialect.stored_fields, self.dialect.stored_map_keys)
 
     def _write(self, tag: str, values: Mapping[str, object], fields: Sequence[str], map_keys: Sequence[str]) -> object:
-        """One event in the chosen encoding; fields with no value are written as nil."""
+        """One event in the chosen encoding, its fields in declaration order; fields with no value are written
+        as nil in an array, and in a map only among ``map_keys`` (what the engine always writes; others it
+        omits while they are nil)."""
         merged = {**self.dialect.fixed_values, **values}
         if self.encoding == "array":
             return [tag, *(merged.get(name) for name in fields)]
-        return {"type": tag, **{key: merged.get(key) for key in map_keys}}
+        return {
+            "type": tag,
+            **{key: merged.get(key) for key in fields if key in map_keys or merged.get(key) is not None},
+        }
 
     def _medium(self, tier: StorageTier, where: str) -> str:
         medium = self.dialect.mediums.get(tier)

@@ -47,6 +47,7 @@ _DIALECT: Final = Dialect(
     },
     signed_hashes=True,
     store_per_block=True,
+    lora_extra_keys=False,
 )
 
 

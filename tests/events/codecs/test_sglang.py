@@ -15,6 +15,7 @@ from tests.conftest import (
     captured_payloads,
     engine_batches,
     load_engine_frames,
+    with_twin_lora,
 )
 
 WORKER_ID = 3
@@ -30,21 +31,24 @@ def sglang_frames(request: pytest.FixtureRequest) -> SglangFrames:
 
 
 def test_encoder_writes_what_sglang_published(sglang_frames: SglangFrames):
-    """Same msgpack tree, key order included, for every captured batch the model holds whole: no LoRA
-    (the model keeps no lora_name) and no partial page (its blocks are not kept)."""
+    """Same msgpack tree, key order included, for every captured batch the model holds whole: LoRA stores
+    included (their name taken from the twin: the decoder keeps only the hashes it makes with it), no
+    partial page (its blocks are not kept)."""
     _, captured, twin = sglang_frames
     page_size = twin["scenario"]["block_size"]
     decoder = sglang.Decoder(WORKER_ID, page_size)
     encoder = sglang.Encoder(twin["scenario"]["event_encoding"])
-    compared = 0
+    compared = lora = 0
     for payload, expected in captured_payloads(captured, twin):
         events = expected["payload"][1]
-        if any(e.get("lora_name") is not None or e.get("block_size", page_size) != page_size for e in events):
+        if any(e.get("block_size", page_size) != page_size for e in events):
             continue
         repacked = msgpack.packb(msgpack.unpackb(payload, raw=False), use_bin_type=True)
-        assert encoder.encode(decoder.decode(payload)) == repacked
+        assert encoder.encode(with_twin_lora(decoder.decode(payload), events)) == repacked
         compared += 1
+        lora += any(e.get("lora_name") is not None for e in events)
     assert compared > 0
+    assert lora > 0
 
 
 @pytest.mark.parametrize("encoding", ["map", "array"])

@@ -23,8 +23,8 @@ those values.
 underscores), at the top level or in an ``[up]`` table (which wins). Workers with what the command line
 cannot say (replay endpoints, formats, topics) go in ``[[workers]]`` tables: ``worker_id``, ``endpoint``
 and optionally ``format``, ``replay_endpoint``, ``query_endpoint``, ``topic``, ``dp_size``,
-``block_size``. ``--workers`` (flag or env) replaces them. An unknown key is an error naming it, not a
-silently ignored typo.
+``block_size``, ``role``, ``topology_domain``, ``lora_adapters``. ``--workers`` (flag or env) replaces
+them. An unknown key is an error naming it, not a silently ignored typo.
 
 **Process order.** :meth:`Service.start` starts the engine, which forks its fork server and appliers; it
 runs before ``asyncio.run`` and before any thread, so no fork happens in a threaded process. The mock
@@ -113,6 +113,7 @@ _WORKER_KEYS: Final = frozenset(
         "block_size",
         "role",
         "topology_domain",
+        "lora_adapters",
     }
 )
 
@@ -184,6 +185,7 @@ def _toml_worker(path: Path, index: int, item: object) -> tuple[WorkerSpec, Work
             worker_id,
             str(item.get("role", DEFAULT_ROLE)),  # type: ignore[arg-type]  # WorkerRole validates it
             None if domain is None else str(domain),
+            item.get("lora_adapters", ()),
         )
         return spec, role
     except KeyError as exc:

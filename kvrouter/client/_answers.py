@@ -159,6 +159,8 @@ class Worker(TypedDict):
     role: str
     """``prefill``, ``decode`` or ``both`` (``docs/http-api.md``, "Roles")."""
     topology_domain: str | None
+    lora_adapters: list[str]
+    """The LoRA adapters it serves (``docs/http-api.md``, "LoRA adapters")."""
     endpoints: dict[str, str | None]
     replay_endpoint: str | None
     http_endpoint: str | None

@@ -319,12 +319,14 @@ class Client:
         transport: Transport | None = None,
         role: Role | None = None,
         topology_domain: str | None = None,
+        lora_adapters: Sequence[str] | None = None,
     ) -> Status:
         """``POST /register``: one (instance, dp rank) joins; the first of a partition fixes its block size.
 
         ``endpoint`` is the rank's KV-event PUB (``tcp://host:port``); ``http_endpoint`` what ``/select``
         returns and what the proxy forwards to; ``role`` the hops it takes (``both`` when not given), the
-        same for every rank. Other fields as ``docs/http-api.md`` lists them.
+        same for every rank, as are ``lora_adapters``, the LoRA adapters it serves. Other fields as
+        ``docs/http-api.md`` lists them.
 
         Raises:
             ApiError: 409 a rank already registered elsewhere or a block-size mismatch, 400 a bad field.
@@ -346,6 +348,7 @@ class Client:
                 "transport": transport,
                 "role": role,
                 "topology_domain": topology_domain,
+                "lora_adapters": None if lora_adapters is None else list(lora_adapters),
             }
         )
         answer: Status = await self._json("POST", "/register", body)

@@ -176,6 +176,7 @@ class _Player:
                     format=record["fmt"],
                     role=record.get("role", "both"),
                     topology_domain=record.get("dom"),
+                    lora_adapters=record.get("lora"),
                 )
                 break
             except ApiError as exc:

@@ -362,15 +362,15 @@ def test_an_approximate_mode_recording_replays_on_an_approx_index(tmp_path):
 
 def test_roles_are_recorded_and_a_fleet_with_a_prefill_worker_replays(tmp_path):
     """A disaggregated partition's decisions replay as recorded, each request's two router calls (the prefill
-    choice, then the decode worker's) in order; a ``reg`` record keeps its role and domain (a ``both``
-    worker's keeps the fields recordings had before roles)."""
+    choice, then the decode worker's) in order; a ``reg`` record keeps its role, domain and LoRA adapters (a
+    ``both`` worker's keeps the fields recordings had before roles)."""
     path = tmp_path / "roles.kvr"
     config = ServiceConfig(
         port=0, shards=1, router=RouterConfig(use_kv_events=False, router_ttl_secs=60), record=str(path), router_seed=7
     )
     service = Service(config)  # approximate mode: no engine
     assert service.recording is not None
-    roles = {1: {"role": "prefill", "topology_domain": "rack-a"}, 2: {"role": "decode"}, 3: {}}
+    roles = {1: {"role": "prefill", "topology_domain": "rack-a"}, 2: {"role": "decode", "lora_adapters": ["t"]}, 3: {}}
     steps: list[tuple[str, str, Any]] = [
         ("POST", "/register", {"instance_id": wid, "model_name": MODEL, "block_size": BLOCK, **fields})
         for wid, fields in roles.items()
@@ -386,8 +386,8 @@ def test_roles_are_recorded_and_a_fleet_with_a_prefill_worker_replays(tmp_path):
     assert [status for status, _ in answers] == [201] * 3 + [200] * 8
     assert {answer["worker_id"] for _, answer in answers[3:]} <= {2, 3}
     recording = read_recording(path, allow_open=False)
-    registered = {r["w"]: (r.get("role"), r.get("dom")) for r in recording.records if r["k"] == "reg"}
-    assert registered == {1: ("prefill", "rack-a"), 2: ("decode", None), 3: (None, None)}
+    registered = {r["w"]: (r.get("role"), r.get("dom"), r.get("lora")) for r in recording.records if r["k"] == "reg"}
+    assert registered == {1: ("prefill", "rack-a", None), 2: ("decode", None, ["t"]), 3: (None, None, None)}
     assert {answer["split"] for _, answer in answers[3:]} == {False}  # short prompts: prefilled where decoded
     report = replay_recording(recording)
     assert (report.decisions, report.matched) == (16, 16), report.differences  # each: the prefill choice, the decode

@@ -189,18 +189,19 @@ def test_config_file_workers_carry_replay_endpoints_and_the_flag_replaces_them(r
     assert replaced["service"]["worker_roles"] == []
 
 
-def test_config_file_workers_carry_their_role_and_topology_domain(runner, tmp_path):
+def test_config_file_workers_carry_their_role_topology_domain_and_adapters(runner, tmp_path):
     path = write(
         tmp_path,
         '[[workers]]\nworker_id = 5\nendpoint = "tcp://127.0.0.1:5557"\nrole = "prefill"\n'
         'topology_domain = "rack-a"\n[[workers]]\nworker_id = 6\nendpoint = "tcp://127.0.0.1:5560"\n'
-        '[[workers]]\nworker_id = 7\nendpoint = "tcp://127.0.0.1:5570"\nrole = "decode"\n',
+        '[[workers]]\nworker_id = 7\nendpoint = "tcp://127.0.0.1:5570"\nrole = "decode"\n'
+        'lora_adapters = ["sql", "chat", "sql"]\n',
     )
     resolved = resolve(runner, "--config", str(path))
     assert [w["worker_id"] for w in resolved["service"]["workers"]] == [5, 6, 7]
     assert resolved["service"]["worker_roles"] == [  # 6 is both in the default domain: nothing to say
-        {"worker_id": 5, "role": "prefill", "topology_domain": "rack-a"},
-        {"worker_id": 7, "role": "decode", "topology_domain": None},
+        {"worker_id": 5, "role": "prefill", "topology_domain": "rack-a", "lora_adapters": []},
+        {"worker_id": 7, "role": "decode", "topology_domain": None, "lora_adapters": ["chat", "sql"]},
     ]
 
 
@@ -212,6 +213,10 @@ def test_config_file_workers_carry_their_role_and_topology_domain(runner, tmp_pa
         ('[[workers]]\nendpoint = "tcp://h:1"\n', "missing 'worker_id'"),
         ('[[workers]]\nworker_id = 1\nendpoint = "tcp://h:1"\nformat = "nope"\n', "unknown format"),
         ('[[workers]]\nworker_id = 1\nendpoint = "tcp://h:1"\nrole = "encode"\n', "role must be one of"),
+        (
+            '[[workers]]\nworker_id = 1\nendpoint = "tcp://h:1"\nlora_adapters = "sql"\n',
+            "lora_adapters: expected a list",
+        ),
         ('shards = "many"\n', "'--shards'"),
     ],
 )

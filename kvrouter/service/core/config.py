@@ -26,6 +26,7 @@ from ...routing.disagg import DisaggConfig
 from ...routing.roles import DEFAULT_ROLE, ROLES, Role
 from ...routing.slots import DEFAULT_EXPIRY_SECS
 from ...sim.policies import POLICIES
+from .requests import adapter_names
 
 __all__ = [
     "DEFAULT_NATS_URL",
@@ -79,22 +80,29 @@ def _zmq_port(port: int) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class WorkerRole:
-    """A configured worker's role and topology domain (``[[workers]]``'s ``role`` and ``topology_domain``):
-    what ``/register`` takes beside the event plane's :class:`WorkerSpec`, which follows events only.
+    """A configured worker's role, topology domain and LoRA adapters (``[[workers]]``'s ``role``,
+    ``topology_domain`` and ``lora_adapters``): what ``/register`` takes beside the event plane's
+    :class:`WorkerSpec`, which follows events only.
 
     Raises:
-        ConfigError: an unknown role, or a domain that is not 1..256 characters.
+        ConfigError: an unknown role, a domain that is not 1..256 characters, or bad adapter names.
     """
 
     worker_id: int
     role: Role = DEFAULT_ROLE
     topology_domain: str | None = None
+    lora_adapters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"worker {self.worker_id}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.topology_domain is not None and not 1 <= len(self.topology_domain) <= 256:
             raise ConfigError(f"worker {self.worker_id}: topology_domain must be 1..256 characters")
+        try:
+            adapters = adapter_names(self.lora_adapters)
+        except ValueError as exc:
+            raise ConfigError(f"worker {self.worker_id}: lora_adapters: {exc}") from exc
+        object.__setattr__(self, "lora_adapters", adapters)  # sorted, as a registration holds them
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,9 +285,10 @@ class ServiceConfig:
     """Registered in (``model_name``, ``routing_group``) when ``run`` starts. ``kvrouter up`` parses the
     option (with ``--block-size``) or the ``[[workers]]`` tables of its config file into these."""
     worker_roles: tuple[WorkerRole, ...] = field(
-        default=(), metadata=derived("the role and topology_domain keys of --config's [[workers]] tables")
+        default=(),
+        metadata=derived("the role, topology_domain and lora_adapters keys of --config's [[workers]] tables"),
     )
-    """The roles of ``workers`` that are not ``both`` or name a topology domain."""
+    """The roles of ``workers`` that are not ``both``, or name a topology domain or adapters."""
     block_size: int = field(
         default=16,
         metadata=option(

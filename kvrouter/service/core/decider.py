@@ -140,7 +140,16 @@ class Decider:
 
     def _select(self, request: SelectRequest, *, reserve: bool, t: int) -> Decision:
         partition = self.registry.partition(request.model_name, request.routing_group)
-        candidates = partition.candidates
+        candidates, prefill_candidates = partition.candidates, partition.prefill_candidates
+        adapter = None if request.lora_name is None else partition.adapters.get(request.lora_name)
+        if adapter is not None:  # a registered adapter: the workers serving it (others would refuse the request)
+            candidates, prefill_candidates = adapter
+            if not candidates:
+                self.counters.no_worker += 1
+                raise Unavailable(
+                    f"no schedulable worker in {partition.name} serves LoRA adapter {request.lora_name!r} "
+                    "(those registered with it are unhealthy, pending or prefill only: /workers)"
+                )
         if not candidates:
             self.counters.no_worker += 1
             if partition.schedulable:  # every healthy worker prefills only: no one can generate
@@ -231,7 +240,7 @@ class Decider:
                 index,
                 partition.slots,
                 partition.block_size,
-                partition.prefill_candidates,
+                prefill_candidates,
                 candidates,
                 local_hashes=local,
                 isl_tokens=isl,

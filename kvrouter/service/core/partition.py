@@ -22,7 +22,7 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 from urllib.parse import urlsplit
 
 from ...events.model import WorkerKey
@@ -33,7 +33,7 @@ from ...routing.roles import DEFAULT_ROLE, Role, decodes, prefills
 from ...routing.router import Router
 from ...routing.slots import DEFAULT_EXPIRY_SECS, SlotManager
 
-__all__ = ["Instance", "InstanceStatus", "Partition", "address", "keys_of"]
+__all__ = ["Candidates", "Instance", "InstanceStatus", "Partition", "address", "keys_of"]
 
 DEFAULT_GROUP: Final = "default"
 ADDRESSES_CACHED: Final = 4096
@@ -41,6 +41,13 @@ ADDRESSES_CACHED: Final = 4096
 InstanceStatus = Literal["pending", "active", "failed"]
 """``pending``: registered, its events not followed yet (the index is starting); ``active``: followed (or
 approximate mode, where nothing is followed); ``failed``: the engine could not follow it (``failure``)."""
+
+
+class Candidates(NamedTuple):
+    """The keys one request may go to: whole (or for its decode hop), and for a split request's prefill hop."""
+
+    whole: tuple[WorkerKey, ...]
+    prefill: tuple[WorkerKey, ...]
 
 
 @functools.lru_cache(maxsize=ADDRESSES_CACHED)
@@ -81,6 +88,8 @@ class Instance:
     """The hops of a request it takes (``routing/roles.py``): the same for every rank."""
     topology_domain: str | None = None
     """Its KV-transfer domain; None: the default domain."""
+    lora_adapters: tuple[str, ...] = ()
+    """The LoRA adapters it serves, sorted: the same for every rank."""
     http_ok: bool = True
     """Whether ``http_endpoint`` answered its last health probe."""
     status: InstanceStatus = "active"
@@ -161,6 +170,9 @@ class Partition:
         """The ``schedulable`` keys that may take a split request's prefill hop (role prefill or both)."""
         self.disaggregated = False
         """A worker of role prefill is active beside a decode-capable one: requests may be split."""
+        self.adapters: dict[str, Candidates] = {}
+        """LoRA adapter -> the candidates (whole or decode hop, then prefill hop) among the workers serving it;
+        every adapter a registered worker serves has an entry, empty while none of those is schedulable."""
         self.capacities: dict[WorkerKey, int] | None = None
         self.trust: Mapping[WorkerKey, str] = {}
         """Each worker's trust state (the service's ``trust.py``, shared), for explanations."""
@@ -188,6 +200,17 @@ class Partition:
         prefillers = keys_of(instance for instance in active if prefills(instance.role))
         self.prefill_candidates = tuple(key for key in prefillers if key not in self.unhealthy)
         self.disaggregated = any(instance.role == "prefill" for instance in active) and bool(decoders)
+        serving: dict[str, set[WorkerKey]] = {}
+        for instance in self.instances.values():
+            for adapter in instance.lora_adapters:
+                serving.setdefault(adapter, set()).update((instance.instance_id, rank) for rank in instance.ranks)
+        self.adapters = {
+            adapter: Candidates(
+                tuple(key for key in self.candidates if key in keys),
+                tuple(key for key in self.prefill_candidates if key in keys),
+            )
+            for adapter, keys in serving.items()
+        }
         capacities = {
             (iid, rank): inst.total_kv_blocks
             for iid, inst in self.instances.items()

@@ -106,6 +106,8 @@ class ServiceRecording:
             record["role"] = reg.role
         if reg.topology_domain is not None:
             record["dom"] = reg.topology_domain
+        if reg.lora_adapters:
+            record["lora"] = list(reg.lora_adapters)
         self.recorder.add(record)
 
     def unregistered(self, t: int, request: Unregistration) -> None:

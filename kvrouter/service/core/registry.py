@@ -132,6 +132,8 @@ class Registry:
         """Called after a partition's workers or thresholds change (the router queue retries its waiters)."""
         self.dropped: Callable[[list[str]], None] = lambda _request_ids: None
         """Called with the requests a worker's restart or removal dropped from its slot manager."""
+        self.adapter_bases: dict[str, str] = {}
+        """LoRA adapter -> the model whose workers serve it (one base model per adapter name)."""
         self._owner: dict[int, tuple[str, str]] = {}
         """instance_id -> its partition: ids are unique across partitions."""
         self._waiting: dict[int, None] = {}
@@ -153,6 +155,12 @@ class Registry:
                 raise UnknownPartition(f"routing_group {group!r} of model {model!r} has no workers")
             raise UnknownPartition(f"model {model!r} has no workers")
         return partition
+
+    def served_as(self, model: str) -> tuple[str, str | None]:
+        """What a request naming ``model`` is routed as: (its base model, the LoRA adapter) when ``model`` is an
+        adapter some worker registered, else (``model``, None)."""
+        base = self.adapter_bases.get(model)
+        return (model, None) if base is None else (base, model)
 
     def owner(self, worker: WorkerKey) -> Partition | None:
         """The partition of a registered rank; None when not registered."""
@@ -228,9 +236,21 @@ class Registry:
                     f"instance {reg.instance_id} is registered in topology_domain {instance.topology_domain!r} "
                     "(one domain per instance)"
                 )
+            if instance.lora_adapters != reg.lora_adapters:
+                raise Conflict(
+                    f"instance {reg.instance_id} is registered with lora_adapters {list(instance.lora_adapters)} "
+                    "(one set per instance: unregister it to change them)"
+                )
+        self._check_adapters(reg)
         fresh = instance is None
         if instance is None:
-            instance = Instance(reg.instance_id, reg.format, role=reg.role, topology_domain=reg.topology_domain)
+            instance = Instance(
+                reg.instance_id,
+                reg.format,
+                role=reg.role,
+                topology_domain=reg.topology_domain,
+                lora_adapters=reg.lora_adapters,
+            )
         updated = Instance(
             reg.instance_id,
             reg.format,
@@ -243,6 +263,7 @@ class Registry:
             total_kv_blocks=reg.total_kv_blocks or instance.total_kv_blocks,
             role=instance.role,
             topology_domain=instance.topology_domain,
+            lora_adapters=instance.lora_adapters,
             status=instance.status,
         )
         registrations = [*self._registrations_of(instance), reg]
@@ -284,6 +305,7 @@ class Registry:
         self.registrations[reg.instance_id, reg.dp_rank] = reg
         self.trust.registered((reg.instance_id, reg.dp_rank))
         partition.rebuild()
+        self._index_adapters()
         if self.peers is not None:
             self.peers.worker_registered((reg.instance_id, reg.dp_rank))  # peers' requests kept for it
         self.changed(partition)
@@ -343,6 +365,7 @@ class Registry:
             if partition.approx is not None:
                 partition.approx.remove_worker(request.instance_id)  # a removed rank's blocks go with it
             partition.rebuild()
+            self._index_adapters()
             self.changed(partition)
             self.journal.event(
                 "unregistered", model_name=model, routing_group=group, worker_id=request.instance_id, dp_ranks=ranks
@@ -464,6 +487,30 @@ class Registry:
         log.error("registration failed worker=%d partition=%s error=%s", instance.instance_id, partition.name, reason)
         self.journal.event("failed", worker_id=instance.instance_id, dp_ranks=sorted(instance.ranks), error=reason)
         partition.rebuild()
+
+    def _check_adapters(self, reg: Registration) -> None:
+        """A model name and an adapter name mean one thing each: a request's ``model`` names either.
+
+        Raises:
+            Conflict: ``reg``'s model is another model's adapter, or one of its adapters is a model or
+                another model's adapter.
+        """
+        base = self.adapter_bases.get(reg.model_name)
+        if base is not None:
+            raise Conflict(f"model_name {reg.model_name!r} is registered as a LoRA adapter of {base!r}")
+        models = {model for model, _group in self.partitions} | {reg.model_name}
+        for adapter in reg.lora_adapters:
+            if adapter in models:
+                raise Conflict(f"lora_adapters: {adapter!r} is a model's name; an adapter needs a name of its own")
+            base = self.adapter_bases.get(adapter, reg.model_name)
+            if base != reg.model_name:
+                raise Conflict(f"lora_adapters: {adapter!r} is registered as an adapter of {base!r}")
+
+    def _index_adapters(self) -> None:
+        """``adapter_bases`` from the partitions' adapters, after a worker joined or left."""
+        self.adapter_bases = {
+            adapter: partition.model_name for partition in self.partitions.values() for adapter in partition.adapters
+        }
 
     def _take_write(self) -> None:
         if self._queued >= MAX_WAITING:

@@ -28,6 +28,7 @@ __all__ = [
     "SelectRequest",
     "Thresholds",
     "Unregistration",
+    "adapter_names",
     "cached_tokens",
     "parse_body",
     "parse_query",
@@ -48,6 +49,8 @@ Transport = Literal["zmq", "nats"]
 TRANSPORTS: Final[tuple[Transport, ...]] = ("zmq", "nats")
 """How a registered worker's KV events arrive: its own ZMQ PUB, or NATS core's ``kv-events`` subject."""
 MAX_FALLBACKS: Final = 64
+MAX_ADAPTERS: Final = 1024
+"""LoRA adapters one worker may register: vLLM serves a handful per GPU; this only bounds a body's cost."""
 MAX_ID: Final = 256
 """The longest ``selection_id`` or ``session_id``, in characters: checked here only, for every edge (the
 body's field, the reservation routes' path, the ZMQ fast path's field, the session header)."""
@@ -77,6 +80,10 @@ class Registration:
     """The hops of a request the worker takes (``routing/roles.py``); per instance."""
     topology_domain: str | None = None
     """Where the worker sits for KV transfers (a rack, a node); None: the one default domain. Per instance."""
+    lora_adapters: tuple[str, ...] = ()
+    """The LoRA adapters it serves beside its base model (vLLM's ``--lora-modules`` names), sorted: a request
+    whose ``model`` names one is routed in this partition, among the workers serving it, on blocks hashed
+    with its name (``Registry.served_as``). Per instance."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +302,31 @@ def parse_registration(body: Mapping[str, Any], *, endpoint_required: bool = Tru
         total_kv_blocks=_opt_int(body, "total_kv_blocks", low=1, high=1 << 40),
         role=_role(body),
         topology_domain=_opt_str(body, "topology_domain", limit=MAX_NAME),
+        lora_adapters=_adapters(body),
     )
+
+
+def adapter_names(value: object) -> tuple[str, ...]:
+    """A worker's LoRA adapter names, sorted and without repeats.
+
+    Raises:
+        ValueError: not a list of 1..``MAX_NAME``-character strings, or more than ``MAX_ADAPTERS`` of them.
+    """
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"expected a list of adapter names, got {type(value).__name__}")
+    if len(value) > MAX_ADAPTERS:
+        raise ValueError(f"at most {MAX_ADAPTERS} adapters per worker, got {len(value)}")
+    for name in value:
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME:
+            raise ValueError(f"expected adapter names of 1..{MAX_NAME} characters, got {name!r:.80}")
+    return tuple(sorted(set(value)))
+
+
+def _adapters(body: Mapping[str, Any]) -> tuple[str, ...]:
+    try:
+        return adapter_names(body.get("lora_adapters", ()))
+    except ValueError as exc:
+        raise BadRequest(f"lora_adapters: {exc}") from exc
 
 
 def _role(body: Mapping[str, Any]) -> Role:

@@ -341,6 +341,7 @@ def _worker_json(registry: Registry, partition: Partition, instance: Instance) -
         "format": instance.format,
         "role": instance.role,
         "topology_domain": instance.topology_domain,
+        "lora_adapters": list(instance.lora_adapters),
         "endpoints": {str(rank): ep for rank, ep in sorted(instance.ranks.items())},
         "replay_endpoint": instance.replay_endpoint,
         "http_endpoint": instance.http_endpoint,

@@ -25,8 +25,13 @@ fields dropped) and turns the answer back into chat objects (``chat_answer.py``)
 ``cache_salt`` is routed as ``/select`` routes it: the prompt's blocks hashed with the salt (the reference's
 ``compute_salt_hash``); ``priority`` (or ``X-Kvrouter-Priority``) is the request's class in the router queue
 (``core/queue.py``). A conversation's earlier turns are tokenized once (``ChatModel.prompt_ids``,
-``chat/prefixes.py``); ``--otlp-endpoint`` traces it as any proxied request (``tracing.py``). Left for later
-(issue 36): LoRA adapters.
+``chat/prefixes.py``); ``--otlp-endpoint`` traces it as any proxied request (``tracing.py``).
+
+A ``model`` that names a LoRA adapter a worker registered (``lora_adapters``) is rendered and tokenized with
+its base model's files (an adapter changes weights, not the tokenizer), routed in the base model's partition
+among the workers serving the adapter, on blocks hashed with the adapter's name as the engine hashes them,
+and forwarded with ``model`` unchanged, so that the engine applies the adapter. ``/v1/models`` lists adapters
+with their base model as ``parent``, as vLLM does.
 """
 
 from __future__ import annotations
@@ -91,8 +96,12 @@ class ChatRoutes:
         return {model for model, _group in self.core.registry.partitions}
 
     async def list_models(self, _request: web.Request) -> web.Response:
-        data = [{"id": name, "object": "model", "owned_by": OWNED_BY} for name in sorted(self._served())]
-        return web.json_response({"object": "list", "data": data})
+        models: list[dict[str, Any]] = [
+            {"id": name, "object": "model", "owned_by": OWNED_BY} for name in sorted(self._served())
+        ]
+        for adapter, base in sorted(self.core.registry.adapter_bases.items()):
+            models.append({"id": adapter, "object": "model", "owned_by": OWNED_BY, "parent": base})
+        return web.json_response({"object": "list", "data": models})
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -102,7 +111,8 @@ class ChatRoutes:
         if not isinstance(model, str) or not model:
             raise BadRequest("model: expected a non-empty string", param="model")
         _check_request(body)
-        chat = self._model(model)
+        base, adapter = self.core.registry.served_as(model)
+        chat = self._model(base)
         messages = checked_messages(body.get("messages"))
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
@@ -122,8 +132,10 @@ class ChatRoutes:
         if self.core.config.forward_tokens:
             forward = orjson.dumps(_as_completion(body, ids))
             route = COMPLETIONS_ROUTE
-            return await self.proxy.forward(request, model, tokens, forward, route, salt, klass, as_chat=True)
-        return await self.proxy.forward(request, model, tokens, raw, CHAT_ROUTE, salt, klass)
+            return await self.proxy.forward(
+                request, base, tokens, forward, route, salt, klass, lora=adapter, as_chat=True
+            )
+        return await self.proxy.forward(request, base, tokens, raw, CHAT_ROUTE, salt, klass, lora=adapter)
 
     def _model(self, name: str) -> ChatModel:
         """The chat model of ``name``, served by some worker.
@@ -133,7 +145,7 @@ class ChatRoutes:
         """
         served = self._served()
         if name not in served:
-            known = ", ".join(sorted(served)) or "none yet"
+            known = ", ".join(sorted(served | self.core.registry.adapter_bases.keys())) or "none yet"
             raise BadRequest(f"model: no worker serves {name!r} (models served: {known})", param="model")
         chat = self.models.get(name)
         if chat is None:

@@ -186,7 +186,9 @@ class CompletionsProxy:
         model = body.get("model", self.core.config.model_name)
         if not isinstance(model, str) or not model:
             raise BadRequest("model: expected a non-empty string")
-        return await self.forward(request, model, tokens, forward, ROUTE, cache_salt(body), priority(request, body))
+        base, adapter = self.core.registry.served_as(model)
+        salt, klass = cache_salt(body), priority(request, body)
+        return await self.forward(request, base, tokens, forward, ROUTE, salt, klass, lora=adapter)
 
     async def forward(
         self,
@@ -198,9 +200,11 @@ class CompletionsProxy:
         salt: str | None = None,
         klass: int = 0,
         *,
+        lora: str | None = None,
         as_chat: bool = False,
     ) -> web.StreamResponse:
-        """Route ``tokens`` (hashed with the request's ``cache_salt``, ``salt``, as ``/select`` hashes them),
+        """Route ``tokens`` in ``model``'s partition (hashed with the request's ``cache_salt``, ``salt``, and LoRA
+        adapter, ``lora``, as ``/select`` hashes them; an adapter's request goes to the workers serving it),
         book them, and send ``forward`` (the body as the worker gets it) to the chosen worker's ``route`` (both
         hops of a split request); the answer is relayed (``as_chat``: a completion's turned into a chat's,
         ``chat_answer.py``, for ``--forward-tokens``). ``klass`` is its priority in the router queue.
@@ -211,6 +215,7 @@ class CompletionsProxy:
             routing_group=core.config.routing_group,
             token_ids=tokens,
             session_id=request.headers.get(SESSION_HEADER) or None,
+            lora_name=lora,
             cache_salt=salt,
             priority=klass,
             fallbacks=1 if self.tracing.endpoint is not None else 0,  # the decision span names the runner-up

@@ -487,6 +487,7 @@ class Service:
                         query_endpoint=spec.query_endpoint,
                         role=role.role,
                         topology_domain=role.topology_domain,
+                        lora_adapters=role.lora_adapters,
                     )
                 )
 

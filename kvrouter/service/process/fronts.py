@@ -430,7 +430,7 @@ class Fronts:
         mine = self.core.registry
         desired = {}
         for fields in registry["registrations"]:
-            reg = Registration(**fields)
+            reg = Registration(**{**fields, "lora_adapters": tuple(fields["lora_adapters"])})  # a list in JSON
             desired[reg.instance_id, reg.dp_rank] = reg
         for key in mine.registrations.keys() - desired.keys():
             gone = mine.registrations[key]

@@ -1,10 +1,11 @@
 """``POST /v1/chat/completions`` and ``GET /v1/models`` through a real service to real mock engines.
 
 Three models, each with its own tokenizer files and template: ``m`` (the shipped demo model; workers 1 and
-2), ``plain`` (the demo tokenizer under another template and a 200-token context; worker 3, started with the
-same directory, as an engine serves its own model) and ``bare`` (worker 4, registered with no model
-directory here). The router renders and tokenizes each chat with the model's files and routes on those
-tokens; the engine renders again. Every refusal is OpenAI's error shape, and nothing stays booked.
+2, and worker 2 serves its LoRA adapter ``sql`` too), ``plain`` (the demo tokenizer under another template
+and a 200-token context; worker 3, started with the same directory, as an engine serves its own model) and
+``bare`` (worker 4, registered with no model directory here). The router renders and tokenizes each chat
+with the model's files and routes on those tokens; the engine renders again. Every refusal is OpenAI's
+error shape, and nothing stays booked.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     thread: threading.Thread | None = None
     try:
         for wid in (1, 2, 3, 4):
-            extra = ("--model-path", str(plain)) if wid == 3 else ()
+            extra = {2: ("--lora-adapter", "sql"), 3: ("--model-path", str(plain))}.get(wid, ())
             workers.append(start_mock(wid, tmp / f"worker{wid}.err", *extra, speedup="10000"))
         thread, url = serve(service)
         run = Running(service, url, workers)
@@ -70,6 +71,8 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
             worker = workers[wid - 1]
             registration = {"instance_id": wid, "endpoint": worker.events[0], "replay_endpoint": worker.replay[0]}
             registration |= {"model_name": model, "block_size": BLOCK, "http_endpoint": worker.http}
+            if wid == 2:
+                registration["lora_adapters"] = ["sql"]
             run.ok("POST", "/register", registration)
         _wait_until(lambda: listening(service, 4), what="the engine following the four mock engines")
         yield run
@@ -104,15 +107,26 @@ def decision(run: Running, headers: dict[str, str]) -> dict[str, Any]:
     return run.ok("GET", f"/decisions/{headers['X-Kvrouter-Selection-Id']}")  # type: ignore[no-any-return]
 
 
-def wait_indexed(run: Running, messages: list[dict[str, str]], headers: dict[str, str]) -> None:
+def demo_tokens(messages: list[dict[str, str]]) -> list[int]:
+    model = ChatModel.from_directory("m", DEMO_MODEL)
+    return model.encode(model.render(checked_messages(messages)))
+
+
+def matched(run: Running, messages: list[dict[str, str]], worker: str, lora: str | None = None) -> int:
+    """The tokens of a chat of ``m`` (run with the adapter ``lora``) the index holds on ``worker``."""
+    body = {"model_name": "m", "token_ids": demo_tokens(messages), "lora_name": lora}
+    return int(run.ok("POST", "/query", body)["scores"].get(worker, {}).get("0", 0))
+
+
+def wait_indexed(
+    run: Running, messages: list[dict[str, str]], headers: dict[str, str], lora: str | None = None
+) -> None:
     """Until the KV events of a chat answered with ``headers`` are in the index: its full blocks on its worker."""
     worker = headers["X-Kvrouter-Worker"].split(":")[0]
-    model = ChatModel.from_directory("m", DEMO_MODEL)
-    tokens = model.encode(model.render(checked_messages(messages)))
+    full = len(demo_tokens(messages)) // BLOCK * BLOCK
 
     def indexed() -> bool:
-        scores = run.ok("POST", "/query", {"model_name": "m", "token_ids": tokens})["scores"]
-        return bool(scores.get(worker, {}).get("0", 0) == len(tokens) // BLOCK * BLOCK)
+        return matched(run, messages, worker, lora) == full
 
     _wait_until(indexed, what="the chat's blocks in the index")
 
@@ -131,7 +145,10 @@ def test_models_lists_every_model_a_worker_serves(chat: Running):
     answer = chat.ok("GET", "/v1/models")
     assert answer == {
         "object": "list",
-        "data": [{"id": name, "object": "model", "owned_by": "kvrouter"} for name in ("bare", "m", "plain")],
+        "data": [
+            *({"id": name, "object": "model", "owned_by": "kvrouter"} for name in ("bare", "m", "plain")),
+            {"id": "sql", "object": "model", "owned_by": "kvrouter", "parent": "m"},
+        ],
     }
 
 
@@ -187,6 +204,43 @@ def test_a_cache_salt_is_hashed_into_the_blocks_routed_on(chat: Running):
     assert salted[0] == plain[0] == 200
     assert decision(chat, salted[2])["best_overlap_blocks"] == 0
     assert decision(chat, plain[2])["best_overlap_blocks"] > 0
+    assert booked(chat) == 0
+
+
+def test_an_adapters_chat_runs_where_it_is_served_on_blocks_of_its_own(chat: Running):
+    """``model: sql`` is rendered with ``m``'s files and routed to worker 2, the one serving the adapter; the
+    engine hashes the adapter's blocks with its name, so does the router, and the next turn's reuse is what the
+    router predicted. The same messages for the base model find none of them."""
+    talk = conversation(2, topic="Adapter questions. ")
+    first = post_chat(chat, {"model": "sql", "messages": talk[:2], "max_tokens": 2})
+    assert first[0] == 200, first[1]
+    assert first[2]["X-Kvrouter-Worker"] == "2:0"
+    wait_indexed(chat, talk[:2], first[2], lora="sql")
+    assert matched(chat, talk[:2], "2") == 0  # not the base model's blocks
+
+    status, answer, headers = post_chat(chat, {"model": "sql", "messages": talk, "max_tokens": 2, "stream": False})
+    assert status == 200
+    assert headers["X-Kvrouter-Worker"] == "2:0"
+    made = decision(chat, headers)
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    assert cached == made["overlap_blocks"] * BLOCK == int(headers["X-Kvrouter-Overlap-Tokens"])
+
+    base = post_chat(chat, {"model": "m", "messages": talk, "max_tokens": 1})
+    assert base[0] == 200
+    assert decision(chat, base[2])["best_overlap_blocks"] == 0
+    assert base[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert booked(chat) == 0
+
+
+def test_an_adapters_completion_is_routed_where_it_is_served(chat: Running):
+    for _ in range(4):
+        prompt = demo_tokens(conversation(1, topic="Completions for the adapter. "))
+        status, answer, headers = chat.call(
+            "POST", "/v1/completions", {"model": "sql", "prompt": prompt, "max_tokens": 1}
+        )
+        assert status == 200, answer
+        assert headers["X-Kvrouter-Worker"] == "2:0"
     assert booked(chat) == 0
 
 

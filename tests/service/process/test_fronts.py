@@ -163,8 +163,9 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
             "endpoint": "tcp://127.0.0.1:9",
             "model_name": "default",
             "block_size": 16,
-            "role": "prefill",  # the role and domain travel with the registry to every front
+            "role": "prefill",  # the role, domain and adapters travel with the registry to every front
             "topology_domain": "rack-9",
+            "lora_adapters": ["sql"],
         }
         status, answer = fronts[1].call("POST", "/register", worker)
         assert status == 201, answer
@@ -175,6 +176,9 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
                 "prefill",
                 "rack-9",
             )
+            assert {row["instance_id"]: row["lora_adapters"] for row in workers}[9] == ["sql"]
+            status, models = either.call("GET", "/v1/models")
+            assert {"id": "sql", "object": "model", "owned_by": "kvrouter", "parent": "default"} in models["data"]
         # a split reservation on front 0: both bookings reach front 1 over the local bus, and any front ends them
         for wid, role in ((11, "prefill"), (12, "decode")):
             body = {"instance_id": wid, "endpoint": f"tcp://127.0.0.1:{20000 + wid}", "model_name": "pd"}

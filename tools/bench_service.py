@@ -141,7 +141,7 @@ wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 request = function()
   i = i %% #bodies + 1
-  return wrk.format(nil, "/select", nil, bodies[i])
+  return wrk.format(nil, "%(path)s", nil, bodies[i])
 end
 done = function(summary, latency, requests)
   local e = summary.errors
@@ -340,7 +340,9 @@ def start_reference(folder: Path) -> Server:
     return server
 
 
-def start_kvrouter(folder: Path, fronts: int, name: str = "kvrouter") -> Server:
+def start_kvrouter(folder: Path, fronts: int, name: str = "kvrouter", model_paths: Sequence[str] = ()) -> Server:
+    """``_serve`` in a process of its own, once it listens and its index is up; ``model_paths``: its
+    ``--model-path`` values (chat's models)."""
     port, zmq_port = free_port(), free_port()
     log = folder / f"{name}.log"
     with log.open("wb") as out:
@@ -355,6 +357,7 @@ def start_kvrouter(folder: Path, fronts: int, name: str = "kvrouter") -> Server:
                 str(zmq_port),
                 "--fronts",
                 str(fronts),
+                *(f"--model-path={path}" for path in model_paths),
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -395,15 +398,18 @@ def stop(server: Server) -> int:
         return server.process.wait()
 
 
-def register(server: Server, endpoints: Sequence[str]) -> None:
+def register(server: Server, endpoints: Sequence[str], model: str = MODEL, http_endpoint: str | None = None) -> None:
+    """One worker per KV-event endpoint, in ``model``; kvrouter's answer at ``http_endpoint`` (its proxy's)."""
     for worker, endpoint in enumerate(endpoints):
         try:
             if server.name.startswith("kvrouter"):
-                server.client.register(worker, endpoint, model_name=MODEL, block_size=BLOCK)
+                server.client.register(
+                    worker, endpoint, model_name=model, block_size=BLOCK, http_endpoint=http_endpoint
+                )
             else:  # the reference's selection service registers on its own route
                 body = {
                     "worker_id": worker,
-                    "model_name": MODEL,
+                    "model_name": model,
                     "endpoint": f"http://127.0.0.1:{9000 + worker}",
                     "block_size": BLOCK,
                     "kv_events_endpoints": {"0": endpoint},
@@ -654,14 +660,15 @@ def phases(before: dict[Any, float], after: dict[Any, float]) -> dict[str, float
 # -- kvrouter's side: the service in its own process ----------------------------------------------
 
 
-def serve(port: int, shards: int, zmq_port: int | None, fronts: int) -> int:
+def serve(port: int, shards: int, zmq_port: int | None, fronts: int, model_paths: Sequence[str] = ()) -> int:
     """``_serve``: kvrouter's Service with ``/metrics`` and the fast path, until SIGTERM/SIGINT."""
     import asyncio
 
     from kvrouter.service.core.config import ServiceConfig
     from kvrouter.service.process.app import Service
 
-    service = Service(ServiceConfig(port=port, shards=shards, zmq_port=zmq_port, fronts=fronts))
+    config = ServiceConfig(port=port, shards=shards, zmq_port=zmq_port, fronts=fronts, model_paths=tuple(model_paths))
+    service = Service(config)
     service.start()  # forks the appliers: before any loop or thread
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: service.stop())
@@ -700,7 +707,7 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     bodies = folder / "bodies.jsonl"
     bodies.write_text("".join(json.dumps({"model_name": MODEL, "token_ids": p}) + "\n" for p in workload.prompts))
     script = folder / "select.lua"
-    script.write_text(LUA % {"bodies": bodies})
+    script.write_text(LUA % {"bodies": bodies, "path": "/select"})
     publishers = Publishers(WORKERS)
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {side: {} for side in args.sides}
     fast: dict[int, dict[str, Any]] = {}
@@ -920,8 +927,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         serving.add_argument("--shards", type=int, default=1)
         serving.add_argument("--zmq-port", type=int, default=None)
         serving.add_argument("--fronts", type=int, default=1)
+        serving.add_argument("--model-path", dest="model_paths", action="append", default=[])
         options = serving.parse_args(argv[1:])
-        return serve(options.port, options.shards, options.zmq_port, options.fronts)
+        return serve(options.port, options.shards, options.zmq_port, options.fronts, options.model_paths)
     if argv[:1] == ["_zmq_load"]:
         loading = argparse.ArgumentParser(prog="bench_service.py _zmq_load")
         loading.add_argument("--endpoint", required=True)

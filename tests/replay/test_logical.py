@@ -370,7 +370,11 @@ def test_roles_are_recorded_and_a_fleet_with_a_prefill_worker_replays(tmp_path):
     )
     service = Service(config)  # approximate mode: no engine
     assert service.recording is not None
-    roles = {1: {"role": "prefill", "topology_domain": "rack-a"}, 2: {"role": "decode", "lora_adapters": ["t"]}, 3: {}}
+    roles: dict[int, dict[str, Any]] = {
+        1: {"role": "prefill", "topology_domain": "rack-a"},
+        2: {"role": "decode", "lora_adapters": ["t"]},
+        3: {},
+    }
     steps: list[tuple[str, str, Any]] = [
         ("POST", "/register", {"instance_id": wid, "model_name": MODEL, "block_size": BLOCK, **fields})
         for wid, fields in roles.items()

@@ -452,7 +452,7 @@ def _terms(
     total = adjusted * (decode + 1.0) if lmetric != 0.0 else prefill_cost + decode + request_cost
     factor = 1.0
     if work_weight != 0.0 and mean_recent > 0.0:
-        factor = max(0.0, 1.0 + work_weight * ((factor_of - mean_recent) / mean_recent))
+        factor = max(0.0, 1.0 + work_weight * ((factor_of - mean_recent) / (mean_recent + isl)))
         total *= factor
     return raw, credit, adjusted, prefill_cost, decode, request_cost, total, factor, float(predicted), predicted_credit
 

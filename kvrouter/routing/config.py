@@ -97,9 +97,9 @@ class RouterConfig:
         ),
     )
     """kvrouter's own term, not the reference's (0: off, the reference's behaviour): scales each worker's
-    cost by ``max(0, 1 + weight * (recent - mean) / mean)``, where ``recent`` is the uncached prefill the
-    worker was booked over the last minute or so (``SlotManager.recent_prefill_tokens``) and ``mean`` its
-    mean over the eligible candidates (``kvrouter/routing/cost.py``)."""
+    cost by ``max(0, 1 + weight * (recent - mean) / (mean + ISL))``, where ``recent`` is the uncached prefill
+    the worker was booked over the last minute or so (``SlotManager.recent_prefill_tokens``), ``mean`` its
+    mean over the eligible candidates and ISL the request's prompt tokens (``kvrouter/routing/cost.py``)."""
     predicted_credit: float = field(
         default=0.0,
         metadata=option(

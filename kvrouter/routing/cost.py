@@ -12,14 +12,19 @@ The reference's ``worker_logit`` (``scheduling/selector/default.rs``; ``spec/dyn
     adjusted        = max(0, raw_prefill - overlap_credit)
     cost            = prefill_load_scale * adjusted + potential_decode_blocks + request_w * active_requests
     lmetric         = adjusted * (potential_decode_blocks + 1)   (router_selection_policy="lmetric")
-    work_factor     = max(0, 1 + work_w * (recent - mean_recent) / mean_recent)   1 when work_w or mean_recent is 0
+    work_factor     = max(0, 1 + work_w * (recent - mean_recent) / (mean_recent + ISL))  1 if work_w or mean_recent is 0
     total           = (cost or lmetric) * work_factor
 
 ``work_factor`` is kvrouter's, not the reference's (``prefill_work_weight``, default 0 = off): ``recent``
 is the worker's recently booked uncached prefill (``SlotManager.recent_prefill_tokens``: each request's
 tokens beyond its device overlap at booking, decayed as ``exp(-age / 60 s)``), ``mean_recent`` its mean
 over the eligible candidates. The other terms see only what is in flight, so without it the prefill
-work each worker did drifts apart under cache affinity, more so the more workers share the traffic.
+work each worker did drifts apart under cache affinity, more so the more workers share the traffic. The
+share is taken over ``mean_recent + ISL``, not ``mean_recent`` alone: differences in recent work smaller
+than the request itself say nothing about balance. Over ``mean_recent`` alone, an idle fleet's one recent
+request made every other worker's factor 0, so the next turn of a conversation went to a worker without
+its history (its total 0 whatever its cache); on a busy fleet, where ``mean_recent`` is many requests,
+the request's size changes the share by a few per cent.
 ``untrusted_w`` is kvrouter's too (``untrusted_overlap_weight``, default 1 = off): the service marks the
 workers whose trust state is not ``exact`` (``service/trust.py``), and their overlap counts for less.
 A factor rather than a sum: it is dimensionless (weight 1 = cost proportional to the worker's share of
@@ -114,7 +119,7 @@ class Cost:
     """What selection minimises: the sum of the terms, or, under ``router_selection_policy="lmetric"``,
     ``adjusted_prefill_blocks * (decode_blocks + 1)``; times ``work_factor``."""
     work_factor: float = 1.0
-    """``max(0, 1 + prefill_work_weight * (recent - mean) / mean)``; 1 when the weight or the mean is 0."""
+    """``max(0, 1 + prefill_work_weight * (recent - mean) / (mean + ISL))``; 1 when the weight or the mean is 0."""
     predicted_credit_blocks: float = 0.0
     """The part of ``overlap_credit_blocks`` the predicted tier gives: ``predicted_w * predicted``."""
 
@@ -188,7 +193,7 @@ def worker_cost(
         total = prefill_cost + load.potential_decode_blocks + request_cost
     work_factor = 1.0
     if config.prefill_work_weight and mean_recent_prefill_tokens > 0:
-        share = (load.recent_prefill_tokens - mean_recent_prefill_tokens) / mean_recent_prefill_tokens
+        share = (load.recent_prefill_tokens - mean_recent_prefill_tokens) / (mean_recent_prefill_tokens + isl_tokens)
         work_factor = max(0.0, 1.0 + config.prefill_work_weight * share)
         total *= work_factor
     return Cost(

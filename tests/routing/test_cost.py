@@ -175,10 +175,11 @@ def test_prefill_work_scales_the_total_by_the_share_of_recent_work(policy: str):
     plain = RouterConfig(router_selection_policy=policy)  # type: ignore[arg-type]
     base, _ = _work(plain, 0.0, 0.0, potential_decode_blocks=10)
     config = RouterConfig(router_selection_policy=policy, prefill_work_weight=1.0)  # type: ignore[arg-type]
-    assert _work(config, 150.0, 100.0, potential_decode_blocks=10) == (1.5 * base, 1.5)
-    assert _work(config, 50.0, 100.0, potential_decode_blocks=10) == (0.5 * base, 0.5)
+    # the share of the mean plus the request's own 160 tokens: (230 - 100) / 260 = 0.5
+    assert _work(config, 230.0, 100.0, potential_decode_blocks=10) == (1.5 * base, 1.5)
+    assert _work(config, 20.0, 200.0, potential_decode_blocks=10) == (0.5 * base, 0.5)  # -180 / 360
     assert _work(config, 500.0, 0.0, potential_decode_blocks=10) == (base, 1.0)  # no recent work anywhere
     half = RouterConfig(router_selection_policy=policy, prefill_work_weight=0.5)  # type: ignore[arg-type]
-    assert _work(half, 300.0, 100.0, potential_decode_blocks=10)[1] == 2.0  # 1 + 0.5 * 2
+    assert _work(half, 620.0, 100.0, potential_decode_blocks=10)[1] == 2.0  # 1 + 0.5 * 2
     heavy = RouterConfig(router_selection_policy=policy, prefill_work_weight=3.0)  # type: ignore[arg-type]
     assert _work(heavy, 0.0, 100.0, potential_decode_blocks=10) == (0.0, 0.0)  # floored at 0, never negative

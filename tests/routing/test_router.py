@@ -14,6 +14,7 @@ from kvrouter.hashing import block_hashes
 from kvrouter.index import ApproxIndex, RadixIndex
 from kvrouter.index.dense import WorkerSlots, overlaps_from_tiers
 from kvrouter.routing import Router, RouterConfig
+from kvrouter.routing.config import KVROUTER_CONFIG
 from tests.clock import FakeClock
 
 B = 4
@@ -149,7 +150,8 @@ def test_prefill_work_weight_sends_new_work_to_the_worker_that_did_less_lately()
             selection = router.select(index, [W1, W2], local_hashes=[7, 8], explain=True)
             assert selection.explanation is not None
             factors = {row.worker: row.cost.work_factor for row in selection.explanation}
-            assert factors == {W1: 2.0, W2: 0.0}  # mean 1 block: W1 holds twice it, W2 none
+            # the mean, 4 tokens, plus the request's 8: W1 is 4 above it (1 + 4/12), W2 4 below
+            assert factors == pytest.approx({W1: 4 / 3, W2: 2 / 3})
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.5])
@@ -224,3 +226,21 @@ def test_an_array_index_answering_in_another_layout_decides_as_the_dict_answer()
     theirs = Router(block_size=B, seed=1).select(index, fleet, tokens=tokens, explain=True)
     assert mine.worker == theirs.worker == W2
     assert mine.explanation == theirs.explanation
+
+
+def test_a_conversations_next_turn_stays_where_it_is_cached_on_an_idle_fleet():
+    """The work factor balances what workers have done lately, but on an idle fleet, where a worker's recent
+    work is one request's, a worker that did nothing must not price at 0: the next turn of a conversation goes
+    where its history is cached (it went to the idle worker, whose cost the factor zeroed, before)."""
+    clock = FakeClock()
+    router = Router(KVROUTER_CONFIG, block_size=B, seed=0, clock=clock)
+    index = RadixIndex()
+    first = list(range(1, 33))
+    chosen = router.select(index, [W1, W2], local_hashes=first, request_id="turn-1")
+    router.slots.mark_prefill_completed("turn-1")
+    router.slots.free("turn-1")
+    _cache(index, chosen.worker[0], first)
+    clock.now += 30.0  # the user reads the answer
+    second = router.select(index, [W1, W2], local_hashes=[*first, 33, 34], request_id="turn-2", explain=True)
+    assert second.worker == chosen.worker, second.explanation
+    assert second.overlap_blocks == len(first)

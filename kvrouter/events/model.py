@@ -123,6 +123,9 @@ class Stored:
     lora_id: int | None = None
     """vLLM's number for that adapter (``LoRARequest.lora_int_id``), which vLLM sends beside the name; the
     router never reads it (vLLM deprecates it), only the vLLM encoder writes it."""
+    cache_salt: str | None = None
+    """The request's cache salt (vLLM's and SGLang's ``cache_salt``), in the local hashes already; for the
+    engine encoders, like ``lora_name``."""
 
 
 @dataclass(frozen=True, slots=True)

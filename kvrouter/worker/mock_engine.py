@@ -223,6 +223,9 @@ class Completion:
     """The prompt's block ids pulled from a prefill engine (a decode hop): stored before it is admitted."""
     lora_name: str | None = None
     """The LoRA adapter it runs with: part of every one of its blocks' hashes (and so of their ids)."""
+    cache_salt: str | None = None
+    """Its cache salt (vLLM's and SGLang's ``cache_salt``): likewise, so only requests of the same salt
+    share its blocks."""
     updates: queue.SimpleQueue[Update] = field(default_factory=queue.SimpleQueue)
     """FIRST_TOKEN, then DONE or FAILED, pushed by the engine thread."""
 
@@ -357,7 +360,7 @@ class _KvrouterSink:
             if isinstance(event, Stored):
                 tokens = [token for block in event.blocks for token in block.token_ids or ()]
                 engine = [block.engine_hash for block in event.blocks]
-                pub.store(engine, tokens, parent=event.parent, lora_name=event.lora_name)
+                pub.store(engine, tokens, parent=event.parent, lora_name=event.lora_name, cache_salt=event.cache_salt)
             elif isinstance(event, Removed):
                 pub.remove(event.engine_hashes)
             else:
@@ -536,7 +539,9 @@ class _Rank:
     def _add(self, request: Completion) -> None:
         """Queue ``request`` in the model; runs on the engine thread."""
         size = self.config.block_size
-        request.locals = block_hashes(request.prompt, size, lora_name=request.lora_name)
+        request.locals = block_hashes(
+            request.prompt, size, lora_name=request.lora_name, cache_namespace=request.cache_salt
+        )
         request.ids = [h & _PROMPT_ID_MASK for h in sequence_hashes(request.locals)]
         if request.received is not None and list(request.received) != request.ids:
             request.fail(
@@ -618,17 +623,20 @@ class _Rank:
         assert isinstance(event, Stored), f"the model emits Stored and Removed only, got {event!r}"
         parent: int | None = event.parent
         blocks = []
-        lora = None
+        owner = None
         for stored in event.blocks:
             block = int(stored.engine_hash)
             owner, index = self._owner(block)
             local = self._local(owner, index)
-            lora = owner.lora_name  # one store is one chain, and a chain's ids carry its adapter: one for all
             self._cached[block] = _Block(parent, owner.locals, index + 1)
             blocks.append(StoredBlock(EngineHash(block), LocalHash(local), owner.tokens(index, self.config.block_size)))
             parent = block
+        # one store is one chain, and a chain's ids carry its adapter and salt: all its owners share them
+        lora, salt = (None, None) if owner is None else (owner.lora_name, owner.cache_salt)
         lora_id = None if lora is None else self.config.lora_adapters.index(lora) + 1  # vLLM numbers from 1
-        return Stored(worker, event.parent, tuple(blocks), dp_rank=self.rank, lora_name=lora, lora_id=lora_id)
+        return Stored(
+            worker, event.parent, tuple(blocks), dp_rank=self.rank, lora_name=lora, lora_id=lora_id, cache_salt=salt
+        )
 
     def _owner(self, block: int) -> tuple[Completion, int]:
         """The live request a stored block belongs to, and the block's index in it."""
@@ -646,7 +654,10 @@ class _Rank:
         """The local hash of ``owner``'s block ``index``, hashing generated blocks up to it on first use."""
         size = self.config.block_size
         while len(owner.locals) <= index:
-            owner.locals.append(block_hashes(owner.tokens(len(owner.locals), size), size, lora_name=owner.lora_name)[0])
+            tokens = owner.tokens(len(owner.locals), size)
+            owner.locals.append(
+                block_hashes(tokens, size, lora_name=owner.lora_name, cache_namespace=owner.cache_salt)[0]
+            )
         return owner.locals[index]
 
     def _forget_prompt(self, request: Completion) -> None:
@@ -815,9 +826,11 @@ class MockEngine:
         dp_rank: int | None = None,
         received: Sequence[int] | None = None,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> Completion:
         """Queue a completion; wait on its ``updates``. ``dp_rank`` None takes the ranks round robin; ``received``:
-        the prompt's block ids a decode hop pulled (``kv_transfer.py``); ``lora_name``: the adapter it runs with.
+        the prompt's block ids a decode hop pulled (``kv_transfer.py``); ``lora_name``: the adapter it runs with;
+        ``cache_salt``: its salt.
 
         Raises:
             RequestFailed: (400) a rank out of range or a request too large for the cache; (503)
@@ -835,7 +848,7 @@ class MockEngine:
                 400,
             )
         target = self._ranks[rank]
-        request = Completion(prompt, max_tokens, rank, target.now_ms(), lora_name=lora_name)
+        request = Completion(prompt, max_tokens, rank, target.now_ms(), lora_name=lora_name, cache_salt=cache_salt)
         if received is not None:
             request.received = tuple(received)
         target.submit(request)
@@ -853,16 +866,21 @@ class MockEngine:
             "ranks": [future.result(timeout) for future in ranks],
         }
 
-    def overlaps(self, prompts: Sequence[array[int]], timeout: float, lora_name: str | None = None) -> list[Any]:
+    def overlaps(
+        self, prompts: Sequence[array[int]], timeout: float, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> list[Any]:
         """``POST /overlap``: every rank's overlap (leading cached blocks) with each prompt (run with the LoRA
-        adapter ``lora_name``).
+        adapter ``lora_name`` and the salt ``cache_salt``).
 
         The prompts are hashed here, once, into the ids the ranks name prompt blocks by (masked sequence
         hashes); each rank then only looks them up between iterations.
         """
         size = self.config.block_size
         ids = [
-            [h & _PROMPT_ID_MASK for h in sequence_hashes(block_hashes(prompt, size, lora_name=lora_name))]
+            [
+                h & _PROMPT_ID_MASK
+                for h in sequence_hashes(block_hashes(prompt, size, lora_name=lora_name, cache_namespace=cache_salt))
+            ]
             for prompt in prompts
         ]
         futures = [rank.call(functools.partial(rank.overlaps, ids)) for rank in self._ranks]

@@ -232,10 +232,8 @@ class _Handler(BaseHTTPRequestHandler):
                 parsed.append(_prompt(prompt))
             except _BadRequest as exc:
                 raise _BadRequest(f"prompts[{i}]: {exc}") from None
-        lora = body.get("lora_name")
-        if lora is not None and not isinstance(lora, str):
-            raise _BadRequest(f"lora_name must be a string, got {_describe(lora)}")
-        self._json(200, {"ranks": self.server.engine.overlaps(parsed, CONTROL_TIMEOUT_S, lora)})
+        lora, salt = _opt_str(body, "lora_name"), _opt_str(body, "cache_salt")
+        self._json(200, {"ranks": self.server.engine.overlaps(parsed, CONTROL_TIMEOUT_S, lora, salt)})
 
     def _faults(self, body: dict[str, Any]) -> None:
         drop = _opt_int(body, "drop_batches", low=0)
@@ -299,6 +297,7 @@ class _Handler(BaseHTTPRequestHandler):
             _opt_int(body, "dp_rank", low=0),
             received,
             model if model in engine.config.lora_adapters else None,  # any other name is the base model's
+            _opt_str(body, "cache_salt") or None,
         )
         ident = f"{'chatcmpl' if chat else 'cmpl'}-mock-{engine.config.worker_id}-{request.dp_rank}-{id(request):x}"
         created = int(time.time())
@@ -428,6 +427,13 @@ def _hop(params: object, role: str) -> str | None:
     if hop is not None and role not in (hop, "both"):
         raise _BadRequest(f"this worker's role is {role}: it does not take a {hop} hop")
     return hop
+
+
+def _opt_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _BadRequest(f"{name} must be a string, got {_describe(value)}")
+    return value
 
 
 def _opt_int(body: dict[str, Any], name: str, *, low: int) -> int | None:

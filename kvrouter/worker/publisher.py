@@ -240,9 +240,11 @@ class KvPublisher:
         parent: int | None = None,
         tier: StorageTier = StorageTier.DEVICE,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue one Stored event: ``engine_hashes`` are the engine's ids of the blocks just registered,
-        in prefix order under ``parent`` (None at the root); ``token_ids`` their tokens, concatenated.
+        in prefix order under ``parent`` (None at the root); ``token_ids`` their tokens, concatenated;
+        ``lora_name`` and ``cache_salt`` the request's, hashed into the blocks as the router hashes them.
 
         Local hashes are computed here (full blocks only: a partial tail of ``token_ids`` is ignored).
         A store of more than :data:`MAX_EVENT_BLOCKS` blocks is queued as several chained events; a
@@ -253,7 +255,7 @@ class KvPublisher:
             InvalidHashInput: an engine hash outside 64 bits, or a token id outside u32.
         """
         engine = [_engine_hash(h, f"store engine_hashes[{i}]") for i, h in enumerate(engine_hashes)]
-        local = block_hashes(token_ids, self.block_size, lora_name=lora_name)
+        local = block_hashes(token_ids, self.block_size, lora_name=lora_name, cache_namespace=cache_salt)
         if len(local) != len(engine):
             raise EncodeError(
                 f"KvPublisher worker {self.worker_id} store: {len(engine)} engine hashes but "

@@ -245,6 +245,43 @@ def test_an_adapters_blocks_are_its_own_and_published_with_its_name_as_vllm_does
         stream.close()
 
 
+def test_a_salted_requests_blocks_are_its_salts_alone_and_published_as_vllm_does(start_worker, context):
+    """``cache_salt`` is hashed into every block of the request, so only a request of the same salt reuses
+    them; the first block of a salted chain carries the salt in its extra keys (vLLM's one place for it) and
+    the router's decoder, inheriting it down the chain, rebuilds the cache from the events."""
+    worker = start_worker()
+    stream = Stream(context, worker.events[0], worker.replay[0])
+    prompt = list(range(1, 3 * BLOCK + 5))
+    try:
+        _joined(worker, stream)
+        cached = [
+            worker.complete(prompt[:length], 2, **salt)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            for length, salt in (
+                (2 * BLOCK, {"cache_salt": "tenant-a"}),  # a first chunk, then the whole prompt under it
+                (len(prompt), {"cache_salt": "tenant-a"}),
+                (len(prompt), {"cache_salt": "tenant-a"}),
+                (len(prompt), {"cache_salt": "tenant-b"}),
+                (len(prompt), {}),
+            )
+        ]
+        assert cached == [0, 2 * BLOCK, 3 * BLOCK, 0, 0]
+        (rank,) = worker.cache()["ranks"]
+        payloads = stream.complete(rank["last_seq"])
+        _assert_index_is_cache(_index(payloads)[0], rank)
+        roots = [
+            event.get("extra_keys")
+            for payload in payloads
+            for event in msgpack.unpackb(payload, raw=False)[1]
+            if event["type"] == "BlockStored" and event["parent_block_hash"] is None
+        ]
+        assert [["tenant-a"], *[None] * 1] in roots  # the first chunk's two blocks
+        assert any(keys is not None and keys[0] == ["tenant-b"] for keys in roots)
+        _, answer = worker.call("POST", "/overlap", {"prompts": [prompt], "cache_salt": "tenant-a"})
+        assert answer["ranks"][0]["overlaps"] == [3]
+    finally:
+        stream.close()
+
+
 def test_stream_sends_first_token_then_done(start_worker):
     worker = start_worker()
     body = json.dumps({"prompt": list(range(40)), "max_tokens": 5, "stream": True}).encode()

@@ -97,9 +97,10 @@ class Dialect:
     """The encoder writes hashes as signed i64 (SGLang) rather than u64."""
     store_per_block: bool
     """The encoder writes one BlockStored per block, each the parent of the next (SGLang's pages)."""
-    lora_extra_keys: bool
-    """A LoRA store carries ``lora_id`` and the adapter's name as each block's ``extra_keys`` (vLLM, whose
-    block hashes take the name as an extra key); otherwise ``lora_id`` stays nil (SGLang)."""
+    extra_keys_salted: bool
+    """The engine says a request's LoRA adapter and cache salt in its blocks' ``extra_keys`` (vLLM, whose
+    block hashes take both as extra keys: the name on every block, the salt on the first, with ``lora_id``
+    beside); otherwise ``lora_id`` stays nil and the salt has a field of its own on every page (SGLang)."""
 
 
 class EngineDecoder:
@@ -131,6 +132,9 @@ class EngineDecoder:
         self.block_size = block_size
         self._foreign = 0
         """The block size of the last store of another size in the batch being decoded (0: none)."""
+        self._salts: dict[int, str] = {}
+        """Engine hash -> the cache salt of its chain, for every salted block this stream stored and did not
+        remove: a store under one is salted too (see :meth:`_salt`). Empty while no request is salted."""
         d = self.dialect
         self._lift_args = (
             np.frombuffer(b"token_ids", dtype=np.uint8),
@@ -216,8 +220,12 @@ class EngineDecoder:
             tier = expect_tier(fields.get("medium"), f"{where}.medium")
             if not _main_attention(fields, where):
                 return None, 0
+            if self._salts:
+                for gone in hashes.tolist():
+                    self._salts.pop(gone, None)
             return RawEvent(_REMOVED, event_id, tier, None, hashes, _NO_HASHES, None), 0
         if tag == ALL_BLOCKS_CLEARED:
+            self._salts.clear()
             return RawEvent(_CLEARED, event_id, StorageTier.DEVICE, None, _NO_HASHES, _NO_HASHES, None), 0
         raise BadEvent(
             f"{where}: unknown event type {tag!r}; expected "
@@ -247,7 +255,9 @@ class EngineDecoder:
         tokens, eagle = _token_ids(field(fields, "token_ids", where), f"{where}.token_ids")
         size = expect_int(field(fields, "block_size", where), f"{where}.block_size")
         lora_name = expect_opt_str(fields.get("lora_name"), f"{where}.lora_name")
-        mm_infos = _mm_infos(fields.get("extra_keys"), f"{where}.extra_keys")
+        extra_keys = fields.get("extra_keys")
+        mm_infos = _mm_infos(extra_keys, f"{where}.extra_keys")
+        salt = self._salt(fields, parent, extra_keys, lora_name, where)
         tier = expect_tier(fields.get("medium"), f"{where}.medium")
         if not _main_attention(fields, where):
             return None, 0
@@ -257,14 +267,46 @@ class EngineDecoder:
             self._foreign = size  # named to the operator (the service's trust.py)
             return RawEvent(_STORED, event_id, tier, parent, _NO_HASHES, _NO_HASHES, _NO_TOKENS), len(hashes)
         try:
-            local = block_hashes_array(tokens, size, lora_name=lora_name, mm_infos=mm_infos, eagle=eagle)
+            local = block_hashes_array(
+                tokens, size, lora_name=lora_name, cache_namespace=salt, mm_infos=mm_infos, eagle=eagle
+            )
         except InvalidHashInput as exc:  # tokens are checked already; kept so nothing else escapes
             raise BadEvent(f"{where}.token_ids: {exc}") from exc
         # Blocks past the last full block of tokens are dropped, as Dynamo does ("token_ids too short");
         # tokens beyond the last hash are ignored.
         count = min(len(hashes), len(local))
+        if salt:
+            self._salts.update(dict.fromkeys(hashes[:count].tolist(), salt))
         event = RawEvent(_STORED, event_id, tier, parent, hashes[:count], local[:count], tokens[: count * size])
         return event, len(hashes) - count
+
+    def _salt(
+        self, fields: Mapping[Any, Any], parent: int | None, extra_keys: object, lora_name: str | None, where: str
+    ) -> str | None:
+        """The cache salt a store's blocks were computed with: the router hashes them with it
+        (``cache_namespace``), as it hashes a request that names it, so a salted request matches its own
+        blocks and no other request does.
+
+        Engines differ in where they say it. SGLang names it on every page (``cache_salt``). vLLM mixes it
+        into the extra keys of a request's first block only (``generate_block_hash_extra_keys``: LoRA name,
+        multimodal keys, the salt, prompt-embed digests), and a later block is salted through its parent's
+        hash: so a root store's salt is the last string of its first block's extra keys that is neither the
+        LoRA name nor a multimodal identifier, and a store under a salted block inherits its salt
+        (``_salts``). The cost: one dict per stream, holding only salted blocks. What it cannot tell: a
+        64-hex-digit salt under vLLM's pre-0.19 multimodal keys, which looks like one (read as multimodal,
+        as before). Dynamo hashes neither, so a salted request there never matches its own blocks and an
+        unsalted one matches blocks the engine will not give it.
+        """
+        if not self.dialect.extra_keys_salted:
+            return expect_opt_str(fields.get("cache_salt"), f"{where}.cache_salt") or None
+        if parent is None:
+            if isinstance(extra_keys, list | tuple) and extra_keys and isinstance(extra_keys[0], list | tuple):
+                first = list(extra_keys[0])
+                keys = first[1:] if lora_name and first[:1] == [lora_name] else first
+                texts = [k for k in keys if isinstance(k, str) and k and _mm_hash(k) is None]
+                return texts[-1] if texts else None
+            return None
+        return self._salts.get(parent) if self._salts else None
 
 
 _SCRATCH_BYTES: Final = 1 << 16
@@ -432,10 +474,16 @@ class EngineEncoder:
             "block_size": sizes.pop() if sizes else 0,
             "medium": medium,
             "lora_name": event.lora_name,
+            "cache_salt": event.cache_salt,
         }
-        if event.lora_name is not None and self.dialect.lora_extra_keys:
-            values["lora_id"] = event.lora_id
-            values["extra_keys"] = [[event.lora_name] for _ in blocks]
+        if self.dialect.extra_keys_salted and (event.lora_name is not None or event.cache_salt is not None):
+            lora = [] if event.lora_name is None else [event.lora_name]
+            keys: list[list[str] | None] = [lora or None for _ in blocks]
+            if event.cache_salt is not None and parent is None:  # a request's first block, as vLLM salts it
+                keys[0] = [*lora, event.cache_salt]
+            values["extra_keys"] = keys if any(keys) else None
+            if event.lora_name is not None:
+                values["lora_id"] = event.lora_id
         return self._write(BLOCK_STORED, values, self.dialect.stored_fields, self.dialect.stored_map_keys)
 
     def _write(self, tag: str, values: Mapping[str, object], fields: Sequence[str], map_keys: Sequence[str]) -> object:

@@ -5,7 +5,8 @@ only states where it differs (``spec/wire-formats.md`` §2.1): one ``BlockStored
 the previous page; signed int64 hashes; ``attn_dp_rank`` in the batch's third slot, read like vLLM's
 rank; mediums ``GPU``, ``CPU_PINNED``, ``DISK``, ``EXTERNAL``; ``cache_salt``, ``session_id`` and
 ``lora_name`` after ``medium``. A partial last page (``block_size`` below the page size) is dropped
-like any block of another size. ``cache_salt`` is accepted and, as in Dynamo, not hashed.
+like any block of another size. ``cache_salt`` is hashed into the page's blocks (Dynamo does not hash it:
+``EngineDecoder._salt`` says why).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ _DIALECT: Final = Dialect(
     },
     signed_hashes=True,
     store_per_block=True,
-    lora_extra_keys=False,
+    extra_keys_salted=False,
 )
 
 

@@ -44,7 +44,7 @@ _DIALECT: Final = Dialect(
     mediums={StorageTier.DEVICE: "GPU", StorageTier.HOST: "CPU", StorageTier.DISK: "STORAGE"},
     signed_hashes=False,
     store_per_block=False,
-    lora_extra_keys=True,
+    extra_keys_salted=True,
 )
 
 

@@ -62,14 +62,33 @@ def _mm_infos(extra_keys: Sequence[Any] | None) -> list[dict[str, Any] | None] |
     return infos
 
 
-def _expected(fields_seen: Sequence[Mapping[str, Any]], dp_rank: int, first_id: int) -> tuple[list[KvEvent], int, int]:
+def _salt(engine: str, fields: Mapping[str, Any], parent: int | None, salts: Mapping[int, str]) -> str | None:
+    """A store's cache salt: SGLang's field; vLLM's last string of a root store's first block's extra keys that
+    is not its LoRA name (first) or a multimodal identifier, or its parent's."""
+    if engine == "sglang":
+        return fields.get("cache_salt") or None
+    if parent is not None:
+        return salts.get(parent)
+    keys = fields.get("extra_keys")
+    if not keys or not isinstance(keys[0], list):
+        return None
+    first = keys[0][1:] if fields.get("lora_name") and keys[0][:1] == [fields["lora_name"]] else keys[0]
+    texts = [k for k in first if isinstance(k, str) and k and k != MM_ID]
+    return texts[-1] if texts else None
+
+
+def _expected(
+    engine: str, fields_seen: Sequence[Mapping[str, Any]], dp_rank: int, first_id: int
+) -> tuple[list[KvEvent], int, int]:
     """(model events, skipped events, dropped blocks) the decoder must give for these wire events."""
     events: list[KvEvent] = []
     skipped = dropped = 0
+    salts: dict[int, str] = {}
     for fields in fields_seen:
         event_id = first_id + len(events)
         if fields["type"] == "AllBlocksCleared":
             events.append(Cleared(WORKER_ID, dp_rank=dp_rank, event_id=event_id))
+            salts.clear()
             continue
         if not _main(fields):
             skipped += 1
@@ -78,16 +97,22 @@ def _expected(fields_seen: Sequence[Mapping[str, Any]], dp_rank: int, first_id: 
         tier = parse_tier(fields.get("medium"))
         if fields["type"] == "BlockRemoved":
             events.append(Removed(WORKER_ID, tuple(hashes), dp_rank=dp_rank, event_id=event_id, tier=tier))
+            for gone in hashes:
+                salts.pop(gone, None)
             continue
         token_ids = fields["token_ids"]
         eagle = bool(token_ids) and isinstance(token_ids[0], list)
         tokens = [p[0] for p in token_ids] + [token_ids[-1][1]] if eagle else list(token_ids)
         blocks: list[StoredBlock] = []
+        parent = fields.get("parent_block_hash")
+        parent = None if parent is None else EngineHash(_to_u64(parent))
+        salt = _salt(engine, fields, parent, salts)
         if fields["block_size"] == BLOCK_SIZE:
             local = block_hashes(
                 tokens,
                 BLOCK_SIZE,
                 lora_name=fields.get("lora_name"),
+                cache_namespace=salt,
                 mm_infos=_mm_infos(fields.get("extra_keys")),
                 eagle=eagle,
             )
@@ -95,9 +120,9 @@ def _expected(fields_seen: Sequence[Mapping[str, Any]], dp_rank: int, first_id: 
                 StoredBlock(h, LocalHash(lh), tuple(tokens[j * BLOCK_SIZE : (j + 1) * BLOCK_SIZE]))
                 for j, (h, lh) in enumerate(zip(hashes, local, strict=False))
             ]
+            if salt:
+                salts.update((block.engine_hash, salt) for block in blocks)
         dropped += len(hashes) - len(blocks)
-        parent = fields.get("parent_block_hash")
-        parent = None if parent is None else EngineHash(_to_u64(parent))
         events.append(Stored(WORKER_ID, parent, tuple(blocks), dp_rank=dp_rank, event_id=event_id, tier=tier))
     return events, skipped, dropped
 
@@ -181,7 +206,7 @@ def wire_event(draw: st.DrawFn, engine: str) -> dict[str, Any]:
         token_ids: list[Any] = [list(pair) for pair in itertools.pairwise(ids)] or ids
     else:
         token_ids = ids
-    extra_key = st.sampled_from([MM_ID, [MM_ID, 0], "salt", "a" * 63])
+    extra_key = st.sampled_from([MM_ID, [MM_ID, 0], "salt", "a" * 63, "adapter"])
     return {
         "type": "BlockStored",
         "block_hashes": draw(st.lists(hashes, min_size=count, max_size=count)),
@@ -190,7 +215,8 @@ def wire_event(draw: st.DrawFn, engine: str) -> dict[str, Any]:
         "block_size": size,
         "lora_id": None,
         "lora_name": draw(st.sampled_from([None, "", "adapter"])),
-        "extra_keys": draw(st.none() | st.lists(st.none() | st.lists(extra_key, max_size=2), max_size=count)),
+        "extra_keys": draw(st.none() | st.lists(st.none() | st.lists(extra_key, max_size=3), max_size=count)),
+        "cache_salt": draw(st.sampled_from([None, "", "tenant"])),
         **fields,
     }
 
@@ -222,7 +248,7 @@ def test_generated_batches_decode_raw_as_decode_and_the_oracle(engine: str, enco
     payload = msgpack.packb([1.25, [_as_wire(f, layout, encoding) for f in wire], dp_rank], use_bin_type=True)
 
     raw = decoder.decode_raw(payload, first_event_id=first_id)
-    events, skipped, dropped = _expected([_seen(f, layout, encoding) for f in wire], dp_rank, first_id)
+    events, skipped, dropped = _expected(engine, [_seen(f, layout, encoding) for f in wire], dp_rank, first_id)
     assert _model(raw) == events
     assert decoder.decode(payload, first_event_id=first_id) == EventBatch(
         tuple(events), timestamp=1.25, dp_rank=dp_rank

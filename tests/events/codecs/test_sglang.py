@@ -109,7 +109,7 @@ def test_optional_fields_and_mediums():
     as_array = ["BlockStored", [-1], None, TOKENS[:PAGE_SIZE], PAGE_SIZE, None, "EXTERNAL", "tenant-a", "s1", "adapter"]
     (event,) = _decode(_payload(page)).events
     assert _decode(_payload(as_array)).events == (event,)
-    local = block_hashes(TOKENS[:PAGE_SIZE], PAGE_SIZE, lora_name="adapter")
+    local = block_hashes(TOKENS[:PAGE_SIZE], PAGE_SIZE, lora_name="adapter", cache_namespace="tenant-a")
     assert event == Stored(
         WORKER_ID,
         None,

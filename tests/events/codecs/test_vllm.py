@@ -176,15 +176,60 @@ def test_lora_name_salts_the_local_hashes():
     )
 
 
-def test_multimodal_extra_keys_are_hashed_and_other_extra_keys_are_not():
+def test_multimodal_extra_keys_are_hashed_and_a_later_blocks_strings_are_not():
+    """Only a request's first block carries its salt (vLLM's ``generate_block_hash_extra_keys``): the
+    second block's strings are LoRA names or digests, never read as one."""
     mm_id = "0123456789abcdef" + "f" * 48
-    extra_keys = [["salt", [mm_id, 0]], ["adapter", "a" * 63]]
+    extra_keys = [[[mm_id, 0]], ["adapter", "a" * 63]]
     (event,) = _decode(_payload(_stored(extra_keys=extra_keys))).events
     mm_infos = [{"mm_objects": [{"mm_hash": 0x0123456789ABCDEF, "offsets": []}]}, None]
     assert event == Stored(
         WORKER_ID, None, _blocks([11, 12], block_hashes(TOKENS, BLOCK_SIZE, mm_infos=mm_infos), TOKENS)
     )
     assert _decode(_payload(_stored(extra_keys=[[mm_id], None]))) == _decode(_payload(_stored(extra_keys=extra_keys)))
+
+
+def test_a_cache_salt_in_the_first_blocks_extra_keys_salts_its_chain():
+    """vLLM mixes a request's ``cache_salt`` into its first block's extra keys after the LoRA name and the
+    multimodal keys; every block of the chain is hashed with it, the blocks stored under it later too, until
+    they are removed or cleared; a store under an unsalted block stays unsalted."""
+    mm_id = "0123456789abcdef" + "f" * 48
+    decoder = vllm.Decoder(WORKER_ID, BLOCK_SIZE)
+    salted = _stored(lora_name="adapter", extra_keys=[["adapter", [mm_id, 0], "tenant-a"], ["adapter"]])
+    mm_infos = [{"mm_objects": [{"mm_hash": 0x0123456789ABCDEF, "offsets": []}]}, None]
+    root_local = block_hashes(TOKENS, BLOCK_SIZE, lora_name="adapter", cache_namespace="tenant-a", mm_infos=mm_infos)
+    more = list(range(200, 204))
+    under = _stored(block_hashes=[13], parent_block_hash=12, token_ids=more, lora_name="adapter")
+    plain_under = _stored(block_hashes=[23], parent_block_hash=22, token_ids=more, lora_name="adapter")
+    batch = decoder.decode(_payload(salted, under, plain_under))
+    root, child, plain_child = batch.events
+    assert root == Stored(WORKER_ID, None, _blocks([11, 12], root_local, TOKENS))
+    salted_local = block_hashes(more, BLOCK_SIZE, lora_name="adapter", cache_namespace="tenant-a")
+    assert child == Stored(WORKER_ID, EngineHash(12), _blocks([13], salted_local, more), event_id=1)
+    plain_local = block_hashes(more, BLOCK_SIZE, lora_name="adapter")
+    assert plain_child == Stored(WORKER_ID, EngineHash(22), _blocks([23], plain_local, more), event_id=2)
+    removed = {"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU"}
+    (_, again) = decoder.decode(_payload(removed, under)).events  # 12 gone: its salt with it
+    assert again == Stored(WORKER_ID, EngineHash(12), _blocks([13], plain_local, more), event_id=1)
+    decoder.decode(_payload(_stored(extra_keys=[["tenant-b"], None]), {"type": "AllBlocksCleared"}))
+    (after,) = decoder.decode(_payload(under)).events
+    assert isinstance(after, Stored)
+    assert after.blocks == _blocks([13], plain_local, more)
+
+
+def test_the_encoder_writes_a_salt_where_vllm_does_and_the_decoder_reads_it_back():
+    salt_blocks = _blocks([11, 12], block_hashes(TOKENS, BLOCK_SIZE, cache_namespace="t"), TOKENS)
+    root = Stored(WORKER_ID, None, salt_blocks, cache_salt="t")
+    more = list(range(200, 204))
+    child_blocks = _blocks([13], block_hashes(more, BLOCK_SIZE, cache_namespace="t"), more)
+    child = Stored(WORKER_ID, EngineHash(12), child_blocks, event_id=1, cache_salt="t")
+    for encoding in ("map", "array"):
+        payload = vllm.Encoder(encoding).encode(EventBatch((root, child), timestamp=1.0))
+        events = msgpack.unpackb(payload, raw=False)[1]
+        keys = [e.get("extra_keys") if encoding == "map" else e[8] for e in events]
+        assert keys == [[["t"], None], None]  # the first block of the request only
+        decoded = vllm.Decoder(WORKER_ID, BLOCK_SIZE).decode(payload).events
+        assert [e.blocks for e in decoded] == [salt_blocks, child_blocks]  # type: ignore[union-attr]
 
 
 def test_eagle_bigram_token_ids_hash_overlapping_windows():

@@ -112,21 +112,27 @@ def demo_tokens(messages: list[dict[str, str]]) -> list[int]:
     return model.encode(model.render(checked_messages(messages)))
 
 
-def matched(run: Running, messages: list[dict[str, str]], worker: str, lora: str | None = None) -> int:
-    """The tokens of a chat of ``m`` (run with the adapter ``lora``) the index holds on ``worker``."""
-    body = {"model_name": "m", "token_ids": demo_tokens(messages), "lora_name": lora}
+def matched(
+    run: Running, messages: list[dict[str, str]], worker: str, lora: str | None = None, salt: str | None = None
+) -> int:
+    """The tokens of a chat of ``m`` (run with the adapter ``lora``, salted ``salt``) the index holds on ``worker``."""
+    body = {"model_name": "m", "token_ids": demo_tokens(messages), "lora_name": lora, "cache_salt": salt}
     return int(run.ok("POST", "/query", body)["scores"].get(worker, {}).get("0", 0))
 
 
 def wait_indexed(
-    run: Running, messages: list[dict[str, str]], headers: dict[str, str], lora: str | None = None
+    run: Running,
+    messages: list[dict[str, str]],
+    headers: dict[str, str],
+    lora: str | None = None,
+    salt: str | None = None,
 ) -> None:
     """Until the KV events of a chat answered with ``headers`` are in the index: its full blocks on its worker."""
     worker = headers["X-Kvrouter-Worker"].split(":")[0]
     full = len(demo_tokens(messages)) // BLOCK * BLOCK
 
     def indexed() -> bool:
-        return matched(run, messages, worker, lora) == full
+        return matched(run, messages, worker, lora, salt) == full
 
     _wait_until(indexed, what="the chat's blocks in the index")
 
@@ -191,17 +197,28 @@ def test_a_conversations_next_turn_goes_where_its_history_is_cached(chat: Runnin
     assert cached == made["overlap_blocks"] * BLOCK  # the engine reused what the router predicted
 
 
-def test_a_cache_salt_is_hashed_into_the_blocks_routed_on(chat: Running):
-    """As ``/select`` with ``cache_salt``: the salted prompt's blocks are other blocks than the plain ones."""
-    talk = conversation(1, topic="Salted questions. ")
-    first = post_chat(chat, {"model": "m", "messages": talk, "max_tokens": 1})
-    assert first[0] == 200
-    wait_indexed(chat, talk, first[2])
-    salted = post_chat(chat, {"model": "m", "messages": talk, "max_tokens": 1, "cache_salt": "tenant-1"})
+def test_a_salted_conversation_reuses_its_own_blocks_and_no_one_elses(chat: Running):
+    """``cache_salt`` is hashed into the blocks routed on, as the engine hashes it into the blocks it caches
+    (and says so in its events): the salted conversation's next turn finds its history, with ``cached_tokens``
+    equal to the prediction, and the same messages unsalted find none of it."""
+    talk = conversation(2, topic="Salted questions. ")
+    salted = {"model": "m", "max_tokens": 2, "cache_salt": "tenant-1"}
+    first = post_chat(chat, {**salted, "messages": talk[:2]})
+    assert first[0] == 200, first[1]
+    wait_indexed(chat, talk[:2], first[2], salt="tenant-1")
+    assert matched(chat, talk[:2], first[2]["X-Kvrouter-Worker"].split(":")[0]) == 0  # not the unsalted blocks
+
+    status, answer, headers = post_chat(chat, {**salted, "messages": talk})
+    assert status == 200
+    assert headers["X-Kvrouter-Worker"] == first[2]["X-Kvrouter-Worker"]
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    assert cached == decision(chat, headers)["overlap_blocks"] * BLOCK
+
     plain = post_chat(chat, {"model": "m", "messages": talk, "max_tokens": 1})
-    assert salted[0] == plain[0] == 200
-    assert decision(chat, salted[2])["best_overlap_blocks"] == 0
-    assert decision(chat, plain[2])["best_overlap_blocks"] > 0
+    assert plain[0] == 200
+    assert decision(chat, plain[2])["best_overlap_blocks"] == 0
+    assert plain[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert booked(chat) == 0
 
 

@@ -99,7 +99,7 @@ def run(turns: int, tokens: int, seed: int) -> list[dict[str, float]]:
         started = time.perf_counter()
         whole = model.encode(text)
         encoded = time.perf_counter() - started
-        if ours != whole:
+        if ours.tolist() != whole:
             raise SystemExit(f"bench_tokenize: turn {len(out) + 1}: the reused tokens differ from a full encode")
         out.append(
             {

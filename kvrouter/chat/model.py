@@ -32,6 +32,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+import numpy as np
+import numpy.typing as npt
+
 from ..errors import BadRequest, ConfigError
 from .prefixes import PrefixCache
 from .template import ChatTemplate
@@ -167,16 +170,17 @@ class ChatModel:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         extra: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        """The token ids of the rendered prompt: :meth:`render` then :meth:`encode`, reusing a conversation's
-        earlier turns when the model allows it (``prefixes.py``); always what a full encode gives.
+    ) -> npt.NDArray[np.uint32]:
+        """The token ids of the rendered prompt, as the router hashes them: :meth:`render` then :meth:`encode`,
+        reusing a conversation's earlier turns when the model allows it (``prefixes.py``); always what a full
+        encode gives.
 
         Raises:
             BadRequest: the template raised.
         """
         text = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, extra=extra)
         if self.prefixes is None:
-            return self.encode(text)
+            return np.asarray(self.encode(text), dtype=np.uint32)
         context = [tools, extra]
         return self.prefixes.encode(messages, text, generation_prompt=add_generation_prompt, context=context)
 

@@ -265,7 +265,7 @@ class _Handler(BaseHTTPRequestHandler):
             chat.check_length(len(ids), max_tokens)
         except BadRequest as exc:
             raise _BadRequest(str(exc)) from exc
-        self._serve(body, array("I", ids), max_tokens, chat=True)
+        self._serve(body, array("I", ids.tobytes()), max_tokens, chat=True)
 
     def _serve(self, body: dict[str, Any], prompt: array[int], max_tokens: int | None, *, chat: bool) -> None:
         """One completion of ``prompt``, answered whole or streamed, as a completion or a chat completion."""

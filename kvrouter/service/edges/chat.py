@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import numpy as np
+import numpy.typing as npt
 import orjson
 from aiohttp import web
 
@@ -123,14 +124,13 @@ class ChatRoutes:
         generation_prompt = body.get("add_generation_prompt", True)
         if not isinstance(generation_prompt, bool):
             raise BadRequest("add_generation_prompt: expected true or false", param="add_generation_prompt")
-        ids = chat.prompt_ids(messages, tools=tools, add_generation_prompt=generation_prompt, extra=extra)
-        if not ids:
+        tokens = chat.prompt_ids(messages, tools=tools, add_generation_prompt=generation_prompt, extra=extra)
+        if not len(tokens):
             raise BadRequest("messages: the rendered prompt is empty", param="messages")
-        chat.check_length(len(ids), _max_tokens(body))
-        tokens = np.asarray(ids, dtype=np.uint32)
+        chat.check_length(len(tokens), _max_tokens(body))
         salt, klass = cache_salt(body), priority(request, body)
         if self.core.config.forward_tokens:
-            forward = orjson.dumps(_as_completion(body, ids))
+            forward = orjson.dumps(_as_completion(body, tokens), option=orjson.OPT_SERIALIZE_NUMPY)
             route = COMPLETIONS_ROUTE
             return await self.proxy.forward(
                 request, base, tokens, forward, route, salt, klass, lora=adapter, as_chat=True
@@ -191,7 +191,7 @@ CHAT_ONLY: Final = frozenset(
 prompt's tokens already hold what rendering made of them; chat's logprobs are a flag, completions' a count)."""
 
 
-def _as_completion(body: Mapping[str, Any], ids: list[int]) -> dict[str, Any]:
+def _as_completion(body: Mapping[str, Any], ids: npt.NDArray[np.uint32]) -> dict[str, Any]:
     """The ``/v1/completions`` body of a chat (``--forward-tokens``): its tokens as the prompt, the rest of
     its fields as they came."""
     out = {key: value for key, value in body.items() if key not in CHAT_ONLY}

@@ -374,6 +374,7 @@ class Stream:
         self._writer.clear_worker(self.key)
         if self._tap is not None:
             self._tap.cleared(self.key, "restart")
+        self._decode = _decoder(self.spec)  # the salted blocks the old one remembered were the last life's
         self.cursor = None
         self._exact = True
         self._words[W_LAST_ID] = NO_ID

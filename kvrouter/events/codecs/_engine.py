@@ -397,9 +397,9 @@ class EngineEncoder:
     """Writes batches as the engine's own publisher does, for the mock engine and for tests.
 
     The wire has no worker id, event ids or local hashes: a decoder takes the worker id as given,
-    renumbers events and re-hashes the tokens (with the store's ``lora_name``), so every block must carry
-    its ``token_ids``. The model holds no multimodal keys, so a multimodal block's local hash does not
-    survive the trip; any other does, exactly.
+    renumbers events and re-hashes the tokens (with the store's LoRA name and cache salt, written where the
+    engine writes them), so every block must carry its ``token_ids``. The model holds no multimodal keys,
+    so a multimodal block's local hash does not survive the trip; any other does, exactly.
     """
 
     dialect: ClassVar[Dialect]

@@ -19,7 +19,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,11 @@ from typing import Any
 import pytest
 
 import kvrouter
+from kvrouter.plane.registry import WorkerSpec
 from kvrouter.routing.config import RouterConfig
 from kvrouter.service import Service, ServiceConfig
-from tests.conftest import MOCK_SPEEDUP, MOCK_TIMEOUT, STACKS_SHOWN, Worker, stop_mock_process
+from kvrouter.service.core.config import WorkerRole
+from tests.conftest import MOCK_SPEEDUP, MOCK_TIMEOUT, STACKS_SHOWN, Worker, free_port, stop_mock_process
 
 BLOCK = 16
 MODEL = "m"
@@ -167,6 +169,61 @@ def stop_served(service: Service, thread: threading.Thread | None) -> None:
 def own_segments() -> list[str]:
     """This process's segments in ``/dev/shm``: none once its engine is closed."""
     return sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"kvrouter-{os.getpid()}-"))
+
+
+PROMPT = list(range(1, 70))
+"""The prompt :meth:`Served.select` routes: four blocks and a partial one."""
+
+
+class Served:
+    """A service reached over HTTP whose workers are registered endpoints that publish nothing: all that
+    registrations, roles and candidate filters need (the routing has no overlap to weigh)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def call(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
+        status, answer, _ = http(self.url + path, method, body)
+        return status, answer
+
+    def register(self, instance_id: int, model: str, **fields: Any) -> tuple[int, Any]:
+        body = {
+            "instance_id": instance_id,
+            "endpoint": f"tcp://127.0.0.1:{free_port()}",
+            "model_name": model,
+            "block_size": BLOCK,
+            **fields,
+        }
+        return self.call("POST", "/register", body)
+
+    def select(self, model: str, **fields: Any) -> tuple[int, Any]:
+        return self.call("POST", "/select", {"model_name": model, "token_ids": PROMPT, **fields})
+
+
+@contextlib.contextmanager
+def served_alone(router: RouterConfig, roles: Sequence[WorkerRole], worker_ids: Sequence[int]) -> Iterator[Served]:
+    """A service routing with ``router`` on its own thread, with no engines: ``worker_ids`` configured (as
+    ``--workers`` names them, in model ``configured``) with ``roles``; on leaving it stops and this process
+    leaves nothing in ``/dev/shm``."""
+    config = ServiceConfig(
+        port=0,
+        shards=1,
+        health_interval_secs=0.1,
+        drain_secs=2.0,
+        router=router,
+        model_name="configured",
+        workers=tuple(WorkerSpec(wid, f"tcp://127.0.0.1:{free_port()}") for wid in worker_ids),
+        worker_roles=tuple(roles),
+    )
+    service = Service(config)
+    service.start()
+    thread: threading.Thread | None = None
+    try:
+        thread, url = serve(service)
+        yield Served(url)
+    finally:
+        stop_served(service, thread)
+    assert own_segments() == []
 
 
 @contextlib.contextmanager

@@ -7,74 +7,35 @@ hashes them is ``tests/service/edges/test_chat.py``'s, against mock engines that
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kvrouter.client import SyncClient
-from kvrouter.plane.registry import WorkerSpec
 from kvrouter.routing.config import RouterConfig
-from kvrouter.service import Service, ServiceConfig
 from kvrouter.service.core.config import WorkerRole
 from tests.conftest import free_port
-from tests.service.conftest import BLOCK, http, own_segments, serve, stop_served
+from tests.service.conftest import Served, served_alone
 
 pytestmark = pytest.mark.timeout(120)
 
-PROMPT = list(range(1, 70))
 
-
-class Served:
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def call(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
-        status, answer, _ = http(self.url + path, method, body)
-        return status, answer
-
-    def register(self, instance_id: int, model: str, **fields: Any) -> tuple[int, Any]:
-        body = {
-            "instance_id": instance_id,
-            "endpoint": f"tcp://127.0.0.1:{free_port()}",
-            "model_name": model,
-            "block_size": BLOCK,
-            **fields,
-        }
-        return self.call("POST", "/register", body)
-
-    def chosen(self, model: str, times: int = 24, **fields: Any) -> set[int]:
-        """The workers ``times`` selections of one prompt went to."""
-        workers = set()
-        for _ in range(times):
-            status, answer = self.call("POST", "/select", {"model_name": model, "token_ids": PROMPT, **fields})
-            assert status == 200, answer
-            workers.add(answer["worker_id"])
-        return workers
+def chosen(served: Served, model: str, times: int = 24, **fields: Any) -> set[int]:
+    """The workers ``times`` selections of one prompt went to."""
+    workers = set()
+    for _ in range(times):
+        status, answer = served.select(model, **fields)
+        assert status == 200, answer
+        workers.add(answer["worker_id"])
+    return workers
 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    config = ServiceConfig(
-        port=0,
-        shards=1,
-        health_interval_secs=0.1,
-        drain_secs=2.0,
-        router=RouterConfig(router_temperature=1.0),  # spread: a filter that lets one through would show
-        model_name="configured",
-        workers=(WorkerSpec(71, f"tcp://127.0.0.1:{free_port()}"),),
-        worker_roles=(WorkerRole(71, lora_adapters=("configured-sql",)),),
-    )
-    service = Service(config)
-    service.start()
-    thread: threading.Thread | None = None
-    try:
-        thread, url = serve(service)
-        yield Served(url)
-    finally:
-        stop_served(service, thread)
-    assert own_segments() == []
+    spread = RouterConfig(router_temperature=1.0)  # a filter that let one worker through would show
+    with served_alone(spread, [WorkerRole(71, lora_adapters=("configured-sql",))], [71]) as served:
+        yield served
 
 
 def test_an_adapters_requests_go_only_to_the_workers_serving_it(served: Served):
@@ -82,10 +43,10 @@ def test_an_adapters_requests_go_only_to_the_workers_serving_it(served: Served):
     assert served.register(12, "base", lora_adapters=["sql"])[0] == 201
     assert served.register(13, "base")[0] == 201
 
-    assert served.chosen("base", lora_name="chat") == {11}
-    assert served.chosen("base", lora_name="sql") == {11, 12}
-    assert served.chosen("base") == {11, 12, 13}  # the base model: every worker
-    assert served.chosen("base", lora_name="unregistered") == {11, 12, 13}  # as the reference: a salt only
+    assert chosen(served, "base", lora_name="chat") == {11}
+    assert chosen(served, "base", lora_name="sql") == {11, 12}
+    assert chosen(served, "base") == {11, 12, 13}  # the base model: every worker
+    assert chosen(served, "base", lora_name="unregistered") == {11, 12, 13}  # as the reference: a salt only
 
     _, workers = served.call("GET", "/workers?model_name=base")
     assert {w["instance_id"]: w["lora_adapters"] for w in workers} == {11: ["chat", "sql"], 12: ["sql"], 13: []}
@@ -104,10 +65,10 @@ def test_v1_models_lists_adapters_with_their_base_model_as_parent(served: Served
 def test_no_schedulable_worker_for_an_adapter_is_a_503_naming_it(served: Served):
     assert served.register(21, "lonely", lora_adapters=["rare"], role="prefill")[0] == 201
     assert served.register(22, "lonely")[0] == 201
-    status, answer = served.call("POST", "/select", {"model_name": "lonely", "token_ids": PROMPT, "lora_name": "rare"})
+    status, answer = served.select("lonely", lora_name="rare")
     assert status == 503
     assert "serves LoRA adapter 'rare'" in answer["error"]
-    assert served.chosen("lonely", times=3) == {22}
+    assert chosen(served, "lonely", times=3) == {22}
 
 
 def test_both_hops_of_an_adapters_split_request_go_to_workers_serving_it(served: Served):
@@ -168,7 +129,7 @@ def test_an_unregistered_workers_adapters_go_with_it(served: Served):
     assert served.register(52, "leaving")[0] == 201
     assert served.call("POST", "/unregister", {"instance_id": 51, "model_name": "leaving"})[0] == 200
     assert "gone" not in {entry["id"] for entry in served.call("GET", "/v1/models")[1]["data"]}
-    assert served.chosen("leaving", times=3, lora_name="gone") == {52}  # no longer registered: a salt only
+    assert chosen(served, "leaving", times=3, lora_name="gone") == {52}  # no longer registered: a salt only
     assert served.register(53, "other", lora_adapters=["gone"])[0] == 201  # the name is free again
 
 

@@ -4,67 +4,24 @@ endpoints that publish nothing, which is all a role needs (the routing here has 
 
 from __future__ import annotations
 
-import threading
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from kvrouter.client import ApiError, SyncClient
-from kvrouter.plane.registry import WorkerSpec
 from kvrouter.routing.config import RouterConfig
-from kvrouter.service import Service, ServiceConfig
 from kvrouter.service.core.config import WorkerRole
 from tests.conftest import free_port
-from tests.service.conftest import BLOCK, http, own_segments, serve, stop_served
+from tests.service.conftest import Served, served_alone
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class Served:
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def call(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
-        status, answer, _ = http(self.url + path, method, body)
-        return status, answer
-
-    def register(self, instance_id: int, model: str, **fields: Any) -> tuple[int, Any]:
-        body = {
-            "instance_id": instance_id,
-            "endpoint": f"tcp://127.0.0.1:{free_port()}",
-            "model_name": model,
-            "block_size": BLOCK,
-            **fields,
-        }
-        return self.call("POST", "/register", body)
-
-    def select(self, model: str, **fields: Any) -> tuple[int, Any]:
-        return self.call("POST", "/select", {"model_name": model, "token_ids": list(range(1, 70)), **fields})
-
-
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    config = ServiceConfig(
-        port=0,
-        shards=1,
-        health_interval_secs=0.1,
-        drain_secs=2.0,
-        router=RouterConfig(),
-        model_name="configured",
-        workers=(WorkerSpec(71, f"tcp://127.0.0.1:{free_port()}"), WorkerSpec(72, f"tcp://127.0.0.1:{free_port()}")),
-        worker_roles=(WorkerRole(71, "prefill", "rack-z"),),
-    )
-    service = Service(config)
-    service.start()
-    thread: threading.Thread | None = None
-    try:
-        thread, url = serve(service)
-        yield Served(url)
-    finally:
-        stop_served(service, thread)
-    assert own_segments() == []
+    with served_alone(RouterConfig(), [WorkerRole(71, "prefill", "rack-z")], [71, 72]) as served:
+        yield served
 
 
 def test_a_role_and_a_domain_are_registered_per_instance_and_listed_everywhere(served: Served):

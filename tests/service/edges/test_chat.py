@@ -137,6 +137,21 @@ def wait_indexed(
     _wait_until(indexed, what="the chat's blocks in the index")
 
 
+def reused_as_predicted(run: Running, answer: dict[str, Any], headers: dict[str, str]) -> None:
+    """The engine reused some of the prompt, exactly what the router predicted (decision and header)."""
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    assert cached == decision(run, headers)["overlap_blocks"] * BLOCK == int(headers["X-Kvrouter-Overlap-Tokens"])
+
+
+def finds_none_of_it(run: Running, body: dict[str, Any]) -> None:
+    """The chat ``body`` finds no cached block, in the router's view and in the engine's."""
+    status, answer, headers = post_chat(run, body)
+    assert status == 200, answer
+    assert decision(run, headers)["best_overlap_blocks"] == 0
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def conversation(turns: int, topic: str = "") -> list[dict[str, str]]:
     """A conversation's first ``turns`` user turns; ``topic`` opens the system prompt (one no other test sent)."""
     messages = [{"role": "system", "content": topic + SYSTEM}]
@@ -190,11 +205,8 @@ def test_a_conversations_next_turn_goes_where_its_history_is_cached(chat: Runnin
     wait_indexed(chat, talk[:2], first[2])
     status, answer, headers = post_chat(chat, {"model": "m", "messages": talk, "max_tokens": 2})
     assert status == 200
-    made = decision(chat, headers)
-    assert headers["X-Kvrouter-Worker"] == first[2]["X-Kvrouter-Worker"], json.dumps(made)
-    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached > 0
-    assert cached == made["overlap_blocks"] * BLOCK  # the engine reused what the router predicted
+    assert headers["X-Kvrouter-Worker"] == first[2]["X-Kvrouter-Worker"], json.dumps(decision(chat, headers))
+    reused_as_predicted(chat, answer, headers)
 
 
 def test_a_salted_conversation_reuses_its_own_blocks_and_no_one_elses(chat: Running):
@@ -211,14 +223,8 @@ def test_a_salted_conversation_reuses_its_own_blocks_and_no_one_elses(chat: Runn
     status, answer, headers = post_chat(chat, {**salted, "messages": talk})
     assert status == 200
     assert headers["X-Kvrouter-Worker"] == first[2]["X-Kvrouter-Worker"]
-    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached > 0
-    assert cached == decision(chat, headers)["overlap_blocks"] * BLOCK
-
-    plain = post_chat(chat, {"model": "m", "messages": talk, "max_tokens": 1})
-    assert plain[0] == 200
-    assert decision(chat, plain[2])["best_overlap_blocks"] == 0
-    assert plain[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    reused_as_predicted(chat, answer, headers)
+    finds_none_of_it(chat, {"model": "m", "messages": talk, "max_tokens": 1})  # unsalted
     assert booked(chat) == 0
 
 
@@ -236,15 +242,8 @@ def test_an_adapters_chat_runs_where_it_is_served_on_blocks_of_its_own(chat: Run
     status, answer, headers = post_chat(chat, {"model": "sql", "messages": talk, "max_tokens": 2, "stream": False})
     assert status == 200
     assert headers["X-Kvrouter-Worker"] == "2:0"
-    made = decision(chat, headers)
-    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached > 0
-    assert cached == made["overlap_blocks"] * BLOCK == int(headers["X-Kvrouter-Overlap-Tokens"])
-
-    base = post_chat(chat, {"model": "m", "messages": talk, "max_tokens": 1})
-    assert base[0] == 200
-    assert decision(chat, base[2])["best_overlap_blocks"] == 0
-    assert base[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    reused_as_predicted(chat, answer, headers)
+    finds_none_of_it(chat, {"model": "m", "messages": talk, "max_tokens": 1})  # the base model
     assert booked(chat) == 0
 
 

@@ -19,7 +19,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,8 +114,8 @@ class Running:
         assert 200 <= status < 300, (status, answer)
         return answer
 
-    def register(self, worker_id: int, worker: Worker) -> None:
-        """``/register`` a mock engine in ``MODEL``: its events, replay and HTTP endpoints."""
+    def register(self, worker_id: int, worker: Worker, model: str = MODEL, **fields: Any) -> None:
+        """``/register`` a mock engine in ``model``: its events, replay and HTTP endpoints, and ``fields``."""
         self.ok(
             "POST",
             "/register",
@@ -123,11 +123,24 @@ class Running:
                 "instance_id": worker_id,
                 "endpoint": worker.events[0],
                 "replay_endpoint": worker.replay[0],
-                "model_name": MODEL,
+                "model_name": model,
                 "block_size": BLOCK,
                 "http_endpoint": worker.http,
+                **fields,
             },
         )
+
+
+@dataclass(frozen=True, slots=True)
+class MockSpec:
+    """One mock engine of a :func:`serving` fleet: its instance id, the model it registers in, more
+    ``kvrouter mock-worker`` flags, its speed-up and more ``/register`` fields."""
+
+    worker_id: int
+    model: str = MODEL
+    args: tuple[str, ...] = ()
+    speedup: str = MOCK_SPEEDUP
+    registration: Mapping[str, Any] = field(default_factory=dict)
 
 
 SERVE_TIMEOUT = 240.0
@@ -227,26 +240,34 @@ def served_alone(router: RouterConfig, roles: Sequence[WorkerRole], worker_ids: 
 
 
 @contextlib.contextmanager
-def serving(config: ServiceConfig, folder: Path, run_type: type[Running] = Running) -> Iterator[Running]:
-    """A service on ``config`` with two vLLM-format mock engines (replay sockets) registered in ``MODEL``;
-    on leaving, the service stops, the mocks exit 0 and this process leaves nothing in ``/dev/shm``."""
+def serving(
+    config: ServiceConfig,
+    folder: Path,
+    run_type: type[Running] = Running,
+    fleet: Sequence[MockSpec] = tuple(MockSpec(wid) for wid in MOCK_IDS),
+) -> Iterator[Running]:
+    """A service on ``config`` with vLLM-format mock engines (replay sockets) registered as ``fleet`` says
+    (by default two in ``MODEL``); on leaving, the service stops, the mocks exit 0 and this process leaves
+    nothing in ``/dev/shm``."""
     service = Service(config)
     service.start()  # forks the applier: before the service thread
     workers: list[Worker] = []
     thread: threading.Thread | None = None
     try:
-        workers = [start_mock(wid, folder / f"worker{wid}.err") for wid in MOCK_IDS]
+        for spec in fleet:
+            err = folder / f"worker{spec.worker_id}.err"
+            workers.append(start_mock(spec.worker_id, err, *spec.args, speedup=spec.speedup))
         thread, url = serve(service)
         run = run_type(service, url, workers)
-        for wid, worker in zip(MOCK_IDS, workers, strict=True):
-            run.register(wid, worker)
+        for spec, worker in zip(fleet, workers, strict=True):
+            run.register(spec.worker_id, worker, spec.model, **spec.registration)
         yield run
     finally:
         stop_served(service, thread)
         codes = [stop_mock(worker) for worker in workers]
         errors = {
-            wid: (folder / f"worker{wid}.err").read_text()[-STACKS_SHOWN:]
-            for wid, code in zip(MOCK_IDS, codes, strict=False)  # none when a mock did not start
+            spec.worker_id: (folder / f"worker{spec.worker_id}.err").read_text()[-STACKS_SHOWN:]
+            for spec, code in zip(fleet, codes, strict=False)  # none when a mock did not start
             if code
         }
         assert codes == [0] * len(workers), f"exit codes {codes}; stderr: {errors}"

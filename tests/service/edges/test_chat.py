@@ -13,7 +13,6 @@ from __future__ import annotations
 import http.client
 import json
 import shutil
-import threading
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +22,9 @@ import pytest
 
 from kvrouter.chat import DEMO_MODEL, ChatModel, checked_messages
 from kvrouter.routing.config import KVROUTER_CONFIG
-from kvrouter.service import Service, ServiceConfig
-from tests.conftest import Worker, _wait_until
-from tests.service.conftest import BLOCK, Running, serve, start_mock, stop_mock, stop_served
+from kvrouter.service import ServiceConfig
+from tests.conftest import _wait_until
+from tests.service.conftest import BLOCK, MockSpec, Running, serving
 from tests.service.edges.test_proxy import booked, listening
 
 pytestmark = pytest.mark.timeout(180)
@@ -57,29 +56,15 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         router=KVROUTER_CONFIG,  # the service's default routing
         model_paths=(f"m={DEMO_MODEL}", f"plain={plain}"),
     )
-    service = Service(config)
-    service.start()  # forks the applier: before the service thread
-    workers: list[Worker] = []
-    thread: threading.Thread | None = None
-    try:
-        for wid in (1, 2, 3, 4):
-            extra = {2: ("--lora-adapter", "sql"), 3: ("--model-path", str(plain))}.get(wid, ())
-            workers.append(start_mock(wid, tmp / f"worker{wid}.err", *extra, speedup="10000"))
-        thread, url = serve(service)
-        run = Running(service, url, workers)
-        for wid, model in ((1, "m"), (2, "m"), (3, "plain"), (4, "bare")):
-            worker = workers[wid - 1]
-            registration = {"instance_id": wid, "endpoint": worker.events[0], "replay_endpoint": worker.replay[0]}
-            registration |= {"model_name": model, "block_size": BLOCK, "http_endpoint": worker.http}
-            if wid == 2:
-                registration["lora_adapters"] = ["sql"]
-            run.ok("POST", "/register", registration)
-        _wait_until(lambda: listening(service, 4), what="the engine following the four mock engines")
+    fleet = [
+        MockSpec(1, "m", speedup="10000"),
+        MockSpec(2, "m", ("--lora-adapter", "sql"), "10000", {"lora_adapters": ["sql"]}),
+        MockSpec(3, "plain", ("--model-path", str(plain)), "10000"),
+        MockSpec(4, "bare", speedup="10000"),
+    ]
+    with serving(config, tmp, fleet=fleet) as run:
+        _wait_until(lambda: listening(run.service, 4), what="the engine following the four mock engines")
         yield run
-    finally:
-        stop_served(service, thread)
-        codes = [stop_mock(worker) for worker in workers]
-        assert codes == [0] * len(workers)
 
 
 def post_chat(

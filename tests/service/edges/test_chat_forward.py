@@ -5,15 +5,14 @@ service per process at a time, and ``test_chat.py``'s is another."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 
 import pytest
 
 from kvrouter.chat import DEMO_MODEL
-from kvrouter.service import Service, ServiceConfig
-from tests.conftest import Worker, _wait_until
-from tests.service.conftest import BLOCK, Running, serve, start_mock, stop_mock, stop_served
+from kvrouter.service import ServiceConfig
+from tests.conftest import _wait_until
+from tests.service.conftest import MockSpec, Running, serving
 from tests.service.edges.test_chat import conversation, decision, post_chat
 from tests.service.edges.test_proxy import booked, listening
 
@@ -32,25 +31,9 @@ def forwarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         model_paths=(f"m={DEMO_MODEL}",),
         forward_tokens=True,
     )
-    service = Service(config)
-    service.start()
-    workers: list[Worker] = []
-    thread: threading.Thread | None = None
-    try:
-        workers.append(start_mock(1, tmp / "worker1.err", speedup="10000"))
-        thread, url = serve(service)
-        run = Running(service, url, workers)
-        registration = {"instance_id": 1, "endpoint": workers[0].events[0], "replay_endpoint": workers[0].replay[0]}
-        run.ok(
-            "POST",
-            "/register",
-            registration | {"model_name": "m", "block_size": BLOCK, "http_endpoint": workers[0].http},
-        )
-        _wait_until(lambda: listening(service, 1), what="the engine following the mock engine")
+    with serving(config, tmp, fleet=[MockSpec(1, "m", speedup="10000")]) as run:
+        _wait_until(lambda: listening(run.service, 1), what="the engine following the mock engine")
         yield run
-    finally:
-        stop_served(service, thread)
-        assert [stop_mock(worker) for worker in workers] == [0] * len(workers)
 
 
 def test_forward_tokens_sends_the_routed_tokens_to_completions_and_answers_as_chat(forwarded: Running):

@@ -13,7 +13,6 @@ import asyncio
 import http.client
 import json
 import random
-import threading
 import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,8 +24,8 @@ from kvrouter.routing.config import RouterConfig
 from kvrouter.service import Service, ServiceConfig
 from kvrouter.service.core.affinity import SESSION_HEADER, Affinity
 from kvrouter.service.edges.proxy import WORKER_HEADER
-from tests.conftest import Worker, _wait_until, free_port
-from tests.service.conftest import BLOCK, TOKEN, Running, serve, start_mock, stop_mock, stop_served
+from tests.conftest import _wait_until, free_port
+from tests.service.conftest import BLOCK, TOKEN, MockSpec, Running, serving
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,26 +63,13 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         session_affinity_ttl_secs=TTL,
         tokenizer=str(tokenizer_file(tmp / "tokenizer.json")),
     )
-    service = Service(config)
-    service.start()  # forks the applier: before the service thread
-    workers: list[Worker] = []
-    thread: threading.Thread | None = None
-    try:
-        for wid in (1, 2, 3, 4):
-            workers.append(start_mock(wid, tmp / f"worker{wid}.err", speedup="1" if wid == 3 else "10000"))
-        thread, url = serve(service)
-        run = Running(service, url, workers)
-        for wid, model in ((1, "m"), (2, "m"), (3, "slow"), (4, "r")):
-            worker = workers[wid - 1]
-            registration = {"instance_id": wid, "endpoint": worker.events[0], "replay_endpoint": worker.replay[0]}
-            registration |= {"model_name": model, "block_size": BLOCK, "http_endpoint": worker.http}
-            run.ok("POST", "/register", registration)
-        _wait_until(lambda: listening(service, 4), what="the engine following the four mock engines")
+    fleet = [
+        MockSpec(wid, model, speedup="1" if wid == 3 else "10000")
+        for wid, model in ((1, "m"), (2, "m"), (3, "slow"), (4, "r"))
+    ]
+    with serving(config, tmp, fleet=fleet) as run:
+        _wait_until(lambda: listening(run.service, 4), what="the engine following the four mock engines")
         yield run
-    finally:
-        stop_served(service, thread)
-        codes = [stop_mock(worker) for worker in workers]
-        assert codes == [0] * len(workers)
 
 
 def on_loop(service: Service, fn: Callable[[], T]) -> T:

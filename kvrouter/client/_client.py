@@ -644,7 +644,7 @@ class Client:
         """
         if "stream" in fields:
             raise TypeError("completions() does not stream; use stream_completions()")
-        body, headers = _completion(prompt, model, max_tokens, session_id, fields)
+        body, headers = _openai(session_id, fields, model=model, prompt=prompt, max_tokens=max_tokens)
         answer: dict[str, Any] = (await self.request("POST", "/v1/completions", body, headers=headers)).body
         return answer
 
@@ -665,7 +665,9 @@ class Client:
         the engine (``X-Kvrouter-Worker``). Leaving the block early closes the connection, and the router
         frees the request. Arguments as :meth:`completions`.
         """
-        body, headers = _completion(prompt, model, max_tokens, session_id, {**fields, "stream": True})
+        body, headers = _openai(
+            session_id, {**fields, "stream": True}, model=model, prompt=prompt, max_tokens=max_tokens
+        )
         return CompletionStream(self._send("POST", "/v1/completions", body, None, headers, None), self)
 
     async def chat_completions(
@@ -688,7 +690,7 @@ class Client:
         """
         if "stream" in fields:
             raise TypeError("chat_completions() does not stream; use stream_chat_completions()")
-        body, headers = _chat(messages, model, max_tokens, session_id, fields)
+        body, headers = _openai(session_id, fields, model=model, messages=list(messages), max_tokens=max_tokens)
         answer: dict[str, Any] = (await self.request("POST", "/v1/chat/completions", body, headers=headers)).body
         return answer
 
@@ -704,7 +706,9 @@ class Client:
     ) -> CompletionStream:
         """``POST /v1/chat/completions`` with ``"stream": true``: the engine's ``chat.completion.chunk`` events,
         used as :meth:`stream_completions`."""
-        body, headers = _chat(messages, model, max_tokens, session_id, {**fields, "stream": True})
+        body, headers = _openai(
+            session_id, {**fields, "stream": True}, model=model, messages=list(messages), max_tokens=max_tokens
+        )
         return CompletionStream(self._send("POST", "/v1/chat/completions", body, None, headers, None), self)
 
     async def models(self) -> list[dict[str, Any]]:
@@ -713,21 +717,9 @@ class Client:
         return data
 
 
-def _chat(
-    messages: Sequence[Mapping[str, Any]],
-    model: str,
-    max_tokens: int | None,
-    session_id: str | None,
-    fields: Mapping[str, Any],
-) -> tuple[dict[str, Any], dict[str, str]]:
-    body = {**fields, **_drop_none({"model": model, "messages": list(messages), "max_tokens": max_tokens})}
-    return body, {} if session_id is None else {SESSION_HEADER: session_id}
-
-
-def _completion(
-    prompt: Prompt, model: str | None, max_tokens: int | None, session_id: str | None, fields: Mapping[str, Any]
-) -> tuple[dict[str, Any], dict[str, str]]:
-    body = {**fields, **_drop_none({"model": model, "prompt": prompt, "max_tokens": max_tokens})}
+def _openai(session_id: str | None, fields: Mapping[str, Any], **named: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """An OpenAI request's body (``fields``, then the ``named`` ones given) and its session header."""
+    body = {**fields, **_drop_none(named)}
     return body, {} if session_id is None else {SESSION_HEADER: session_id}
 
 

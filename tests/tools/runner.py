@@ -8,18 +8,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = ROOT / "tools"
+TRACES = ROOT.parent / "shared" / "traces"
+"""The Mooncake traces beside the checkout, as CI has them."""
 
 
-def run_tool(name: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None) -> tuple[str, int]:
-    """Run ``tools/<name>`` to its end (killed past ``timeout``) and require exit status 0; its stdout and
-    its pid (the engines' segment names carry it)."""
+def run_tool(name: str, *args: str, timeout: float = 240) -> tuple[str, int]:
+    """Run ``tools/<name>`` on this checkout's kvrouter (first on ``PYTHONPATH``, not an installed one) to its
+    end (killed past ``timeout``) and require exit status 0; its stdout and its pid (the engines' segment
+    names carry it)."""
     process = subprocess.Popen(
         [sys.executable, str(TOOLS / name), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout)

@@ -15,7 +15,6 @@ from tests.tools.runner import run_tool
 
 pytest.importorskip("dynamo._core", reason="the reference runtime comes with the anchors extra")
 
-ROOT = Path(__file__).resolve().parents[2]
 SIDES = {"new", "oracle", "walk", "reference_find_matches"}
 
 
@@ -24,7 +23,6 @@ def test_quick_run_reports_every_ratio_and_agrees_with_the_oracle(tmp_path: Path
     stdout, pid = run_tool(
         "bench_decide.py",
         *("--quick", "--workers", "16", "64", "--queries", "60", "--json", str(out)),
-        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout's kvrouter, not an installed one
     )
     figures: dict[str, Any] = json.loads(out.read_text())
     assert set(figures["ratios"]) == {"speedup", "overhead", "scale"}

@@ -4,15 +4,11 @@ ratios. The whole grid is the tool's (minutes on two cores)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.tools.runner import run_tool
-
-ROOT = Path(__file__).resolve().parents[2]
-TRACES = ROOT.parent / "shared" / "traces"
+from tests.tools.runner import TRACES, run_tool
 
 
 @pytest.mark.skipif(not TRACES.is_dir(), reason=f"traces not found at {TRACES}")
@@ -21,7 +17,6 @@ def test_the_grid_reports_every_run_goal_and_ratio(tmp_path: Path) -> None:
     stdout, _ = run_tool(
         "bench_disagg.py",
         *("--limit", "200", "--jobs", "2", "--json", str(out)),
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert "| conversation | x4 | 4P+4D | kvrouter_disagg |" in stdout
     assert "| synthetic | x1.5 (held out) | 8 aggregated | kvrouter |" in stdout

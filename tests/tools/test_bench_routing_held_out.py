@@ -4,15 +4,11 @@ its table, its JSON and its bars. The whole set is the tool's, not the tests' (m
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.tools.runner import run_tool
-
-ROOT = Path(__file__).resolve().parents[2]
-TRACES = ROOT.parent / "shared" / "traces"
+from tests.tools.runner import TRACES, run_tool
 
 
 @pytest.mark.skipif(not TRACES.is_dir(), reason=f"traces not found at {TRACES}")
@@ -21,7 +17,6 @@ def test_one_held_out_run_passes_its_bars(tmp_path: Path) -> None:
     stdout, _ = run_tool(
         "bench_routing_held_out.py",
         *("--runs", "S6 x1.5", "--jobs", "2", "--json", str(out), "--check"),
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert "| S6 x1.5 |" in stdout
     assert "0 bar(s) failed" in stdout

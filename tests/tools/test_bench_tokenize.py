@@ -6,7 +6,6 @@ an error)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -14,15 +13,12 @@ import pytest
 
 from tests.tools.runner import run_tool
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_the_tool_times_both_ways_and_writes_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "tokenize.json"
     stdout, _ = run_tool(
         "bench_tokenize.py",
         *("--turns", "12", "--tokens", "8000", "--repeats", "1", "--route-seconds", "0", "--json", str(out)),
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert "incremental: full / kvrouter, median over turns 3-12" in stdout
     document = json.loads(out.read_text())
@@ -42,7 +38,6 @@ def test_the_routing_path_line_runs_kvrouters_chat_beside_the_references_select(
         "bench_tokenize.py",
         *("--turns", "6", "--tokens", "3000", "--repeats", "1", "--route-seconds", "1", "--route-rounds", "1"),
         *("--json", str(out)),
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
         timeout=300,
     )
     assert "routing path (report only): kvrouter /v1/chat/completions" in stdout

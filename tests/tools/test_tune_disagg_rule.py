@@ -4,15 +4,11 @@ under every pair of thresholds, as a table and as JSON. The whole sweep is the t
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.tools.runner import run_tool
-
-ROOT = Path(__file__).resolve().parents[2]
-TRACES = ROOT.parent / "shared" / "traces"
+from tests.tools.runner import TRACES, run_tool
 
 
 @pytest.mark.skipif(not TRACES.is_dir(), reason=f"traces not found at {TRACES}")
@@ -21,7 +17,6 @@ def test_every_run_gets_every_pair(tmp_path: Path) -> None:
     stdout, _ = run_tool(
         "tune_disagg_rule.py",
         *("--limit", "100", "--jobs", "2", "--json", str(out)),
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert "| run | 512, off | 2,048, off | 2,048, 16,384 | 512, 16,384 |" in stdout
     assert "| C x4 4P+4D, requests 6,001- (held out) |" in stdout

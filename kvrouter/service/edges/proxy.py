@@ -241,14 +241,8 @@ class CompletionsProxy:
         trace: RequestTrace | None,
     ) -> web.StreamResponse:
         """:meth:`forward`'s work, its spans told to ``trace`` when tracing is on."""
-        core = self.core
         for attempt in range(ATTEMPTS):
-            asked = time.time_ns()
-            result = await core.queue.select(select, reserve=True, gone=client_gone(request))
-            if trace is not None:
-                trace.decided(result, asked, time.time_ns())
-            selection_id = result.selection_id
-            assert selection_id is not None
+            result, selection_id = await self._decide(request, select, trace)
             headers = JSON_TYPE if trace is None else trace.upstream(JSON_TYPE)
             decode_body = forward
             if result.split is not None and result.split.prefill is not None:
@@ -261,12 +255,7 @@ class CompletionsProxy:
                         self.retried += 1
                         continue
                     select = dataclasses.replace(select, whole=True)  # refused twice: the decode worker prefills
-                    asked = time.time_ns()
-                    result = await core.queue.select(select, reserve=True, gone=client_gone(request))
-                    if trace is not None:
-                        trace.decided(result, asked, time.time_ns())
-                    selection_id = result.selection_id
-                    assert selection_id is not None
+                    result, selection_id = await self._decide(request, select, trace)
                 except BaseException:
                     self._free(selection_id)
                     raise
@@ -289,6 +278,17 @@ class CompletionsProxy:
                 upstream.close()
                 self._free(selection_id)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _decide(
+        self, request: web.Request, select: SelectRequest, trace: RequestTrace | None
+    ) -> tuple[Decision, str]:
+        """A booked decision through the router queue (timed for ``trace``), and its selection id."""
+        asked = time.time_ns()
+        result = await self.core.queue.select(select, reserve=True, gone=client_gone(request))
+        if trace is not None:
+            trace.decided(result, asked, time.time_ns())
+        assert result.selection_id is not None
+        return result, result.selection_id
 
     async def _prefill_hop(self, result: Decision, forward: bytes, route: str, headers: dict[str, str]) -> bytes:
         """A split request's first hop, as vLLM's proxy sends it to the NixlConnector: the prompt with one output

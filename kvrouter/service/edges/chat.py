@@ -49,13 +49,11 @@ from ...errors import BadRequest
 from ..core.config import ServiceConfig
 from ..core.requests import parse_body
 from ..core.state import Core
-from .proxy import CompletionsProxy, cache_salt, priority
+from .gate import CHAT_ROUTE, MODELS_ROUTE
+from .proxy import COMPLETIONS_ROUTE, CompletionsProxy, cache_salt, priority
 
-__all__ = ["CHAT_ROUTE", "MODELS_ROUTE", "ChatRoutes", "load_chat_models"]
+__all__ = ["ChatRoutes", "load_chat_models"]
 
-CHAT_ROUTE: Final = "/v1/chat/completions"
-COMPLETIONS_ROUTE: Final = "/v1/completions"
-MODELS_ROUTE: Final = "/v1/models"
 OWNED_BY: Final = "kvrouter"
 
 

@@ -46,7 +46,9 @@ from ..core.lifecycle import Lifecycle
 
 __all__ = [
     "ALWAYS_SERVED",
+    "CHAT_ROUTE",
     "FRONT_HEADER",
+    "MODELS_ROUTE",
     "OPENAI_ROUTES",
     "OPEN_ROUTES",
     "UNAUTHORIZED",
@@ -58,7 +60,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-OPENAI_ROUTES: Final = frozenset({"/v1/chat/completions", "/v1/models"})
+CHAT_ROUTE: Final = "/v1/chat/completions"
+MODELS_ROUTE: Final = "/v1/models"
+OPENAI_ROUTES: Final = frozenset({CHAT_ROUTE, MODELS_ROUTE})
 """Routes whose errors take OpenAI's shape (``/v1/completions`` keeps kvrouter's, as it always answered)."""
 
 _OPENAI_TYPES: Final = {

@@ -61,6 +61,7 @@ from .routes import SESSION_HEADER, client_gone
 from .tracing import RequestTrace, Tracing
 
 __all__ = [
+    "COMPLETIONS_ROUTE",
     "DISCONNECT_POLL_S",
     "OVERLAP_HEADER",
     "PRIORITY_HEADER",
@@ -72,7 +73,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ROUTE: Final = "/v1/completions"
+COMPLETIONS_ROUTE: Final = "/v1/completions"
 WORKER_HEADER: Final = "X-Kvrouter-Worker"
 SELECTION_HEADER: Final = "X-Kvrouter-Selection-Id"
 PRIORITY_HEADER: Final = "X-Kvrouter-Priority"
@@ -125,7 +126,7 @@ class CompletionsProxy:
 
     def add_to(self, app: web.Application) -> None:
         """Add ``POST /v1/completions``; the proxy's client session closes with the app."""
-        app.router.add_post(ROUTE, self.handle)
+        app.router.add_post(COMPLETIONS_ROUTE, self.handle)
         app.on_cleanup.append(self.close)
 
     async def close(self, _app: web.Application | None = None) -> None:
@@ -188,7 +189,7 @@ class CompletionsProxy:
             raise BadRequest("model: expected a non-empty string")
         base, adapter = self.core.registry.served_as(model)
         salt, klass = cache_salt(body), priority(request, body)
-        return await self.forward(request, base, tokens, forward, ROUTE, salt, klass, lora=adapter)
+        return await self.forward(request, base, tokens, forward, COMPLETIONS_ROUTE, salt, klass, lora=adapter)
 
     async def forward(
         self,

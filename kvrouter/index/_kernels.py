@@ -22,6 +22,12 @@ Everything here runs once per block, so it is numba, over arrays laid out by ``l
   ``STUCK_SPINS`` reads the kernel returns to its caller, which asks whether the shard's writer is still
   alive (``index/reader.py``): a dead writer's shard is reported recovering at once, a live one that was
   preempted mid-write is waited for, up to ``MAX_STUCK_READS`` reads in all;
+- while a table or private map is being copied into its successor (``writer.Growth``), every write to
+  one of its slots or rows also sets that slot's or row's bit in the writer's dirty bitmap (``_mark``:
+  word 0 counts the bits set, bit ``i`` of word ``1 + i // 64`` is slot or row ``i``), so the copy can
+  run beside the writer and be corrected afterwards for exactly what the writer changed
+  (``reconcile_slots`` / ``reconcile_rows``); the bitmap's address is the table's ``H_DIRTY`` word or the
+  map's ``M_DIRTY``, 0 when nothing is being copied;
 - which worker a mask bit names (the shard's worker rows, in the control segment) changes only inside
   the shard's rows generation window (``begin_rows_change`` / ``end_rows_change``: odd, rows, even). A
   reader copies the rows once per generation (``read_rows``: generation, rows, same generation) into its
@@ -59,7 +65,9 @@ from ..hashing._xxh3 import chain_step
 from .layout import (
     C_ROWS,
     C_SHARDS,
+    GROWING_LOAD,
     H_CAPACITY,
+    H_DIRTY,
     H_EPOCH,
     H_LIVE,
     H_NWORDS,
@@ -111,8 +119,12 @@ __all__ = [
     "MAX_READ_RETRIES",
     "MAX_STUCK_READS",
     "META_WORDS",
+    "M_CAPACITY",
+    "M_DIRTY",
     "M_ENTRIES",
     "M_STAMP",
+    "M_TOMBS",
+    "M_USED",
     "NEED_ROOM",
     "OK",
     "PARENT_NOT_FOUND",
@@ -128,11 +140,12 @@ __all__ = [
     "STUCK_SPINS",
     "apply_run",
     "begin_rows_change",
-    "carry_matched",
     "clear_holder",
-    "copy_live",
+    "copy_rows",
+    "copy_slots",
     "end_rows_change",
     "evict",
+    "fault_in",
     "init_map",
     "lookup",
     "match_list",
@@ -141,7 +154,8 @@ __all__ = [
     "overlap_shards",
     "query_shards",
     "read_rows",
-    "rehash_map",
+    "reconcile_rows",
+    "reconcile_slots",
     "remove",
     "scratch_words",
     "store",
@@ -208,12 +222,13 @@ MAX_READ_RETRIES: Final = 1 << 28
 """Retries of one slot whose version keeps moving (a live writer rewriting it flat out) before the reader
 gives up anyway: seconds of starvation, a bound rather than an expectation."""
 
-M_CAPACITY, M_USED, M_TOMBS, M_PREFETCH_SINK, M_STAMP, M_ENTRIES = 0, 1, 2, 3, 4, 5
+M_CAPACITY, M_USED, M_TOMBS, M_PREFETCH_SINK, M_STAMP, M_ENTRIES, M_DIRTY = 0, 1, 2, 3, 4, 5, 6
 """Private map meta words: capacity, used rows (live + deleted), deleted rows, a word the prefetch pass
-stores into so its loads are not optimised away, (engine map) the stamp stores write into rows, and (the
+stores into so its loads are not optimised away, (engine map) the stamp stores write into rows, (the
 refs' meta, which ``_hold`` and ``_release`` take anyway) the shard's (holder, block) entries, the sum of
-``cached``: counted where a mask bit flips, so the writer never sums it in Python."""
-META_WORDS: Final = 6
+``cached``: counted where a mask bit flips, so the writer never sums it in Python; and the address of
+the dirty bitmap while the map is being copied (0 otherwise)."""
+META_WORDS: Final = 7
 MAP_KEY, MAP_HOLDER, MAP_VALUE, MAP_STAMP, MAP_PARENT, MAP_LINKS = range(6)
 """Private map row words (see the module docstring)."""
 MAP_ROW_WORDS: Final = 6
@@ -377,6 +392,33 @@ def _seqlocked_store(table: Table, base: int, word: int, value: np.uint64) -> No
     _store(table, word, value)
     _fence()
     _store(table, base + SLOT_VERSION, version + np.uint64(2))
+    dirty = _i64(table[H_DIRTY])
+    if dirty != 0:
+        _mark(dirty, (base - HEADER_WORDS) // _row_words(table))
+
+
+@_inlined
+def _mark(dirty: int, index: int) -> None:
+    """Set slot or row ``index``'s bit in the dirty bitmap at address ``dirty`` (module rules)."""
+    word = 1 + index // 64
+    bits = carray(_words_at(dirty), (word + 1,))
+    bit = _ONE << np.uint64(index % 64)
+    if bits[word] & bit == _ZERO:
+        bits[word] |= bit
+        bits[0] += _ONE
+
+
+@_inlined
+def _map_mark(meta: Meta, row: int) -> None:
+    """A private map's row was written: its dirty bit, while the map is being copied."""
+    if meta[M_DIRTY] != 0:
+        _mark(meta[M_DIRTY], row)
+
+
+@_inlined
+def _limit(dirty: int) -> float:
+    """The load a table or map may be filled to: ``GROWING_LOAD`` while its successor is being built."""
+    return GROWING_LOAD if dirty != 0 else MAX_LOAD
 
 
 @_inlined
@@ -445,6 +487,7 @@ def _map_insert(rows: Map, meta: Meta, key: np.uint64, holder: int, value: np.ui
     rows[row, 0] = key
     rows[row, 1] = np.uint64(holder + 1)
     rows[row, 2] = value
+    _map_mark(meta, row)
     return row
 
 
@@ -452,6 +495,7 @@ def _map_insert(rows: Map, meta: Meta, key: np.uint64, holder: int, value: np.ui
 def _map_delete(rows: Map, meta: Meta, row: int) -> None:
     rows[row, 1] = TOMB
     meta[M_TOMBS] += 1
+    _map_mark(meta, row)
 
 
 @_kernel
@@ -461,18 +505,6 @@ def init_map(rows: Map, meta: Meta) -> None:
     meta[M_CAPACITY] = rows.shape[0]
     meta[M_USED] = 0
     meta[M_TOMBS] = 0
-
-
-@_kernel
-def rehash_map(old: Map, new: Map, new_meta: Meta) -> None:
-    """Copy the live rows of ``old`` into the empty map ``new`` (growth, and dropping deleted rows)."""
-    for row in range(old.shape[0]):
-        owner = old[row, 1]
-        if owner != _ZERO and owner != TOMB:
-            moved = _map_insert(new, new_meta, old[row, 0], _i64(owner) - 1, old[row, 2])
-            new[moved, MAP_STAMP] = old[row, MAP_STAMP]
-            new[moved, MAP_PARENT] = old[row, MAP_PARENT]
-            new[moved, MAP_LINKS] = old[row, MAP_LINKS]
 
 
 @_inlined
@@ -502,6 +534,7 @@ def _hold(table: Table, refs: Map, rmeta: Meta, cached: TierCounts, seq: np.uint
         _map_insert(refs, rmeta, seq, holder, np.uint64(2))
     else:
         refs[row, 2] += _ONE
+        _map_mark(rmeta, row)
 
 
 @_inlined
@@ -513,6 +546,7 @@ def _release(table: Table, refs: Map, rmeta: Meta, cached: TierCounts, seq: np.u
         if row >= 0:
             if refs[row, 2] > np.uint64(2):
                 refs[row, 2] -= _ONE
+                _map_mark(rmeta, row)
             else:
                 _map_delete(refs, rmeta, row)
             return
@@ -568,9 +602,9 @@ def _store_event(
     holder = bit * TIERS + tier
     n = engine.size
     if (
-        _i64(table[H_USED]) + n > _i64(table[H_CAPACITY]) * MAX_LOAD
-        or emeta[M_USED] + n > emeta[M_CAPACITY] * MAX_LOAD
-        or rmeta[M_USED] + n > rmeta[M_CAPACITY] * MAX_LOAD
+        _i64(table[H_USED]) + n > _i64(table[H_CAPACITY]) * _limit(_i64(table[H_DIRTY]))
+        or emeta[M_USED] + n > emeta[M_CAPACITY] * _limit(emeta[M_DIRTY])
+        or rmeta[M_USED] + n > rmeta[M_CAPACITY] * _limit(rmeta[M_DIRTY])
     ):
         return NEED_ROOM
     ordered = np.sort(engine)
@@ -586,6 +620,7 @@ def _store_event(
             return PARENT_NOT_FOUND
         seq = emap[above, 2]
         emap[above, MAP_STAMP] = stamp  # a store under it: the engine just used its prefix
+        _map_mark(emeta, above)
     seqs = np.empty(n, dtype=np.uint64)
     for i in range(n):
         seq = chain_step(seq, local[i], _SEED) if (has_parent or i > 0) else local[i]
@@ -597,31 +632,34 @@ def _store_event(
         row = _map_find(emap, emeta, engine[i], holder)
         if row >= 0:
             emap[row, MAP_STAMP] = stamp
+            _map_mark(emeta, row)
             previous = emap[row, 2]
             if previous != seq:  # the engine re-used the hash: it moved
                 emap[row, 2] = seq
                 _hold(table, refs, rmeta, cached, seq, bit, tier)
                 _release(table, refs, rmeta, cached, previous, bit, tier)
                 _unlink(emap, emeta, row, holder)
-                _link(emap, row, linked, above_hash, above)
+                _link(emap, emeta, row, linked, above_hash, above)
         else:
             row = _map_insert(emap, emeta, engine[i], holder, seq)
             emap[row, MAP_STAMP] = stamp
             emap[row, MAP_LINKS] = _ZERO
-            _link(emap, row, linked, above_hash, above)
+            _link(emap, emeta, row, linked, above_hash, above)
             _hold(table, refs, rmeta, cached, seq, bit, tier)
         linked, above_hash, above = True, engine[i], row
     return OK
 
 
 @_inlined
-def _link(emap: Map, row: int, linked: bool, above_hash: np.uint64, above: int) -> None:
-    """Record that ``row`` was stored under ``above_hash`` (at ``above``, -1 if absent), or under no parent."""
+def _link(emap: Map, emeta: Meta, row: int, linked: bool, above_hash: np.uint64, above: int) -> None:
+    """Record that ``row`` was stored under ``above_hash`` (at ``above``, -1 if absent), or under no parent.
+    The caller marked ``row`` already."""
     if linked:
         emap[row, MAP_PARENT] = above_hash
         emap[row, MAP_LINKS] |= HAS_PARENT
         if above >= 0:
             emap[above, MAP_LINKS] += _ONE
+            _map_mark(emeta, above)
     else:
         emap[row, MAP_LINKS] &= CHILDREN
 
@@ -637,6 +675,7 @@ def _unlink(emap: Map, emeta: Meta, row: int, holder: int) -> int:
     if above < 0 or emap[above, MAP_LINKS] & CHILDREN == _ZERO:
         return -1
     emap[above, MAP_LINKS] -= _ONE
+    _map_mark(emeta, above)
     return above if emap[above, MAP_LINKS] & CHILDREN == _ZERO else -1
 
 
@@ -826,6 +865,8 @@ def _heap_pop(keys: Counts, rows: Counts, n: int) -> int:
 def _recency(table: Table, emap: Map, matched: Table, row: int) -> int:
     """When the row was last stored (or stored under), or its block last matched, whichever is later."""
     stamp = emap[row, MAP_STAMP]
+    if matched.size == 0:  # nothing was ever matched (``ShardWriter._matched``)
+        return _i64(stamp)
     slot = _find(table, _table_key(emap[row, 2]))
     if slot >= 0 and matched[slot] > stamp:
         stamp = matched[slot]
@@ -847,22 +888,9 @@ def touch(table: Table, matched: Table, seqs: npt.NDArray[np.uint64], stamp: np.
         if slot >= 0 and matched[slot] != stamp:
             matched[slot] = stamp
             found += 1
+            if table[H_DIRTY] != _ZERO:  # the copy carries match stamps too
+                _mark(_i64(table[H_DIRTY]), slot)
     return found
-
-
-@_kernel
-def carry_matched(old: Table, new: Table, old_matched: Table, new_matched: Table) -> None:
-    """After ``copy_live`` into ``new``: every live key's match stamp moves to its slot there."""
-    width = _row_words(old)
-    for slot in range(_i64(old[H_CAPACITY])):
-        if old_matched[slot] == _ZERO:
-            continue
-        key = old[HEADER_WORDS + slot * width]
-        if key == _ZERO or _is_tomb(old, HEADER_WORDS + slot * width, width):
-            continue
-        moved = _find(new, key)
-        if moved >= 0:
-            new_matched[moved] = old_matched[slot]
 
 
 @_kernel
@@ -942,28 +970,140 @@ def evict(
     return entries, deleted
 
 
+# -- growth -----------------------------------------------------------------------------------
+# A table or map grows into a successor twice its size, built on the writer's helper thread while the
+# writer goes on writing the old one (``writer.Growth``): ``copy_*`` copies every live slot or row and
+# notes where it went (``where``, -1: nowhere); the writer's writes meanwhile mark their slots and rows
+# dirty (``_mark``); ``reconcile_*`` then makes the successor agree with the old one on exactly those, in
+# two passes, first dropping what was copied of each, then copying each again as it is now. The copy may
+# read a slot or row mid-write: it is dirty, so the reconciliation overwrites what was read. A slot
+# dropped in the first pass stays as a key without holders (a soft tombstone), which a later claim of
+# that key reuses. Rounds repeat on the helper thread while the writer dirties more (each shorter than
+# the last); the writer reconciles the last, small one itself and publishes.
+
+
+@_inlined
+def _next_dirty(dirty: Table, word: int, bits: np.uint64) -> tuple[int, np.uint64]:
+    """The index of the lowest bit of ``bits`` (word ``word`` of the bitmap) and the bits left after it."""
+    return (word - 1) * 64 + _lowest_bit(bits), bits & (bits - _ONE)
+
+
 @_kernel
-def copy_live(old: Table, new: Table) -> None:
-    """Copy every live key with its masks into the empty, not yet published table ``new`` (which may have
-    wider masks); tombstones are dropped, which is the compaction."""
-    old_words, new_words = _i64(old[H_NWORDS]), _i64(new[H_NWORDS])
-    old_width, new_width = _row_words(old), _row_words(new)
-    mask = np.uint64(new[H_CAPACITY] - _ONE)
+def fault_in(words: Table) -> None:
+    """Write a zero into every 4 KiB page of fresh, zeroed memory: its first-touch faults, taken here."""
+    for i in range(0, words.size, 512):
+        words[i] = _ZERO
+
+
+@_kernel
+def copy_slots(old: Table, new: Table, old_matched: Table, new_matched: Table, where: Counts) -> None:
+    """Copy every live key with its masks and match stamp into the empty, not yet published table ``new``
+    (which may have wider masks), noting each one's new slot in ``where``; tombstones are dropped, which
+    is the compaction. Empty match arrays: no block was ever matched, nothing to carry."""
+    old_width = _row_words(old)
     for slot in range(_i64(old[H_CAPACITY])):
         base = HEADER_WORDS + slot * old_width
         key = old[base]
         if key == _ZERO or _is_tomb(old, base, old_width):
             continue
-        target = _i64(key & mask)
-        while new[HEADER_WORDS + target * new_width] != _ZERO:
-            target = _i64((np.uint64(target) + _ONE) & mask)
-        dest = HEADER_WORDS + target * new_width
-        new[dest] = key
-        for tier in range(TIERS):
-            for w in range(old_words):
-                new[dest + SLOT_MASKS + tier * new_words + w] = old[base + SLOT_MASKS + tier * old_words + w]
-        new[H_USED] += _ONE
+        where[slot] = _copy_slot(old, new, old_matched, new_matched, slot)
+
+
+@_inlined
+def _copy_slot(old: Table, new: Table, old_matched: Table, new_matched: Table, slot: int) -> int:
+    """Claim the old slot's key in ``new`` and give it the slot's masks and match stamp; returns where."""
+    old_words, new_words = _i64(old[H_NWORDS]), _i64(new[H_NWORDS])
+    base = HEADER_WORDS + slot * _row_words(old)
+    moved = _claim(new, old[base])
+    dest = HEADER_WORDS + moved * _row_words(new)
+    was_tomb = _is_tomb(new, dest, _row_words(new))
+    for tier in range(TIERS):
+        for w in range(old_words):
+            new[dest + SLOT_MASKS + tier * new_words + w] = old[base + SLOT_MASKS + tier * old_words + w]
+    if was_tomb and not _is_tomb(new, dest, _row_words(new)):
         new[H_LIVE] += _ONE
+    if old_matched.size:
+        new_matched[moved] = old_matched[slot]
+    return moved
+
+
+@_kernel
+def reconcile_slots(old: Table, new: Table, old_matched: Table, new_matched: Table, where: Counts, dirty: Table) -> int:
+    """Bring ``new`` up to date with ``old`` for every slot marked in ``dirty``, and clear it; returns how
+    many slots that was."""
+    new_width = _row_words(new)
+    for word in range(1, dirty.size):
+        bits = dirty[word]
+        while bits != _ZERO:
+            slot, bits = _next_dirty(dirty, word, bits)
+            moved = where[slot]
+            if moved < 0:
+                continue
+            where[slot] = -1
+            dest = HEADER_WORDS + moved * new_width
+            if not _is_tomb(new, dest, new_width):
+                new[H_LIVE] -= _ONE
+                new[H_TOMBS] += _ONE
+            new[dest + SLOT_MASKS : dest + new_width] = _ZERO
+            if new_matched.size:
+                new_matched[moved] = _ZERO
+    old_width = _row_words(old)
+    done = 0
+    for word in range(1, dirty.size):
+        bits = dirty[word]
+        dirty[word] = _ZERO
+        while bits != _ZERO:
+            slot, bits = _next_dirty(dirty, word, bits)
+            done += 1
+            base = HEADER_WORDS + slot * old_width
+            if old[base] != _ZERO and not _is_tomb(old, base, old_width):
+                where[slot] = _copy_slot(old, new, old_matched, new_matched, slot)
+    dirty[0] = _ZERO
+    return done
+
+
+@_kernel
+def copy_rows(old: Map, new: Map, new_meta: Meta, where: Counts) -> None:
+    """Copy the live rows of ``old`` into the empty map ``new`` (growth, and dropping deleted rows), noting
+    each one's new row in ``where``."""
+    for row in range(old.shape[0]):
+        owner = old[row, 1]
+        if owner != _ZERO and owner != TOMB:
+            where[row] = _copy_row(old, new, new_meta, row)
+
+
+@_inlined
+def _copy_row(old: Map, new: Map, new_meta: Meta, row: int) -> int:
+    moved = _map_insert(new, new_meta, old[row, 0], _i64(old[row, 1]) - 1, old[row, 2])
+    new[moved, MAP_STAMP] = old[row, MAP_STAMP]
+    new[moved, MAP_PARENT] = old[row, MAP_PARENT]
+    new[moved, MAP_LINKS] = old[row, MAP_LINKS]
+    return moved
+
+
+@_kernel
+def reconcile_rows(old: Map, new: Map, new_meta: Meta, where: Counts, dirty: Table) -> int:
+    """Bring ``new`` up to date with ``old`` for every row marked in ``dirty``, and clear it; returns how
+    many rows that was."""
+    for word in range(1, dirty.size):
+        bits = dirty[word]
+        while bits != _ZERO:
+            row, bits = _next_dirty(dirty, word, bits)
+            if where[row] >= 0:
+                _map_delete(new, new_meta, where[row])
+                where[row] = -1
+    done = 0
+    for word in range(1, dirty.size):
+        bits = dirty[word]
+        dirty[word] = _ZERO
+        while bits != _ZERO:
+            row, bits = _next_dirty(dirty, word, bits)
+            done += 1
+            owner = old[row, 1]
+            if owner != _ZERO and owner != TOMB:
+                where[row] = _copy_row(old, new, new_meta, row)
+    dirty[0] = _ZERO
+    return done
 
 
 # -- reads ------------------------------------------------------------------------------------

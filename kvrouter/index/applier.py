@@ -105,6 +105,9 @@ blocks, which is back pressure rather than loss."""
 TICK_MS: Final = 100
 """How often the applier runs its timers (recovery timeouts, stale workers, a rebuilt shard) and checks
 that its supervisor is still alive; also the longest a poll waits."""
+GROWTH_TICK_MS: Final = 2
+"""The longest a poll waits while a table or map grows (``ShardWriter.advance``): a quiet shard still
+publishes its successor within milliseconds of the helper finishing it."""
 PULL_DRAIN_LIMIT: Final = 1024
 """Supervisor messages taken per wake-up before the workers' sockets get their turn."""
 FENCE_POLL_MAX_S: Final = 0.05
@@ -257,7 +260,9 @@ def _serve(
     logged: set[str] = set()
     next_tick = 0.0
     while True:  # hot path: one poll, then every readable socket drained
-        ready = poller.poll(TICK_MS)
+        ready = poller.poll(GROWTH_TICK_MS if writer.growing else TICK_MS)
+        if writer.growing:
+            writer.advance()
         now = time.monotonic()
         if now >= next_tick:
             next_tick = now + TICK_MS / 1000

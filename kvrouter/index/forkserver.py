@@ -137,8 +137,8 @@ def _die_with_parent() -> None:
 
 def _warm_tables() -> None:
     """The table kernels on a tiny shard in private memory: stores and removes as the decoder hands them
-    over, a run of events, a match, an eviction, clear, the private-map rehash, and the live-copy of a
-    growth with its match stamps."""
+    over, a run of events, a match, an eviction, clear, and a growth's copies and reconciliations of a
+    map and of a table with its match stamps."""
     from ..events.codecs.kvrouter import Decoder, Encoder
     from ..events.model import EngineHash, EventBatch, LocalHash, Removed, Stored, StoredBlock
     from . import _kernels as kernels
@@ -188,10 +188,15 @@ def _warm_tables() -> None:
     kernels.evict(shard, emap, emeta, refs, rmeta, cached, matched, np.zeros(8, dtype=np.uint8), 4, 2, evicted, gone)
     kernels.clear_holder(shard, emap, emeta, refs, rmeta, cached, 0, 0)
     bigger, bigger_meta = private_map()
-    kernels.rehash_map(emap, bigger, bigger_meta)
-    grown = table()
-    kernels.copy_live(shard, grown)
-    kernels.carry_matched(shard, grown, matched, np.zeros(MIN_CAPACITY, dtype=np.uint64))
+    where = np.full(len(emap), -1, dtype=np.int64)
+    dirty = np.zeros(1 + len(emap) // 64, dtype=np.uint64)
+    kernels.copy_rows(emap, bigger, bigger_meta, where)
+    kernels.reconcile_rows(emap, bigger, bigger_meta, where, dirty)
+    grown, grown_matched = table(), np.zeros(MIN_CAPACITY, dtype=np.uint64)
+    kernels.fault_in(grown)
+    where = np.full(MIN_CAPACITY, -1, dtype=np.int64)
+    kernels.copy_slots(shard, grown, matched, grown_matched, where)
+    kernels.reconcile_slots(shard, grown, matched, grown_matched, where, dirty[: 1 + MIN_CAPACITY // 64])
     block = np.zeros(32, dtype=np.uint64)
     kernels.begin_rows_change(block)
     kernels.end_rows_change(block)

@@ -45,9 +45,10 @@ WORD_BITS: Final = 64
 # -- shard segment ------------------------------------------------------------------------------
 SHARD_MAGIC: Final = 0x6B76_7273_6861_7264  # "kvrshard"
 HEADER_WORDS: Final = 8
-H_MAGIC, H_CAPACITY, H_NWORDS, H_USED, H_EPOCH, H_TOMBS, H_LIVE = range(7)
+H_MAGIC, H_CAPACITY, H_NWORDS, H_USED, H_EPOCH, H_TOMBS, H_LIVE, H_DIRTY = range(8)
 """Shard header words: magic, slot capacity, mask words per tier, used slots (live + tombstones),
-epoch, tombstones, live keys."""
+epoch, tombstones, live keys, and the writer's dirty-slot bitmap while the table is being copied into its
+successor (an address in the writer's own process, 0 otherwise: no reader looks at it; ``writer.Growth``)."""
 SLOT_KEY, SLOT_VERSION, SLOT_MASKS = 0, 1, 2
 """Within a slot row: the key, the seqlock version, then ``TIERS * nwords`` mask words."""
 ZERO_KEY: Final = 0x9E37_79B9_7F4A_7C15
@@ -55,6 +56,10 @@ ZERO_KEY: Final = 0x9E37_79B9_7F4A_7C15
 MIN_CAPACITY: Final = 1024
 MAX_LOAD: Final = 0.5
 """Grow when used slots pass this share of capacity: linear probing stays short (``spec`` §3.1)."""
+GROWING_LOAD: Final = 0.75
+"""The load a table or map may reach while its successor is being built beside it (``writer.Growth``):
+probes a little longer for a fraction of a second, instead of a writer waiting for the copy. Past it the
+writer does wait (a burst of new keys faster than the copy)."""
 
 MAX_INDEX_BLOCKS: Final = 1 << 23
 """The default index cap, in (worker, block) entries over all shards and tiers (``--max-index-blocks``).
@@ -235,16 +240,18 @@ class Segment:
     words: npt.NDArray[np.uint64]
 
     @classmethod
-    def create(cls, name: str, n_words: int) -> Segment:
+    def create(cls, name: str, n_words: int, *, populate: bool = True) -> Segment:
         """A new zeroed segment; fails if the name exists (a stale owner must be swept first).
 
         Its pages are populated at creation (``MAP_POPULATE``): a table is written at random, and taking
-        a page fault on each first touch, inside the writer's hot loop, halved the apply rate.
+        a page fault on each first touch, inside the writer's hot loop, halved the apply rate. A growth's
+        helper thread passes ``populate=False`` and faults the pages in itself (``index/growth.py``).
         """
         fd = os.open(f"{SHM_DIR}/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, n_words * 8)
-            mapping = mmap.mmap(fd, n_words * 8, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            mapping = mmap.mmap(fd, n_words * 8, flags=flags)
         finally:
             os.close(fd)
         return cls(name, mapping, np.frombuffer(mapping, dtype=np.uint64))

@@ -5,15 +5,13 @@ turns events into kernel calls with the index contract of ``index/reference.py``
 by publishing a new segment. Keeping this apart from the applier's socket loop is what lets the tests
 drive the shared-memory index in-process against ``RadixIndex`` (``tests/index/test_writer.py``).
 
-Growth is paid in the writer's loop, amortised: a table or private map passing ``MAX_LOAD`` is rebuilt at
-twice its size (``_capacity_for``), so the copying adds up to about the final size again. On
-``tools/bench_ingest.py``'s 16-worker workload (800k blocks from one writer, table 64k -> 1M slots, engine
-map 64k -> 2M rows) growth was ~18 µs of the ~48 µs per 80-block message: new pre-faulted segments and
-maps ~10 (the kernel zeroing pages; the maps are no longer zeroed a second time by ``init_map``),
-``copy_live`` ~4.5, ``rehash_map`` ~3. Growing by 4x while small would save the copy into every other
-size (about a third of that), at the cost of tables and maps up to twice the size they need (the engine
-map alone is 48 bytes a held block); not done: a long-running applier reaches its working set once, and a
-bigger first size is the knob for that (``INITIAL_CAPACITY``).
+Growth runs beside the writer (``index/growth.py``): a table or private map passing ``MAX_LOAD`` gets a
+successor twice its size (``growth.capacity_for``), built and filled on the writer's helper threads while
+the writer goes on writing the old one up to ``GROWING_LOAD``; between batches the writer checks on it
+(``advance``) and publishes it once reconciled. Growing by 4x while small would save the copy into every
+other size, at the cost of tables and maps up to twice the size they need (the engine map alone is 48
+bytes a held block); not done: a long-running applier reaches its working set once, and a bigger first
+size is the knob for that (``INITIAL_CAPACITY``).
 
 The index cap (``--max-index-blocks``; ``docs/shm-engine.md`` "The index cap") is kept here, by the shard's
 one writer, so an eviction is a release like a Removed event's, under the slot seqlock, and readers need
@@ -33,10 +31,10 @@ bounds: ``_excuse`` approximates it per worker instead).
 from __future__ import annotations
 
 import logging
-import math
 import mmap
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Executor
 from typing import Final
 
 import numpy as np
@@ -46,10 +44,11 @@ from ..errors import BadEvent, BlockNotFound, InvalidBlockSequence, ParentNotFou
 from ..events.codecs.kvrouter import RawEvent
 from ..events.model import Cleared, KvEvent, Removed, Stored, WorkerKey
 from . import _kernels as kernels
+from .growth import Growth, Helper, MapGrowth, TableGrowth, capacity_for, new_table
 from .layout import (
     EVICT_REASONS,
+    GROWING_LOAD,
     H_CAPACITY,
-    H_EPOCH,
     H_LIVE,
     H_MAGIC,
     H_NWORDS,
@@ -87,9 +86,7 @@ from .layout import (
     WORD_BITS,
     WORKER_EXACT,
     Control,
-    Segment,
     shard_name,
-    shard_words,
     unlink_segment,
 )
 
@@ -104,8 +101,6 @@ EVICT_SLACK: Final = 64
 a scan of the engine map, so it frees 1/64 of the budget at once and the next one comes that many stores
 later. The cap is a bound, so the index keeps 98.4% of what it may hold at worst."""
 MIN_MAP_ROWS: Final = 1024
-GROWN_LOAD: Final = MAX_LOAD * 0.75
-"""The load a rebuilt table may start at: room for a third more keys before the next rebuild."""
 INITIAL_CAPACITY: Final = 1 << 16
 """Slots of a new shard table (3 MiB at 64 workers): a fleet's working set fills it in seconds, and
 starting there skips six doublings (each a copy and fresh page faults). Tests start smaller."""
@@ -169,14 +164,27 @@ def _run_kind(event: RawEvent) -> int:
     return kernels.RUN_STORED if event.parent is None else kernels.RUN_STORED_WITH_PARENT
 
 
-def _map(rows: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
-    """An empty private map in pre-faulted memory (see ``layout.Segment.create`` for why), zero from the kernel."""
+def _map(rows: int, *, populate: bool = True) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
+    """An empty private map in pre-faulted memory (see ``layout.Segment.create`` for why, and for
+    ``populate``), zero from the kernel."""
     width = kernels.MAP_ROW_WORDS
-    memory = mmap.mmap(-1, rows * width * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
+    memory = mmap.mmap(-1, rows * width * 8, flags=flags)
     table = np.frombuffer(memory, dtype=np.uint64).reshape(rows, width)
     meta = np.zeros(kernels.META_WORDS, dtype=np.int64)
     kernels.init_map(table, meta)
     return table, meta
+
+
+def _lazy_map(rows: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
+    """A growth's new map: its pages faulted in by the helper (``growth.fault_in``)."""
+    return _map(rows, populate=False)
+
+
+def _map_load(meta: npt.NDArray[np.int64]) -> tuple[int, int, int]:
+    """A private map's (used rows, capacity, live rows)."""
+    used, tombs = int(meta[kernels.M_USED]), int(meta[kernels.M_TOMBS])
+    return used, int(meta[kernels.M_CAPACITY]), used - tombs
 
 
 HISTORY_WORDS: Final = [
@@ -201,12 +209,6 @@ def _history(rows: npt.NDArray[np.uint64]) -> dict[WorkerKey, npt.NDArray[np.uin
     return {(int(rows[b, W_WORKER_ID]), int(rows[b, W_DP_RANK])): rows[b, HISTORY_WORDS].copy() for b in used}
 
 
-def _capacity_for(keys: int, minimum: int) -> int:
-    """The smallest power of two holding ``keys`` below ``GROWN_LOAD``: a full table (load 0.5) doubles,
-    one that is mostly tombstones is rebuilt at its own size."""
-    return max(minimum, 1 << math.ceil(math.log2(max(1, keys) / GROWN_LOAD)))
-
-
 class ShardWriter:
     """The single writer of one shard: applies events, grows the table, keeps the control rows current."""
 
@@ -219,7 +221,10 @@ class ShardWriter:
         workers: Iterable[WorkerKey] = (),
         capacity: int = INITIAL_CAPACITY,
         budget: int = 0,
+        helper: Executor | None = None,
     ) -> None:
+        """``helper`` runs the growths (``index/growth.py``); by default a thread of the writer's own,
+        started on the first growth. Tests pass one they step by hand."""
         self.control = control
         self.shard = shard
         self.owner_pid = owner_pid
@@ -247,11 +252,17 @@ class ShardWriter:
         kernels.begin_rows_change(control.block(shard))
         control.worker_rows(shard)[:] = 0  # a dead predecessor's rows: this writer registers its own
         kernels.end_rows_change(control.block(shard))
-        self._segment = self._publish(capacity, nwords=1)
-        self._matched = np.zeros(int(self.table[H_CAPACITY]), dtype=np.uint64)
+        self._helper = Helper(helper)
+        self._growths: dict[str, Growth] = {}
+        """What is growing now, by part: ``table``, ``emap``, ``refs`` (``_parts``)."""
+        epoch = control.epoch(shard) + 1
+        self._segment = new_table(shard_name(owner_pid, shard, epoch), capacity, 1, epoch)
+        self._segment.words[H_MAGIC] = SHARD_MAGIC
+        control.publish_segment(shard, self._segment.name, epoch, 1)
+        self._matched = np.zeros(0, dtype=np.uint64)
         """When each table slot's block was last matched (``touch``; 0: never), in the engine map's stamps:
-        private, beside the shared table, carried through every rebuild (``kernels.carry_matched``)."""
-        self._matched_any = False
+        private, beside the shared table, carried through every growth (``kernels.copy_slots``). Empty
+        until the first match: growths then carry nothing."""
         for worker in workers:
             self._bit(worker)
 
@@ -328,7 +339,9 @@ class ShardWriter:
         if not self.budget:
             return 0
         self._emeta[kernels.M_STAMP] += 1
-        self._matched_any = True
+        if not self._matched.size:
+            self._settle("table")  # a growth carries the stamps it started with: none
+            self._matched = np.zeros(int(self.table[H_CAPACITY]), dtype=np.uint64)
         found = int(kernels.touch(self.table, self._matched, seqs, np.uint64(self._emeta[kernels.M_STAMP])))
         self._block[S_TOUCHED] += np.uint64(found)
         return found
@@ -362,6 +375,8 @@ class ShardWriter:
         self.control.count_events(self.shard, events, time.time_ns(), sent_at)
         for kind in errors:
             self.control.count_error(self.shard, kind)
+        if self._growths:
+            self.advance()
 
     def _apply(self, worker: WorkerKey, event: RawEvent) -> str | None:
         bit = self._bit(worker)
@@ -379,7 +394,7 @@ class ShardWriter:
             has_parent, parent_word = parent is not None, np.uint64(parent or 0)
             engine, local = _read_only(event.engine), _read_only(event.local)
             status = kernels.store(*self._maps(), bit, tier, has_parent, parent_word, engine, local)
-            if status == kernels.NEED_ROOM:
+            while status == kernels.NEED_ROOM:
                 self._make_room(len(engine))
                 status = kernels.store(*self._maps(), bit, tier, has_parent, parent_word, engine, local)
             return _ERRORS.get(status)
@@ -542,8 +557,11 @@ class ShardWriter:
             return -1
         bit = int(free[0])
         nwords = int(self.table[H_NWORDS])
-        if bit >= nwords * WORD_BITS:
-            self._rebuild(int(self.table[H_LIVE]), nwords=nwords * 2, keep_capacity=True)
+        if bit >= nwords * WORD_BITS:  # wider masks: a table of the same size, published before the row
+            self._settle("table")
+            capacity = max(int(self.table[H_CAPACITY]), capacity_for(int(self.table[H_LIVE]), MIN_CAPACITY))
+            self._grow_table(capacity, nwords * 2)
+            self._settle("table")
         self._cached[:, bit] = 0
         block = self.control.block(self.shard)
         kernels.begin_rows_change(block)  # the row may be a forgotten worker's: readers mid-walk walk again
@@ -562,63 +580,98 @@ class ShardWriter:
 
     # -- growth -------------------------------------------------------------------------------
 
+    @property
+    def growing(self) -> bool:
+        """Whether a table or map is being rebuilt: the applier then checks on it often (``advance``)."""
+        return bool(self._growths)
+
+    def advance(self) -> None:
+        """Between batches: publish every growth that is ready, or that its old table or map outgrew (the
+        successor, sized when it started, would pass ``MAX_LOAD``); give the others another round."""
+        parts = self._parts()
+        for part, growth in list(self._growths.items()):
+            if parts[part][2] > growth.capacity * MAX_LOAD or growth.ready():
+                self._finish(part)
+
+    def settle(self) -> None:
+        """Finish every growth now and let the helpers release the old tables: quiet, for tests and tools."""
+        for part in list(self._growths):
+            self._settle(part)
+        self._helper.drain()
+
+    def _settle(self, part: str) -> None:
+        if part in self._growths:
+            self._finish(part)
+
+    def _parts(self) -> dict[str, tuple[int, int, int]]:
+        """Each growable part's (used, capacity, live) now."""
+        table, emeta, rmeta = self.table, self._emeta, self._rmeta
+        return {
+            "table": (int(table[H_USED]), int(table[H_CAPACITY]), int(table[H_LIVE])),
+            "emap": _map_load(emeta),
+            "refs": _map_load(rmeta),
+        }
+
     def _make_room(self, new_keys: int) -> None:
-        """Before a store of ``new_keys`` blocks: every table must take them without passing its load."""
-        used, capacity, live, nwords = (int(self.table[h]) for h in (H_USED, H_CAPACITY, H_LIVE, H_NWORDS))
-        if used + new_keys > capacity * MAX_LOAD:
-            self._rebuild(live + new_keys, nwords=nwords)
-        self._emap, self._emeta = self._fit(self._emap, self._emeta, new_keys)
-        self._refs, self._rmeta = self._fit(self._refs, self._rmeta, new_keys)
+        """Before a store of ``new_keys`` blocks: every table and map must take them below its limit, which
+        is ``MAX_LOAD`` (past it, a growth starts) or, while one runs, ``GROWING_LOAD`` (past it, the writer
+        waits for the growth to end)."""
+        for part in ("table", "emap", "refs"):
+            while True:
+                used, capacity, live = self._parts()[part]
+                growing = part in self._growths
+                if used + new_keys <= capacity * (GROWING_LOAD if growing else MAX_LOAD):
+                    break
+                if growing:
+                    self._finish(part)
+                    continue
+                # never smaller: the old one may fill to GROWING_LOAD while this one is built
+                rows = max(capacity, capacity_for(live + new_keys, MIN_MAP_ROWS))
+                if part == "table":
+                    self._grow_table(rows, int(self.table[H_NWORDS]))
+                elif part == "emap":
+                    self._growths[part] = MapGrowth(self._helper, (self._emap, self._emeta), rows, _lazy_map)
+                else:
+                    self._growths[part] = MapGrowth(self._helper, (self._refs, self._rmeta), rows, _lazy_map)
 
-    @staticmethod
-    def _fit(
-        rows: npt.NDArray[np.uint64], meta: npt.NDArray[np.int64], new_keys: int
-    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
-        capacity, used, tombs = (int(v) for v in meta[:3])
-        if used + new_keys <= capacity * MAX_LOAD:
-            return rows, meta
-        bigger, bigger_meta = _map(_capacity_for(used - tombs + new_keys, MIN_MAP_ROWS))
-        kernels.rehash_map(rows, bigger, bigger_meta)
-        bigger_meta[kernels.M_STAMP :] = meta[kernels.M_STAMP :]  # the stamp clock and the entries go on
-        return bigger, bigger_meta
-
-    def _rebuild(self, keys: int, *, nwords: int, keep_capacity: bool = False) -> None:
-        """Copy the live keys into a new segment sized for ``keys`` (and ``nwords`` mask words), publish it,
-        unlink the old one. Tombstones are left behind: this is also the compaction."""
-        old = self._segment
-        capacity = _capacity_for(keys, MIN_CAPACITY)
-        if keep_capacity:  # widening the masks: keep the size the table was given or grew to
-            capacity = max(capacity, int(old.words[H_CAPACITY]))
-        new = self._publish(capacity, nwords=nwords, before=old)
-        self._segment = new
-        matched = np.zeros(int(new.words[H_CAPACITY]), dtype=np.uint64)
-        if self._matched_any:  # a scan of the old table: skipped until a match was ever reported
-            kernels.carry_matched(old.words, new.words, self._matched, matched)
-        self._matched = matched
-        old.close()
-        unlink_segment(old.name)
-        log.info(
-            "shard grown shard=%d segment=%s capacity=%d nwords=%d",
-            self.shard,
-            new.name,
-            int(new.words[H_CAPACITY]),
-            nwords,
+    def _grow_table(self, capacity: int, nwords: int) -> None:
+        epoch = self.control.epoch(self.shard) + 1
+        name = shard_name(self.owner_pid, self.shard, epoch)
+        self._growths["table"] = TableGrowth(
+            self._helper, self._segment, self._matched, name, capacity=capacity, nwords=nwords, epoch=epoch
         )
 
-    def _publish(self, capacity: int, *, nwords: int, before: Segment | None = None) -> Segment:
-        epoch = self.control.epoch(self.shard) + 1
-        segment = Segment.create(shard_name(self.owner_pid, self.shard, epoch), shard_words(capacity, nwords))
-        words = segment.words
-        words[H_CAPACITY] = capacity
-        words[H_NWORDS] = nwords
-        words[H_EPOCH] = epoch
-        if before is not None:
-            kernels.copy_live(before.words, words)
-        words[H_MAGIC] = SHARD_MAGIC
-        self.control.publish_segment(self.shard, segment.name, epoch, nwords)
-        return segment
+    def _finish(self, part: str) -> None:
+        """Reconcile and publish one growth: the new segment for readers, or the new map for the kernels."""
+        growth = self._growths.pop(part)
+        if isinstance(growth, TableGrowth):
+            new = growth.finish()
+            self.control.publish_segment(self.shard, new.name, growth.epoch, int(new.words[H_NWORDS]))
+            self._segment, self._matched = new, growth.matched
+            capacity = int(new.words[H_CAPACITY])
+        else:
+            assert isinstance(growth, MapGrowth)
+            rows, meta = growth.finish()
+            if part == "emap":
+                self._emap, self._emeta = rows, meta
+            else:
+                self._refs, self._rmeta = rows, meta
+            capacity = len(rows)
+        self._helper.submit(growth.release)
+        log.info(
+            "shard grown shard=%d part=%s capacity=%d rounds=%d reconciled=%d",
+            self.shard,
+            part,
+            capacity,
+            growth.rounds,
+            growth.reconciled,
+        )
 
     def close(self, *, unlink: bool) -> None:
+        for growth in self._growths.values():
+            growth.abandon()
+        self._growths.clear()
+        self._helper.close()
         name = self._segment.name
         self._segment.close()
         if unlink:

@@ -173,6 +173,7 @@ def test_growth_keeps_every_answer_and_unlinks_old_segments():
             event = _chain_event(1 + doc % 3, [doc * 1000 + i for i in range(100)], doc * 1000)
             index.apply_event(event.worker_id, event)
             oracle.apply_event(event.worker_id, event)
+        index.writers[0].settle()  # the helper has released the old segments
         assert index.control.epoch(0) > 1
         assert not os.path.exists(f"/dev/shm/{first_segment}")
         for doc in range(40):

@@ -1,0 +1,317 @@
+"""Growth that no one waits for: a shard table or private map rebuilt beside its writer.
+
+Rules:
+
+1. The successor is made and filled on the writer's helper threads (``Helper``, ``HELPER_THREADS``):
+   the new segment or map, its pages faulted in one at a time (``fault_in``), then ``copy_slots`` /
+   ``copy_rows``. The compiled calls hold no GIL, so the writer goes on applying batches to the old table
+   meanwhile, and readers go on reading it. A growth has one task on the helpers at a time.
+2. From the moment a growth starts, every write to the old table or map marks its slot or row in a dirty
+   bitmap (``_kernels._mark``). When the helper is done, the writer swaps in a clean bitmap and hands the
+   dirty one back to the helper for a round of ``reconcile_*``; rounds repeat while the writer keeps
+   dirtying more than ``FINAL_DIRTY`` slots or rows in one, up to ``MAX_ROUNDS``.
+3. The last round is the writer's own, between two batches, with nothing running beside it: the
+   successor then equals the old table exactly, and only then is it published (``Growth.finish``).
+4. Until then the old table or map takes the writer's new keys up to ``GROWING_LOAD``, and its live keys
+   up to what the successor holds at ``MAX_LOAD`` (it was sized for the keys live when it started); past
+   either the writer waits for the growth to end (``ShardWriter._make_room``, ``advance``), which only a
+   burst of new keys faster than the copy causes.
+
+Why: a table that doubled in the writer's loop stalled the shard for the whole copy (at 2 M entries, a
+0.15 s segment, a 0.15 s copy, 0.1 s per new map, then rehashing each map: 1.2-1.8 s in
+``tools/bench_growth.py``), and every event waited behind it. Here the writer pays a branch per write while
+a growth runs and a final round bounded by ``FINAL_DIRTY``; the copy and the rounds (0.1-0.4 µs a slot)
+run on the helpers. The old table or map is freed on a helper too (``release``, ``drop_pages``).
+
+Rejected: incremental rehashing with both tables live (Redis's dict): every kernel, the readers' walk
+included, would probe two tables during a growth; pre-sizing to the index cap: 2.2 GiB from the first
+event (``docs/shm-engine.md``); growing on a forked child: the maps are private to the writer, and a copy
+on write of the whole table is the stall again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any, Final, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from . import _kernels as kernels
+from .layout import (
+    H_CAPACITY,
+    H_DIRTY,
+    H_EPOCH,
+    H_MAGIC,
+    H_NWORDS,
+    SHARD_MAGIC,
+    Segment,
+    shard_words,
+    unlink_segment,
+)
+
+__all__ = [
+    "FINAL_DIRTY",
+    "MAX_ROUNDS",
+    "Growth",
+    "Helper",
+    "MapGrowth",
+    "TableGrowth",
+    "capacity_for",
+    "new_table",
+]
+
+FINAL_DIRTY: Final = 4096
+"""Dirty slots or rows the writer reconciles itself, between two batches (about half a millisecond);
+more go back to the helper for another round."""
+MAX_ROUNDS: Final = 8
+"""Rounds on the helper after which the writer takes the last one whatever its size: a writer dirtying
+as fast as the helper reconciles would otherwise never publish."""
+GROWN_LOAD: Final = 0.375
+"""The load a successor may start at: room for a third more keys before the next growth."""
+PAGE_CHUNK: Final = 32 << 20
+"""Bytes ``drop_pages`` frees per call."""
+_MADV_DONTNEED: Final = 4
+_libc = ctypes.CDLL(None, use_errno=True)
+
+_T = TypeVar("_T")
+
+Map = tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]
+
+
+def capacity_for(keys: int, minimum: int) -> int:
+    """The smallest power of two holding ``keys`` below ``GROWN_LOAD``: a full table (load 0.5) doubles,
+    one that is mostly tombstones is rebuilt at its own size (never smaller, ``ShardWriter._make_room``)."""
+    return max(minimum, 1 << math.ceil(math.log2(max(1, keys) / GROWN_LOAD)))
+
+
+HELPER_THREADS: Final = 2
+"""Two, so that the shared table's copy never queues behind the engine map's, which grows at the same
+time (one row per held block, as the table has one slot per block): with one thread, the writer at full
+speed filled the table to ``GROWING_LOAD`` before its turn came and waited (``tools/bench_growth.py``:
+the longest call 150-240 ms, against 75-96 with two)."""
+
+
+class Helper:
+    """The writer's helper threads, started on the first growth (an applier is forked with no thread)."""
+
+    def __init__(self, executor: Executor | None = None) -> None:
+        self._executor = executor
+        self._submitted: list[Future[Any]] = []
+
+    def submit(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=HELPER_THREADS, thread_name_prefix="kvrouter-growth")
+        future = self._executor.submit(fn, *args)
+        self._submitted = [f for f in self._submitted if not f.done()] + [future]
+        return future
+
+    def drain(self) -> None:
+        """Wait for everything submitted so far (old tables released included)."""
+        for future in self._submitted:
+            future.result()
+        self._submitted = []
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+
+def fault_in(words: npt.NDArray[np.uint64]) -> None:
+    """Take the first-touch page faults of fresh memory here, one page at a time, on the helper.
+
+    Not ``MAP_POPULATE``: the kernel populates a whole mapping under the process's memory-map lock, and the
+    writer's own next ``mmap`` (a Python arena, a numpy buffer) then waited for all of it, 0.3 s for a
+    384 MB map. A fault holds that lock for one page."""
+    kernels.fault_in(words.reshape(-1))
+
+
+def drop_pages(array: npt.NDArray[np.uint64]) -> None:
+    """Free the pages of a mapped array ``PAGE_CHUNK`` bytes at a time before it is unmapped: ``munmap``
+    frees them all under the memory-map lock, which the writer's next ``mmap`` would wait for."""
+    base, size = array.ctypes.data, array.nbytes
+    for offset in range(0, size, PAGE_CHUNK):
+        length = min(PAGE_CHUNK, size - offset)
+        _libc.madvise(ctypes.c_void_p(base + offset), ctypes.c_size_t(length), _MADV_DONTNEED)
+
+
+def _bitmap(rows: int) -> npt.NDArray[np.uint64]:
+    """A dirty bitmap for ``rows`` slots or rows: word 0 counts the bits set (``_kernels._mark``)."""
+    return np.zeros(1 + (rows + 63) // 64, dtype=np.uint64)
+
+
+class Growth:
+    """One table or map being rebuilt on the helper (module rules). Subclasses say how to make the
+    successor, copy into it, reconcile it, and where the old one keeps its dirty bitmap's address."""
+
+    def __init__(self, helper: Helper, rows: int, capacity: int) -> None:
+        self._helper = helper
+        self.capacity = capacity
+        """The successor's slots or rows."""
+        self._bitmaps = (_bitmap(rows), _bitmap(rows))
+        self._marking = 0
+        """Which bitmap the writer's writes mark now; the other is the helper's."""
+        self._rows = rows
+        self.where = np.empty(0, dtype=np.int64)
+        """Where each old slot or row's copy is in the successor (-1: not copied); made on the helper."""
+        self.rounds = 0
+        self.reconciled = 0
+        """Slots or rows the reconciling rounds brought up to date (the writer logs it)."""
+        self._mark_into(self._bitmaps[0])  # before the copy reads a slot: every later write is seen
+        self._future: Future[None] = helper.submit(self._build)
+
+    def ready(self) -> bool:
+        """Whether the successor can be published now: the helper is idle and the writer's bitmap is small
+        (else the helper is given another round). Called by the writer between batches."""
+        if not self._future.done():
+            return False
+        self._future.result()  # a failure on the helper is the writer's
+        marked = self._bitmaps[self._marking]
+        if int(marked[0]) <= FINAL_DIRTY or self.rounds >= MAX_ROUNDS:
+            return True
+        self.rounds += 1
+        self._marking ^= 1
+        self._mark_into(self._bitmaps[self._marking])
+        self._future = self._helper.submit(self._reconcile, marked)
+        return False
+
+    def wait(self) -> None:
+        """Let the helper finish its round (the writer has no room left without the successor)."""
+        self._future.result()
+
+    def settle(self) -> None:
+        """The last round, the writer's own: stop marking, reconcile what was marked. The caller publishes."""
+        self.wait()
+        self._mark_into(None)
+        self._reconcile(self._bitmaps[self._marking])
+
+    def abandon(self) -> None:
+        """Stop marking and let the helper finish; the successor is dropped (the writer is closing)."""
+        self._mark_into(None)
+        self._future.exception()
+
+    def _build(self) -> None:
+        self.where = np.full(self._rows, -1, dtype=np.int64)  # tens of MB: not on the writer's thread
+        self._copy()
+
+    def release(self) -> None:
+        """Drop the old table or map, run on the helper after the writer published the successor: unmapping
+        hundreds of MB takes milliseconds the writer need not wait."""
+        self.where = np.empty(0, dtype=np.int64)
+
+    def _copy(self) -> None:
+        raise NotImplementedError
+
+    def _reconcile(self, dirty: npt.NDArray[np.uint64]) -> None:
+        raise NotImplementedError
+
+    def _mark_into(self, bitmap: npt.NDArray[np.uint64] | None) -> None:
+        raise NotImplementedError
+
+
+class TableGrowth(Growth):
+    """A shard table into a new segment: more slots, or wider masks, or only fewer tombstones."""
+
+    def __init__(
+        self,
+        helper: Helper,
+        old: Segment,
+        matched: npt.NDArray[np.uint64],
+        name: str,
+        *,
+        capacity: int,
+        nwords: int,
+        epoch: int,
+    ) -> None:
+        self.old, self.old_matched = old, matched
+        self._name, self._nwords, self.epoch = name, nwords, epoch
+        self.new: Segment | None = None
+        self.matched = np.zeros(0, dtype=np.uint64)
+        """The successor's match stamps (``ShardWriter._matched``), carried slot by slot."""
+        super().__init__(helper, int(old.words[H_CAPACITY]), capacity)
+
+    def _copy(self) -> None:
+        new = new_table(self._name, self.capacity, self._nwords, self.epoch, populate=False)
+        fault_in(new.words)
+        self.new = new
+        self.matched = np.zeros(self.capacity if self.old_matched.size else 0, dtype=np.uint64)
+        kernels.copy_slots(self.old.words, new.words, self.old_matched, self.matched, self.where)
+
+    def _reconcile(self, dirty: npt.NDArray[np.uint64]) -> None:
+        assert self.new is not None
+        self.reconciled += kernels.reconcile_slots(
+            self.old.words, self.new.words, self.old_matched, self.matched, self.where, dirty
+        )
+
+    def _mark_into(self, bitmap: npt.NDArray[np.uint64] | None) -> None:
+        self.old.words[H_DIRTY] = 0 if bitmap is None else bitmap.ctypes.data
+
+    def finish(self) -> Segment:
+        """The successor, reconciled and stamped: the caller publishes it and unlinks the old one."""
+        self.settle()
+        assert self.new is not None
+        self.new.words[H_MAGIC] = SHARD_MAGIC
+        return self.new
+
+    def release(self) -> None:
+        super().release()
+        self.old_matched = np.empty(0, dtype=np.uint64)
+        drop_pages(self.old.words)
+        self.old.close()
+        unlink_segment(self.old.name)
+
+    def abandon(self) -> None:
+        super().abandon()
+        if self.new is not None:
+            self.new.close()
+            unlink_segment(self.new.name)
+
+
+class MapGrowth(Growth):
+    """A private map (engine map or refs) into a bigger one."""
+
+    def __init__(self, helper: Helper, old: Map, rows: int, make: Callable[[int], Map]) -> None:
+        self.old_rows, self.old_meta = old
+        self._make = make
+        self.new: Map | None = None
+        super().__init__(helper, self.old_rows.shape[0], rows)
+
+    def release(self) -> None:
+        super().release()
+        drop_pages(self.old_rows)
+        self.old_rows = np.empty((0, kernels.MAP_ROW_WORDS), dtype=np.uint64)
+
+    def _copy(self) -> None:
+        rows, meta = self._make(self.capacity)
+        fault_in(rows)
+        self.new = rows, meta
+        kernels.copy_rows(self.old_rows, rows, meta, self.where)
+
+    def _reconcile(self, dirty: npt.NDArray[np.uint64]) -> None:
+        assert self.new is not None
+        self.reconciled += kernels.reconcile_rows(self.old_rows, *self.new, self.where, dirty)
+
+    def _mark_into(self, bitmap: npt.NDArray[np.uint64] | None) -> None:
+        self.old_meta[kernels.M_DIRTY] = 0 if bitmap is None else bitmap.ctypes.data
+
+    def finish(self) -> Map:
+        """The successor, reconciled, with the old meta's stamp clock and entry count carried over."""
+        self.settle()
+        assert self.new is not None
+        rows, meta = self.new
+        meta[kernels.M_STAMP] = self.old_meta[kernels.M_STAMP]
+        meta[kernels.M_ENTRIES] = self.old_meta[kernels.M_ENTRIES]
+        return rows, meta
+
+
+def new_table(name: str, capacity: int, nwords: int, epoch: int, *, populate: bool = True) -> Segment:
+    """A new, empty shard segment with its header written, all but the magic (set when it is complete)."""
+    segment = Segment.create(name, shard_words(capacity, nwords), populate=populate)
+    words = segment.words
+    words[H_CAPACITY] = capacity
+    words[H_NWORDS] = nwords
+    words[H_EPOCH] = epoch
+    return segment

@@ -20,10 +20,14 @@ doubling on the way. Before any clock, ``PROBES`` chains of ``PROBE_BLOCKS`` blo
 Figures: burst blocks/s (kvrouter: to the last ``apply_batch``; the reference: to a query after the last
 event); kvrouter's longest ``apply_batch`` (the writer's stall; a growth used to be one) and its calls
 over 10 ms; ``find_matches`` p50/p99/p99.9/max, kvrouter's idle and during the burst, the reference's
-during the burst (µs). Nothing else should run: the machine's load is printed.
+during the burst (µs); the index's bytes per block, each side's PSS (``/proc/<pid>/smaps_rollup``, summed
+over kvrouter's writer and reader processes: a shared page counts once) after its burst, growths settled,
+minus before it, over the burst's blocks (one entry each: every block is fresh). The workload's own
+objects are made before either figure. Nothing else should run: the machine's load is printed.
 
-Ratios, above 1 when kvrouter is better: ``burst`` (blocks/s, kvrouter ÷ reference) and
-``read_p999_burst`` (the reference's p99.9 ÷ kvrouter's, during the burst). Checked and printed beside
+Ratios, above 1 when kvrouter is better: ``burst`` (blocks/s, kvrouter ÷ reference),
+``read_p999_burst`` (the reference's p99.9 ÷ kvrouter's, during the burst) and ``bytes_per_block``
+(the reference's ÷ kvrouter's). Checked and printed beside
 them: kvrouter's p99.9 during the burst within 2x its idle p99, and no read over 1 ms (issue 33).
 """
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import random
 import sys
 from collections.abc import Sequence
@@ -59,7 +64,19 @@ IDLE_S: Final = 1.0
 QUERY_EVERY: Final = 16
 STALL_MS: Final = 10.0
 QUICK: Final = {"blocks": 200_000}
-GOALS: Final = {"burst": 1.0, "read_p999_burst": 1.0}
+GOALS: Final = {"burst": 1.0, "read_p999_burst": 1.0, "bytes_per_block": 1.0}
+
+
+def pss(pid: int) -> int:
+    """A process's proportional set size in bytes (0 if it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def chain(rng: random.Random, worker: int, n: int) -> Stored:
@@ -125,6 +142,9 @@ def run_kvrouter(probes: list[Stored], burst: list[Stored], blocks: int) -> dict
         idle_until = monotonic() + IDLE_S
         while monotonic() < idle_until:
             pass
+        assert reader.pid is not None
+        tree = (os.getpid(), reader.pid)
+        memory = sum(map(pss, tree))
         ours.send("burst")
         calls = np.empty(len(raws), dtype=np.float64)
         apply_batch = writer.apply_batch
@@ -134,6 +154,8 @@ def run_kvrouter(probes: list[Stored], burst: list[Stored], blocks: int) -> dict
             apply_batch(worker, events)
             calls[i] = perf_counter_ns() - before
         seconds = (perf_counter_ns() - start) / 1e9
+        writer.settle()
+        grown = sum(map(pss, tree)) - memory
         ours.send("stop")
         read = ours.recv()
         reader.join(timeout=30)
@@ -153,6 +175,7 @@ def run_kvrouter(probes: list[Stored], burst: list[Stored], blocks: int) -> dict
         "read_idle_us": percentiles(read["samples"]["idle"]),
         "read_burst_us": percentiles(read["samples"]["burst"]),
         "wrong_answers": read["wrong"],
+        "bytes_per_block": grown / blocks,
     }
 
 
@@ -164,6 +187,7 @@ def run_reference(probes: list[Stored], burst: list[Stored], blocks: int) -> dic
     payloads = [(e.worker_id, encode(e)) for e in burst]
     queries = [[int(b.local_hash) for b in e.blocks] for e in probes]
     tree.find_matches(queries[0])
+    memory = pss(os.getpid())
     samples: list[float] = []
     apply_event, find_matches = tree.apply_event, tree.find_matches
     start = perf_counter_ns()
@@ -175,7 +199,8 @@ def run_reference(probes: list[Stored], burst: list[Stored], blocks: int) -> dic
             samples.append((perf_counter_ns() - before) / 1e3)
     find_matches(queries[0])
     seconds = (perf_counter_ns() - start) / 1e9
-    return {"blocks_per_s": blocks / seconds, "read_burst_us": percentiles(samples)}
+    grown = pss(os.getpid()) - memory
+    return {"blocks_per_s": blocks / seconds, "read_burst_us": percentiles(samples), "bytes_per_block": grown / blocks}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -200,6 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ratios": {
             "burst": ours["blocks_per_s"] / theirs["blocks_per_s"],
             "read_p999_burst": theirs["read_burst_us"]["p99.9"] / read_burst["p99.9"],
+            "bytes_per_block": theirs["bytes_per_block"] / ours["bytes_per_block"],
         },
         "goals": GOALS,
         "ratio_basis": "one shard in process, one run",
@@ -226,6 +252,10 @@ def print_result(result: dict[str, Any]) -> None:
             f"  find_matches {label:<16} n={figures['n']:>8,}  p50 {figures['p50']:>8.1f}  p99 {figures['p99']:>8.1f}"
             f"  p99.9 {figures['p99.9']:>8.1f}  max {figures['max']:>9.1f} µs"
         )
+    print(
+        f"  index bytes per block (PSS grown ÷ blocks)  kvrouter {ours['bytes_per_block']:.0f}"
+        f"   reference {theirs['bytes_per_block']:.0f}"
+    )
     for check, ok in result["checks"].items():
         print(f"  {check}: {'yes' if ok else 'NO'}")
     print(f"ratios ({result['ratio_basis']}):")

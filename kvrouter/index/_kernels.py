@@ -145,7 +145,6 @@ __all__ = [
     "copy_slots",
     "end_rows_change",
     "evict",
-    "fault_in",
     "init_map",
     "lookup",
     "match_list",
@@ -989,32 +988,61 @@ def _next_dirty(dirty: Table, word: int, bits: np.uint64) -> tuple[int, np.uint6
 
 
 @_kernel
-def fault_in(words: Table) -> None:
-    """Write a zero into every 4 KiB page of fresh, zeroed memory: its first-touch faults, taken here."""
-    for i in range(0, words.size, 512):
-        words[i] = _ZERO
-
-
-@_kernel
 def copy_slots(old: Table, new: Table, old_matched: Table, new_matched: Table, where: Counts) -> None:
     """Copy every live key with its masks and match stamp into the empty, not yet published table ``new``
     (which may have wider masks), noting each one's new slot in ``where``; tombstones are dropped, which
     is the compaction. Empty match arrays: no block was ever matched, nothing to carry."""
-    old_width = _row_words(old)
+    old_width, new_width = _row_words(old), _row_words(new)
+    old_words, new_words = _i64(old[H_NWORDS]), _i64(new[H_NWORDS])
+    carry = old_matched.size > 0
     for slot in range(_i64(old[H_CAPACITY])):
         base = HEADER_WORDS + slot * old_width
         key = old[base]
         if key == _ZERO or _is_tomb(old, base, old_width):
             continue
-        where[slot] = _copy_slot(old, new, old_matched, new_matched, slot)
+        moved = _place(new, key)
+        where[slot] = moved
+        dest = HEADER_WORDS + moved * new_width
+        for tier in range(TIERS):
+            for w in range(old_words):
+                new[dest + SLOT_MASKS + tier * new_words + w] = old[base + SLOT_MASKS + tier * old_words + w]
+        if carry:
+            new_matched[moved] = old_matched[slot]
+    new[H_LIVE] = new[H_USED]  # each key placed was live when read; one read mid-write may count one too many,
+    # which at worst delays a compaction
+
+
+@_inlined
+def _place(new: Table, key: np.uint64) -> int:
+    """The first copy's claim: ``key``'s slot in ``new``, which has no tombstones yet (nothing was dropped
+    from it) and no reader (it is not published), so no tombstone test and no seqlock."""
+    mask = np.uint64(new[H_CAPACITY] - _ONE)
+    width = _row_words(new)
+    slot = _i64(key & mask)
+    while True:
+        found = new[HEADER_WORDS + slot * width]
+        if found == key:  # a second copy of a key read mid-write: its slot is dirty, fixed by a round
+            return slot
+        if found == _ZERO:
+            new[HEADER_WORDS + slot * width] = key
+            new[H_USED] += _ONE
+            return slot
+        slot = _i64((np.uint64(slot) + _ONE) & mask)
 
 
 @_inlined
 def _copy_slot(old: Table, new: Table, old_matched: Table, new_matched: Table, slot: int) -> int:
     """Claim the old slot's key in ``new`` and give it the slot's masks and match stamp; returns where."""
+    moved = _claim(new, old[HEADER_WORDS + slot * _row_words(old)])
+    _copy_masks(old, new, old_matched, new_matched, slot, moved)
+    return moved
+
+
+@_inlined
+def _copy_masks(old: Table, new: Table, old_matched: Table, new_matched: Table, slot: int, moved: int) -> None:
+    """The old slot's masks and match stamp into the new one, counting it live if it now is."""
     old_words, new_words = _i64(old[H_NWORDS]), _i64(new[H_NWORDS])
     base = HEADER_WORDS + slot * _row_words(old)
-    moved = _claim(new, old[base])
     dest = HEADER_WORDS + moved * _row_words(new)
     was_tomb = _is_tomb(new, dest, _row_words(new))
     for tier in range(TIERS):
@@ -1024,13 +1052,16 @@ def _copy_slot(old: Table, new: Table, old_matched: Table, new_matched: Table, s
         new[H_LIVE] += _ONE
     if old_matched.size:
         new_matched[moved] = old_matched[slot]
-    return moved
 
 
 @_kernel
-def reconcile_slots(old: Table, new: Table, old_matched: Table, new_matched: Table, where: Counts, dirty: Table) -> int:
+def reconcile_slots(
+    old: Table, new: Table, old_matched: Table, new_matched: Table, where: Counts, dirty: Table, most: int
+) -> int:
     """Bring ``new`` up to date with ``old`` for every slot marked in ``dirty``, and clear it; returns how
-    many slots that was."""
+    many slots that was, or -1, leaving ``new`` unusable, when that would take it past ``most`` used slots
+    (a slot dropped stays a key without holders, and heavy churn during a growth can pile them up: the
+    writer then copies afresh, ``Growth.settle``)."""
     new_width = _row_words(new)
     for word in range(1, dirty.size):
         bits = dirty[word]
@@ -1057,6 +1088,8 @@ def reconcile_slots(old: Table, new: Table, old_matched: Table, new_matched: Tab
             done += 1
             base = HEADER_WORDS + slot * old_width
             if old[base] != _ZERO and not _is_tomb(old, base, old_width):
+                if _i64(new[H_USED]) >= most:
+                    return -1
                 where[slot] = _copy_slot(old, new, old_matched, new_matched, slot)
     dirty[0] = _ZERO
     return done
@@ -1082,9 +1115,9 @@ def _copy_row(old: Map, new: Map, new_meta: Meta, row: int) -> int:
 
 
 @_kernel
-def reconcile_rows(old: Map, new: Map, new_meta: Meta, where: Counts, dirty: Table) -> int:
+def reconcile_rows(old: Map, new: Map, new_meta: Meta, where: Counts, dirty: Table, most: int) -> int:
     """Bring ``new`` up to date with ``old`` for every row marked in ``dirty``, and clear it; returns how
-    many rows that was."""
+    many rows that was, or -1 past ``most`` used rows (as ``reconcile_slots``)."""
     for word in range(1, dirty.size):
         bits = dirty[word]
         while bits != _ZERO:
@@ -1101,6 +1134,8 @@ def reconcile_rows(old: Map, new: Map, new_meta: Meta, where: Counts, dirty: Tab
             done += 1
             owner = old[row, 1]
             if owner != _ZERO and owner != TOMB:
+                if new_meta[M_USED] >= most:
+                    return -1
                 where[row] = _copy_row(old, new, new_meta, row)
     dirty[0] = _ZERO
     return done

@@ -3,19 +3,19 @@
 Rules:
 
 1. The successor is made and filled on the writer's helper threads (``Helper``, ``HELPER_THREADS``):
-   the new segment or map, its pages faulted in one at a time (``fault_in``), then ``copy_slots`` /
-   ``copy_rows``. The compiled calls hold no GIL, so the writer goes on applying batches to the old table
-   meanwhile, and readers go on reading it. A growth has one task on the helpers at a time.
+   the new segment or map, populated by the kernel (``MAP_POPULATE``: taking its pages' faults one at a
+   time cost three times as long), then ``copy_slots`` / ``copy_rows``. The compiled calls hold no GIL,
+   so the writer goes on applying batches to the old table meanwhile, and readers go on reading it. A
+   growth has one task on the helpers at a time.
 2. From the moment a growth starts, every write to the old table or map marks its slot or row in a dirty
    bitmap (``_kernels._mark``). When the helper is done, the writer swaps in a clean bitmap and hands the
    dirty one back to the helper for a round of ``reconcile_*``; rounds repeat while the writer keeps
    dirtying more than ``FINAL_DIRTY`` slots or rows in one, up to ``MAX_ROUNDS``.
 3. The last round is the writer's own, between two batches, with nothing running beside it: the
    successor then equals the old table exactly, and only then is it published (``Growth.finish``).
-4. Until then the old table or map takes the writer's new keys up to ``GROWING_LOAD``, and its live keys
-   up to what the successor holds at ``MAX_LOAD`` (it was sized for the keys live when it started); past
-   either the writer waits for the growth to end (``ShardWriter._make_room``, ``advance``), which only a
-   burst of new keys faster than the copy causes.
+4. Until then the old table or map takes the writer's new keys up to ``GROWING_LOAD``; past it the writer
+   waits for the growth to end (``ShardWriter._make_room``), which only a burst of new keys faster than
+   the copy causes. The successor is never smaller than the old one, so it holds whatever the old took.
 
 Why: a table that doubled in the writer's loop stalled the shard for the whole copy (at 2 M entries, a
 0.15 s segment, a 0.15 s copy, 0.1 s per new map, then rehashing each map: 1.2-1.8 s in
@@ -72,6 +72,9 @@ MAX_ROUNDS: Final = 8
 as fast as the helper reconciles would otherwise never publish."""
 GROWN_LOAD: Final = 0.375
 """The load a successor may start at: room for a third more keys before the next growth."""
+FULL_LOAD: Final = 0.9
+"""The used share a successor may not pass while reconciled: past it the writer copies afresh
+(``Growth.settle``), so a probe always meets an empty slot."""
 PAGE_CHUNK: Final = 32 << 20
 """Bytes ``drop_pages`` frees per call."""
 _MADV_DONTNEED: Final = 4
@@ -120,15 +123,6 @@ class Helper:
             self._executor.shutdown(wait=True)
 
 
-def fault_in(words: npt.NDArray[np.uint64]) -> None:
-    """Take the first-touch page faults of fresh memory here, one page at a time, on the helper.
-
-    Not ``MAP_POPULATE``: the kernel populates a whole mapping under the process's memory-map lock, and the
-    writer's own next ``mmap`` (a Python arena, a numpy buffer) then waited for all of it, 0.3 s for a
-    384 MB map. A fault holds that lock for one page."""
-    kernels.fault_in(words.reshape(-1))
-
-
 def drop_pages(array: npt.NDArray[np.uint64]) -> None:
     """Free the pages of a mapped array ``PAGE_CHUNK`` bytes at a time before it is unmapped: ``munmap``
     frees them all under the memory-map lock, which the writer's next ``mmap`` would wait for."""
@@ -160,6 +154,8 @@ class Growth:
         self.rounds = 0
         self.reconciled = 0
         """Slots or rows the reconciling rounds brought up to date (the writer logs it)."""
+        self.overfull = False
+        """A round would have passed ``FULL_LOAD``: the successor is copied afresh when settled."""
         self._mark_into(self._bitmaps[0])  # before the copy reads a slot: every later write is seen
         self._future: Future[None] = helper.submit(self._build)
 
@@ -170,7 +166,7 @@ class Growth:
             return False
         self._future.result()  # a failure on the helper is the writer's
         marked = self._bitmaps[self._marking]
-        if int(marked[0]) <= FINAL_DIRTY or self.rounds >= MAX_ROUNDS:
+        if self.overfull or int(marked[0]) <= FINAL_DIRTY or self.rounds >= MAX_ROUNDS:
             return True
         self.rounds += 1
         self._marking ^= 1
@@ -184,6 +180,9 @@ class Growth:
         self._future.result()
         self._mark_into(None)
         self._reconcile(self._bitmaps[self._marking])
+        if self.overfull:  # nothing writes the old one now: a fresh copy is exact
+            self._discard()
+            self._build()
 
     def abandon(self) -> None:
         """Stop marking and let the helper finish; the successor is dropped (the writer is closing)."""
@@ -199,11 +198,23 @@ class Growth:
         hundreds of MB takes milliseconds the writer need not wait."""
         self.where = np.empty(0, dtype=np.int64)
 
+    def _reconcile(self, dirty: npt.NDArray[np.uint64]) -> None:
+        if self.overfull:
+            return
+        done = self._reconcile_into(dirty, int(self.capacity * FULL_LOAD))
+        if done < 0:
+            self.overfull = True
+        else:
+            self.reconciled += done
+
     def _copy(self) -> None:
         raise NotImplementedError
 
-    def _reconcile(self, dirty: npt.NDArray[np.uint64]) -> None:
+    def _reconcile_into(self, dirty: npt.NDArray[np.uint64], most: int) -> int:
         raise NotImplementedError
+
+    def _discard(self) -> None:
+        """Drop the successor built so far."""
 
     def _mark_into(self, bitmap: npt.NDArray[np.uint64] | None) -> None:
         raise NotImplementedError
@@ -231,17 +242,24 @@ class TableGrowth(Growth):
         super().__init__(helper, int(old.words[H_CAPACITY]), capacity)
 
     def _copy(self) -> None:
-        new = new_table(self._name, self.capacity, self._nwords, self.epoch, populate=False)
-        fault_in(new.words)
+        new = new_table(self._name, self.capacity, self._nwords, self.epoch)
         self.new = new
         self.matched = np.zeros(self.capacity if self.old_matched.size else 0, dtype=np.uint64)
         kernels.copy_slots(self.old.words, new.words, self.old_matched, self.matched, self.where)
 
-    def _reconcile(self, dirty: npt.NDArray[np.uint64]) -> None:
+    def _reconcile_into(self, dirty: npt.NDArray[np.uint64], most: int) -> int:
         assert self.new is not None
-        self.reconciled += kernels.reconcile_slots(
-            self.old.words, self.new.words, self.old_matched, self.matched, self.where, dirty
+        return int(
+            kernels.reconcile_slots(
+                self.old.words, self.new.words, self.old_matched, self.matched, self.where, dirty, most
+            )
         )
+
+    def _discard(self) -> None:
+        if self.new is not None:
+            self.new.close()
+            unlink_segment(self.new.name)
+            self.new = None
 
     def _mark_into(self, bitmap: npt.NDArray[np.uint64] | None) -> None:
         self.old.words[H_DIRTY] = 0 if bitmap is None else bitmap.ctypes.data
@@ -262,9 +280,7 @@ class TableGrowth(Growth):
 
     def abandon(self) -> None:
         super().abandon()
-        if self.new is not None:
-            self.new.close()
-            unlink_segment(self.new.name)
+        self._discard()
 
 
 class MapGrowth(Growth):
@@ -283,13 +299,15 @@ class MapGrowth(Growth):
 
     def _copy(self) -> None:
         rows, meta = self._make(self.capacity)
-        fault_in(rows)
         self.new = rows, meta
         kernels.copy_rows(self.old_rows, rows, meta, self.where)
 
-    def _reconcile(self, dirty: npt.NDArray[np.uint64]) -> None:
+    def _reconcile_into(self, dirty: npt.NDArray[np.uint64], most: int) -> int:
         assert self.new is not None
-        self.reconciled += kernels.reconcile_rows(self.old_rows, *self.new, self.where, dirty)
+        return int(kernels.reconcile_rows(self.old_rows, *self.new, self.where, dirty, most))
+
+    def _discard(self) -> None:
+        self.new = None
 
     def _mark_into(self, bitmap: npt.NDArray[np.uint64] | None) -> None:
         self.old_meta[kernels.M_DIRTY] = 0 if bitmap is None else bitmap.ctypes.data
@@ -304,9 +322,9 @@ class MapGrowth(Growth):
         return rows, meta
 
 
-def new_table(name: str, capacity: int, nwords: int, epoch: int, *, populate: bool = True) -> Segment:
+def new_table(name: str, capacity: int, nwords: int, epoch: int) -> Segment:
     """A new, empty shard segment with its header written, all but the magic (set when it is complete)."""
-    segment = Segment.create(name, shard_words(capacity, nwords), populate=populate)
+    segment = Segment.create(name, shard_words(capacity, nwords))
     words = segment.words
     words[H_CAPACITY] = capacity
     words[H_NWORDS] = nwords

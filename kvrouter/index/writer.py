@@ -164,21 +164,14 @@ def _run_kind(event: RawEvent) -> int:
     return kernels.RUN_STORED if event.parent is None else kernels.RUN_STORED_WITH_PARENT
 
 
-def _map(rows: int, *, populate: bool = True) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
-    """An empty private map in pre-faulted memory (see ``layout.Segment.create`` for why, and for
-    ``populate``), zero from the kernel."""
+def _map(rows: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
+    """An empty private map in pre-faulted memory (see ``layout.Segment.create`` for why), zero from the kernel."""
     width = kernels.MAP_ROW_WORDS
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
-    memory = mmap.mmap(-1, rows * width * 8, flags=flags)
+    memory = mmap.mmap(-1, rows * width * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
     table = np.frombuffer(memory, dtype=np.uint64).reshape(rows, width)
     meta = np.zeros(kernels.META_WORDS, dtype=np.int64)
     kernels.init_map(table, meta)
     return table, meta
-
-
-def _lazy_map(rows: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
-    """A growth's new map: its pages faulted in by the helper (``growth.fault_in``)."""
-    return _map(rows, populate=False)
 
 
 def _map_load(meta: npt.NDArray[np.int64]) -> tuple[int, int, int]:
@@ -586,11 +579,11 @@ class ShardWriter:
         return bool(self._growths)
 
     def advance(self) -> None:
-        """Between batches: publish every growth that is ready, or that its old table or map outgrew (the
-        successor, sized when it started, would pass ``MAX_LOAD``); give the others another round."""
-        parts = self._parts()
+        """Between batches: publish every growth that is ready, give the others another round. A successor
+        is never smaller than the old table, which takes at most ``GROWING_LOAD``: it may be published that
+        full, and the next store that passes ``MAX_LOAD`` starts the next growth."""
         for part, growth in list(self._growths.items()):
-            if parts[part][2] > growth.capacity * MAX_LOAD or growth.ready():
+            if growth.ready():
                 self._finish(part)
 
     def settle(self) -> None:
@@ -630,9 +623,9 @@ class ShardWriter:
                 if part == "table":
                     self._grow_table(rows, int(self.table[H_NWORDS]))
                 elif part == "emap":
-                    self._growths[part] = MapGrowth(self._helper, (self._emap, self._emeta), rows, _lazy_map)
+                    self._growths[part] = MapGrowth(self._helper, (self._emap, self._emeta), rows, _map)
                 else:
-                    self._growths[part] = MapGrowth(self._helper, (self._refs, self._rmeta), rows, _lazy_map)
+                    self._growths[part] = MapGrowth(self._helper, (self._refs, self._rmeta), rows, _map)
 
     def _grow_table(self, capacity: int, nwords: int) -> None:
         epoch = self.control.epoch(self.shard) + 1

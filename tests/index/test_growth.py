@@ -167,6 +167,32 @@ def test_a_writer_that_dirties_much_gives_the_helper_another_round(stepped: Step
         assert stepped.reader.find_matches_by_tier(query) == oracle.find_matches_by_tier(query)
 
 
+def test_a_successor_too_full_to_reconcile_is_copied_afresh(stepped: Stepped, monkeypatch: pytest.MonkeyPatch):
+    """Dropped slots stay in the successor as keys without holders; were churn to pile them up past
+    ``FULL_LOAD``, the round stops and the writer copies the old table afresh when it settles."""
+    monkeypatch.setattr(growth_module, "FULL_LOAD", 0.0)  # any slot the rounds copy is one too many
+    oracle = RadixIndex()
+
+    def apply(event: Stored | Removed) -> None:
+        assert stepped.writer.apply(event) == error_kind(oracle, event.worker_id, event)
+
+    for doc in range(6):
+        apply(_chain(1, doc * 1000, 100))
+    growth = stepped.writer._growths["table"]
+    assert stepped.helper.step()  # the copy
+    apply(_chain(2, 6000, 90))
+    apply(Removed(1, tuple(EngineHash(i) for i in range(1000, 1050))))
+    for _ in range(3):
+        while stepped.helper.step():
+            pass
+        stepped.writer.advance()
+    assert not stepped.writer.growing
+    assert growth.overfull
+    for query in (list(range(1000, 1100)), list(range(6000, 6090)), list(range(5000, 5100))):
+        assert stepped.reader.find_matches_by_tier(query) == oracle.find_matches_by_tier(query)
+    assert stepped.writer.engine_hashes() == _engine_hashes(oracle)
+
+
 class GrowsBesideItsWriter(RuleBasedStateMachine):
     """Streams of stores, removes and clears big enough to grow the table and both maps several times, with
     the helper's copies and rounds run whenever hypothesis says: every event fares as in the oracle, and

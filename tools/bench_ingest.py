@@ -1,6 +1,6 @@
 """Time kvrouter's event plane, real ZMQ frames into the shared tables, against Dynamo's ``RadixTree``.
 
-    python tools/bench_ingest.py [--quick] [--repeat N] [--json FILE]
+    python tools/bench_ingest.py [--quick] [--repeat N] [--json FILE] [--wire]
 
 The workload is ``tools/bench_index.py``'s (``spec/shm-engine.md`` §7.2): 200 prefix groups of 16-64
 blocks, sequences of 32-128 blocks (a group's prefix and a unique suffix), each sequence one Stored
@@ -32,6 +32,10 @@ Ratios, rates kvrouter ÷ reference (> 1: kvrouter better), from 1 shard, the lo
 ``ingest`` (kvrouter-format frames, goal ≥ 3) and ``ingest_vllm`` (vLLM frames, goal ≥ 1). The 2-shard
 figures are printed and stored beside them. As a diagnostic, each worker count also gets the in-process
 rate of the applier's own work (decode + ``ShardWriter.apply_batch``, no process, no socket) per format.
+
+``--wire`` also sends vLLM frames over real ZMQ into ``kvrouter up`` (1 and 2 shards) and the reference's
+``python -m dynamo.indexer``, service by service, and adds ``wire_burst_1``, ``wire_burst_2`` and
+``wire_bytes_per_block`` (``tools/ingest_wire.py`` says how).
 
 Freshness: a reader process, forked before this process starts any thread, attaches to a 1-shard engine
 by handle; this process publishes fresh kvrouter-format sequences from 16 workers at a steady
@@ -120,7 +124,14 @@ FRESHNESS_WARM_SEQUENCES: Final = 50
 FRESHNESS_SEED_OFFSET: Final = 7919
 """The freshness sequences come from another seed than the ingest workload's."""
 
-QUICK: Final = {"sequences": 500, "repeat": 1, "freshness_seconds": 1.0}
+QUICK: Final = {
+    "sequences": 500,
+    "repeat": 1,
+    "freshness_seconds": 1.0,
+    "wire_frames": 2000,
+    "wire_publishers": [4],
+    "wire_repeat": 1,
+}
 GOALS: Final = {"ingest": 3.0, "ingest_vllm": 1.0}
 """The issue's goals, each a ratio from 1 shard."""
 RATIO_KEYS: Final = {"kvrouter": "ingest", "vllm": "ingest_vllm"}
@@ -712,8 +723,13 @@ def print_table(result: dict[str, Any]) -> None:
             f"{freshness['warm_up_applied_us'] / 1000:.1f} ms, visible to the reader "
             f"{freshness['warm_up_visible_us'] / 1000:.1f} ms after the first send"
         )
+    if "wire" in result:
+        from ingest_wire import print_wire
+
+        print()
+        print_wire(result)
     print()
-    print_ratios(result, width=12)
+    print_ratios(result, width=20)
     for key, by_shards in result["ratios_by_config"].items():
         for shards, ratios in by_shards.items():
             print(f"  {key} {shards} shard(s): " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
@@ -768,6 +784,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--freshness-seconds", type=float, default=FRESHNESS_SECONDS, help="0: skip freshness")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--quick", action="store_true", help=f"a tiny workload, for tests: {QUICK}")
+    parser.add_argument(
+        "--wire", action="store_true", help="also the same vLLM frames over ZMQ into kvrouter up and dynamo.indexer"
+    )
+    parser.add_argument("--wire-repeat", type=int, default=2, help="--wire repeats per service (order alternated)")
+    parser.add_argument("--wire-frames", type=int, default=20_000, help="--wire sequences per burst")
+    parser.add_argument(
+        "--wire-publishers", type=int, nargs="+", default=[16, 64], help="--wire publisher counts; ratios use the first"
+    )
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures here")
     args = parser.parse_args(argv)
     if args.quick:
@@ -783,6 +807,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["freshness"] = run_freshness(reader, conn, args.freshness_seconds, args.seed)
     finally:
         stop_reader(reader, conn)
+    if args.wire:
+        from ingest_wire import WIRE_GOALS, run_wire
+
+        wire = run_wire(args.wire_repeat, args.seed, args.wire_publishers, args.wire_frames)
+        result["wire"] = wire["wire"]
+        result["ratios"].update(wire["wire_ratios"])
+        result["goals"].update(WIRE_GOALS)
+        result["goals_met"] = {key: result["ratios"][key] >= goal for key, goal in result["goals"].items()}
     print_table(result)
     after = _machine()
     others = busy_others(ticks, cpu_ticks(), {os.getpid(), reader.pid or 0})

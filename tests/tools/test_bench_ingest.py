@@ -45,3 +45,20 @@ def test_quick_run_applies_every_frame_and_reports_both_ratios(tmp_path: Path) -
     assert "load average" in stdout
     assert "shm: clean" in stdout
     assert left_behind(pid) == []
+
+
+def test_wire_run_feeds_both_services_and_reports_the_wire_ratios(tmp_path: Path) -> None:
+    """``--wire``: the same frames into ``kvrouter up`` (1 and 2 shards) and ``dynamo.indexer``, each shown
+    every publisher's last sequence, with a rate, ``/query`` latencies and a memory figure for each."""
+    out = tmp_path / "figures.json"
+    stdout, pid = run_tool("bench_ingest.py", "--quick", "--wire", "--json", str(out), timeout=400)
+    figures: dict[str, Any] = json.loads(out.read_text())
+    assert {"wire_burst_1", "wire_burst_2", "wire_bytes_per_block"} <= set(figures["ratios"])
+    assert set(figures["goals"]) == set(figures["ratios"])
+    (row,) = figures["wire"].values()
+    for side in ("kvrouter-1", "kvrouter-2", "reference"):
+        assert row[side]["blocks_per_s"] > 0
+        assert row[side]["query_ms"]["n"] >= 4  # at least one query per publisher
+    assert row["kvrouter-1"]["bytes_per_block"] > 0
+    assert "wire: vLLM frames over ZMQ" in stdout
+    assert left_behind(pid) == []

@@ -131,6 +131,7 @@ QUICK: Final = {
     "wire_frames": 2000,
     "wire_publishers": [4],
     "wire_repeat": 1,
+    "wire_rates": [100_000],
 }
 GOALS: Final = {"ingest": 3.0, "ingest_vllm": 1.0}
 """The issue's goals, each a ratio from 1 shard."""
@@ -724,10 +725,11 @@ def print_table(result: dict[str, Any]) -> None:
             f"{freshness['warm_up_visible_us'] / 1000:.1f} ms after the first send"
         )
     if "wire" in result:
-        from ingest_wire import print_wire
+        from ingest_wire import print_lag, print_wire
 
         print()
         print_wire(result)
+        print_lag(result)
     print()
     print_ratios(result, width=20)
     for key, by_shards in result["ratios_by_config"].items():
@@ -790,6 +792,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wire-repeat", type=int, default=2, help="--wire repeats per service (order alternated)")
     parser.add_argument("--wire-frames", type=int, default=20_000, help="--wire sequences per burst")
     parser.add_argument(
+        "--wire-rates", type=int, nargs="+", default=[100_000, 300_000, 1_000_000], help="--wire steady blocks/s"
+    )
+    parser.add_argument(
         "--wire-publishers", type=int, nargs="+", default=[16, 64], help="--wire publisher counts; ratios use the first"
     )
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures here")
@@ -810,10 +815,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.wire:
         from ingest_wire import WIRE_GOALS, run_wire
 
-        wire = run_wire(args.wire_repeat, args.seed, args.wire_publishers, args.wire_frames)
-        result["wire"] = wire["wire"]
+        wire = run_wire(args.wire_repeat, args.seed, args.wire_publishers, args.wire_frames, args.wire_rates)
+        result["wire"], result["wire_lag"] = wire["wire"], wire["wire_lag"]
         result["ratios"].update(wire["wire_ratios"])
-        result["goals"].update(WIRE_GOALS)
+        result["goals"].update({key: goal for key, goal in WIRE_GOALS.items() if key in wire["wire_ratios"]})
         result["goals_met"] = {key: result["ratios"][key] >= goal for key, goal in result["goals"].items()}
     print_table(result)
     after = _machine()

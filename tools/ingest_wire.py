@@ -17,11 +17,19 @@ its default 4 threads), alternating the order over ``--wire-repeat`` repeats:
 5. the PSS is read again; the index's bytes per block is its growth over the (publisher, block) entries
    the burst stored.
 
+Then, for the first publisher count and each ``--wire-rates`` (100k, 300k, 1M blocks/s), a fresh start
+of each service gets the frames at that steady rate for up to ``LAG_SECONDS`` (a thread paces them) while
+this thread asks ``/query`` for each publisher's latest sent sequence; once it answers whole, every
+sequence that publisher sent up to it is visible: send-to-visible lag per sequence (the query round,
+a few ms, bounds the resolution). Sequences still unseen ``VISIBLE_TIMEOUT_S`` after the end mean the
+service fell behind.
+
 Both services parse the frames, hash the token ids and build their index; kvrouter's 2-shard run splits
 the publishers over two appliers. This process sends on one core while the service has the other.
 Ratios (above 1: kvrouter better): ``wire_burst_1`` and ``wire_burst_2`` (blocks/s with 16 publishers,
-kvrouter with 1 or 2 shards ÷ the reference) and ``wire_bytes_per_block`` (the reference's ÷ kvrouter's,
-16 publishers, 1 shard). Send-to-visible lag at steady offered rates is not measured here yet.
+kvrouter with 1 or 2 shards ÷ the reference), ``wire_lag_p99_300k`` (the reference's p99 lag ÷ kvrouter's,
+1 shard, 300k blocks/s; a side that fell behind counts as infinite) and ``wire_bytes_per_block`` (the
+reference's ÷ kvrouter's, 16 publishers, 1 shard).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -49,7 +58,14 @@ from kvrouter.events.model import EventBatch
 
 MODEL: Final = "bench"
 VISIBLE_TIMEOUT_S: Final = 300.0
-WIRE_GOALS: Final = {"wire_burst_1": 1.5, "wire_burst_2": 2.5, "wire_bytes_per_block": 1.0}
+QUERY_GAP_S: Final = 0.001
+"""The pause between two lag queries: the resolution, against the load the queries add."""
+WATCHED: Final = 0
+"""The publisher whose sequences the steady runs time."""
+LAG_RATIO_RATE: Final = 300_000
+LAG_SECONDS: Final = 3.0
+"""How long each steady run offers its rate (less when the burst's frames run out first)."""
+WIRE_GOALS: Final = {"wire_burst_1": 1.5, "wire_burst_2": 2.5, "wire_lag_p99_300k": 1.0, "wire_bytes_per_block": 1.0}
 """Issue 33's goals (the bytes per block: "at or below the reference's")."""
 SIDES: Final = ("kvrouter-1", "kvrouter-2", "reference")
 """Each service of a repeat: kvrouter with that many shards, and the reference's indexer."""
@@ -71,6 +87,7 @@ class Burst:
         last = {s.worker: s for s in made}
         self.last = {worker: (s.tokens.ravel().tolist(), len(s.local)) for worker, s in last.items()}
         self.most = max(sum(1 for w, _ in self.frames if w == worker) for worker in range(publishers))
+        self.sequences = made
 
 
 def start(side: str, folder: Path) -> Server:
@@ -144,7 +161,9 @@ class Queries:
         self.connection.close()
 
 
-def run_side(side: str, burst: Burst, folder: Path) -> dict[str, Any]:
+@contextmanager
+def serving(side: str, burst: Burst, folder: Path) -> Iterator[tuple[Server, Publishers, Queries]]:
+    """The service started, every publisher bound, registered and subscribed; stopped afterwards."""
     server = start(side, folder)
     publishers = Publishers(burst.publishers, burst.most + HWM_MARGIN)
     queries = Queries(server.url)
@@ -161,6 +180,20 @@ def run_side(side: str, burst: Burst, folder: Path) -> dict[str, Any]:
             server.client.request("POST", "/register", body)
         publishers.wait_subscribed(SUBSCRIBE_TIMEOUT_S)
         time.sleep(0.2)  # a subscription read is the socket joined, not yet the service's first poll
+        yield server, publishers, queries
+    except BaseException:
+        print(tail(server.log), file=sys.stderr)
+        raise
+    finally:
+        queries.close()
+        publishers.close()
+        code = stop(server)
+    if side != "reference" and code != 0:
+        raise SystemExit(f"bench_ingest --wire: {side} exited {code}: {tail(server.log)}")
+
+
+def run_side(side: str, burst: Burst, folder: Path) -> dict[str, Any]:
+    with serving(side, burst, folder) as (server, publishers, queries):
         idle = tree_pss(server.process.pid)
         sockets = publishers.sockets
         started = perf_counter()
@@ -177,28 +210,83 @@ def run_side(side: str, burst: Burst, folder: Path) -> dict[str, Any]:
                 raise SystemExit(f"bench_ingest --wire: {side} never showed {len(waiting)} publishers' last sequence")
         seconds = perf_counter() - started
         grown = tree_pss(server.process.pid) - idle
-    except BaseException:
-        print(tail(server.log), file=sys.stderr)
-        raise
-    finally:
-        queries.close()
-        publishers.close()
-        code = stop(server)
-    if side != "reference" and code != 0:
-        raise SystemExit(f"bench_ingest --wire: {side} exited {code}: {tail(server.log)}")
-    latencies = sorted(queries.latencies_ms)
     return {
         "blocks_per_s": burst.blocks / seconds,
         "seconds": seconds,
         "send_seconds": sent,
-        "query_ms": {
-            "n": len(latencies),
-            "p50": statistics.median(latencies),
-            "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-            "max": latencies[-1],
-        },
+        "query_ms": _percentiles(queries.latencies_ms),
         "pss_idle_mb": idle / 2**20,
         "bytes_per_block": grown / burst.entries,
+    }
+
+
+def run_lag(side: str, burst: Burst, rate: float, folder: Path) -> dict[str, Any]:
+    """Frames sent at ``rate`` blocks/s for up to ``LAG_SECONDS`` (a thread paces them); meanwhile this
+    thread asks ``/query``, every ``QUERY_GAP_S``, for the latest sequence the first publisher sent, and when it
+    answers whole, every sequence that publisher sent up to it is visible now: send-to-visible lag per
+    sequence of the first publisher, in ms. (Asking every publisher in turn made the resolution a round
+    of 16 queries, 5-10 ms; asking back to back took a core from the service on a 2-core machine.)"""
+    frames: list[tuple[int, list[bytes], float]] = []
+    total = 0
+    for worker, frame in burst.frames:
+        blocks = len(burst.sequences[len(frames)].local)
+        if total + blocks > rate * LAG_SECONDS:
+            break
+        frames.append((worker, frame, total / rate))
+        total += blocks
+    sent_at = [0.0] * len(frames)
+    with serving(side, burst, folder) as (_, publishers, queries):
+        sockets = publishers.sockets
+        started = perf_counter()
+
+        def pace() -> None:
+            for i, (worker, frame, due) in enumerate(frames):
+                while perf_counter() - started < due:
+                    time.sleep(0.0002)
+                sent_at[i] = perf_counter()
+                sockets[worker].send_multipart(frame)
+
+        sender = threading.Thread(target=pace)
+        sender.start()
+        unseen: dict[int, list[int]] = {}
+        lags: list[float] = []
+        next_frame = 0
+        deadline = started + LAG_SECONDS + VISIBLE_TIMEOUT_S
+        while next_frame < len(frames) or any(unseen.values()):
+            while next_frame < len(frames) and sent_at[next_frame]:
+                if frames[next_frame][0] == WATCHED:
+                    unseen.setdefault(WATCHED, []).append(next_frame)
+                next_frame += 1
+            for worker, pending in unseen.items():
+                if not pending:
+                    continue
+                sequence = burst.sequences[pending[-1]]  # a publisher's frames arrive in order
+                blocks = len(sequence.local)
+                if queries.matched(sequence.tokens.ravel().tolist(), worker + 1) in (blocks, blocks * BLOCK_SIZE):
+                    now = perf_counter()
+                    lags += [(now - sent_at[i]) * 1e3 for i in pending]
+                    pending.clear()
+            if perf_counter() > deadline:
+                break
+            time.sleep(QUERY_GAP_S)
+        sender.join()
+    behind = sum(len(p) for p in unseen.values()) + sum(1 for w, _, _ in frames[next_frame:] if w == WATCHED)
+    return {
+        "offered_blocks_per_s": rate,
+        "sequences": len(frames),
+        "watched": sum(1 for w, _, _ in frames if w == WATCHED),
+        "lag_ms": _percentiles(lags),
+        "never_visible": behind,
+    }
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples) or [float("nan")]
+    return {
+        "n": len(samples),
+        "p50": statistics.median(ordered),
+        "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        "max": ordered[-1],
     }
 
 
@@ -208,7 +296,9 @@ def _folder() -> Iterator[Path]:
         yield Path(name)
 
 
-def run_wire(repeats: int, seed: int, publisher_counts: Sequence[int], frames: int) -> dict[str, Any]:
+def run_wire(
+    repeats: int, seed: int, publisher_counts: Sequence[int], frames: int, rates: Sequence[int]
+) -> dict[str, Any]:
     """Every side for every publisher count, the order alternated over ``repeats``; medians."""
     figures: dict[str, Any] = {}
     with _folder() as folder:
@@ -224,16 +314,24 @@ def run_wire(repeats: int, seed: int, publisher_counts: Sequence[int], frames: i
                 "entries": burst.entries,
                 **{side: _median(samples) for side, samples in runs.items()},
             }
+        burst = Burst(publisher_counts[0], frames, seed)
+        lag = {str(rate): {side: run_lag(side, burst, rate, folder) for side in SIDES} for rate in rates}
     first = figures[str(publisher_counts[0])]
     reference = first["reference"]
-    return {
-        "wire": figures,
-        "wire_ratios": {
-            "wire_burst_1": first["kvrouter-1"]["blocks_per_s"] / reference["blocks_per_s"],
-            "wire_burst_2": first["kvrouter-2"]["blocks_per_s"] / reference["blocks_per_s"],
-            "wire_bytes_per_block": reference["bytes_per_block"] / first["kvrouter-1"]["bytes_per_block"],
-        },
+    ratios = {
+        "wire_burst_1": first["kvrouter-1"]["blocks_per_s"] / reference["blocks_per_s"],
+        "wire_burst_2": first["kvrouter-2"]["blocks_per_s"] / reference["blocks_per_s"],
+        "wire_bytes_per_block": reference["bytes_per_block"] / first["kvrouter-1"]["bytes_per_block"],
     }
+    if str(LAG_RATIO_RATE) in lag:
+        row = lag[str(LAG_RATIO_RATE)]
+        ratios["wire_lag_p99_300k"] = _p99(row["reference"]) / _p99(row["kvrouter-1"])
+    return {"wire": figures, "wire_lag": lag, "wire_ratios": ratios}
+
+
+def _p99(run: dict[str, Any]) -> float:
+    """A steady run's p99 lag, infinite when some sequence never became visible (the service fell behind)."""
+    return float("inf") if run["never_visible"] else float(run["lag_ms"]["p99"])
 
 
 def _median(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -245,6 +343,19 @@ def _median(samples: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             out[key] = statistics.median(s[key] for s in samples)
     return out
+
+
+def print_lag(result: dict[str, Any]) -> None:
+    print("wire lag: frames at a steady offered rate, send → the publisher's latest sequence whole on /query")
+    for rate, row in result["wire_lag"].items():
+        for side in SIDES:
+            run = row[side]
+            lag = run["lag_ms"]
+            behind = f", {run['never_visible']} never visible (fell behind)" if run["never_visible"] else ""
+            print(
+                f"  {int(rate):>9,} blocks/s {side:<11} p50 {lag['p50']:8.1f} p99 {lag['p99']:8.1f}"
+                f" max {lag['max']:8.1f} ms, {run['watched']} of {run['sequences']} sequences timed{behind}"
+            )
 
 
 def print_wire(result: dict[str, Any]) -> None:

@@ -60,5 +60,10 @@ def test_wire_run_feeds_both_services_and_reports_the_wire_ratios(tmp_path: Path
         assert row[side]["blocks_per_s"] > 0
         assert row[side]["query_ms"]["n"] >= 4  # at least one query per publisher
     assert row["kvrouter-1"]["bytes_per_block"] > 0
+    (steady,) = figures["wire_lag"].values()  # --quick: 100k blocks/s only
+    for side in ("kvrouter-1", "kvrouter-2", "reference"):
+        assert steady[side]["never_visible"] == 0
+        assert steady[side]["lag_ms"]["n"] == steady[side]["watched"] > 0
     assert "wire: vLLM frames over ZMQ" in stdout
+    assert "wire lag:" in stdout
     assert left_behind(pid) == []

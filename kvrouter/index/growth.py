@@ -3,8 +3,8 @@
 Rules:
 
 1. The successor is made and filled on the writer's helper threads (``Helper``, ``HELPER_THREADS``):
-   the new segment or map, populated by the kernel (``MAP_POPULATE``: taking its pages' faults one at a
-   time cost three times as long), then ``copy_slots`` / ``copy_rows``. The compiled calls hold no GIL,
+   the new segment or map, populated in 32 MB steps (``populate_in_steps``), then ``copy_slots`` /
+   ``copy_rows``. The compiled calls hold no GIL,
    so the writer goes on applying batches to the old table meanwhile, and readers go on reading it. A
    growth has one task on the helpers at a time.
 2. From the moment a growth starts, every write to the old table or map marks its slot or row in a dirty
@@ -78,6 +78,8 @@ FULL_LOAD: Final = 0.9
 PAGE_CHUNK: Final = 32 << 20
 """Bytes ``drop_pages`` frees per call."""
 _MADV_DONTNEED: Final = 4
+_MADV_POPULATE_WRITE: Final = 23
+"""Linux 5.14 and later; before, ``madvise`` refuses it and the pages fault in as they are first written."""
 _libc = ctypes.CDLL(None, use_errno=True)
 
 _T = TypeVar("_T")
@@ -123,13 +125,27 @@ class Helper:
             self._executor.shutdown(wait=True)
 
 
+def populate_in_steps(array: npt.NDArray[np.uint64]) -> None:
+    """Populate a fresh mapping ``PAGE_CHUNK`` bytes at a time, as ``MAP_POPULATE`` would in one go.
+
+    ``MAP_POPULATE`` holds the process's memory-map lock while it populates the whole mapping, and the
+    writer's own next ``mmap`` or page fault waited for it: ``tools/bench_growth.py``'s longest call was
+    1.0-1.9 s with it, 75-120 ms without. One step holds the lock for one chunk."""
+    _advise(array, _MADV_POPULATE_WRITE)
+
+
 def drop_pages(array: npt.NDArray[np.uint64]) -> None:
     """Free the pages of a mapped array ``PAGE_CHUNK`` bytes at a time before it is unmapped: ``munmap``
     frees them all under the memory-map lock, which the writer's next ``mmap`` would wait for."""
+    _advise(array, _MADV_DONTNEED)
+
+
+def _advise(array: npt.NDArray[np.uint64], advice: int) -> None:
+    """``madvise`` over a mapped array, ``PAGE_CHUNK`` bytes per call (ctypes releases the GIL)."""
     base, size = array.ctypes.data, array.nbytes
     for offset in range(0, size, PAGE_CHUNK):
         length = min(PAGE_CHUNK, size - offset)
-        _libc.madvise(ctypes.c_void_p(base + offset), ctypes.c_size_t(length), _MADV_DONTNEED)
+        _libc.madvise(ctypes.c_void_p(base + offset), ctypes.c_size_t(length), advice)
 
 
 def _bitmap(rows: int) -> npt.NDArray[np.uint64]:
@@ -242,7 +258,8 @@ class TableGrowth(Growth):
         super().__init__(helper, int(old.words[H_CAPACITY]), capacity)
 
     def _copy(self) -> None:
-        new = new_table(self._name, self.capacity, self._nwords, self.epoch)
+        new = new_table(self._name, self.capacity, self._nwords, self.epoch, populate=False)
+        populate_in_steps(new.words)
         self.new = new
         self.matched = np.zeros(self.capacity if self.old_matched.size else 0, dtype=np.uint64)
         kernels.copy_slots(self.old.words, new.words, self.old_matched, self.matched, self.where)
@@ -322,9 +339,9 @@ class MapGrowth(Growth):
         return rows, meta
 
 
-def new_table(name: str, capacity: int, nwords: int, epoch: int) -> Segment:
+def new_table(name: str, capacity: int, nwords: int, epoch: int, *, populate: bool = True) -> Segment:
     """A new, empty shard segment with its header written, all but the magic (set when it is complete)."""
-    segment = Segment.create(name, shard_words(capacity, nwords))
+    segment = Segment.create(name, shard_words(capacity, nwords), populate=populate)
     words = segment.words
     words[H_CAPACITY] = capacity
     words[H_NWORDS] = nwords

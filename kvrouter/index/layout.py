@@ -240,16 +240,18 @@ class Segment:
     words: npt.NDArray[np.uint64]
 
     @classmethod
-    def create(cls, name: str, n_words: int) -> Segment:
+    def create(cls, name: str, n_words: int, *, populate: bool = True) -> Segment:
         """A new zeroed segment; fails if the name exists (a stale owner must be swept first).
 
         Its pages are populated at creation (``MAP_POPULATE``): a table is written at random, and taking
-        a page fault on each first touch, inside the writer's hot loop, halved the apply rate.
+        a page fault on each first touch, inside the writer's hot loop, halved the apply rate. A growth's
+        helper passes ``populate=False`` and populates in steps (``growth.populate_in_steps``).
         """
         fd = os.open(f"{SHM_DIR}/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, n_words * 8)
-            mapping = mmap.mmap(fd, n_words * 8, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            mapping = mmap.mmap(fd, n_words * 8, flags=flags)
         finally:
             os.close(fd)
         return cls(name, mapping, np.frombuffer(mapping, dtype=np.uint64))

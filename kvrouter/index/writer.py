@@ -44,7 +44,7 @@ from ..errors import BadEvent, BlockNotFound, InvalidBlockSequence, ParentNotFou
 from ..events.codecs.kvrouter import RawEvent
 from ..events.model import Cleared, KvEvent, Removed, Stored, WorkerKey
 from . import _kernels as kernels
-from .growth import Growth, Helper, MapGrowth, TableGrowth, capacity_for, new_table
+from .growth import Growth, Helper, MapGrowth, TableGrowth, capacity_for, new_table, populate_in_steps
 from .layout import (
     EVICT_REASONS,
     GROWING_LOAD,
@@ -164,13 +164,22 @@ def _run_kind(event: RawEvent) -> int:
     return kernels.RUN_STORED if event.parent is None else kernels.RUN_STORED_WITH_PARENT
 
 
-def _map(rows: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
-    """An empty private map in pre-faulted memory (see ``layout.Segment.create`` for why), zero from the kernel."""
+def _map(rows: int, *, populate: bool = True) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
+    """An empty private map in pre-faulted memory (see ``layout.Segment.create`` for why, and for
+    ``populate``), zero from the kernel."""
     width = kernels.MAP_ROW_WORDS
-    memory = mmap.mmap(-1, rows * width * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
+    memory = mmap.mmap(-1, rows * width * 8, flags=flags)
     table = np.frombuffer(memory, dtype=np.uint64).reshape(rows, width)
     meta = np.zeros(kernels.META_WORDS, dtype=np.int64)
     kernels.init_map(table, meta)
+    return table, meta
+
+
+def _successor_map(rows: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
+    """A growth's new map, populated by its helper in steps (``growth.populate_in_steps``)."""
+    table, meta = _map(rows, populate=False)
+    populate_in_steps(table)
     return table, meta
 
 
@@ -623,9 +632,9 @@ class ShardWriter:
                 if part == "table":
                     self._grow_table(rows, int(self.table[H_NWORDS]))
                 elif part == "emap":
-                    self._growths[part] = MapGrowth(self._helper, (self._emap, self._emeta), rows, _map)
+                    self._growths[part] = MapGrowth(self._helper, (self._emap, self._emeta), rows, _successor_map)
                 else:
-                    self._growths[part] = MapGrowth(self._helper, (self._refs, self._rmeta), rows, _map)
+                    self._growths[part] = MapGrowth(self._helper, (self._refs, self._rmeta), rows, _successor_map)
 
     def _grow_table(self, capacity: int, nwords: int) -> None:
         epoch = self.control.epoch(self.shard) + 1

@@ -46,7 +46,7 @@ from time import monotonic, perf_counter_ns
 from typing import Any, Final
 
 import numpy as np
-from bench_index import _machine, _percentile, _reference_tree, in_process_owner, leftovers
+from bench_index import _machine, _percentile, _reference_tree, in_process_owner, leftovers, rollup
 
 from kvrouter.events.codecs import dynamo as dynamo_codec
 from kvrouter.events.model import EngineHash, LocalHash, Stored, StoredBlock
@@ -69,14 +69,7 @@ GOALS: Final = {"burst": 1.0, "read_p999_burst": 1.0, "bytes_per_block": 1.0}
 
 def pss(pid: int) -> int:
     """A process's proportional set size in bytes (0 if it is gone)."""
-    try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError:
-        return 0
-    for line in text.splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return rollup(pid, "Pss")
 
 
 def chain(rng: random.Random, worker: int, n: int) -> Stored:

@@ -235,16 +235,21 @@ class ShardSize:
     maps, without the pages it shares with the process that forked it."""
 
 
-def anon_pss(pid: int) -> int:
-    """A process's anonymous memory by proportional set size, in bytes (0 if it is gone)."""
+def rollup(pid: int, field: str) -> int:
+    """One ``/proc/<pid>/smaps_rollup`` figure (``Pss``, ``Pss_Anon``, ...) in bytes (0 if the process is gone)."""
     try:
         text = Path(f"/proc/{pid}/smaps_rollup").read_text()
     except OSError:
         return 0
     for line in text.splitlines():
-        if line.startswith("Pss_Anon:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def anon_pss(pid: int) -> int:
+    """A process's anonymous memory by proportional set size, in bytes (0 if it is gone)."""
+    return rollup(pid, "Pss_Anon")
 
 
 def applier_baseline(engine: Engine) -> dict[int, int]:

@@ -448,8 +448,12 @@ def verify(server: Server, workload: Workload, timeout: float) -> None:
 
 def process_ticks(root: int) -> int:
     """CPU clock ticks (user + system) of ``root`` and every live descendant, threads included."""
-    parents: dict[int, int] = {}
-    ticks: dict[int, int] = {}
+    return sum(ticks for _, ticks in process_family(root).values())
+
+
+def process_family(root: int) -> dict[int, tuple[int, int]]:
+    """``root`` and every live descendant: pid → (parent pid, CPU clock ticks, user + system)."""
+    stats: dict[int, tuple[int, int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -458,17 +462,16 @@ def process_ticks(root: int) -> int:
         except OSError:
             continue
         fields = text[text.rindex(")") + 2 :].split()
-        parents[int(entry)] = int(fields[1])
-        ticks[int(entry)] = int(fields[11]) + int(fields[12])
+        stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
     family = {root}
     grew = True
     while grew:
         grew = False
-        for pid, parent in parents.items():
+        for pid, (parent, _) in stats.items():
             if parent in family and pid not in family:
                 family.add(pid)
                 grew = True
-    return sum(ticks.get(pid, 0) for pid in family)
+    return {pid: stats[pid] for pid in family if pid in stats}
 
 
 def run_wrk(server: Server, script: Path, connections: int, seconds: float) -> dict[str, Any]:

@@ -49,8 +49,9 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any, Final
 
+from bench_index import rollup
 from bench_ingest import BLOCK_SIZE, HWM_MARGIN, SUBSCRIBE_TIMEOUT_S, TOPIC, Publishers, build_sequences, stored_event
-from bench_service import START_TIMEOUT, Server, free_port, stop, stopped_on_failure, tail, wait_http
+from bench_service import START_TIMEOUT, Server, free_port, process_family, stop, stopped_on_failure, tail, wait_http
 
 from kvrouter.events.codecs import vllm
 from kvrouter.events.codecs.frames import encode_live
@@ -112,30 +113,7 @@ def start(side: str, folder: Path) -> Server:
 
 def tree_pss(root: int) -> int:
     """PSS of ``root`` and every descendant, in bytes: a page shared among them counts once in all."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                text = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(text[text.rindex(")") + 2 :].split()[1])
-    family, grew = {root}, True
-    while grew:
-        grew = False
-        for pid, parent in parents.items():
-            if parent in family and pid not in family:
-                family.add(pid)
-                grew = True
-    total = 0
-    for pid in family:
-        try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return total
+    return sum(rollup(pid, "Pss") for pid in process_family(root))
 
 
 class Queries:

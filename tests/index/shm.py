@@ -66,3 +66,13 @@ class InProcessShards:
             writer.close(unlink=True)
         self.control.close()
         self.control.unlink()
+
+
+def remove_left_shard(control: Control) -> None:
+    """What a writer process that closed without unlinking leaves (shard 0's current segment), then the
+    control segment, removed as the supervisor removes a dead applier's."""
+    name = control.segment_name(0)
+    if name:
+        os.unlink(f"/dev/shm/{name}")
+    control.close()
+    control.unlink()

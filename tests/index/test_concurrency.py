@@ -51,6 +51,7 @@ from kvrouter.index.layout import (
 from kvrouter.index.reader import IndexReader
 from kvrouter.index.writer import ShardWriter
 from kvrouter.routing import Router
+from tests.index.shm import remove_left_shard
 
 HOT_SLOTS = 64
 NWORDS = 4
@@ -212,12 +213,7 @@ def test_queries_under_churn_growth_and_clear_see_only_states_the_index_held(wai
         if writer.pid is not None:
             writer.join(timeout=60)
         reader.close()
-        for name in {control.segment_name(0)}:
-            if name:
-                Segment.attach(name, writable=False).close()
-                os.unlink(f"/dev/shm/{name}")
-        control.close()
-        control.unlink()
+        remove_left_shard(control)
     assert writer.exitcode == 0
     assert queries > 100
 
@@ -279,12 +275,7 @@ def test_queries_while_the_cap_evicts_see_chains_shrink_from_the_tip(wait_until:
     finally:
         writer.join(timeout=60)
         reader.close()
-        for name in {control.segment_name(0)}:
-            if name:
-                Segment.attach(name, writable=False).close()
-                os.unlink(f"/dev/shm/{name}")
-        control.close()
-        control.unlink()
+        remove_left_shard(control)
     assert writer.exitcode == 0
 
 
@@ -356,11 +347,7 @@ def test_a_reused_worker_row_never_names_a_worker_that_did_not_hold_the_blocks(w
     finally:
         writer.join(timeout=60)
         reader.close()
-        name = control.segment_name(0)
-        if name:
-            os.unlink(f"/dev/shm/{name}")
-        control.close()
-        control.unlink()
+        remove_left_shard(control)
     assert writer.exitcode == 0
     assert hits >= WANTED_HITS, "the reader hardly ever met a holder: the race was not exercised"
 

@@ -18,10 +18,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvrouter.events.model import Cleared, EngineHash, LocalHash, Removed, StorageTier, Stored, StoredBlock
 from kvrouter.index import RadixIndex, growth as growth_module
-from kvrouter.index.layout import H_CAPACITY, H_DIRTY, MIN_CAPACITY, Control, Segment, control_name
+from kvrouter.index.layout import H_CAPACITY, H_DIRTY, MIN_CAPACITY, Control, control_name
 from kvrouter.index.reader import IndexReader
 from kvrouter.index.writer import ShardWriter
 from tests.index.contract import error_kind
+from tests.index.shm import remove_left_shard
 
 FORK = mp.get_context("fork")
 _owners = itertools.count((os.getpid() << 20) + 700_000)
@@ -316,11 +317,6 @@ def test_readers_see_every_flushed_document_while_the_tables_grow_beside_the_wri
         if writer.pid is not None:
             writer.join(timeout=60)
         reader.close()
-        name = control.segment_name(0)
-        if name:
-            Segment.attach(name, writable=False).close()
-            os.unlink(f"/dev/shm/{name}")
-        control.close()
-        control.unlink()
+        remove_left_shard(control)
     assert writer.exitcode == 0
     assert checked > 100

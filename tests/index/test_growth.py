@@ -7,9 +7,11 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import os
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
-from typing import Any
+from multiprocessing.sharedctypes import Synchronized
+from typing import Any, Final
 
 import numpy as np
 import pytest
@@ -276,15 +278,24 @@ GrowsBesideItsWriter.TestCase.settings = settings(
 TestGrowsBesideItsWriter = GrowsBesideItsWriter.TestCase
 
 
-def _burst(control_name_: str, owner: int, docs: int) -> None:
+PACE: Final = 5
+"""The writer waits for one more check by the reader every this many documents: the reads happen during the
+growths, however the two processes are scheduled."""
+
+
+def _burst(control_name_: str, owner: int, docs: int, checks: Synchronized[int]) -> None:
     """Writer process: a burst of new 64-block documents from 8 workers, flushed after each, until the table
-    and the engine map have grown several times on the real helper thread."""
+    and the engine map have grown several times on the real helper threads."""
     control = Control.attach(control_name_, writable=True)
     control.set_pid(0, os.getpid())
     writer = ShardWriter(control, 0, owner, capacity=MIN_CAPACITY)
     for doc in range(docs):
         writer.apply(_chain(1 + doc % 8, doc * 64, 64))
         control.set_flushed(0, doc + 1)
+        if doc % PACE == 0:
+            seen, deadline = checks.value, time.monotonic() + 5
+            while checks.value == seen and time.monotonic() < deadline:
+                time.sleep(0)
     writer.settle()
     control.set_flushed(0, docs + 1)
     writer.close(unlink=False)  # the test unlinks what is left, as the supervisor does for a dead applier
@@ -297,8 +308,8 @@ def test_readers_see_every_flushed_document_while_the_tables_grow_beside_the_wri
     control = Control.create(control_name(owner), 1)
     reader = IndexReader(control.name)
     docs = 600  # 38k keys from 1024 slots: five doublings of the table and of the engine map
-    writer = FORK.Process(target=_burst, args=(control.name, owner, docs))
-    checked = 0
+    checks = FORK.Value("q", 0)
+    writer = FORK.Process(target=_burst, args=(control.name, owner, docs, checks))
     rng = np.random.default_rng(7)
     try:
         assert reader.find_matches([1]) == {}
@@ -309,7 +320,7 @@ def test_readers_see_every_flushed_document_while_the_tables_grow_beside_the_wri
             doc = int(rng.integers(0, flushed))  # any document flushed so far answers in full
             query = list(range(doc * 64, doc * 64 + 64))
             assert reader.find_matches(query) == {(1 + doc % 8, 0): 64}, doc
-            checked += 1
+            checks.value += 1
         assert control.epoch(0) >= 6
         for doc in range(docs):
             assert reader.find_matches(list(range(doc * 64, doc * 64 + 64))) == {(1 + doc % 8, 0): 64}
@@ -319,4 +330,4 @@ def test_readers_see_every_flushed_document_while_the_tables_grow_beside_the_wri
         reader.close()
         remove_left_shard(control)
     assert writer.exitcode == 0
-    assert checked > 100
+    assert checks.value > 100

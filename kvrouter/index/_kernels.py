@@ -22,7 +22,7 @@ Everything here runs once per block, so it is numba, over arrays laid out by ``l
   ``STUCK_SPINS`` reads the kernel returns to its caller, which asks whether the shard's writer is still
   alive (``index/reader.py``): a dead writer's shard is reported recovering at once, a live one that was
   preempted mid-write is waited for, up to ``MAX_STUCK_READS`` reads in all;
-- while a table or private map is being copied into its successor (``writer.Growth``), every write to
+- while a table or private map is being copied into its successor (``growth.Growth``), every write to
   one of its slots or rows also sets that slot's or row's bit in the writer's dirty bitmap (``_mark``:
   word 0 counts the bits set, bit ``i`` of word ``1 + i // 64`` is slot or row ``i``), so the copy can
   run beside the writer and be corrected afterwards for exactly what the writer changed
@@ -970,19 +970,19 @@ def evict(
 
 
 # -- growth -----------------------------------------------------------------------------------
-# A table or map grows into a successor twice its size, built on the writer's helper thread while the
-# writer goes on writing the old one (``writer.Growth``): ``copy_*`` copies every live slot or row and
+# A table or map grows into a successor twice its size, built on the writer's helper threads while the
+# writer goes on writing the old one (``growth.Growth``): ``copy_*`` copies every live slot or row and
 # notes where it went (``where``, -1: nowhere); the writer's writes meanwhile mark their slots and rows
 # dirty (``_mark``); ``reconcile_*`` then makes the successor agree with the old one on exactly those, in
 # two passes, first dropping what was copied of each, then copying each again as it is now. The copy may
 # read a slot or row mid-write: it is dirty, so the reconciliation overwrites what was read. A slot
 # dropped in the first pass stays as a key without holders (a soft tombstone), which a later claim of
-# that key reuses. Rounds repeat on the helper thread while the writer dirties more (each shorter than
+# that key reuses. Rounds repeat on the helpers while the writer dirties more (each shorter than
 # the last); the writer reconciles the last, small one itself and publishes.
 
 
 @_inlined
-def _next_dirty(dirty: Table, word: int, bits: np.uint64) -> tuple[int, np.uint64]:
+def _next_dirty(word: int, bits: np.uint64) -> tuple[int, np.uint64]:
     """The index of the lowest bit of ``bits`` (word ``word`` of the bitmap) and the bits left after it."""
     return (word - 1) * 64 + _lowest_bit(bits), bits & (bits - _ONE)
 
@@ -993,7 +993,6 @@ def copy_slots(old: Table, new: Table, old_matched: Table, new_matched: Table, w
     (which may have wider masks), noting each one's new slot in ``where``; tombstones are dropped, which
     is the compaction. Empty match arrays: no block was ever matched, nothing to carry."""
     old_width, new_width = _row_words(old), _row_words(new)
-    old_words, new_words = _i64(old[H_NWORDS]), _i64(new[H_NWORDS])
     carry = old_matched.size > 0
     for slot in range(_i64(old[H_CAPACITY])):
         base = HEADER_WORDS + slot * old_width
@@ -1002,10 +1001,7 @@ def copy_slots(old: Table, new: Table, old_matched: Table, new_matched: Table, w
             continue
         moved = _place(new, key)
         where[slot] = moved
-        dest = HEADER_WORDS + moved * new_width
-        for tier in range(TIERS):
-            for w in range(old_words):
-                new[dest + SLOT_MASKS + tier * new_words + w] = old[base + SLOT_MASKS + tier * old_words + w]
+        _copy_mask_words(old, new, base, HEADER_WORDS + moved * new_width)
         if carry:
             new_matched[moved] = old_matched[slot]
     new[H_LIVE] = new[H_USED]  # each key placed was live when read; one read mid-write may count one too many,
@@ -1031,27 +1027,28 @@ def _place(new: Table, key: np.uint64) -> int:
 
 
 @_inlined
-def _copy_slot(old: Table, new: Table, old_matched: Table, new_matched: Table, slot: int) -> int:
-    """Claim the old slot's key in ``new`` and give it the slot's masks and match stamp; returns where."""
-    moved = _claim(new, old[HEADER_WORDS + slot * _row_words(old)])
-    _copy_masks(old, new, old_matched, new_matched, slot, moved)
-    return moved
-
-
-@_inlined
-def _copy_masks(old: Table, new: Table, old_matched: Table, new_matched: Table, slot: int, moved: int) -> None:
-    """The old slot's masks and match stamp into the new one, counting it live if it now is."""
+def _copy_mask_words(old: Table, new: Table, base: int, dest: int) -> None:
+    """The masks of the old slot at ``base`` into the new slot at ``dest`` (whose masks may be wider)."""
     old_words, new_words = _i64(old[H_NWORDS]), _i64(new[H_NWORDS])
-    base = HEADER_WORDS + slot * _row_words(old)
-    dest = HEADER_WORDS + moved * _row_words(new)
-    was_tomb = _is_tomb(new, dest, _row_words(new))
     for tier in range(TIERS):
         for w in range(old_words):
             new[dest + SLOT_MASKS + tier * new_words + w] = old[base + SLOT_MASKS + tier * old_words + w]
+
+
+@_inlined
+def _copy_slot(old: Table, new: Table, old_matched: Table, new_matched: Table, slot: int) -> int:
+    """Claim the old slot's key in ``new`` (a round's copy: tombstones may be there) and give it the slot's
+    masks and match stamp, counting it live if it now is; returns where."""
+    base = HEADER_WORDS + slot * _row_words(old)
+    moved = _claim(new, old[base])
+    dest = HEADER_WORDS + moved * _row_words(new)
+    was_tomb = _is_tomb(new, dest, _row_words(new))
+    _copy_mask_words(old, new, base, dest)
     if was_tomb and not _is_tomb(new, dest, _row_words(new)):
         new[H_LIVE] += _ONE
     if old_matched.size:
         new_matched[moved] = old_matched[slot]
+    return moved
 
 
 @_kernel
@@ -1066,7 +1063,7 @@ def reconcile_slots(
     for word in range(1, dirty.size):
         bits = dirty[word]
         while bits != _ZERO:
-            slot, bits = _next_dirty(dirty, word, bits)
+            slot, bits = _next_dirty(word, bits)
             moved = where[slot]
             if moved < 0:
                 continue
@@ -1084,7 +1081,7 @@ def reconcile_slots(
         bits = dirty[word]
         dirty[word] = _ZERO
         while bits != _ZERO:
-            slot, bits = _next_dirty(dirty, word, bits)
+            slot, bits = _next_dirty(word, bits)
             done += 1
             base = HEADER_WORDS + slot * old_width
             if old[base] != _ZERO and not _is_tomb(old, base, old_width):
@@ -1121,7 +1118,7 @@ def reconcile_rows(old: Map, new: Map, new_meta: Meta, where: Counts, dirty: Tab
     for word in range(1, dirty.size):
         bits = dirty[word]
         while bits != _ZERO:
-            row, bits = _next_dirty(dirty, word, bits)
+            row, bits = _next_dirty(word, bits)
             if where[row] >= 0:
                 _map_delete(new, new_meta, where[row])
                 where[row] = -1
@@ -1130,7 +1127,7 @@ def reconcile_rows(old: Map, new: Map, new_meta: Meta, where: Counts, dirty: Tab
         bits = dirty[word]
         dirty[word] = _ZERO
         while bits != _ZERO:
-            row, bits = _next_dirty(dirty, word, bits)
+            row, bits = _next_dirty(word, bits)
             done += 1
             owner = old[row, 1]
             if owner != _ZERO and owner != TOMB:

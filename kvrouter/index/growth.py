@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Final, TypeVar
@@ -61,6 +62,7 @@ __all__ = [
     "MapGrowth",
     "TableGrowth",
     "capacity_for",
+    "new_map",
     "new_table",
 ]
 
@@ -76,7 +78,7 @@ FULL_LOAD: Final = 0.9
 """The used share a successor may not pass while reconciled: past it the writer copies afresh
 (``Growth.settle``), so a probe always meets an empty slot."""
 PAGE_CHUNK: Final = 32 << 20
-"""Bytes ``drop_pages`` frees per call."""
+"""Bytes per ``madvise`` call of ``populate_in_steps`` and ``drop_pages``."""
 _MADV_DONTNEED: Final = 4
 _MADV_POPULATE_WRITE: Final = 23
 """Linux 5.14 and later; before, ``madvise`` refuses it and the pages fault in as they are first written."""
@@ -303,9 +305,8 @@ class TableGrowth(Growth):
 class MapGrowth(Growth):
     """A private map (engine map or refs) into a bigger one."""
 
-    def __init__(self, helper: Helper, old: Map, rows: int, make: Callable[[int], Map]) -> None:
+    def __init__(self, helper: Helper, old: Map, rows: int) -> None:
         self.old_rows, self.old_meta = old
-        self._make = make
         self.new: Map | None = None
         super().__init__(helper, self.old_rows.shape[0], rows)
 
@@ -315,7 +316,8 @@ class MapGrowth(Growth):
         self.old_rows = np.empty((0, kernels.MAP_ROW_WORDS), dtype=np.uint64)
 
     def _copy(self) -> None:
-        rows, meta = self._make(self.capacity)
+        rows, meta = new_map(self.capacity, populate=False)
+        populate_in_steps(rows)
         self.new = rows, meta
         kernels.copy_rows(self.old_rows, rows, meta, self.where)
 
@@ -337,6 +339,18 @@ class MapGrowth(Growth):
         meta[kernels.M_STAMP] = self.old_meta[kernels.M_STAMP]
         meta[kernels.M_ENTRIES] = self.old_meta[kernels.M_ENTRIES]
         return rows, meta
+
+
+def new_map(rows: int, *, populate: bool = True) -> Map:
+    """An empty private map (engine map or refs) in pre-faulted memory (see ``layout.Segment.create`` for
+    why, and for ``populate``), zero from the kernel."""
+    width = kernels.MAP_ROW_WORDS
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
+    memory = mmap.mmap(-1, rows * width * 8, flags=flags)
+    table = np.frombuffer(memory, dtype=np.uint64).reshape(rows, width)
+    meta = np.zeros(kernels.META_WORDS, dtype=np.int64)
+    kernels.init_map(table, meta)
+    return table, meta
 
 
 def new_table(name: str, capacity: int, nwords: int, epoch: int, *, populate: bool = True) -> Segment:

@@ -48,7 +48,7 @@ HEADER_WORDS: Final = 8
 H_MAGIC, H_CAPACITY, H_NWORDS, H_USED, H_EPOCH, H_TOMBS, H_LIVE, H_DIRTY = range(8)
 """Shard header words: magic, slot capacity, mask words per tier, used slots (live + tombstones),
 epoch, tombstones, live keys, and the writer's dirty-slot bitmap while the table is being copied into its
-successor (an address in the writer's own process, 0 otherwise: no reader looks at it; ``writer.Growth``)."""
+successor (an address in the writer's own process, 0 otherwise: no reader looks at it; ``growth.Growth``)."""
 SLOT_KEY, SLOT_VERSION, SLOT_MASKS = 0, 1, 2
 """Within a slot row: the key, the seqlock version, then ``TIERS * nwords`` mask words."""
 ZERO_KEY: Final = 0x9E37_79B9_7F4A_7C15
@@ -57,7 +57,7 @@ MIN_CAPACITY: Final = 1024
 MAX_LOAD: Final = 0.5
 """Grow when used slots pass this share of capacity: linear probing stays short (``spec`` §3.1)."""
 GROWING_LOAD: Final = 0.75
-"""The load a table or map may reach while its successor is being built beside it (``writer.Growth``):
+"""The load a table or map may reach while its successor is being built beside it (``growth.Growth``):
 probes a little longer for a fraction of a second, instead of a writer waiting for the copy. Past it the
 writer does wait (a burst of new keys faster than the copy)."""
 

@@ -31,7 +31,6 @@ bounds: ``_excuse`` approximates it per worker instead).
 from __future__ import annotations
 
 import logging
-import mmap
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
@@ -44,7 +43,7 @@ from ..errors import BadEvent, BlockNotFound, InvalidBlockSequence, ParentNotFou
 from ..events.codecs.kvrouter import RawEvent
 from ..events.model import Cleared, KvEvent, Removed, Stored, WorkerKey
 from . import _kernels as kernels
-from .growth import Growth, Helper, MapGrowth, TableGrowth, capacity_for, new_table, populate_in_steps
+from .growth import Growth, Helper, MapGrowth, TableGrowth, capacity_for, new_map, new_table
 from .layout import (
     EVICT_REASONS,
     GROWING_LOAD,
@@ -164,25 +163,6 @@ def _run_kind(event: RawEvent) -> int:
     return kernels.RUN_STORED if event.parent is None else kernels.RUN_STORED_WITH_PARENT
 
 
-def _map(rows: int, *, populate: bool = True) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
-    """An empty private map in pre-faulted memory (see ``layout.Segment.create`` for why, and for
-    ``populate``), zero from the kernel."""
-    width = kernels.MAP_ROW_WORDS
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
-    memory = mmap.mmap(-1, rows * width * 8, flags=flags)
-    table = np.frombuffer(memory, dtype=np.uint64).reshape(rows, width)
-    meta = np.zeros(kernels.META_WORDS, dtype=np.int64)
-    kernels.init_map(table, meta)
-    return table, meta
-
-
-def _successor_map(rows: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
-    """A growth's new map, populated by its helper in steps (``growth.populate_in_steps``)."""
-    table, meta = _map(rows, populate=False)
-    populate_in_steps(table)
-    return table, meta
-
-
 def _map_load(meta: npt.NDArray[np.int64]) -> tuple[int, int, int]:
     """A private map's (used rows, capacity, live rows)."""
     used, tombs = int(meta[kernels.M_USED]), int(meta[kernels.M_TOMBS])
@@ -246,8 +226,8 @@ class ShardWriter:
         """Evicted rows beyond what one eviction's list held: missing from the recording, counted."""
         self._cached = np.zeros((TIERS, control.rows), dtype=np.int64)
         """Cached blocks per tier and row (``kernels.TierCounts``), copied into the rows by ``_sync_cached``."""
-        self._emap, self._emeta = _map(capacity)
-        self._refs, self._rmeta = _map(MIN_MAP_ROWS)
+        self._emap, self._emeta = new_map(capacity)
+        self._refs, self._rmeta = new_map(MIN_MAP_ROWS)
         self._rows = control.worker_rows(shard)
         """This shard's worker rows (a view: the control segment never moves)."""
         self._history = _history(self._rows)
@@ -631,10 +611,9 @@ class ShardWriter:
                 rows = max(capacity, capacity_for(live + new_keys, MIN_MAP_ROWS))
                 if part == "table":
                     self._grow_table(rows, int(self.table[H_NWORDS]))
-                elif part == "emap":
-                    self._growths[part] = MapGrowth(self._helper, (self._emap, self._emeta), rows, _successor_map)
                 else:
-                    self._growths[part] = MapGrowth(self._helper, (self._refs, self._rmeta), rows, _successor_map)
+                    old = (self._emap, self._emeta) if part == "emap" else (self._refs, self._rmeta)
+                    self._growths[part] = MapGrowth(self._helper, old, rows)
 
     def _grow_table(self, capacity: int, nwords: int) -> None:
         epoch = self.control.epoch(self.shard) + 1

@@ -46,7 +46,7 @@ from time import monotonic, perf_counter_ns
 from typing import Any, Final
 
 import numpy as np
-from bench_index import _machine, _percentile, _reference_tree, in_process_owner, leftovers, rollup
+from bench_index import _machine, _reference_tree, in_process_owner, leftovers, percentiles, rollup
 
 from kvrouter.events.codecs import dynamo as dynamo_codec
 from kvrouter.events.model import EngineHash, LocalHash, Stored, StoredBlock
@@ -105,16 +105,6 @@ def _reader(conn: Connection, control: str, probes: list[tuple[list[int], int]])
         wrong += answer != {(worker, 0): len(query)}
     reader.close()
     conn.send({"samples": samples, "wrong": wrong})
-
-
-def percentiles(samples: list[float]) -> dict[str, float]:
-    return {
-        "n": len(samples),
-        "p50": _percentile(samples, 0.5),
-        "p99": _percentile(samples, 0.99),
-        "p99.9": _percentile(samples, 0.999),
-        "max": max(samples, default=0.0),
-    }
 
 
 def run_kvrouter(probes: list[Stored], burst: list[Stored], blocks: int) -> dict[str, Any]:

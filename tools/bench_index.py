@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -330,6 +331,19 @@ def print_ratios(result: dict[str, Any], *, width: int) -> None:
 def _percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    """Count, p50, p99, p99.9 and max of ``samples`` (NaN for each figure when there are none)."""
+    if not samples:
+        return {"n": 0, "p50": math.nan, "p99": math.nan, "p99.9": math.nan, "max": math.nan}
+    return {
+        "n": len(samples),
+        "p50": _percentile(samples, 0.5),
+        "p99": _percentile(samples, 0.99),
+        "p99.9": _percentile(samples, 0.999),
+        "max": max(samples),
+    }
 
 
 @dataclass

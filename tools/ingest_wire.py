@@ -49,8 +49,17 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any, Final
 
-from bench_index import rollup
-from bench_ingest import BLOCK_SIZE, HWM_MARGIN, SUBSCRIBE_TIMEOUT_S, TOPIC, Publishers, build_sequences, stored_event
+from bench_index import percentiles, rollup
+from bench_ingest import (
+    BLOCK_SIZE,
+    HWM_MARGIN,
+    SUBSCRIBE_TIMEOUT_S,
+    TOPIC,
+    Publishers,
+    StoredSequence,
+    build_sequences,
+    stored_event,
+)
 from bench_service import START_TIMEOUT, Server, free_port, process_family, stop, stopped_on_failure, tail, wait_http
 
 from kvrouter.events.codecs import vllm
@@ -73,7 +82,7 @@ SIDES: Final = ("kvrouter-1", "kvrouter-2", "reference")
 
 
 class Burst:
-    """One publisher count's frames, and what each publisher's last sequence must answer."""
+    """One publisher count's frames, their sequences, and each publisher's last sequence."""
 
     def __init__(self, publishers: int, frames: int, seed: int) -> None:
         made = build_sequences(publishers, frames, seed)
@@ -85,8 +94,7 @@ class Burst:
         ]
         self.blocks = sum(len(s.local) for s in made)
         self.entries = len({(s.worker, h) for s in made for h in s.engine})
-        last = {s.worker: s for s in made}
-        self.last = {worker: (s.tokens.ravel().tolist(), len(s.local)) for worker, s in last.items()}
+        self.last = {s.worker: s for s in made}
         self.most = max(sum(1 for w, _ in self.frames if w == worker) for worker in range(publishers))
         self.sequences = made
 
@@ -123,6 +131,12 @@ class Queries:
         host, port = url.removeprefix("http://").split(":")
         self.connection = http.client.HTTPConnection(host, int(port), timeout=30)
         self.latencies_ms: list[float] = []
+
+    def shows(self, sequence: StoredSequence, instance: int) -> bool:
+        """Whether ``/query`` answers the whole sequence on the instance (in blocks or in tokens: the
+        services count differently)."""
+        blocks = len(sequence.local)
+        return self.matched(sequence.tokens.ravel().tolist(), instance) in (blocks, blocks * BLOCK_SIZE)
 
     def matched(self, tokens: list[int], instance: int) -> int:
         body = json.dumps({"token_ids": tokens, "model_name": MODEL}).encode()
@@ -181,8 +195,8 @@ def run_side(side: str, burst: Burst, folder: Path) -> dict[str, Any]:
         waiting = dict(burst.last)
         deadline = started + VISIBLE_TIMEOUT_S
         while waiting:
-            for worker, (tokens, blocks) in list(waiting.items()):
-                if queries.matched(tokens, worker + 1) in (blocks, blocks * BLOCK_SIZE):
+            for worker, sequence in list(waiting.items()):
+                if queries.shows(sequence, worker + 1):
                     del waiting[worker]
             if perf_counter() > deadline:
                 raise SystemExit(f"bench_ingest --wire: {side} never showed {len(waiting)} publishers' last sequence")
@@ -192,7 +206,7 @@ def run_side(side: str, burst: Burst, folder: Path) -> dict[str, Any]:
         "blocks_per_s": burst.blocks / seconds,
         "seconds": seconds,
         "send_seconds": sent,
-        "query_ms": _percentiles(queries.latencies_ms),
+        "query_ms": percentiles(queries.latencies_ms),
         "pss_idle_mb": idle / 2**20,
         "bytes_per_block": grown / burst.entries,
     }
@@ -226,52 +240,33 @@ def run_lag(side: str, burst: Burst, rate: float, folder: Path) -> dict[str, Any
 
         sender = threading.Thread(target=pace)
         sender.start()
-        unseen: dict[int, list[int]] = {}
+        pending: list[int] = []
+        """The watched publisher's frames sent and not yet seen."""
         lags: list[float] = []
         next_frame = 0
         deadline = started + LAG_SECONDS + VISIBLE_TIMEOUT_S
-        while next_frame < len(frames) or any(unseen.values()):
+        while next_frame < len(frames) or pending:
             while next_frame < len(frames) and sent_at[next_frame]:
                 if frames[next_frame][0] == WATCHED:
-                    unseen.setdefault(WATCHED, []).append(next_frame)
+                    pending.append(next_frame)
                 next_frame += 1
-            for worker, pending in unseen.items():
-                if not pending:
-                    continue
-                sequence = burst.sequences[pending[-1]]  # a publisher's frames arrive in order
-                blocks = len(sequence.local)
-                if queries.matched(sequence.tokens.ravel().tolist(), worker + 1) in (blocks, blocks * BLOCK_SIZE):
-                    now = perf_counter()
-                    lags += [(now - sent_at[i]) * 1e3 for i in pending]
-                    pending.clear()
+            # a publisher's frames arrive in order: its latest seen, all before it are
+            if pending and queries.shows(burst.sequences[pending[-1]], WATCHED + 1):
+                now = perf_counter()
+                lags += [(now - sent_at[i]) * 1e3 for i in pending]
+                pending.clear()
             if perf_counter() > deadline:
                 break
             time.sleep(QUERY_GAP_S)
         sender.join()
-    behind = sum(len(p) for p in unseen.values()) + sum(1 for w, _, _ in frames[next_frame:] if w == WATCHED)
+    behind = len(pending) + sum(1 for w, _, _ in frames[next_frame:] if w == WATCHED)
     return {
         "offered_blocks_per_s": rate,
         "sequences": len(frames),
         "watched": sum(1 for w, _, _ in frames if w == WATCHED),
-        "lag_ms": _percentiles(lags),
+        "lag_ms": percentiles(lags),
         "never_visible": behind,
     }
-
-
-def _percentiles(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples) or [float("nan")]
-    return {
-        "n": len(samples),
-        "p50": statistics.median(ordered),
-        "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
-        "max": ordered[-1],
-    }
-
-
-@contextmanager
-def _folder() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="bench-wire-") as name:
-        yield Path(name)
 
 
 def run_wire(
@@ -279,9 +274,11 @@ def run_wire(
 ) -> dict[str, Any]:
     """Every side for every publisher count, the order alternated over ``repeats``; medians."""
     figures: dict[str, Any] = {}
-    with _folder() as folder:
+    with tempfile.TemporaryDirectory(prefix="bench-wire-") as name:
+        folder = Path(name)
+        steady = Burst(publisher_counts[0], frames, seed)  # the steady runs use the first count's too
         for count in publisher_counts:
-            burst = Burst(count, frames, seed)
+            burst = steady if count == publisher_counts[0] else Burst(count, frames, seed)
             runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
             for repeat in range(repeats):
                 order = SIDES if repeat % 2 == 0 else tuple(reversed(SIDES))
@@ -292,8 +289,7 @@ def run_wire(
                 "entries": burst.entries,
                 **{side: _median(samples) for side, samples in runs.items()},
             }
-        burst = Burst(publisher_counts[0], frames, seed)
-        lag = {str(rate): {side: run_lag(side, burst, rate, folder) for side in SIDES} for rate in rates}
+        lag = {str(rate): {side: run_lag(side, steady, rate, folder) for side in SIDES} for rate in rates}
     first = figures[str(publisher_counts[0])]
     reference = first["reference"]
     ratios = {

@@ -61,6 +61,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.numpy_support import carray
 
+from ..events.packed import REMOVED, STORED_UNDER
 from ..hashing._xxh3 import chain_step
 from .layout import (
     C_ROWS,
@@ -131,9 +132,6 @@ __all__ = [
     "ROWS_CHANGED",
     "ROWS_MOVING",
     "ROWS_RETRIES",
-    "RUN_REMOVED",
-    "RUN_STORED",
-    "RUN_STORED_WITH_PARENT",
     "SLOT_STUCK",
     "STALE_TABLE",
     "STATUS",
@@ -740,10 +738,6 @@ def _remove_event(
     return first_missing
 
 
-RUN_REMOVED, RUN_STORED, RUN_STORED_WITH_PARENT = 0, 1, 2
-"""``apply_run``'s event kinds: a Removed event, a Stored event without a parent, one with a parent."""
-
-
 @_kernel
 def apply_run(
     table: Table,
@@ -766,7 +760,7 @@ def apply_run(
     as ``store`` or ``remove`` would apply it: one call instead of one per event where engines send many
     small events (SGLang's one page per event, vLLM's multi-event batches).
 
-    Event ``i`` is ``kinds[i]`` (``RUN_*``) with ``parents[i]``, its engine hashes
+    Event ``i`` is ``kinds[i]`` (``events/packed.py``: no ``CLEARED``) with ``parents[i]``, its engine hashes
     ``engine[offsets[i]:offsets[i + 1]]``; ``local`` holds the Stored events' local hashes, concatenated
     in order (a Removed event has none). ``statuses[i]`` gets ``store``'s status for a Stored event, and
     for a Removed one ``OK`` or ``BLOCK_NOT_FOUND`` (some hash unknown; the known ones are released).
@@ -776,11 +770,11 @@ def apply_run(
     n = kinds.size
     first_local = 0
     for i in range(start):
-        if kinds[i] != RUN_REMOVED:
+        if kinds[i] != REMOVED:
             first_local += offsets[i + 1] - offsets[i]
     for i in range(start, n):
         blocks = engine[offsets[i] : offsets[i + 1]]
-        if kinds[i] == RUN_REMOVED:
+        if kinds[i] == REMOVED:
             missing = _remove_event(table, emap, emeta, refs, rmeta, cached, bit, tier, blocks)
             statuses[i] = OK if missing < 0 else BLOCK_NOT_FOUND
             continue
@@ -794,7 +788,7 @@ def apply_run(
             cached,
             bit,
             tier,
-            kinds[i] == RUN_STORED_WITH_PARENT,
+            kinds[i] == STORED_UNDER,
             parents[i],
             blocks,
             hashes,

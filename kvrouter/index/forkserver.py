@@ -202,11 +202,12 @@ def _warm_tables() -> None:
 
 
 def _warm_codecs() -> None:
-    """Block and chain hashing from every token form an engine decoder hands over, and the engine decoders'
-    compiled pre-pass over msgpack (``_prescan.py``)."""
+    """Block and chain hashing from every token form an engine decoder hands over, the engine decoders'
+    compiled pre-pass over msgpack (``_prescan.py``), and the batch path's decoder (``runs.py``)."""
     from array import array
 
     from ..events.codecs import sglang, vllm
+    from ..events.codecs.runs import RunDecoder
     from ..events.model import EngineHash, EventBatch, LocalHash, Removed, Stored, StoredBlock
     from ..hashing import block_hashes_array, sequence_hashes_array
 
@@ -219,6 +220,9 @@ def _warm_codecs() -> None:
         for encoding in ("map", "array"):
             payload = codec.Encoder(encoding).encode(engine_batch)
             codec.Decoder(1, 2).decode_raw(payload)
+            runs = RunDecoder(codec.Decoder.dialect, 2, 0)
+            runs.load([payload], [0])
+            runs.decode(0)
 
 
 class ForkServer:

@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import BadEvent, BlockNotFound, InvalidBlockSequence, ParentNotFound
+from ..events import packed
 from ..events.codecs.kvrouter import RawEvent
 from ..events.model import Cleared, KvEvent, Removed, Stored, WorkerKey
 from . import _kernels as kernels
@@ -159,8 +160,8 @@ def pack_run(events: Sequence[RawEvent]) -> tuple[npt.NDArray[np.uint8], Table, 
 
 def _run_kind(event: RawEvent) -> int:
     if event.tag == "R":
-        return kernels.RUN_REMOVED
-    return kernels.RUN_STORED if event.parent is None else kernels.RUN_STORED_WITH_PARENT
+        return packed.REMOVED
+    return packed.STORED if event.parent is None else packed.STORED_UNDER
 
 
 def _map_load(meta: npt.NDArray[np.int64]) -> tuple[int, int, int]:
@@ -305,12 +306,64 @@ class ShardWriter:
                     if kind is not None:
                         errors.append(kind)
                 else:
-                    errors.extend(self._apply_run(bit, events[first:end]))
+                    errors.extend(self._apply_run(bit, event.tier.rank, *pack_run(events[first:end])))
                 first = end
             self._sync_cached(bit)
             if errors:
                 errors = self._excuse(bit, errors)
         self._count(len(events), errors, sent_at)
+        return errors
+
+    def apply_packed(
+        self,
+        worker: WorkerKey,
+        kinds: npt.NDArray[np.uint8],
+        tiers: npt.NDArray[np.uint8],
+        parents: Table,
+        offsets: npt.NDArray[np.int64],
+        engine: Table,
+        local: Table,
+        sent_at: float = 0.0,
+    ) -> list[str]:
+        """Apply one worker's events packed as a run (``events/packed.py``), as ``apply_batch`` would apply
+        them one by one; count them once. Returns the error kinds met, in order.
+
+        The compiled batch path's way in: a whole drain of a stream is one call here, one ``apply_run`` per
+        stretch of one tier between clears (usually one in all)."""
+        bit = self._bit(worker)
+        self._emeta[kernels.M_STAMP] += 1
+        count = kinds.size
+        if bit < 0:
+            errors = [BadEvent.kind] * count
+        else:
+            errors = []
+            cleared = kinds == packed.CLEARED
+            cuts = np.flatnonzero(cleared[1:] | cleared[:-1] | (tiers[1:] != tiers[:-1])) + 1
+            starts = [0, *cuts.tolist()]
+            local_at = 0
+            for first, end in zip(starts, [*starts[1:], count], strict=True):
+                tier = int(tiers[first])
+                if cleared[first]:
+                    kernels.clear_holder(*self._maps(), bit, tier)
+                    continue
+                lo, hi = int(offsets[first]), int(offsets[end])
+                stores = int(np.sum(np.diff(offsets[first : end + 1])[kinds[first:end] != packed.REMOVED]))
+                errors.extend(
+                    self._apply_run(
+                        bit,
+                        tier,
+                        kinds[first:end],
+                        parents[first:end],
+                        offsets[first : end + 1] - lo,
+                        engine[lo:hi],
+                        local[local_at : local_at + stores],
+                    )
+                )
+                local_at += stores
+            self._sync_cached(bit)
+            if errors:
+                errors = self._excuse(bit, errors)
+        self._count(count, errors, sent_at)
         return errors
 
     def touch(self, seqs: npt.NDArray[np.uint64]) -> int:
@@ -387,15 +440,23 @@ class ShardWriter:
         kernels.clear_holder(*self._maps(), bit, tier)
         return None
 
-    def _apply_run(self, bit: int, events: Sequence[RawEvent]) -> list[str]:
-        """Stored and Removed events of one tier through ``apply_run``; error kinds in order."""
-        kinds, parents, offsets, engine, local = pack_run(events)
-        statuses = np.zeros(len(events), dtype=np.int64)
-        tier = events[0].tier.rank
+    def _apply_run(
+        self,
+        bit: int,
+        tier: int,
+        kinds: npt.NDArray[np.uint8],
+        parents: Table,
+        offsets: npt.NDArray[np.int64],
+        engine: Table,
+        local: Table,
+    ) -> list[str]:
+        """Stored and Removed events of one tier through ``apply_run``, growing the tables as it asks; error
+        kinds in order."""
+        statuses = np.zeros(kinds.size, dtype=np.int64)
         done = 0
         while True:
             done = kernels.apply_run(*self._maps(), bit, tier, kinds, parents, offsets, engine, local, done, statuses)
-            if done == len(events):
+            if done == kinds.size:
                 break
             self._make_room(int(offsets[done + 1] - offsets[done]))
         return [_ERRORS[status] for status in statuses[np.flatnonzero(statuses)].tolist()]

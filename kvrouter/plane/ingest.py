@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 DRAIN_LIMIT: Final = 256
 """Messages taken from one SUB socket per wake-up, so a flooding worker cannot starve the others or the
-supervisor's messages; what is left stays queued in the socket for the next poll."""
+supervisor's messages; what is left stays queued in the socket for the next poll. They are one batch for
+the stream (``Stream.on_drain``)."""
 
 
 class Ingest:
@@ -87,12 +88,15 @@ class Ingest:
         if stream is None:
             return
         if socket is stream.socket:
-            for _ in range(DRAIN_LIMIT):  # hot path: one unit per message
+            recv = socket.recv_multipart
+            messages: list[list[bytes]] = []
+            for _ in range(DRAIN_LIMIT):  # hot path: one receive per message, then one batch
                 try:
-                    frames = socket.recv_multipart(zmq.NOBLOCK)
+                    messages.append(recv(zmq.NOBLOCK))
                 except zmq.Again:
-                    return
-                stream.on_live(frames, now)
+                    break
+            if messages:
+                stream.on_drain(messages, now)
         else:
             stream.on_recovery(now)
 

@@ -27,7 +27,7 @@ kvrouter worker left partial by a timeout gets a fresh full restore after ``rest
 becomes ``exact`` again once its indexer answers; an engine becomes ``exact`` again when it restarts.
 
 The stream is transport-agnostic above its two sockets: decoding is a function of the payload, the
-writer is the shard's, and the applier's poller calls :meth:`on_live`, :meth:`on_recovery` and
+writer is the shard's, and the applier's poller calls :meth:`on_drain`, :meth:`on_recovery` and
 :meth:`tick`. Its counters live in the worker's row of the control segment (``index/layout.py``), where
 ``engine.workers()``, the service's metrics and ``kvrouter top`` read them.
 """
@@ -49,6 +49,7 @@ from ..events.codecs import sglang, vllm
 from ..events.codecs.frames import ReplayEnd, ReplayFrame
 from ..events.codecs.kvrouter import Decoder, RawBatch, RawEvent
 from ..events.codecs.query import QueryReply
+from ..events.codecs.runs import C_EVENTS, C_NEXT, C_SKIPPED, NEED_ROOM, RunDecoder
 from ..events.model import WorkerKey
 from ..index.layout import (
     NO_ID,
@@ -145,14 +146,15 @@ class _Recovery:
         return self.tail and not self.gap
 
 
-def _decoder(spec: WorkerSpec) -> Callable[[bytes, int], RawBatch]:
-    """The payload → arrays function of the worker's format (decoding stays out of the writer)."""
+def _decoder(spec: WorkerSpec) -> tuple[Callable[[bytes, int], RawBatch], vllm.Decoder | sglang.Decoder | None]:
+    """The payload → arrays function of the worker's format (decoding stays out of the writer), and the engine
+    decoder behind it (None for kvrouter batches)."""
     if spec.format == "kvrouter":
         decode = Decoder().decode_raw
-        return lambda payload, _first: decode(payload)
+        return (lambda payload, _first: decode(payload)), None
     codec = vllm if spec.format == "vllm" else sglang
     engine = codec.Decoder(spec.worker_id, spec.block_size)
-    return lambda payload, first: engine.decode_raw(payload, first_event_id=first)
+    return (lambda payload, first: engine.decode_raw(payload, first_event_id=first)), engine
 
 
 class Stream:
@@ -177,7 +179,13 @@ class Stream:
         self._context = context
         self._watch = watch
         self._config = config
-        self._decode = _decoder(spec)
+        self._decode, self._engine = _decoder(spec)
+        self._runs = (
+            None
+            if spec.format == "kvrouter"
+            else RunDecoder((vllm if spec.format == "vllm" else sglang).Decoder.dialect, spec.block_size, rank)
+        )
+        """The compiled batch path's decoder (``on_drain``); None where there is none (kvrouter batches)."""
         self._recovery_endpoint = spec.recovery_endpoint(rank)
         self._where = f"worker={spec.worker_id} dp={rank}"
         self._logged: set[str] = set()
@@ -246,12 +254,91 @@ class Stream:
 
     # -- arrivals -----------------------------------------------------------------------------
 
-    def on_live(self, frames: list[bytes], now: float) -> None:
-        """One message from the SUB socket: checked, decoded, then read against the cursor."""
+    def on_drain(self, messages: list[list[bytes]], now: float) -> None:
+        """Messages drained from the SUB socket, in order. Where the stream is steady (no recovery in flight,
+        nothing recorded, no salted block remembered), each stretch of messages in sequence order goes through
+        the compiled batch path: decoded, hashed and applied in one call each (``events/codecs/runs.py``,
+        ``ShardWriter.apply_packed``). The message that ends a stretch (out of order, malformed, or one that
+        path does not decode) is checked, decoded and read against the cursor on its own (``_live``), then the
+        next stretch starts after it."""
+        self._heard()
+        runs = self._runs
+        if runs is None or self._tap is not None:
+            for frames in messages:
+                self._live(frames, now)
+            return
+        topic, limit = self.spec.topic, self._config.max_message_bytes
+        payloads: list[bytes] = []
+        seqs: list[int] = []
+        for frames in messages:  # hot path: one shape check a message
+            if len(frames) == 3 and frames[0] == topic and len(frames[1]) == 8 and len(frames[2]) <= limit:
+                payloads.append(frames[2])
+                seqs.append(int.from_bytes(frames[1], "big"))
+            else:
+                payloads.append(b"")  # left to _live, which names what is wrong with it
+                seqs.append(NO_ID)
+        runs.load(payloads, seqs)
+        m = 0
+        while m < len(messages):
+            if self._steady() and seqs[m] == self._expected():
+                m = self._run(runs, m, now)
+                if m == len(messages):
+                    break
+            self._live(messages[m], now)
+            m += 1
+
+    def _steady(self) -> bool:
+        """Whether the next message in order may take the batch path: it is read against a cursor, with no
+        recovery to wait for, and no salted chain whose salt only the Python decoder remembers."""
+        engine = self._engine
+        return (
+            self.cursor is not None
+            and self._recovery is None
+            and not self._buffer
+            and (engine is None or not engine.salted)
+        )
+
+    def _run(self, runs: RunDecoder, first: int, now: float) -> int:
+        """Apply messages ``first``... through the batch path; returns the first it did not take."""
+        m = first
+        while True:
+            status = runs.decode(m)
+            counts = runs.counts
+            end = int(counts[C_NEXT])
+            if end == m:
+                return m
+            events = int(counts[C_EVENTS])
+            self._writer.apply_packed(
+                self.key,
+                runs.kinds[:events],
+                runs.tiers[:events],
+                runs.parents[:events],
+                runs.offsets[: events + 1],
+                runs.engine,
+                runs.local,
+                float(runs.stamps[m]),
+            )
+            self._events_seen += events
+            self._bump(W_EVENTS, events)
+            skipped = int(counts[C_SKIPPED])
+            if skipped:
+                self._bump(W_SKIPPED_EVENTS, skipped)
+            self.cursor = int(runs.seqs[end - 1])
+            self._words[W_LAST_ID] = self.cursor
+            self._settle()
+            self._quiet_check(now)
+            if status != NEED_ROOM:
+                return end
+            m = end
+
+    def _heard(self) -> None:
         self._words[W_LAST_EVENT_NS] = time.time_ns()
         if self._words[W_STALE]:
             self._words[W_STALE] = 0
             log.info("worker heard again %s", self._where)
+
+    def _live(self, frames: list[bytes], now: float) -> None:
+        """One message: checked, decoded, then read against the cursor."""
         unit = self._unit_of_live(frames)
         if unit is None:
             return
@@ -321,7 +408,7 @@ class Stream:
             if name == self.spec.format:
                 continue
             try:
-                batch = _decoder(replace(self.spec, format=name))(payload, 0)
+                batch = _decoder(replace(self.spec, format=name))[0](payload, 0)
             except (BadEvent, ConfigError, InvalidHashInput):
                 continue
             if batch.events:
@@ -374,7 +461,7 @@ class Stream:
         self._writer.clear_worker(self.key)
         if self._tap is not None:
             self._tap.cleared(self.key, "restart")
-        self._decode = _decoder(self.spec)  # the salted blocks the old one remembered were the last life's
+        self._decode, self._engine = _decoder(self.spec)  # the salted blocks the old one knew were the last life's
         self.cursor = None
         self._exact = True
         self._words[W_LAST_ID] = NO_ID

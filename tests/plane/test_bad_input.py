@@ -225,8 +225,7 @@ def test_each_kind_of_bad_message_is_logged_once_then_only_counted(
         (stream,) = ingest._streams.values()
         with caplog.at_level(logging.WARNING, logger="kvrouter.plane.stream"):
             for seq in range(5):
-                stream.on_live(encode_live(TOPIC, seq, b"\xc1"), time.monotonic())
-                stream.on_live([TOPIC], time.monotonic())
+                stream.on_drain([encode_live(TOPIC, seq, b"\xc1"), [TOPIC]], time.monotonic())
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("bad message")]
         assert len(lines) == 2
         assert all("worker=1 dp=0" in line and "tcp://127.0.0.1:9" in line for line in lines)

@@ -149,6 +149,12 @@ class EngineDecoder:
         """Where :func:`lift_arrays` rewrites a payload; grown, never shrunk. Per decoder, so one
         decoder must not be used from two threads at once."""
 
+    @property
+    def salted(self) -> bool:
+        """Some block this stream stored under a cache salt is still held: a store under it is salted too, which
+        only this decoder knows (``events/codecs/runs.py`` leaves such a stream to it)."""
+        return bool(self._salts)
+
     def decode(self, payload: bytes, *, first_event_id: int = 0) -> EventBatch:
         """Decode one payload into model events, numbering them from ``first_event_id``.
 

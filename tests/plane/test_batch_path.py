@@ -1,0 +1,248 @@
+"""The compiled batch path (``Stream.on_drain``, ``events/codecs/runs.py``) against the per-message path.
+
+The oracle is the same stream with its batch path off: every message checked, decoded and applied on its
+own, as the applier did before there was a batch path. Both get the same drains of generated messages
+that mix in-order stretches, gaps, restarts, another rank's batches, LoRA and salted stores (which the
+batch path leaves to the Python decoder), clears, tiers and malformed frames; afterwards the two indexes
+answer every query alike and every counter of the worker's row and of the shard is the same.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kvrouter.events.codecs import sglang, vllm
+from kvrouter.events.codecs.frames import encode_live
+from kvrouter.events.codecs.kvrouter import RawEvent
+from kvrouter.events.model import (
+    Cleared,
+    EngineHash,
+    EventBatch,
+    KvEvent,
+    LocalHash,
+    Removed,
+    StorageTier,
+    Stored,
+    StoredBlock,
+    WorkerKey,
+)
+from kvrouter.hashing import block_hashes
+from kvrouter.index.layout import W_LAST_EVENT_NS
+from kvrouter.plane import PlaneConfig, WorkerSpec
+from kvrouter.plane.ingest import Ingest
+from kvrouter.plane.stream import Stream
+from tests.index.shm import InProcessShards
+
+BLOCK = 4
+TOPIC = b"kv"
+CONFIG = PlaneConfig(max_message_bytes=64 << 10)
+HASHES = st.integers(1, 40)
+"""Engine hashes from a small pool, so stores meet their parents and removals meet stores."""
+
+
+@dataclass
+class Side:
+    shards: InProcessShards
+    ingest: Ingest
+    stream: Stream
+
+    def close(self) -> None:
+        self.ingest.close()
+        self.shards.close()
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+def side(context: zmq.Context[zmq.Socket[bytes]], fmt: str, *, batch: bool) -> Side:
+    shards = InProcessShards(1)
+    ingest = Ingest(context, zmq.Poller(), shards.writers[0], CONFIG)
+    try:
+        ingest.add(WorkerSpec(1, "tcp://127.0.0.1:9", format=fmt, topic=TOPIC, block_size=BLOCK), [0])  # type: ignore[arg-type]
+        (stream,) = ingest._streams.values()
+    except BaseException:
+        ingest.close()
+        shards.close()
+        raise
+    if not batch:
+        stream._runs = None  # the oracle: the same stream, one message at a time
+    return Side(shards, ingest, stream)
+
+
+def stored(hashes: list[int], parent: int | None, seed: int, **extra: object) -> Stored:
+    blocks = []
+    for i, engine_hash in enumerate(hashes):
+        tokens = tuple(range(seed + 10 * i, seed + 10 * i + BLOCK))
+        blocks.append(StoredBlock(EngineHash(engine_hash), LocalHash(block_hashes(tokens, BLOCK)[0]), tokens))
+    return Stored(1, None if parent is None else EngineHash(parent), tuple(blocks), **extra)  # type: ignore[arg-type]
+
+
+@st.composite
+def events(draw: st.DrawFn) -> KvEvent:
+    kind = draw(st.sampled_from(["store", "store", "store", "remove", "clear", "lora", "salt"]))
+    tier = draw(st.sampled_from([StorageTier.DEVICE, StorageTier.DEVICE, StorageTier.HOST]))
+    if kind == "remove":
+        return Removed(1, tuple(EngineHash(h) for h in draw(st.lists(HASHES, min_size=1, max_size=3))), tier=tier)
+    if kind == "clear":
+        return Cleared(1)
+    hashes = draw(st.lists(HASHES, min_size=1, max_size=4, unique=True))
+    parent = draw(st.none() | HASHES)
+    seed = draw(st.integers(0, 3)) * 100
+    if kind == "lora":
+        return stored(hashes, parent, seed, tier=tier, lora_name="adapter-x")
+    if kind == "salt":
+        return stored(hashes, parent, seed, tier=tier, cache_salt="tenant")
+    return stored(hashes, parent, seed, tier=tier)
+
+
+@st.composite
+def messages(draw: st.DrawFn, codec: object) -> list[list[bytes]]:
+    """Frames as a worker's PUB would send them, some of them wrong."""
+    out: list[list[bytes]] = []
+    seq = 0
+    for _ in range(draw(st.integers(1, 24))):
+        what = draw(st.sampled_from(["batch"] * 8 + ["gap", "restart", "rank", "garbage", "topic", "shape"]))
+        rank = 1 if what == "rank" else 0
+        batch = EventBatch(
+            tuple(replace(e, dp_rank=rank) for e in draw(st.lists(events(), min_size=1, max_size=3))),
+            timestamp=1.0,
+            dp_rank=rank,
+        )
+        encoder = codec.Encoder(draw(st.sampled_from(["map", "array"])))  # type: ignore[attr-defined]
+        payload = encoder.encode(batch)
+        if what == "gap":
+            seq += draw(st.integers(2, 3))
+        elif what == "restart":
+            seq = 0
+        if what == "garbage":
+            out.append(encode_live(TOPIC, seq, payload[: len(payload) // 2]))
+        elif what == "topic":
+            out.append(encode_live(b"kv-other", seq, payload))
+        elif what == "shape":
+            out.append([TOPIC, payload])
+        else:
+            out.append(encode_live(TOPIC, seq, payload))
+        seq += 1
+    return out
+
+
+def state(s: Side) -> tuple[object, ...]:
+    row = s.stream.row.copy()
+    row[W_LAST_EVENT_NS] = 0
+    stats = s.shards.control.stats(0)
+    stats.pop("last_event_ns")
+    stats.pop("lag_us")
+    return row.tolist(), stats, s.stream.cursor, s.shards.writers[0].engine_hashes()
+
+
+def answers(s: Side, queries: list[list[int]]) -> list[dict[tuple[int, int], int]]:
+    return [s.shards.find_matches(q) for q in queries]
+
+
+def queries_of(frames: list[list[bytes]], codec: object) -> list[list[int]]:
+    """Every store's local hashes, as a chain and block by block."""
+    out: list[list[int]] = []
+    decoder = codec.Decoder(1, BLOCK)  # type: ignore[attr-defined]
+    for message in frames:
+        try:
+            batch = decoder.decode(message[-1])
+        except Exception:
+            continue
+        for event in batch.events:
+            if isinstance(event, Stored):
+                chain = [int(b.local_hash) for b in event.blocks]
+                out.append(chain)
+                out.extend([h] for h in chain)
+    return out
+
+
+@pytest.mark.parametrize("codec", [vllm, sglang], ids=["vllm", "sglang"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_drains_apply_as_the_messages_one_by_one(
+    context: zmq.Context[zmq.Socket[bytes]], codec: object, data: st.DataObject
+) -> None:
+    frames = data.draw(messages(codec))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(frames)), max_size=3)))
+    fmt = "vllm" if codec is vllm else "sglang"
+    batch, oracle = side(context, fmt, batch=True), side(context, fmt, batch=False)
+    try:
+        now = time.monotonic()
+        for lo, hi in zip([0, *cuts], [*cuts, len(frames)], strict=True):
+            if hi > lo:
+                batch.stream.on_drain(frames[lo:hi], now)
+                oracle.stream.on_drain(frames[lo:hi], now)
+        assert state(batch) == state(oracle)
+        queries = queries_of(frames, codec)
+        assert answers(batch, queries) == answers(oracle, queries)
+    finally:
+        batch.close()
+        oracle.close()
+
+
+def test_a_steady_drain_is_one_apply_and_a_lora_store_in_it_is_applied_on_its_own(
+    context: zmq.Context[zmq.Socket[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ten in-order batches after the first: the first is read against no cursor (on its own), the next four
+    are one run, the LoRA store goes through the Python decoder, the last four are one run again."""
+    encoder = vllm.Encoder("map")
+    plain = [encoder.encode(EventBatch((stored([10 + i], None, 100 * i),), timestamp=1.0)) for i in range(10)]
+    plain[5] = encoder.encode(EventBatch((stored([99], None, 7, lora_name="adapter-x"),), timestamp=1.0))
+    s = side(context, "vllm", batch=True)
+    writer = s.shards.writers[0]
+    runs: list[int] = []
+    packed, single = writer.apply_packed, writer.apply_batch
+
+    def apply_packed(key: WorkerKey, kinds: npt.NDArray[np.uint8], *args: Any) -> list[str]:
+        runs.append(kinds.size)
+        return packed(key, kinds, *args)
+
+    def apply_batch(key: WorkerKey, events: Sequence[RawEvent], *args: Any) -> list[str]:
+        runs.append(-len(events))
+        return single(key, events, *args)
+
+    monkeypatch.setattr(writer, "apply_packed", apply_packed)
+    monkeypatch.setattr(writer, "apply_batch", apply_batch)
+    try:
+        s.stream.on_drain([encode_live(TOPIC, seq, p) for seq, p in enumerate(plain)], time.monotonic())
+        assert runs == [-1, 4, -1, 4]
+        assert s.stream.cursor == 9
+        lora_local = block_hashes(tuple(range(7, 7 + BLOCK)), BLOCK, lora_name="adapter-x")
+        assert s.shards.find_matches(lora_local) == {(1, 0): 1}
+        assert s.shards.find_matches([block_hashes(tuple(range(900, 900 + BLOCK)), BLOCK)[0]]) == {(1, 0): 1}
+    finally:
+        s.close()
+
+
+def test_the_decoder_gives_up_rather_than_guess() -> None:
+    """Payloads the Python decoder reads in ways this pass does not copy stay with it: the run is empty and
+    the pass says it gave up, never an error of its own."""
+    from kvrouter.events.codecs.runs import C_NEXT, GAVE_UP, RunDecoder
+
+    encoder = vllm.Encoder("map")
+    good = encoder.encode(EventBatch((stored([1, 2], None, 0),), timestamp=1.0))
+    cases = [
+        good + b"\x00",  # trailing bytes
+        good[:-3],  # truncated
+        b"\x93\xcb" + np.float64(1.0).byteswap().tobytes() + b"\x91\x81\xa4type\xa7Unknown\x00",  # unknown tag
+        encoder.encode(EventBatch((replace(stored([1], None, 0), dp_rank=3),), timestamp=1.0, dp_rank=3)),
+        encoder.encode(EventBatch((Stored(1, None, (StoredBlock(EngineHash(1), LocalHash(0), (1, 2)),)),))),
+    ]
+    for payload in cases:
+        runs = RunDecoder(vllm.Decoder.dialect, BLOCK, 0)
+        runs.load([payload], [0])
+        assert runs.decode(0) == GAVE_UP
+        assert runs.counts[C_NEXT] == 0

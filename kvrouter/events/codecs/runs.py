@@ -178,6 +178,68 @@ def _int(buf: Bytes, pos: int) -> tuple[int, np.uint64, bool]:
 
 
 @_inlined
+def _tokens(buf: Bytes, pos: int, out: npt.NDArray[np.uint32]) -> tuple[int, int]:
+    """(position after it, count) of the array of u32 token ids at ``pos``, written to ``out``; position -1
+    when it is not one (or ``out`` cannot hold it). One pass, for the unsigned encodings only: a token is
+    never negative, so anything else is not a token."""
+    kind, count, head = _header(buf, pos)
+    if kind != 1 or count > out.size:
+        return -1, 0
+    p = pos + head
+    end = buf.size
+    for k in range(count):  # hot path: every token of the batch
+        if p >= end:
+            return -1, 0
+        b = buf[p]
+        if b <= 0x7F:
+            out[k] = b
+            p += 1
+        elif b == 0xCD and p + 3 <= end:
+            out[k] = (np.uint32(buf[p + 1]) << np.uint32(8)) | np.uint32(buf[p + 2])
+            p += 3
+        elif b == 0xCE and p + 5 <= end:
+            out[k] = (
+                (np.uint32(buf[p + 1]) << np.uint32(24))
+                | (np.uint32(buf[p + 2]) << np.uint32(16))
+                | (np.uint32(buf[p + 3]) << np.uint32(8))
+                | np.uint32(buf[p + 4])
+            )
+            p += 5
+        elif b == 0xCC and p + 2 <= end:
+            out[k] = buf[p + 1]
+            p += 2
+        else:
+            return -1, 0
+    return p, count
+
+
+@_inlined
+def _hashes(buf: Bytes, pos: int, out: npt.NDArray[np.uint64], at: int) -> tuple[int, int]:
+    """(position after it, count) of the array of integer hashes at ``pos``, cast to u64 into ``out[at:]``;
+    position -1 when it is not one, -2 when ``out`` has no room for it."""
+    kind, count, head = _header(buf, pos)
+    if kind != 1:
+        return -1, 0
+    if at + count > out.size:
+        return -2, 0
+    p = pos + head
+    end = buf.size
+    for k in range(count):  # hot path: every engine hash of the batch
+        if p + 9 <= end and buf[p] == 0xCF:  # a u64: what engines send for nearly every hash
+            word = np.uint64(0)
+            for i in range(1, 9):
+                word = (word << np.uint64(8)) | np.uint64(buf[p + i])
+            out[at + k] = word
+            p += 9
+            continue
+        p, value, _ = _int(buf, p)
+        if p < 0:
+            return -1, 0
+        out[at + k] = value
+    return p, count
+
+
+@_inlined
 def _number(buf: Bytes, pos: int, word: npt.NDArray[np.uint64], real: npt.NDArray[np.float64]) -> tuple[int, float]:
     """(position after it, value) of the number at ``pos`` (an integer or a float, as ``expect_float``
     takes); position -1 otherwise. ``word`` and ``real`` are one 8-byte scratch word, seen two ways."""
@@ -273,6 +335,8 @@ def decode_runs(
             kind, nfields, head = _header(msg, pos)
             fields[:] = -1
             tag = -1
+            ntokens = 0
+            nhashes = 0
             if kind == 2:
                 pos += head
                 for _ in range(nfields):
@@ -289,8 +353,14 @@ def decode_runs(
                             ok = False  # a duplicate key: the Python decoder keeps the last
                             break
                         fields[code] = pos
-                    pos = _skip(msg, pos)
+                    if code == F_TOKENS:
+                        pos, ntokens = _tokens(msg, pos, tokens)
+                    elif code == F_HASHES:
+                        pos, nhashes = _hashes(msg, pos, engine, n_blocks)
+                    else:
+                        pos = _skip(msg, pos)
                     if pos < 0:
+                        status = NEED_ROOM if pos == -2 else GAVE_UP
                         ok = False
                         break
                 if not ok or fields[F_TYPE] < 0:
@@ -305,10 +375,17 @@ def decode_runs(
                 for k in range(nfields - 1):
                     if pos < 0:
                         break
-                    if tag != T_CLEARED and k < layout.size and layout[k] >= 0:
-                        fields[layout[k]] = pos
-                    pos = _skip(msg, pos)
+                    code = layout[k] if tag != T_CLEARED and k < layout.size else -1
+                    if code >= 0:
+                        fields[code] = pos
+                    if code == F_TOKENS:
+                        pos, ntokens = _tokens(msg, pos, tokens)
+                    elif code == F_HASHES:
+                        pos, nhashes = _hashes(msg, pos, engine, n_blocks)
+                    else:
+                        pos = _skip(msg, pos)
                 if pos < 0:
+                    status = NEED_ROOM if pos == -2 else GAVE_UP
                     ok = False
                     break
             if tag < 0:
@@ -349,25 +426,7 @@ def decode_runs(
                     ok = False
                     break
                 tier = tier_ranks[which - TIERS_AT]
-            at = fields[F_HASHES]
-            if at < 0:
-                ok = False
-                break
-            kind, nhashes, head = _header(msg, at)
-            if kind != 1 or nhashes == 0:
-                ok = False
-                break
-            if n_blocks + nhashes > engine.size:
-                status = NEED_ROOM
-                ok = False
-                break
-            at += head
-            for k in range(nhashes):
-                at, value, _ = _int(msg, at)
-                if at < 0:
-                    break
-                engine[n_blocks + k] = value
-            if at < 0:
+            if fields[F_HASHES] < 0 or nhashes == 0:  # read in place above, into engine[n_blocks:]
                 ok = False
                 break
             if tag == T_REMOVED:
@@ -407,19 +466,7 @@ def decode_runs(
                     ok = False
                     break
                 under = True
-            at = fields[F_TOKENS]
-            kind, ntokens, head = _header(msg, at)
-            if kind != 1 or ntokens > tokens.size:
-                ok = False
-                break
-            at += head
-            for k in range(ntokens):
-                at, value, negative = _int(msg, at)
-                if at < 0 or negative or value > np.uint64(U32_MAX):
-                    at = -1
-                    break
-                tokens[k] = np.uint32(value)
-            if at < 0 or ntokens // block_size < nhashes:
+            if ntokens // block_size < nhashes:  # the tokens were read in place above
                 ok = False
                 break
             if not main:

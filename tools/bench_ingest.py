@@ -133,8 +133,8 @@ QUICK: Final = {
     "wire_repeat": 1,
     "wire_rates": [100_000],
 }
-GOALS: Final = {"ingest": 3.0, "ingest_vllm": 1.0}
-"""The issue's goals, each a ratio from 1 shard."""
+GOALS: Final = {"ingest": 3.0, "ingest_vllm": 1.5}
+"""Issue 33's goals, each a ratio from 1 shard (an earlier issue asked 1 of ``ingest_vllm``)."""
 RATIO_KEYS: Final = {"kvrouter": "ingest", "vllm": "ingest_vllm"}
 
 

@@ -180,12 +180,10 @@ class Stream:
         self._watch = watch
         self._config = config
         self._decode, self._engine = _decoder(spec)
-        self._runs = (
-            None
-            if spec.format == "kvrouter"
-            else RunDecoder((vllm if spec.format == "vllm" else sglang).Decoder.dialect, spec.block_size, rank)
+        self._runs: RunDecoder | None = RunDecoder(
+            None if self._engine is None else self._engine.dialect, spec.worker_id, rank, spec.block_size
         )
-        """The compiled batch path's decoder (``on_drain``); None where there is none (kvrouter batches)."""
+        """The compiled batch path's decoder (``on_drain``); None: every message on its own."""
         self._recovery_endpoint = spec.recovery_endpoint(rank)
         self._where = f"worker={spec.worker_id} dp={rank}"
         self._logged: set[str] = set()
@@ -280,7 +278,7 @@ class Stream:
         runs.load(payloads, seqs)
         m = 0
         while m < len(messages):
-            if self._steady() and seqs[m] == self._expected():
+            if self._steady():
                 m = self._run(runs, m, now)
                 if m == len(messages):
                     break
@@ -302,7 +300,7 @@ class Stream:
         """Apply messages ``first``... through the batch path; returns the first it did not take."""
         m = first
         while True:
-            status = runs.decode(m)
+            status = runs.decode(m, self._expected())
             counts = runs.counts
             end = int(counts[C_NEXT])
             if end == m:
@@ -323,7 +321,7 @@ class Stream:
             skipped = int(counts[C_SKIPPED])
             if skipped:
                 self._bump(W_SKIPPED_EVENTS, skipped)
-            self.cursor = int(runs.seqs[end - 1])
+            self.cursor = runs.last()
             self._words[W_LAST_ID] = self.cursor
             self._settle()
             self._quiet_check(now)

@@ -20,7 +20,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvrouter.events.codecs import sglang, vllm
+from kvrouter.events.codecs import kvrouter, sglang, vllm
 from kvrouter.events.codecs.frames import encode_live
 from kvrouter.events.codecs.kvrouter import RawEvent
 from kvrouter.events.model import (
@@ -109,33 +109,44 @@ def events(draw: st.DrawFn) -> KvEvent:
 
 
 @st.composite
-def messages(draw: st.DrawFn, codec: object) -> list[list[bytes]]:
-    """Frames as a worker's PUB would send them, some of them wrong."""
+def messages(draw: st.DrawFn, fmt: str) -> list[list[bytes]]:
+    """Frames as a worker's PUB would send them, some of them wrong. ``next_id`` is the ZMQ sequence number
+    of an engine's next batch, or a kvrouter worker's next event id (its batches' sequence numbers are not
+    read)."""
     out: list[list[bytes]] = []
-    seq = 0
-    for _ in range(draw(st.integers(1, 24))):
-        what = draw(st.sampled_from(["batch"] * 8 + ["gap", "restart", "rank", "garbage", "topic", "shape"]))
+    next_id = 0
+    for seq in range(draw(st.integers(1, 24))):
+        what = draw(st.sampled_from(["batch"] * 8 + ["gap", "restart", "rank", "garbage", "topic", "shape", "ids"]))
         rank = 1 if what == "rank" else 0
-        batch = EventBatch(
-            tuple(replace(e, dp_rank=rank) for e in draw(st.lists(events(), min_size=1, max_size=3))),
-            timestamp=1.0,
-            dp_rank=rank,
-        )
-        encoder = codec.Encoder(draw(st.sampled_from(["map", "array"])))  # type: ignore[attr-defined]
-        payload = encoder.encode(batch)
         if what == "gap":
-            seq += draw(st.integers(2, 3))
+            next_id += draw(st.integers(2, 3))
         elif what == "restart":
-            seq = 0
+            next_id = 0
+        drawn = draw(st.lists(events(), min_size=1, max_size=3))
+        if fmt == "kvrouter":
+            ids = [next_id + i for i in range(len(drawn))]
+            if what == "ids" and len(ids) > 1:
+                ids.reverse()
+            batch = EventBatch(
+                tuple(replace(e, dp_rank=rank, event_id=i) for e, i in zip(drawn, ids, strict=True)),
+                timestamp=1.0,
+                dp_rank=rank,
+            )
+            payload = kvrouter.Encoder(with_tokens=draw(st.booleans())).encode(batch)
+            wire_seq, next_id = seq, next_id + len(drawn)
+        else:
+            codec = vllm if fmt == "vllm" else sglang
+            batch = EventBatch(tuple(replace(e, dp_rank=rank) for e in drawn), timestamp=1.0, dp_rank=rank)
+            payload = codec.Encoder(draw(st.sampled_from(["map", "array"]))).encode(batch)
+            wire_seq, next_id = next_id, next_id + 1
         if what == "garbage":
-            out.append(encode_live(TOPIC, seq, payload[: len(payload) // 2]))
+            out.append(encode_live(TOPIC, wire_seq, payload[: len(payload) // 2]))
         elif what == "topic":
-            out.append(encode_live(b"kv-other", seq, payload))
+            out.append(encode_live(b"kv-other", wire_seq, payload))
         elif what == "shape":
             out.append([TOPIC, payload])
         else:
-            out.append(encode_live(TOPIC, seq, payload))
-        seq += 1
+            out.append(encode_live(TOPIC, wire_seq, payload))
     return out
 
 
@@ -152,10 +163,10 @@ def answers(s: Side, queries: list[list[int]]) -> list[dict[tuple[int, int], int
     return [s.shards.find_matches(q) for q in queries]
 
 
-def queries_of(frames: list[list[bytes]], codec: object) -> list[list[int]]:
+def queries_of(frames: list[list[bytes]], fmt: str) -> list[list[int]]:
     """Every store's local hashes, as a chain and block by block."""
     out: list[list[int]] = []
-    decoder = codec.Decoder(1, BLOCK)  # type: ignore[attr-defined]
+    decoder = kvrouter.Decoder() if fmt == "kvrouter" else (vllm if fmt == "vllm" else sglang).Decoder(1, BLOCK)
     for message in frames:
         try:
             batch = decoder.decode(message[-1])
@@ -169,15 +180,14 @@ def queries_of(frames: list[list[bytes]], codec: object) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("codec", [vllm, sglang], ids=["vllm", "sglang"])
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "kvrouter"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_drains_apply_as_the_messages_one_by_one(
-    context: zmq.Context[zmq.Socket[bytes]], codec: object, data: st.DataObject
+    context: zmq.Context[zmq.Socket[bytes]], fmt: str, data: st.DataObject
 ) -> None:
-    frames = data.draw(messages(codec))
+    frames = data.draw(messages(fmt))
     cuts = sorted(data.draw(st.lists(st.integers(0, len(frames)), max_size=3)))
-    fmt = "vllm" if codec is vllm else "sglang"
     batch, oracle = side(context, fmt, batch=True), side(context, fmt, batch=False)
     try:
         now = time.monotonic()
@@ -186,7 +196,7 @@ def test_drains_apply_as_the_messages_one_by_one(
                 batch.stream.on_drain(frames[lo:hi], now)
                 oracle.stream.on_drain(frames[lo:hi], now)
         assert state(batch) == state(oracle)
-        queries = queries_of(frames, codec)
+        queries = queries_of(frames, fmt)
         assert answers(batch, queries) == answers(oracle, queries)
     finally:
         batch.close()
@@ -242,7 +252,7 @@ def test_the_decoder_gives_up_rather_than_guess() -> None:
         encoder.encode(EventBatch((Stored(1, None, (StoredBlock(EngineHash(1), LocalHash(0), (1, 2)),)),))),
     ]
     for payload in cases:
-        runs = RunDecoder(vllm.Decoder.dialect, BLOCK, 0)
+        runs = RunDecoder(vllm.Decoder.dialect, 1, 0, BLOCK)
         runs.load([payload], [0])
-        assert runs.decode(0) == GAVE_UP
+        assert runs.decode(0, 0) == GAVE_UP
         assert runs.counts[C_NEXT] == 0

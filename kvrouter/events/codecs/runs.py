@@ -35,7 +35,17 @@ from ._engine import I32_MAX, MAIN_ATTENTION_KINDS, Dialect
 from ._fields import U32_MAX
 from ._prescan import Bytes, _header, _inlined, _kernel, _uint
 
-__all__ = ["C_EVENTS", "C_NEXT", "C_SKIPPED", "DONE", "GAVE_UP", "NEED_ROOM", "RunDecoder", "decode_runs"]
+__all__ = [
+    "C_EVENTS",
+    "C_NEXT",
+    "C_SKIPPED",
+    "DONE",
+    "GAVE_UP",
+    "NEED_ROOM",
+    "RunDecoder",
+    "decode_kvrouter_runs",
+    "decode_runs",
+]
 
 DONE: Final = 0
 """Every message from ``first`` on is in the run."""
@@ -44,9 +54,10 @@ GAVE_UP: Final = 1
 NEED_ROOM: Final = 2
 """The run arrays are full at message ``counts[C_NEXT]``: apply what is there, then call again from it."""
 
-C_NEXT, C_EVENTS, C_BLOCKS, C_LOCAL, C_SKIPPED = 0, 1, 2, 3, 4
+C_NEXT, C_EVENTS, C_BLOCKS, C_LOCAL, C_SKIPPED, C_LAST = 0, 1, 2, 3, 4, 5
 """Words of ``counts``: the first message not in the run, then the run's events, engine hashes, local
-hashes, and the engine events skipped (another attention group, as ``RawBatch.skipped_events``)."""
+hashes, the engine events skipped (another attention group, as ``RawBatch.skipped_events``), and the last
+event id taken (kvrouter batches, whose events carry ids)."""
 
 F_TYPE, F_HASHES, F_PARENT, F_TOKENS, F_SIZE, F_LORA_NAME, F_EXTRA_KEYS, F_MEDIUM = 0, 1, 2, 3, 4, 5, 6, 7
 F_GROUP, F_KIND, F_SALT = 8, 9, 10
@@ -81,17 +92,17 @@ _SEED: Final = np.uint64(1337)
 
 
 class RunNames:
-    """The strings the kernel compares, as arrays it can take: every name, concatenated, with its bounds;
-    each medium's tier rank; and one dialect's array layouts as field codes (-1: a position not read)."""
+    """The strings a kernel compares, as arrays it can take: every name, concatenated, with its bounds; each
+    medium's tier rank; and an engine dialect's array layouts as field codes (-1: a position not read)."""
 
-    def __init__(self, dialect: Dialect) -> None:
-        encoded = [name.encode() for name in _NAMES]
+    def __init__(self, names: tuple[str, ...], dialect: Dialect | None = None) -> None:
+        encoded = [name.encode() for name in names]
         self.names = np.frombuffer(b"".join(encoded), dtype=np.uint8)
         self.bounds = np.cumsum([0, *map(len, encoded)]).astype(np.int64)
         self.tiers = np.array([tier.rank for tier in TIER_NAMES.values()], dtype=np.int64)
-        self.stored = _layout(dialect.stored_fields)
-        self.removed = _layout(dialect.removed_fields)
-        self.salted = dialect.extra_keys_salted
+        self.stored = _layout(dialect.stored_fields if dialect else ())
+        self.removed = _layout(dialect.removed_fields if dialect else ())
+        self.salted = bool(dialect and dialect.extra_keys_salted)
 
 
 def _layout(fields: tuple[str, ...]) -> npt.NDArray[np.int64]:
@@ -507,14 +518,234 @@ def decode_runs(
     return status
 
 
+K_VERSION, K_TS, K_WORKER, K_RANK, K_EVENTS = 0, 1, 2, 3, 4
+KVROUTER_KEYS: Final = ("v", "ts", "worker_id", "dp_rank", "events")
+"""The keys of a kvrouter batch this pass reads, by their ``K_*`` code (``codecs/kvrouter.py``)."""
+KVROUTER_TAGS: Final = ("S", "R", "C")
+K_STORED, K_REMOVED, K_CLEARED = len(KVROUTER_KEYS), len(KVROUTER_KEYS) + 1, len(KVROUTER_KEYS) + 2
+K_TIERS_AT: Final = len(KVROUTER_KEYS) + len(KVROUTER_TAGS)
+_KVROUTER_NAMES: Final = (*KVROUTER_KEYS, *KVROUTER_TAGS, *TIER_NAMES)
+
+
+@_inlined
+def _packed(buf: Bytes, pos: int, width: int) -> tuple[int, int]:
+    """(position of the bytes, count of ``width``-byte values) of the ``bin`` at ``pos``; position -1 when
+    it is not a bin of whole values."""
+    if pos >= buf.size or buf[pos] < 0xC4 or buf[pos] > 0xC6:
+        return -1, 0
+    kind, size, head = _header(buf, pos)
+    if kind != 0 or size % width or pos + head + size > buf.size:
+        return -1, 0
+    return pos + head, size // width
+
+
+@_inlined
+def _copy_words(buf: Bytes, pos: int, count: int, out: npt.NDArray[np.uint64], at: int) -> None:
+    """``count`` little-endian u64 words at ``buf[pos:]`` into ``out[at:]``."""
+    for k in range(count):
+        word = np.uint64(0)
+        for i in range(7, -1, -1):
+            word = (word << np.uint64(8)) | np.uint64(buf[pos + 8 * k + i])
+        out[at + k] = word
+
+
+@_kernel
+def decode_kvrouter_runs(
+    buf: Bytes,
+    bounds: npt.NDArray[np.int64],
+    first: int,
+    expected: np.uint64,
+    names: Bytes,
+    name_bounds: npt.NDArray[np.int64],
+    tier_ranks: npt.NDArray[np.int64],
+    worker_id: np.uint64,
+    rank: int,
+    kinds: npt.NDArray[np.uint8],
+    tiers: npt.NDArray[np.uint8],
+    parents: npt.NDArray[np.uint64],
+    offsets: npt.NDArray[np.int64],
+    engine: npt.NDArray[np.uint64],
+    local: npt.NDArray[np.uint64],
+    stamps: npt.NDArray[np.float64],
+    fields: npt.NDArray[np.int64],
+    word: npt.NDArray[np.uint64],
+    real: npt.NDArray[np.float64],
+    counts: npt.NDArray[np.int64],
+) -> int:
+    """:func:`decode_runs` for kvrouter batches (``{v, ts, worker_id, dp_rank, events}``, hashes as packed
+    bins), whose events carry ids: every event of the run must be the next id from ``expected`` on, and
+    ``counts[C_LAST]`` gets the last id taken. A batch of no event is left to the stream, which ignores it."""
+    n_events = 0
+    n_blocks = 0
+    n_local = 0
+    offsets[0] = 0
+    status = DONE
+    m = first
+    last = expected - np.uint64(1)
+    while m < bounds.size - 1:
+        msg = buf[bounds[m] : bounds[m + 1]]
+        events, blocks, nlocal, before = n_events, n_blocks, n_local, last
+        status = GAVE_UP
+        kind, count, head = _header(msg, 0)
+        if kind != 2:
+            break
+        pos = head
+        fields[: len(KVROUTER_KEYS)] = -1
+        for _ in range(count):
+            code = _name(msg, pos, names, name_bounds, 0, len(KVROUTER_KEYS))
+            if code == -2:
+                pos = -1
+                break
+            pos = _skip(msg, pos)
+            if pos < 0 or (code >= 0 and fields[code] >= 0):
+                pos = -1
+                break
+            if code >= 0:
+                fields[code] = pos
+            pos = _skip(msg, pos)
+            if pos < 0:
+                break
+        if pos != msg.size or fields[K_VERSION] < 0 or fields[K_WORKER] < 0 or fields[K_RANK] < 0:
+            break
+        if fields[K_EVENTS] < 0:
+            break
+        after, value, negative = _int(msg, fields[K_VERSION])
+        if after < 0 or negative or value != np.uint64(1):
+            break
+        after, value, negative = _int(msg, fields[K_WORKER])
+        if after < 0 or negative or value != worker_id:
+            break
+        after, value, negative = _int(msg, fields[K_RANK])
+        if after < 0 or negative or value != np.uint64(rank):
+            break
+        stamp = 0.0
+        at = fields[K_TS]
+        if at >= 0 and msg[at] != _NIL:
+            after, stamp = _number(msg, at, word, real)
+            if after < 0:
+                break
+        kind, n, head = _header(msg, fields[K_EVENTS])
+        if kind != 1 or n == 0:
+            break
+        pos = fields[K_EVENTS] + head
+        ok = True
+        for _ in range(n):  # hot path: one event
+            kind, items, head = _header(msg, pos)
+            if kind != 1 or items < 3:
+                ok = False
+                break
+            at = pos + head
+            tag = _name(msg, at, names, name_bounds, K_STORED, K_CLEARED + 1)
+            at = _skip(msg, at)
+            if tag < 0 or at < 0:
+                ok = False
+                break
+            after, value, negative = _int(msg, at)
+            if after < 0 or negative or value != last + np.uint64(1):
+                ok = False
+                break
+            last = value
+            which = _name(msg, after, names, name_bounds, K_TIERS_AT, name_bounds.size - 1)
+            if which < 0:
+                ok = False
+                break
+            tier = tier_ranks[which - K_TIERS_AT]
+            at = _skip(msg, after)
+            if n_events >= kinds.size:
+                status = NEED_ROOM
+                ok = False
+                break
+            if tag == K_CLEARED:
+                kinds[n_events] = CLEARED
+            elif tag == K_REMOVED:
+                if items < 4:
+                    ok = False
+                    break
+                start, nhashes = _packed(msg, at, 8)
+                if start < 0 or nhashes == 0:
+                    ok = False
+                    break
+                if n_blocks + nhashes > engine.size:
+                    status = NEED_ROOM
+                    ok = False
+                    break
+                _copy_words(msg, start, nhashes, engine, n_blocks)
+                n_blocks += nhashes
+                kinds[n_events] = REMOVED
+            else:
+                if items < 7:
+                    ok = False
+                    break
+                parent = np.uint64(0)
+                under = msg[at] != _NIL
+                if under:
+                    after, parent, negative = _int(msg, at)
+                    if after < 0 or negative:
+                        ok = False
+                        break
+                at = _skip(msg, at)
+                start, nhashes = _packed(msg, at, 8)
+                at = _skip(msg, at) if start >= 0 else -1
+                from_local, nlocal = _packed(msg, at, 8) if at >= 0 else (-1, 0)
+                at = _skip(msg, at) if from_local >= 0 else -1
+                if at < 0 or nhashes == 0 or nlocal != nhashes:
+                    ok = False
+                    break
+                if msg[at] != _NIL:  # the tokens, for recordings only: checked, not read
+                    tokens_at, ntokens = _packed(msg, at, 4)
+                    if tokens_at < 0 or ntokens % nhashes:
+                        ok = False
+                        break
+                if n_blocks + nhashes > engine.size or n_local + nhashes > local.size:
+                    status = NEED_ROOM
+                    ok = False
+                    break
+                _copy_words(msg, start, nhashes, engine, n_blocks)
+                _copy_words(msg, from_local, nhashes, local, n_local)
+                n_blocks += nhashes
+                n_local += nhashes
+                kinds[n_events] = STORED_UNDER if under else STORED
+                parents[n_events] = parent
+            tiers[n_events] = tier
+            n_events += 1
+            offsets[n_events] = n_blocks
+            pos = _skip(msg, pos)
+            if pos < 0:
+                ok = False
+                break
+        if not ok:
+            n_events, n_blocks, n_local, last = events, blocks, nlocal, before
+            break
+        stamps[m] = stamp
+        status = DONE
+        m += 1
+    counts[C_NEXT] = m
+    counts[C_EVENTS] = n_events
+    counts[C_BLOCKS] = n_blocks
+    counts[C_LOCAL] = n_local
+    counts[C_SKIPPED] = 0
+    counts[C_LAST] = np.int64(last)
+    return status
+
+
 class RunDecoder:
     """One stream's compiled decoding: its messages of one drain, loaded once, and the run arrays they are
-    decoded into (kept, grown, never shrunk: a drain allocates nothing once the stream is warm)."""
+    decoded into (kept, grown, never shrunk: a drain allocates nothing once the stream is warm).
 
-    def __init__(self, dialect: Dialect, block_size: int, rank: int) -> None:
-        self._names = RunNames(dialect)
-        self.block_size = block_size
+    Args:
+        dialect: the engine's (``vllm.Decoder.dialect``, ``sglang.Decoder.dialect``), or None for kvrouter
+            batches.
+        worker_id: the stream's worker (kvrouter batches name theirs; engine batches do not).
+        rank: the stream's dp rank: a batch naming another is left to the stream.
+        block_size: the router's; an engine store of another size is left to the stream.
+    """
+
+    def __init__(self, dialect: Dialect | None, worker_id: int, rank: int, block_size: int) -> None:
+        self._dialect = dialect
+        self._names = RunNames(_NAMES if dialect else _KVROUTER_NAMES, dialect)
+        self.worker_id = np.uint64(worker_id)
         self.rank = rank
+        self.block_size = block_size
         self._buf = np.empty(0, dtype=np.uint8)
         self._bounds = np.zeros(1, dtype=np.int64)
         self.seqs = np.empty(0, dtype=np.uint64)
@@ -523,20 +754,20 @@ class RunDecoder:
         self._fields = np.empty(len(FIELDS), dtype=np.int64)
         self._word = np.zeros(1, dtype=np.uint64)
         self._real = self._word.view(np.float64)
-        self.counts = np.zeros(5, dtype=np.int64)
+        self.counts = np.zeros(6, dtype=np.int64)
         self._grow(INITIAL_EVENTS, INITIAL_BLOCKS)
 
     def _grow(self, events: int, blocks: int) -> None:
         self.kinds = np.empty(events, dtype=np.uint8)
         self.tiers = np.empty(events, dtype=np.uint8)
-        self.parents = np.empty(events, dtype=np.uint64)
+        self.parents = np.zeros(events, dtype=np.uint64)
         self.offsets = np.empty(events + 1, dtype=np.int64)
         self.engine = np.empty(blocks, dtype=np.uint64)
         self.local = np.empty(blocks, dtype=np.uint64)
 
     def load(self, payloads: list[bytes], seqs: list[int]) -> None:
-        """The drain's payloads, in order, with their sequence numbers (an empty payload: a message this path
-        must leave to the Python decoder)."""
+        """The drain's payloads, in order, with their ZMQ sequence numbers (an empty payload: a message this
+        path must leave to the stream)."""
         self._buf = np.frombuffer(b"".join(payloads), dtype=np.uint8)
         lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=len(payloads))
         self._bounds = np.zeros(len(payloads) + 1, dtype=np.int64)
@@ -545,30 +776,48 @@ class RunDecoder:
         if self.stamps.size < len(payloads):
             self.stamps = np.empty(2 * len(payloads), dtype=np.float64)
         longest = int(lengths.max()) if len(payloads) else 0
-        if self._tokens.size < longest:  # a token takes at least one byte of its message
+        if self._dialect is not None and self._tokens.size < longest:  # a token takes a byte or more
             self._tokens = np.empty(2 * longest, dtype=np.uint32)
 
-    def decode(self, first: int) -> int:
-        """Decode from message ``first`` while the messages are in sequence order, as far as the run arrays
-        allow (:data:`DONE`, :data:`GAVE_UP` or :data:`NEED_ROOM`; ``counts`` says how far). A message that
-        alone does not fit grows the arrays, so a call from ``first`` always makes progress or gives up."""
-        end = first
-        seqs = self.seqs
-        while end < seqs.size and seqs[end] == seqs[first] + np.uint64(end - first):
-            end += 1
+    def decode(self, first: int, expected: int) -> int:
+        """Decode from message ``first``, whose first id must be ``expected`` (the ZMQ sequence number for an
+        engine, the event id for kvrouter batches), while the ids follow on, as far as the run arrays allow
+        (:data:`DONE`, :data:`GAVE_UP` or :data:`NEED_ROOM`; ``counts`` says how far, :meth:`last` the last id
+        taken). A message that alone does not fit grows the arrays, so a call always makes progress or gives
+        up."""
+        if self._dialect is None:
+            end = self.seqs.size
+        else:
+            ids = self.seqs[first:]
+            follow = ids == np.uint64(expected) + np.arange(ids.size, dtype=np.uint64)
+            end = first + (int(np.argmin(follow)) if not follow.all() else ids.size)
         while True:
-            n = self._names
-            status = decode_runs(
+            status = self._call(first, end, expected)
+            if status == DONE and end < self.seqs.size:
+                status = GAVE_UP  # the next message is out of order: the stream's own logic reads it
+            if status != NEED_ROOM or self.counts[C_NEXT] > first:
+                return status
+            size = int(self._bounds[first + 1] - self._bounds[first])  # one hash or event takes a byte or more
+            self._grow(max(2 * self.kinds.size, size), max(2 * self.engine.size, size))
+
+    def last(self) -> int:
+        """The id of the last message (engines) or event (kvrouter) the run holds."""
+        if self._dialect is None:
+            return int(self.counts[C_LAST]) % (1 << 64)
+        return int(self.seqs[self.counts[C_NEXT] - 1])
+
+    def _call(self, first: int, end: int, expected: int) -> int:
+        n = self._names
+        if self._dialect is None:
+            return decode_kvrouter_runs(
                 self._buf,
                 self._bounds[: end + 1],
                 first,
+                np.uint64(expected),
                 n.names,
                 n.bounds,
                 n.tiers,
-                n.stored,
-                n.removed,
-                n.salted,
-                self.block_size,
+                self.worker_id,
                 self.rank,
                 self.kinds,
                 self.tiers,
@@ -576,16 +825,34 @@ class RunDecoder:
                 self.offsets,
                 self.engine,
                 self.local,
-                self._tokens,
                 self.stamps,
                 self._fields,
                 self._word,
                 self._real,
                 self.counts,
             )
-            if status == DONE and end < seqs.size:
-                status = GAVE_UP  # the next message is out of order: the stream's own logic reads it
-            if status != NEED_ROOM or self.counts[C_NEXT] > first:
-                return status
-            size = int(self._bounds[first + 1] - self._bounds[first])  # one hash or event takes a byte or more
-            self._grow(max(2 * self.kinds.size, size), max(2 * self.engine.size, size))
+        return decode_runs(
+            self._buf,
+            self._bounds[: end + 1],
+            first,
+            n.names,
+            n.bounds,
+            n.tiers,
+            n.stored,
+            n.removed,
+            n.salted,
+            self.block_size,
+            self.rank,
+            self.kinds,
+            self.tiers,
+            self.parents,
+            self.offsets,
+            self.engine,
+            self.local,
+            self._tokens,
+            self.stamps,
+            self._fields,
+            self._word,
+            self._real,
+            self.counts,
+        )

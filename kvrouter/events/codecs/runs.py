@@ -33,7 +33,7 @@ from ..model import TIER_NAMES
 from ..packed import CLEARED, REMOVED, STORED, STORED_UNDER
 from ._engine import I32_MAX, MAIN_ATTENTION_KINDS, Dialect
 from ._fields import U32_MAX
-from ._prescan import Bytes, _header, _inlined, _kernel, _uint
+from ._prescan import Bytes, _header, _kernel, _uint
 
 __all__ = [
     "C_EVENTS",
@@ -109,7 +109,7 @@ def _layout(fields: tuple[str, ...]) -> npt.NDArray[np.int64]:
     return np.array([FIELDS.index(f) if f in FIELDS else -1 for f in fields], dtype=np.int64)
 
 
-@_inlined
+@_kernel
 def _name(buf: Bytes, pos: int, names: Bytes, bounds: npt.NDArray[np.int64], lo: int, hi: int) -> int:
     """The index in ``[lo, hi)`` of the name the string at ``pos`` is; -1 for none, -2 when it is not a
     string, or is one the Python decoder might refuse (non-ASCII: it could be invalid UTF-8)."""
@@ -136,7 +136,7 @@ def _name(buf: Bytes, pos: int, names: Bytes, bounds: npt.NDArray[np.int64], lo:
     return -1
 
 
-@_inlined
+@_kernel
 def _skip(buf: Bytes, pos: int) -> int:
     """The position after the value at ``pos``, or -1 when it holds what the Python decoder might read
     differently or refuse: a map (its keys might not be hashable), an ext, a non-ASCII string."""
@@ -162,7 +162,7 @@ def _skip(buf: Bytes, pos: int) -> int:
     return pos
 
 
-@_inlined
+@_kernel
 def _int(buf: Bytes, pos: int) -> tuple[int, np.uint64, bool]:
     """(position after it, the integer cast to u64, whether it is negative) of the integer at ``pos``;
     position -1 when it is not an integer."""
@@ -188,7 +188,7 @@ def _int(buf: Bytes, pos: int) -> tuple[int, np.uint64, bool]:
     return -1, np.uint64(0), False
 
 
-@_inlined
+@_kernel
 def _tokens(buf: Bytes, pos: int, out: npt.NDArray[np.uint32]) -> tuple[int, int]:
     """(position after it, count) of the array of u32 token ids at ``pos``, written to ``out``; position -1
     when it is not one (or ``out`` cannot hold it). One pass, for the unsigned encodings only: a token is
@@ -224,7 +224,7 @@ def _tokens(buf: Bytes, pos: int, out: npt.NDArray[np.uint32]) -> tuple[int, int
     return p, count
 
 
-@_inlined
+@_kernel
 def _hashes(buf: Bytes, pos: int, out: npt.NDArray[np.uint64], at: int) -> tuple[int, int]:
     """(position after it, count) of the array of integer hashes at ``pos``, cast to u64 into ``out[at:]``;
     position -1 when it is not one, -2 when ``out`` has no room for it."""
@@ -250,7 +250,7 @@ def _hashes(buf: Bytes, pos: int, out: npt.NDArray[np.uint64], at: int) -> tuple
     return p, count
 
 
-@_inlined
+@_kernel
 def _number(buf: Bytes, pos: int, word: npt.NDArray[np.uint64], real: npt.NDArray[np.float64]) -> tuple[int, float]:
     """(position after it, value) of the number at ``pos`` (an integer or a float, as ``expect_float``
     takes); position -1 otherwise. ``word`` and ``real`` are one 8-byte scratch word, seen two ways."""
@@ -272,7 +272,7 @@ def _number(buf: Bytes, pos: int, word: npt.NDArray[np.uint64], real: npt.NDArra
     return after, float(np.int64(value)) if negative else float(value)
 
 
-@_inlined
+@_kernel
 def _nil_or_empty_list(buf: Bytes, pos: int) -> bool:
     """``extra_keys`` that say nothing: absent, nil, or an array of nils (no multimodal key, no salt)."""
     if pos < 0 or buf[pos] == _NIL:
@@ -527,7 +527,7 @@ K_TIERS_AT: Final = len(KVROUTER_KEYS) + len(KVROUTER_TAGS)
 _KVROUTER_NAMES: Final = (*KVROUTER_KEYS, *KVROUTER_TAGS, *TIER_NAMES)
 
 
-@_inlined
+@_kernel
 def _packed(buf: Bytes, pos: int, width: int) -> tuple[int, int]:
     """(position of the bytes, count of ``width``-byte values) of the ``bin`` at ``pos``; position -1 when
     it is not a bin of whole values."""
@@ -539,7 +539,7 @@ def _packed(buf: Bytes, pos: int, width: int) -> tuple[int, int]:
     return pos + head, size // width
 
 
-@_inlined
+@_kernel
 def _copy_words(buf: Bytes, pos: int, count: int, out: npt.NDArray[np.uint64], at: int) -> None:
     """``count`` little-endian u64 words at ``buf[pos:]`` into ``out[at:]``."""
     for k in range(count):

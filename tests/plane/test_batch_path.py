@@ -53,7 +53,8 @@ HASHES = st.integers(1, 40)
 class Side:
     shards: InProcessShards
     ingest: Ingest
-    stream: Stream
+    streams: dict[int, Stream]
+    """By worker id; the workers share the shard."""
 
     def close(self) -> None:
         self.ingest.close()
@@ -67,19 +68,22 @@ def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     ctx.term()
 
 
-def side(context: zmq.Context[zmq.Socket[bytes]], fmt: str, *, batch: bool) -> Side:
+def side(context: zmq.Context[zmq.Socket[bytes]], fmt: str, *, batch: bool, workers: int = 1) -> Side:
     shards = InProcessShards(1)
     ingest = Ingest(context, zmq.Poller(), shards.writers[0], CONFIG)
     try:
-        ingest.add(WorkerSpec(1, "tcp://127.0.0.1:9", format=fmt, topic=TOPIC, block_size=BLOCK), [0])  # type: ignore[arg-type]
-        (stream,) = ingest._streams.values()
+        for worker in range(1, workers + 1):
+            spec = WorkerSpec(worker, f"tcp://127.0.0.1:{worker}", format=fmt, topic=TOPIC, block_size=BLOCK)  # type: ignore[arg-type]
+            ingest.add(spec, [0])
+        streams = {key[0]: stream for key, stream in ingest._streams.items()}
     except BaseException:
         ingest.close()
         shards.close()
         raise
     if not batch:
-        stream._runs = None  # the oracle: the same stream, one message at a time
-    return Side(shards, ingest, stream)
+        for stream in streams.values():
+            stream._runs = None  # the oracle: the same streams, one message at a time
+    return Side(shards, ingest, streams)
 
 
 def stored(hashes: list[int], parent: int | None, seed: int, **extra: object) -> Stored:
@@ -109,7 +113,7 @@ def events(draw: st.DrawFn) -> KvEvent:
 
 
 @st.composite
-def messages(draw: st.DrawFn, fmt: str) -> list[list[bytes]]:
+def messages(draw: st.DrawFn, fmt: str, worker: int = 1) -> list[list[bytes]]:
     """Frames as a worker's PUB would send them, some of them wrong. ``next_id`` is the ZMQ sequence number
     of an engine's next batch, or a kvrouter worker's next event id (its batches' sequence numbers are not
     read)."""
@@ -122,7 +126,7 @@ def messages(draw: st.DrawFn, fmt: str) -> list[list[bytes]]:
             next_id += draw(st.integers(2, 3))
         elif what == "restart":
             next_id = 0
-        drawn = draw(st.lists(events(), min_size=1, max_size=3))
+        drawn = [replace(e, worker_id=worker) for e in draw(st.lists(events(), min_size=1, max_size=3))]
         if fmt == "kvrouter":
             ids = [next_id + i for i in range(len(drawn))]
             if what == "ids" and len(ids) > 1:
@@ -151,12 +155,15 @@ def messages(draw: st.DrawFn, fmt: str) -> list[list[bytes]]:
 
 
 def state(s: Side) -> tuple[object, ...]:
-    row = s.stream.row.copy()
-    row[W_LAST_EVENT_NS] = 0
+    rows = []
+    for stream in s.streams.values():
+        row = stream.row.copy()
+        row[W_LAST_EVENT_NS] = 0
+        rows.append((row.tolist(), stream.cursor))
     stats = s.shards.control.stats(0)
     stats.pop("last_event_ns")
     stats.pop("lag_us")
-    return row.tolist(), stats, s.stream.cursor, s.shards.writers[0].engine_hashes()
+    return rows, stats, s.shards.writers[0].engine_hashes()
 
 
 def answers(s: Side, queries: list[list[int]]) -> list[dict[tuple[int, int], int]]:
@@ -164,7 +171,8 @@ def answers(s: Side, queries: list[list[int]]) -> list[dict[tuple[int, int], int
 
 
 def queries_of(frames: list[list[bytes]], fmt: str) -> list[list[int]]:
-    """Every store's local hashes, as a chain and block by block."""
+    """Every store's local hashes, as a chain and block by block (the worker a decoder is built for does
+    not change the hashes)."""
     out: list[list[int]] = []
     decoder = kvrouter.Decoder() if fmt == "kvrouter" else (vllm if fmt == "vllm" else sglang).Decoder(1, BLOCK)
     for message in frames:
@@ -186,17 +194,23 @@ def queries_of(frames: list[list[bytes]], fmt: str) -> list[list[int]]:
 def test_drains_apply_as_the_messages_one_by_one(
     context: zmq.Context[zmq.Socket[bytes]], fmt: str, data: st.DataObject
 ) -> None:
-    frames = data.draw(messages(fmt))
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(frames)), max_size=3)))
-    batch, oracle = side(context, fmt, batch=True), side(context, fmt, batch=False)
+    """Two workers on one shard, their drains interleaved as the applier's poller would hand them over."""
+    frames = {worker: data.draw(messages(fmt, worker)) for worker in (1, 2)}
+    drains: dict[int, list[list[list[bytes]]]] = {}
+    for worker, sent in frames.items():
+        cuts = sorted(set(data.draw(st.lists(st.integers(1, len(sent) - 1), max_size=3)) if len(sent) > 1 else []))
+        drains[worker] = [sent[lo:hi] for lo, hi in zip([0, *cuts], [*cuts, len(sent)], strict=True)]
+    turns = data.draw(st.permutations([worker for worker, own in drains.items() for _ in own]))
+    batch = side(context, fmt, batch=True, workers=2)
+    oracle = side(context, fmt, batch=False, workers=2)
     try:
         now = time.monotonic()
-        for lo, hi in zip([0, *cuts], [*cuts, len(frames)], strict=True):
-            if hi > lo:
-                batch.stream.on_drain(frames[lo:hi], now)
-                oracle.stream.on_drain(frames[lo:hi], now)
+        for worker in turns:  # each worker's drains in order, the two workers' interleaved
+            drain = drains[worker].pop(0)
+            batch.streams[worker].on_drain(drain, now)
+            oracle.streams[worker].on_drain(drain, now)
         assert state(batch) == state(oracle)
-        queries = queries_of(frames, fmt)
+        queries = queries_of(frames[1] + frames[2], fmt)
         assert answers(batch, queries) == answers(oracle, queries)
     finally:
         batch.close()
@@ -227,9 +241,9 @@ def test_a_steady_drain_is_one_apply_and_a_lora_store_in_it_is_applied_on_its_ow
     monkeypatch.setattr(writer, "apply_packed", apply_packed)
     monkeypatch.setattr(writer, "apply_batch", apply_batch)
     try:
-        s.stream.on_drain([encode_live(TOPIC, seq, p) for seq, p in enumerate(plain)], time.monotonic())
+        s.streams[1].on_drain([encode_live(TOPIC, seq, p) for seq, p in enumerate(plain)], time.monotonic())
         assert runs == [-1, 4, -1, 4]
-        assert s.stream.cursor == 9
+        assert s.streams[1].cursor == 9
         lora_local = block_hashes(tuple(range(7, 7 + BLOCK)), BLOCK, lora_name="adapter-x")
         assert s.shards.find_matches(lora_local) == {(1, 0): 1}
         assert s.shards.find_matches([block_hashes(tuple(range(900, 900 + BLOCK)), BLOCK)[0]]) == {(1, 0): 1}

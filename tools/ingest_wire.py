@@ -69,7 +69,9 @@ from kvrouter.events.model import EventBatch
 MODEL: Final = "bench"
 VISIBLE_TIMEOUT_S: Final = 300.0
 QUERY_GAP_S: Final = 0.001
-"""The pause between two lag queries: the resolution, against the load the queries add."""
+"""The pause between two rounds of queries (the lag's, and the burst's asking whether every last sequence shows):
+the resolution, against the load the queries add; without it the burst's client and the service's HTTP front
+took a core between them, on a two-core machine."""
 WATCHED: Final = 0
 """The publisher whose sequences the steady runs time."""
 LAG_RATIO_RATE: Final = 300_000
@@ -200,6 +202,8 @@ def run_side(side: str, burst: Burst, folder: Path) -> dict[str, Any]:
                     del waiting[worker]
             if perf_counter() > deadline:
                 raise SystemExit(f"bench_ingest --wire: {side} never showed {len(waiting)} publishers' last sequence")
+            if waiting:
+                time.sleep(QUERY_GAP_S)  # this client must not take the core the service ingests on
         seconds = perf_counter() - started
         grown = tree_pss(server.process.pid) - idle
     return {

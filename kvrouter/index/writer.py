@@ -324,17 +324,26 @@ class ShardWriter:
         engine: Table,
         local: Table,
         sent_at: float = 0.0,
+        *,
+        mixed: bool = True,
     ) -> list[str]:
         """Apply one worker's events packed as a run (``events/packed.py``), as ``apply_batch`` would apply
         them one by one; count them once. Returns the error kinds met, in order.
 
         The compiled batch path's way in: a whole drain of a stream is one call here, one ``apply_run`` per
-        stretch of one tier between clears (usually one in all)."""
+        stretch of one tier between clears. ``mixed`` False says there is one stretch, no clear (the decoder
+        knows): the run then goes to ``apply_run`` whole, with no array work here, which is most of what a
+        drain of one message costs."""
         bit = self._bit(worker)
         self._emeta[kernels.M_STAMP] += 1
         count = kinds.size
         if bit < 0:
             errors = [BadEvent.kind] * count
+        elif not mixed:
+            errors = self._apply_run(bit, int(tiers[0]), kinds, parents, offsets, engine, local) if count else []
+            self._sync_cached(bit)
+            if errors:
+                errors = self._excuse(bit, errors)
         else:
             errors = []
             cleared = kinds == packed.CLEARED

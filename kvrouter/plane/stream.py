@@ -49,7 +49,7 @@ from ..events.codecs import sglang, vllm
 from ..events.codecs.frames import ReplayEnd, ReplayFrame
 from ..events.codecs.kvrouter import Decoder, RawBatch, RawEvent
 from ..events.codecs.query import QueryReply
-from ..events.codecs.runs import C_EVENTS, C_NEXT, C_SKIPPED, NEED_ROOM, RunDecoder
+from ..events.codecs.runs import C_EVENTS, C_MIXED, C_NEXT, C_SKIPPED, NEED_ROOM, RunDecoder
 from ..events.model import WorkerKey
 from ..index.layout import (
     NO_ID,
@@ -261,7 +261,7 @@ class Stream:
         next stretch starts after it."""
         self._heard()
         runs = self._runs
-        if runs is None or self._tap is not None:
+        if runs is None or self._tap is not None or len(messages) < runs.least:
             for frames in messages:
                 self._live(frames, now)
             return
@@ -315,6 +315,7 @@ class Stream:
                 runs.engine,
                 runs.local,
                 float(runs.stamps[m]),
+                mixed=bool(counts[C_MIXED]),
             )
             self._events_seen += events
             self._bump(W_EVENTS, events)

@@ -230,9 +230,9 @@ def test_a_steady_drain_is_one_apply_and_a_lora_store_in_it_is_applied_on_its_ow
     runs: list[int] = []
     packed, single = writer.apply_packed, writer.apply_batch
 
-    def apply_packed(key: WorkerKey, kinds: npt.NDArray[np.uint8], *args: Any) -> list[str]:
+    def apply_packed(key: WorkerKey, kinds: npt.NDArray[np.uint8], *args: Any, **kwargs: Any) -> list[str]:
         runs.append(kinds.size)
-        return packed(key, kinds, *args)
+        return packed(key, kinds, *args, **kwargs)
 
     def apply_batch(key: WorkerKey, events: Sequence[RawEvent], *args: Any) -> list[str]:
         runs.append(-len(events))

@@ -23,6 +23,7 @@ Rules for every function here: numpy arrays in, integers out, no Python objects,
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Final
 
 import numpy as np
@@ -37,6 +38,7 @@ from ._prescan import Bytes, _header, _kernel, _uint
 
 __all__ = [
     "C_EVENTS",
+    "C_MIXED",
     "C_NEXT",
     "C_SKIPPED",
     "DONE",
@@ -54,10 +56,11 @@ GAVE_UP: Final = 1
 NEED_ROOM: Final = 2
 """The run arrays are full at message ``counts[C_NEXT]``: apply what is there, then call again from it."""
 
-C_NEXT, C_EVENTS, C_BLOCKS, C_LOCAL, C_SKIPPED, C_LAST = 0, 1, 2, 3, 4, 5
+C_NEXT, C_EVENTS, C_BLOCKS, C_LOCAL, C_SKIPPED, C_LAST, C_MIXED = 0, 1, 2, 3, 4, 5, 6
 """Words of ``counts``: the first message not in the run, then the run's events, engine hashes, local
-hashes, the engine events skipped (another attention group, as ``RawBatch.skipped_events``), and the last
-event id taken (kvrouter batches, whose events carry ids)."""
+hashes, the engine events skipped (another attention group, as ``RawBatch.skipped_events``), the last
+event id taken (kvrouter batches, whose events carry ids), and 1 when the run holds a clear or more than one
+tier (0: the table kernels can take it whole, in one call)."""
 
 F_TYPE, F_HASHES, F_PARENT, F_TOKENS, F_SIZE, F_LORA_NAME, F_EXTRA_KEYS, F_MEDIUM = 0, 1, 2, 3, 4, 5, 6, 7
 F_GROUP, F_KIND, F_SALT = 8, 9, 10
@@ -287,10 +290,37 @@ def _nil_or_empty_list(buf: Bytes, pos: int) -> bool:
 
 
 @_kernel
+def _finish(
+    counts: npt.NDArray[np.int64],
+    m: int,
+    events: int,
+    blocks: int,
+    local: int,
+    skipped: int,
+    kinds: npt.NDArray[np.uint8],
+    tiers: npt.NDArray[np.uint8],
+) -> None:
+    """Write ``counts`` for a run of ``events`` events ending before message ``m``."""
+    counts[C_NEXT] = m
+    counts[C_EVENTS] = events
+    counts[C_BLOCKS] = blocks
+    counts[C_LOCAL] = local
+    counts[C_SKIPPED] = skipped
+    mixed = 0
+    for i in range(events):
+        if kinds[i] == CLEARED or tiers[i] != tiers[0]:
+            mixed = 1
+            break
+    counts[C_MIXED] = mixed
+
+
+@_kernel
 def decode_runs(
     buf: Bytes,
     bounds: npt.NDArray[np.int64],
     first: int,
+    seqs: npt.NDArray[np.uint64],
+    expected: np.uint64,
     names: Bytes,
     name_bounds: npt.NDArray[np.int64],
     tier_ranks: npt.NDArray[np.int64],
@@ -313,7 +343,8 @@ def decode_runs(
     counts: npt.NDArray[np.int64],
 ) -> int:
     """Decode messages ``first``, ``first + 1``, ... (``buf[bounds[m]:bounds[m + 1]]``, engine batches
-    ``[ts, events, dp_rank]`` of one worker's dp rank ``rank``) into the run arrays, from their start.
+    ``[ts, events, dp_rank]`` of one worker's dp rank ``rank``, whose ZMQ sequence numbers ``seqs[m]`` must
+    run on from ``expected``) into the run arrays, from their start.
 
     ``stamps[m]`` gets message ``m``'s timestamp. ``tokens`` must hold the tokens of any one event (as
     many words as the longest message has bytes will do); ``fields`` is scratch of ``len(FIELDS)`` words.
@@ -331,6 +362,8 @@ def decode_runs(
         msg = buf[bounds[m] : bounds[m + 1]]
         events, blocks, nlocal, skipped = n_events, n_blocks, n_local, n_skipped
         status = GAVE_UP  # until the message is through
+        if seqs[m] != expected + np.uint64(m - first):  # out of order: the stream's own logic reads it
+            break
         kind, count, head = _header(msg, 0)
         if kind != 1 or count < 2 or count > 3:
             break
@@ -510,11 +543,7 @@ def decode_runs(
         stamps[m] = stamp
         status = DONE
         m += 1
-    counts[C_NEXT] = m
-    counts[C_EVENTS] = n_events
-    counts[C_BLOCKS] = n_blocks
-    counts[C_LOCAL] = n_local
-    counts[C_SKIPPED] = n_skipped
+    _finish(counts, m, n_events, n_blocks, n_local, n_skipped, kinds, tiers)
     return status
 
 
@@ -525,6 +554,11 @@ KVROUTER_TAGS: Final = ("S", "R", "C")
 K_STORED, K_REMOVED, K_CLEARED = len(KVROUTER_KEYS), len(KVROUTER_KEYS) + 1, len(KVROUTER_KEYS) + 2
 K_TIERS_AT: Final = len(KVROUTER_KEYS) + len(KVROUTER_TAGS)
 _KVROUTER_NAMES: Final = (*KVROUTER_KEYS, *KVROUTER_TAGS, *TIER_NAMES)
+KVROUTER_LEAST: Final = 2
+"""A drain of one kvrouter message is read one by one: its Python decode (msgpack and a ``frombuffer`` per
+hash array) costs less than this path's fixed cost a drain, about 10 µs of argument checks and array
+slicing (a one-message drain of 80 blocks: 46 µs this way, 36 the other; an engine message, whose Python
+decode re-hashes its tokens, is cheaper here even alone: 48 µs against 58)."""
 
 
 @_kernel
@@ -719,11 +753,7 @@ def decode_kvrouter_runs(
         stamps[m] = stamp
         status = DONE
         m += 1
-    counts[C_NEXT] = m
-    counts[C_EVENTS] = n_events
-    counts[C_BLOCKS] = n_blocks
-    counts[C_LOCAL] = n_local
-    counts[C_SKIPPED] = 0
+    _finish(counts, m, n_events, n_blocks, n_local, 0, kinds, tiers)
     counts[C_LAST] = np.int64(last)
     return status
 
@@ -742,6 +772,8 @@ class RunDecoder:
 
     def __init__(self, dialect: Dialect | None, worker_id: int, rank: int, block_size: int) -> None:
         self._dialect = dialect
+        self.least = 1 if dialect else KVROUTER_LEAST
+        """The fewest messages a drain needs for this path to pay (``on_drain`` reads smaller ones one by one)."""
         self._names = RunNames(_NAMES if dialect else _KVROUTER_NAMES, dialect)
         self.worker_id = np.uint64(worker_id)
         self.rank = rank
@@ -754,7 +786,7 @@ class RunDecoder:
         self._fields = np.empty(len(FIELDS), dtype=np.int64)
         self._word = np.zeros(1, dtype=np.uint64)
         self._real = self._word.view(np.float64)
-        self.counts = np.zeros(6, dtype=np.int64)
+        self.counts = np.zeros(7, dtype=np.int64)
         self._grow(INITIAL_EVENTS, INITIAL_BLOCKS)
 
     def _grow(self, events: int, blocks: int) -> None:
@@ -769,13 +801,12 @@ class RunDecoder:
         """The drain's payloads, in order, with their ZMQ sequence numbers (an empty payload: a message this
         path must leave to the stream)."""
         self._buf = np.frombuffer(b"".join(payloads), dtype=np.uint8)
-        lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=len(payloads))
-        self._bounds = np.zeros(len(payloads) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=self._bounds[1:])
+        lengths = list(map(len, payloads))
+        self._bounds = np.fromiter(accumulate(lengths, initial=0), dtype=np.int64, count=len(payloads) + 1)
         self.seqs = np.array(seqs, dtype=np.uint64)
         if self.stamps.size < len(payloads):
             self.stamps = np.empty(2 * len(payloads), dtype=np.float64)
-        longest = int(lengths.max()) if len(payloads) else 0
+        longest = max(lengths, default=0)
         if self._dialect is not None and self._tokens.size < longest:  # a token takes a byte or more
             self._tokens = np.empty(2 * longest, dtype=np.uint32)
 
@@ -785,16 +816,8 @@ class RunDecoder:
         (:data:`DONE`, :data:`GAVE_UP` or :data:`NEED_ROOM`; ``counts`` says how far, :meth:`last` the last id
         taken). A message that alone does not fit grows the arrays, so a call always makes progress or gives
         up."""
-        if self._dialect is None:
-            end = self.seqs.size
-        else:
-            ids = self.seqs[first:]
-            follow = ids == np.uint64(expected) + np.arange(ids.size, dtype=np.uint64)
-            end = first + (int(np.argmin(follow)) if not follow.all() else ids.size)
         while True:
-            status = self._call(first, end, expected)
-            if status == DONE and end < self.seqs.size:
-                status = GAVE_UP  # the next message is out of order: the stream's own logic reads it
+            status = self._call(first, expected)
             if status != NEED_ROOM or self.counts[C_NEXT] > first:
                 return status
             size = int(self._bounds[first + 1] - self._bounds[first])  # one hash or event takes a byte or more
@@ -806,12 +829,12 @@ class RunDecoder:
             return int(self.counts[C_LAST]) % (1 << 64)
         return int(self.seqs[self.counts[C_NEXT] - 1])
 
-    def _call(self, first: int, end: int, expected: int) -> int:
+    def _call(self, first: int, expected: int) -> int:
         n = self._names
         if self._dialect is None:
             return decode_kvrouter_runs(
                 self._buf,
-                self._bounds[: end + 1],
+                self._bounds,
                 first,
                 np.uint64(expected),
                 n.names,
@@ -833,8 +856,10 @@ class RunDecoder:
             )
         return decode_runs(
             self._buf,
-            self._bounds[: end + 1],
+            self._bounds,
             first,
+            self.seqs,
+            np.uint64(expected),
             n.names,
             n.bounds,
             n.tiers,

@@ -23,18 +23,13 @@ Rules for every function here: numpy arrays in, integers out, no Python objects,
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Final, TypeVar, cast
+from typing import Final
 
 import numpy as np
-import numpy.typing as npt
-from numba import njit
+
+from ._msgpack import Bytes, header, inlined, kernel
 
 __all__ = ["EXT_HASHES", "EXT_TOKENS", "GAVE_UP", "NEED_ROOM", "lift_arrays"]
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-Bytes = npt.NDArray[np.uint8]
 
 EXT_TOKENS: Final = 1
 """``ext`` type of a lifted ``token_ids`` array: little-endian u32 words."""
@@ -52,78 +47,12 @@ _HIGH_BITS: Final = np.array([0] + [((1 << 64) - 1) ^ ((1 << (8 * n)) - 1) for n
 """``_HIGH_BITS[n]``: the bits above an n-byte integer, or-ed in to sign-extend a negative one."""
 
 
-def _kernel(fn: _F) -> _F:
-    """``njit(cache=True, nogil=True)``, returning ``fn``'s own signature so mypy still checks callers."""
-    return cast(_F, njit(cache=True, nogil=True)(fn))
-
-
-def _inlined(fn: _F) -> _F:
-    """A helper that takes arrays, inlined into its caller: called as a function, numba increfs and
-    decrefs each array argument (two atomic operations) on every call, here on every value."""
-    return cast(_F, njit(cache=True, nogil=True, inline="always")(fn))
-
-
-@_inlined
-def _uint(buf: Bytes, pos: int, size: int) -> int:
-    """A big-endian unsigned integer of ``size`` bytes at ``pos`` (caller checked the bounds)."""
-    value = 0
-    for k in range(size):
-        value = (value << 8) | int(buf[pos + k])
-    return value
-
-
-@_inlined
-def _header(buf: Bytes, pos: int) -> tuple[int, int, int]:
-    """(kind, count, header bytes) of the value at ``pos``; -1 kind when it is truncated or an ext.
-
-    Kinds: 0 scalar (``count`` = payload bytes after the header), 1 array (``count`` = elements),
-    2 map (``count`` = pairs), 3 string (``count`` = bytes). Integers are scalars.
-    """
-    end = buf.size
-    if pos >= end:
-        return -1, 0, 0
-    b = int(buf[pos])
-    if b <= 0x7F or b >= 0xE0 or b == 0xC0 or b == 0xC2 or b == 0xC3:
-        return 0, 0, 1
-    if 0x80 <= b <= 0x8F:
-        return 2, b & 0x0F, 1
-    if 0x90 <= b <= 0x9F:
-        return 1, b & 0x0F, 1
-    if 0xA0 <= b <= 0xBF:
-        return 3, b & 0x1F, 1
-    if b == 0xCC or b == 0xD0:
-        return 0, 1, 1
-    if b == 0xCD or b == 0xD1:
-        return 0, 2, 1
-    if b == 0xCA or b == 0xCE or b == 0xD2:
-        return 0, 4, 1
-    if b == 0xCB or b == 0xCF or b == 0xD3:
-        return 0, 8, 1
-    size = 0
-    if b == 0xC4 or b == 0xD9:
-        size = 1
-    elif b == 0xC5 or b == 0xDA or b == 0xDC or b == 0xDE:
-        size = 2
-    elif b == 0xC6 or b == 0xDB or b == 0xDD or b == 0xDF:
-        size = 4
-    else:
-        return -1, 0, 0  # ext, fixext, or the never-used 0xc1
-    if pos + 1 + size > end:
-        return -1, 0, 0
-    count = _uint(buf, pos + 1, size)
-    if b == 0xDC or b == 0xDD:
-        return 1, count, 1 + size
-    if b == 0xDE or b == 0xDF:
-        return 2, count, 1 + size
-    return (3 if b >= 0xD9 else 0), count, 1 + size
-
-
-@_inlined
+@inlined
 def _skip(buf: Bytes, pos: int) -> int:
     """The position after the value at ``pos``, or -1."""
     remaining = 1
     while remaining > 0:
-        kind, count, head = _header(buf, pos)
+        kind, count, head = header(buf, pos)
         if kind < 0:
             return -1
         pos += head
@@ -139,10 +68,10 @@ def _skip(buf: Bytes, pos: int) -> int:
     return pos
 
 
-@_inlined
+@inlined
 def _str_is(buf: Bytes, pos: int, name: Bytes) -> bool:
     """Whether the value at ``pos`` is the string ``name``."""
-    kind, count, head = _header(buf, pos)
+    kind, count, head = header(buf, pos)
     if kind != 3 or count != name.size or pos + head + count > buf.size:
         return False
     for k in range(count):  # noqa: SIM110 - numba compiles a loop, not all() over a generator
@@ -151,7 +80,7 @@ def _str_is(buf: Bytes, pos: int, name: Bytes) -> bool:
     return True
 
 
-@_inlined
+@inlined
 def _lift(buf: Bytes, pos: int, out: Bytes, at: int, ext: int) -> tuple[int, int]:
     """Write the integer array at ``pos`` as an ext value at ``out[at:]``.
 
@@ -159,7 +88,7 @@ def _lift(buf: Bytes, pos: int, out: Bytes, at: int, ext: int) -> tuple[int, int
         (the position after it in ``out``, the position after the array in ``buf``); the first is -1
         when the value is not a non-empty array of acceptable integers, -2 when ``out`` has no room.
     """
-    kind, count, head = _header(buf, pos)
+    kind, count, head = header(buf, pos)
     if kind != 1 or count == 0:
         return -1, 0
     width = 4 if ext == EXT_TOKENS else 8
@@ -222,7 +151,7 @@ def _lift(buf: Bytes, pos: int, out: Bytes, at: int, ext: int) -> tuple[int, int
     return w, p
 
 
-@_inlined
+@inlined
 def _copy(buf: Bytes, start: int, stop: int, out: Bytes, at: int) -> int:
     """Copy ``buf[start:stop]`` to ``out[at:]``; the position after it, or -2 for no room."""
     if at + stop - start > out.size:
@@ -231,7 +160,7 @@ def _copy(buf: Bytes, start: int, stop: int, out: Bytes, at: int) -> int:
     return at + stop - start
 
 
-@_kernel
+@kernel
 def lift_arrays(
     buf: Bytes,
     out: Bytes,
@@ -251,20 +180,20 @@ def lift_arrays(
     Returns:
         The length written to ``out``, :data:`GAVE_UP` or :data:`NEED_ROOM`.
     """
-    kind, count, head = _header(buf, 0)
+    kind, count, head = header(buf, 0)
     if kind != 1 or count < 2:
         return GAVE_UP
     pos = _skip(buf, head)  # ts
     if pos < 0:
         return GAVE_UP
-    kind, events, head = _header(buf, pos)
+    kind, events, head = header(buf, pos)
     if kind != 1:
         return GAVE_UP
     pos += head
     flushed = 0  # buf[:flushed] is in out[:o]
     o = 0
     for _ in range(events):  # hot path: one pass over every byte of the batch
-        kind, fields, head = _header(buf, pos)
+        kind, fields, head = header(buf, pos)
         if kind < 0:
             return GAVE_UP
         if kind == 2 or kind == 1:

@@ -57,6 +57,29 @@ _SEED: Final = np.uint64(1337)
 
 
 @kernel
+def _field(
+    msg: Bytes,
+    pos: int,
+    code: int,
+    tokens: npt.NDArray[np.uint32],
+    engine: npt.NDArray[np.uint64],
+    at: int,
+    ntokens: int,
+    nhashes: int,
+) -> tuple[int, int, int]:
+    """Read the value at ``pos`` of the field ``code`` (``F_*``; -1: one not read): the token ids into
+    ``tokens``, the hashes into ``engine[at:]``, anything else skipped. Returns the position after it (-1:
+    not a value this pass takes; -2: no room in ``engine``) and the token and hash counts so far."""
+    if code == F_TOKENS:
+        pos, ntokens = read_tokens(msg, pos, tokens)
+    elif code == F_HASHES:
+        pos, nhashes = read_hashes(msg, pos, engine, at)
+    else:
+        pos = skip(msg, pos)
+    return pos, ntokens, nhashes
+
+
+@kernel
 def decode_engine_runs(
     buf: Bytes,
     bounds: npt.NDArray[np.int64],
@@ -139,12 +162,7 @@ def decode_engine_runs(
                             ok = False  # a duplicate key: the Python decoder keeps the last
                             break
                         fields[code] = pos
-                    if code == F_TOKENS:
-                        pos, ntokens = read_tokens(msg, pos, tokens)
-                    elif code == F_HASHES:
-                        pos, nhashes = read_hashes(msg, pos, engine, n_blocks)
-                    else:
-                        pos = skip(msg, pos)
+                    pos, ntokens, nhashes = _field(msg, pos, code, tokens, engine, n_blocks, ntokens, nhashes)
                     if pos < 0:
                         status = NEED_ROOM if pos == -2 else GAVE_UP
                         ok = False
@@ -164,12 +182,7 @@ def decode_engine_runs(
                     code = layout[k] if tag != T_CLEARED and k < layout.size else -1
                     if code >= 0:
                         fields[code] = pos
-                    if code == F_TOKENS:
-                        pos, ntokens = read_tokens(msg, pos, tokens)
-                    elif code == F_HASHES:
-                        pos, nhashes = read_hashes(msg, pos, engine, n_blocks)
-                    else:
-                        pos = skip(msg, pos)
+                    pos, ntokens, nhashes = _field(msg, pos, code, tokens, engine, n_blocks, ntokens, nhashes)
                 if pos < 0:
                     status = NEED_ROOM if pos == -2 else GAVE_UP
                     ok = False

@@ -207,7 +207,7 @@ def _warm_codecs() -> None:
     from array import array
 
     from ..events.codecs import kvrouter, sglang, vllm
-    from ..events.codecs.runs import RunDecoder
+    from ..events.codecs.runs import RunBuffers, RunDecoder
     from ..events.model import EngineHash, EventBatch, LocalHash, Removed, Stored, StoredBlock
     from ..hashing import block_hashes_array, sequence_hashes_array
 
@@ -220,10 +220,10 @@ def _warm_codecs() -> None:
         for encoding in ("map", "array"):
             payload = codec.Encoder(encoding).encode(engine_batch)
             codec.Decoder(1, 2).decode_raw(payload)
-            runs = RunDecoder(codec.Decoder.dialect, 1, 0, 2)
+            runs = RunDecoder(codec.Decoder.dialect, 1, 0, 2, RunBuffers())
             runs.load([payload], [0])
             runs.decode(0, 0)
-    runs = RunDecoder(None, 1, 0, 2)
+    runs = RunDecoder(None, 1, 0, 2, RunBuffers())
     runs.load([kvrouter.Encoder().encode(engine_batch)], [0])
     runs.decode(0, 0)
 

@@ -19,6 +19,7 @@ from typing import Final
 import zmq
 
 from ..errors import BadEvent, ConfigError
+from ..events.codecs.runs import RunBuffers
 from ..index.writer import ShardWriter
 from .config import PlaneConfig
 from .registry import WorkerSpec
@@ -46,6 +47,8 @@ class Ingest:
         self._writer = writer
         self._config = config
         self._streams: dict[tuple[int, int], Stream] = {}
+        self._buffers = RunBuffers()
+        """What every stream's batch path decodes a drain into (``Stream.on_drain``)."""
         self._owners: dict[zmq.Socket[bytes], Stream] = {}
         self.tap: Tap | None = (
             None if config.record_endpoint is None else Tap(context, config.record_endpoint, writer.shard)
@@ -70,7 +73,7 @@ class Ingest:
                 old.close()
             try:
                 self._streams[key] = Stream(
-                    spec, rank, self._writer, self._context, self._watch, self._config, self.tap
+                    spec, rank, self._writer, self._context, self._watch, self._config, self._buffers, self.tap
                 )
             except (BadEvent, ConfigError, zmq.ZMQError) as exc:
                 log.error("worker not followed worker=%d dp=%d: %s", spec.worker_id, rank, exc)

@@ -49,7 +49,7 @@ from ..events.codecs import sglang, vllm
 from ..events.codecs.frames import ReplayEnd, ReplayFrame
 from ..events.codecs.kvrouter import Decoder, RawBatch, RawEvent
 from ..events.codecs.query import QueryReply
-from ..events.codecs.runs import C_EVENTS, C_MIXED, C_NEXT, C_SKIPPED, NEED_ROOM, RunDecoder
+from ..events.codecs.runs import C_EVENTS, C_MIXED, C_NEXT, C_SKIPPED, NEED_ROOM, RunBuffers, RunDecoder
 from ..events.model import WorkerKey
 from ..index.layout import (
     NO_ID,
@@ -168,8 +168,10 @@ class Stream:
         context: zmq.Context[zmq.Socket[bytes]],
         watch: Watch,
         config: PlaneConfig,
+        buffers: RunBuffers,
         tap: Tap | None = None,
     ) -> None:
+        """``buffers``: the applier's, which every stream's batch path decodes into, one drain at a time."""
         self.spec = spec
         self._tap = tap
         """Where what is applied is copied when the router records (``tap.py``); None: not recording."""
@@ -181,7 +183,7 @@ class Stream:
         self._config = config
         self._decode, self._engine = _decoder(spec)
         self._runs: RunDecoder | None = RunDecoder(
-            None if self._engine is None else self._engine.dialect, spec.worker_id, rank, spec.block_size
+            None if self._engine is None else self._engine.dialect, spec.worker_id, rank, spec.block_size, buffers
         )
         """The compiled batch path's decoder (``on_drain``); None: every message on its own."""
         self._recovery_endpoint = spec.recovery_endpoint(rank)
@@ -301,25 +303,25 @@ class Stream:
         m = first
         while True:
             status = runs.decode(m, self._expected())
-            counts = runs.counts
-            end = int(counts[C_NEXT])
+            b = runs.buffers
+            end = int(b.counts[C_NEXT])
             if end == m:
                 return m
-            events = int(counts[C_EVENTS])
+            events = int(b.counts[C_EVENTS])
             self._writer.apply_packed(
                 self.key,
-                runs.kinds[:events],
-                runs.tiers[:events],
-                runs.parents[:events],
-                runs.offsets[: events + 1],
-                runs.engine,
-                runs.local,
-                float(runs.stamps[m]),
-                mixed=bool(counts[C_MIXED]),
+                b.kinds[:events],
+                b.tiers[:events],
+                b.parents[:events],
+                b.offsets[: events + 1],
+                b.engine,
+                b.local,
+                float(b.stamps[m]),
+                mixed=bool(b.counts[C_MIXED]),
             )
             self._events_seen += events
             self._bump(W_EVENTS, events)
-            skipped = int(counts[C_SKIPPED])
+            skipped = int(b.counts[C_SKIPPED])
             if skipped:
                 self._bump(W_SKIPPED_EVENTS, skipped)
             self.cursor = runs.last()

@@ -254,7 +254,7 @@ def test_a_steady_drain_is_one_apply_and_a_lora_store_in_it_is_applied_on_its_ow
 def test_the_decoder_gives_up_rather_than_guess() -> None:
     """Payloads the Python decoder reads in ways this pass does not copy stay with it: the run is empty and
     the pass says it gave up, never an error of its own."""
-    from kvrouter.events.codecs.runs import C_NEXT, GAVE_UP, RunDecoder
+    from kvrouter.events.codecs.runs import C_NEXT, GAVE_UP, RunBuffers, RunDecoder
 
     encoder = vllm.Encoder("map")
     good = encoder.encode(EventBatch((stored([1, 2], None, 0),), timestamp=1.0))
@@ -266,7 +266,7 @@ def test_the_decoder_gives_up_rather_than_guess() -> None:
         encoder.encode(EventBatch((Stored(1, None, (StoredBlock(EngineHash(1), LocalHash(0), (1, 2)),)),))),
     ]
     for payload in cases:
-        runs = RunDecoder(vllm.Decoder.dialect, 1, 0, BLOCK)
+        runs = RunDecoder(vllm.Decoder.dialect, 1, 0, BLOCK, RunBuffers())
         runs.load([payload], [0])
         assert runs.decode(0, 0) == GAVE_UP
-        assert runs.counts[C_NEXT] == 0
+        assert runs.buffers.counts[C_NEXT] == 0

@@ -35,11 +35,11 @@ from ._runs_common import C_EVENTS, C_LAST, C_MIXED, C_NEXT, C_SKIPPED, DONE, GA
 from ._runs_engine import ENGINE_NAMES, FIELDS, decode_engine_runs
 from ._runs_kvrouter import KVROUTER_NAMES, decode_kvrouter_runs
 
-__all__ = ["C_EVENTS", "C_MIXED", "C_NEXT", "C_SKIPPED", "DONE", "GAVE_UP", "NEED_ROOM", "RunDecoder"]
+__all__ = ["C_EVENTS", "C_MIXED", "C_NEXT", "C_SKIPPED", "DONE", "GAVE_UP", "NEED_ROOM", "RunBuffers", "RunDecoder"]
 
 INITIAL_EVENTS: Final = 1 << 12
 INITIAL_BLOCKS: Final = 1 << 16
-"""A stream's first run arrays: a drain of 256 vLLM messages of 80 blocks fits (1 MiB of hashes)."""
+"""An applier's first run arrays: a drain of 256 vLLM messages of 80 blocks fits (1 MiB of hashes)."""
 KVROUTER_LEAST: Final = 2
 """A drain of one kvrouter message is read one by one: its Python decode (msgpack and a ``frombuffer`` per
 hash array) costs less than this path's fixed cost a drain, about 10 µs of argument checks and array
@@ -65,38 +65,25 @@ def _layout(fields: tuple[str, ...]) -> npt.NDArray[np.int64]:
     return np.array([FIELDS.index(f) if f in FIELDS else -1 for f in fields], dtype=np.int64)
 
 
-class RunDecoder:
-    """One stream's compiled decoding: its messages of one drain, loaded once, and the run arrays they are
-    decoded into (kept, grown, never shrunk: a drain allocates nothing once the stream is warm).
+class RunBuffers:
+    """The arrays an applier decodes its drains into: the drain's payloads joined, and the run. One set for
+    every stream of the applier, which decodes and applies one drain at a time; kept and grown, never shrunk,
+    so a drain allocates nothing once the applier is warm, and a fleet of thousands of workers costs one
+    set, not one each."""
 
-    Args:
-        dialect: the engine's (``vllm.Decoder.dialect``, ``sglang.Decoder.dialect``), or None for kvrouter
-            batches.
-        worker_id: the stream's worker (kvrouter batches name theirs; engine batches do not).
-        rank: the stream's dp rank: a batch naming another is left to the stream.
-        block_size: the router's; an engine store of another size is left to the stream.
-    """
-
-    def __init__(self, dialect: Dialect | None, worker_id: int, rank: int, block_size: int) -> None:
-        self._dialect = dialect
-        self.least = 1 if dialect else KVROUTER_LEAST
-        """The fewest messages a drain needs for this path to pay (``on_drain`` reads smaller ones one by one)."""
-        self._names = RunNames(ENGINE_NAMES if dialect else KVROUTER_NAMES, dialect)
-        self.worker_id = np.uint64(worker_id)
-        self.rank = rank
-        self.block_size = block_size
-        self._buf = np.empty(0, dtype=np.uint8)
-        self._bounds = np.zeros(1, dtype=np.int64)
+    def __init__(self) -> None:
+        self.buf = np.empty(0, dtype=np.uint8)
+        self.bounds = np.zeros(1, dtype=np.int64)
         self.seqs = np.empty(0, dtype=np.uint64)
         self.stamps = np.empty(0, dtype=np.float64)
-        self._tokens = np.empty(0, dtype=np.uint32)
-        self._fields = np.empty(len(FIELDS), dtype=np.int64)
-        self._word = np.zeros(1, dtype=np.uint64)
-        self._real = self._word.view(np.float64)
+        self.tokens = np.empty(0, dtype=np.uint32)
+        self.fields = np.empty(len(FIELDS), dtype=np.int64)
+        self.word = np.zeros(1, dtype=np.uint64)
+        self.real = self.word.view(np.float64)
         self.counts = np.zeros(7, dtype=np.int64)
-        self._grow(INITIAL_EVENTS, INITIAL_BLOCKS)
+        self.grow(INITIAL_EVENTS, INITIAL_BLOCKS)
 
-    def _grow(self, events: int, blocks: int) -> None:
+    def grow(self, events: int, blocks: int) -> None:
         self.kinds = np.empty(events, dtype=np.uint8)
         self.tiers = np.empty(events, dtype=np.uint8)
         self.parents = np.zeros(events, dtype=np.uint64)
@@ -104,44 +91,76 @@ class RunDecoder:
         self.engine = np.empty(blocks, dtype=np.uint64)
         self.local = np.empty(blocks, dtype=np.uint64)
 
-    def load(self, payloads: list[bytes], seqs: list[int]) -> None:
-        """The drain's payloads, in order, with their ZMQ sequence numbers (an empty payload: a message this
-        path must leave to the stream)."""
-        self._buf = np.frombuffer(b"".join(payloads), dtype=np.uint8)
+    def load(self, payloads: list[bytes], seqs: list[int], *, tokens: bool) -> None:
+        """A drain's payloads, in order, with their ZMQ sequence numbers; ``tokens``: its messages carry token
+        ids to re-hash."""
+        self.buf = np.frombuffer(b"".join(payloads), dtype=np.uint8)
         lengths = list(map(len, payloads))
-        self._bounds = np.fromiter(accumulate(lengths, initial=0), dtype=np.int64, count=len(payloads) + 1)
+        self.bounds = np.fromiter(accumulate(lengths, initial=0), dtype=np.int64, count=len(payloads) + 1)
         self.seqs = np.array(seqs, dtype=np.uint64)
         if self.stamps.size < len(payloads):
             self.stamps = np.empty(2 * len(payloads), dtype=np.float64)
         longest = max(lengths, default=0)
-        if self._dialect is not None and self._tokens.size < longest:  # a token takes a byte or more
-            self._tokens = np.empty(2 * longest, dtype=np.uint32)
+        if tokens and self.tokens.size < longest:  # a token takes a byte or more of its message
+            self.tokens = np.empty(2 * longest, dtype=np.uint32)
+
+
+class RunDecoder:
+    """One stream's compiled decoding, into its applier's :class:`RunBuffers`.
+
+    Args:
+        dialect: the engine's (``vllm.Decoder.dialect``, ``sglang.Decoder.dialect``), or None for kvrouter
+            batches.
+        worker_id: the stream's worker (kvrouter batches name theirs; engine batches do not).
+        rank: the stream's dp rank: a batch naming another is left to the stream.
+        block_size: the router's; an engine store of another size is left to the stream.
+        buffers: the applier's.
+    """
+
+    def __init__(
+        self, dialect: Dialect | None, worker_id: int, rank: int, block_size: int, buffers: RunBuffers
+    ) -> None:
+        self._dialect = dialect
+        self.least = 1 if dialect else KVROUTER_LEAST
+        """The fewest messages a drain needs for this path to pay (``on_drain`` reads smaller ones one by one)."""
+        self._names = RunNames(ENGINE_NAMES if dialect else KVROUTER_NAMES, dialect)
+        self.worker_id = np.uint64(worker_id)
+        self.rank = rank
+        self.block_size = block_size
+        self.buffers = buffers
+
+    def load(self, payloads: list[bytes], seqs: list[int]) -> None:
+        """The drain's payloads, in order, with their ZMQ sequence numbers (an empty payload: a message this
+        path must leave to the stream)."""
+        self.buffers.load(payloads, seqs, tokens=self._dialect is not None)
 
     def decode(self, first: int, expected: int) -> int:
         """Decode from message ``first``, whose first id must be ``expected`` (the ZMQ sequence number for an
         engine, the event id for kvrouter batches), while the ids follow on, as far as the run arrays allow
-        (:data:`DONE`, :data:`GAVE_UP` or :data:`NEED_ROOM`; ``counts`` says how far, :meth:`last` the last id
-        taken). A message that alone does not fit grows the arrays, so a call always makes progress or gives
-        up."""
+        (:data:`DONE`, :data:`GAVE_UP` or :data:`NEED_ROOM`; ``buffers.counts`` says how far, :meth:`last`
+        the last id taken). A message that alone does not fit grows the arrays, so a call always makes
+        progress or gives up."""
+        b = self.buffers
         while True:
             status = self._call(first, expected)
-            if status != NEED_ROOM or self.counts[C_NEXT] > first:
+            if status != NEED_ROOM or b.counts[C_NEXT] > first:
                 return status
-            size = int(self._bounds[first + 1] - self._bounds[first])  # one hash or event takes a byte or more
-            self._grow(max(2 * self.kinds.size, size), max(2 * self.engine.size, size))
+            size = int(b.bounds[first + 1] - b.bounds[first])  # one hash or event takes a byte or more
+            b.grow(max(2 * b.kinds.size, size), max(2 * b.engine.size, size))
 
     def last(self) -> int:
         """The id of the last message (engines) or event (kvrouter) the run holds."""
+        b = self.buffers
         if self._dialect is None:
-            return int(self.counts[C_LAST]) % (1 << 64)
-        return int(self.seqs[self.counts[C_NEXT] - 1])
+            return int(b.counts[C_LAST]) % (1 << 64)
+        return int(b.seqs[b.counts[C_NEXT] - 1])
 
     def _call(self, first: int, expected: int) -> int:
-        n = self._names
+        n, b = self._names, self.buffers
         if self._dialect is None:
             return decode_kvrouter_runs(
-                self._buf,
-                self._bounds,
+                b.buf,
+                b.bounds,
                 first,
                 np.uint64(expected),
                 n.names,
@@ -149,23 +168,23 @@ class RunDecoder:
                 n.tiers,
                 self.worker_id,
                 self.rank,
-                self.kinds,
-                self.tiers,
-                self.parents,
-                self.offsets,
-                self.engine,
-                self.local,
-                self.stamps,
-                self._fields,
-                self._word,
-                self._real,
-                self.counts,
+                b.kinds,
+                b.tiers,
+                b.parents,
+                b.offsets,
+                b.engine,
+                b.local,
+                b.stamps,
+                b.fields,
+                b.word,
+                b.real,
+                b.counts,
             )
         return decode_engine_runs(
-            self._buf,
-            self._bounds,
+            b.buf,
+            b.bounds,
             first,
-            self.seqs,
+            b.seqs,
             np.uint64(expected),
             n.names,
             n.bounds,
@@ -175,16 +194,16 @@ class RunDecoder:
             n.salted,
             self.block_size,
             self.rank,
-            self.kinds,
-            self.tiers,
-            self.parents,
-            self.offsets,
-            self.engine,
-            self.local,
-            self._tokens,
-            self.stamps,
-            self._fields,
-            self._word,
-            self._real,
-            self.counts,
+            b.kinds,
+            b.tiers,
+            b.parents,
+            b.offsets,
+            b.engine,
+            b.local,
+            b.tokens,
+            b.stamps,
+            b.fields,
+            b.word,
+            b.real,
+            b.counts,
         )

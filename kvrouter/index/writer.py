@@ -164,6 +164,14 @@ def _run_kind(event: RawEvent) -> int:
     return packed.STORED if event.parent is None else packed.STORED_UNDER
 
 
+def _stretches(kinds: npt.NDArray[np.uint8], tiers: npt.NDArray[np.uint8]) -> list[tuple[int, int]]:
+    """A packed run's stretches ``[first, end)``: each clear alone, and between clears the events of one tier,
+    which ``apply_run`` takes in one call."""
+    cleared = kinds == packed.CLEARED
+    cuts = (np.flatnonzero(cleared[1:] | cleared[:-1] | (tiers[1:] != tiers[:-1])) + 1).tolist()
+    return list(zip([0, *cuts], [*cuts, kinds.size], strict=True))
+
+
 def _map_load(meta: npt.NDArray[np.int64]) -> tuple[int, int, int]:
     """A private map's (used rows, capacity, live rows)."""
     used, tombs = int(meta[kernels.M_USED]), int(meta[kernels.M_TOMBS])
@@ -339,36 +347,23 @@ class ShardWriter:
         count = kinds.size
         if bit < 0:
             errors = [BadEvent.kind] * count
-        elif not mixed:
-            errors = self._apply_run(bit, int(tiers[0]), kinds, parents, offsets, engine, local) if count else []
-            self._sync_cached(bit)
-            if errors:
-                errors = self._excuse(bit, errors)
         else:
             errors = []
-            cleared = kinds == packed.CLEARED
-            cuts = np.flatnonzero(cleared[1:] | cleared[:-1] | (tiers[1:] != tiers[:-1])) + 1
-            starts = [0, *cuts.tolist()]
             local_at = 0
-            for first, end in zip(starts, [*starts[1:], count], strict=True):
+            for first, end in _stretches(kinds, tiers) if mixed else [(0, count)] if count else []:
                 tier = int(tiers[first])
-                if cleared[first]:
+                if kinds[first] == packed.CLEARED:
                     kernels.clear_holder(*self._maps(), bit, tier)
                     continue
                 lo, hi = int(offsets[first]), int(offsets[end])
-                stores = int(np.sum(np.diff(offsets[first : end + 1])[kinds[first:end] != packed.REMOVED]))
+                stretch = offsets[first : end + 1]
                 errors.extend(
                     self._apply_run(
-                        bit,
-                        tier,
-                        kinds[first:end],
-                        parents[first:end],
-                        offsets[first : end + 1] - lo,
-                        engine[lo:hi],
-                        local[local_at : local_at + stores],
+                        bit, tier, kinds[first:end], parents[first:end], stretch - lo, engine[lo:hi], local[local_at:]
                     )
                 )
-                local_at += stores
+                if mixed:  # the next stretch's local hashes start after this one's stores
+                    local_at += int(np.sum(np.diff(stretch)[kinds[first:end] != packed.REMOVED]))
             self._sync_cached(bit)
             if errors:
                 errors = self._excuse(bit, errors)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, replace
 from typing import Any
 
+import msgpack
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -36,7 +38,7 @@ from kvrouter.events.model import (
     WorkerKey,
 )
 from kvrouter.hashing import block_hashes
-from kvrouter.index.layout import W_LAST_EVENT_NS
+from kvrouter.index.layout import W_BAD_FRAMES, W_DROPPED_BLOCKS, W_LAST_EVENT_NS, W_SKIPPED_EVENTS
 from kvrouter.plane import PlaneConfig, WorkerSpec
 from kvrouter.plane.ingest import Ingest
 from kvrouter.plane.stream import Stream
@@ -68,9 +70,11 @@ def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     ctx.term()
 
 
-def side(context: zmq.Context[zmq.Socket[bytes]], fmt: str, *, batch: bool, workers: int = 1) -> Side:
+def side(
+    context: zmq.Context[zmq.Socket[bytes]], fmt: str, *, batch: bool, workers: int = 1, config: PlaneConfig = CONFIG
+) -> Side:
     shards = InProcessShards(1)
-    ingest = Ingest(context, zmq.Poller(), shards.writers[0], CONFIG)
+    ingest = Ingest(context, zmq.Poller(), shards.writers[0], config)
     try:
         for worker in range(1, workers + 1):
             spec = WorkerSpec(worker, f"tcp://127.0.0.1:{worker}", format=fmt, topic=TOPIC, block_size=BLOCK)  # type: ignore[arg-type]
@@ -201,9 +205,9 @@ def test_drains_apply_as_the_messages_one_by_one(
         cuts = sorted(set(data.draw(st.lists(st.integers(1, len(sent) - 1), max_size=3)) if len(sent) > 1 else []))
         drains[worker] = [sent[lo:hi] for lo, hi in zip([0, *cuts], [*cuts, len(sent)], strict=True)]
     turns = data.draw(st.permutations([worker for worker, own in drains.items() for _ in own]))
-    batch = side(context, fmt, batch=True, workers=2)
-    oracle = side(context, fmt, batch=False, workers=2)
-    try:
+    with ExitStack() as stack:
+        batch = stack.enter_context(closing(side(context, fmt, batch=True, workers=2)))
+        oracle = stack.enter_context(closing(side(context, fmt, batch=False, workers=2)))
         now = time.monotonic()
         for worker in turns:  # each worker's drains in order, the two workers' interleaved
             drain = drains[worker].pop(0)
@@ -212,9 +216,6 @@ def test_drains_apply_as_the_messages_one_by_one(
         assert state(batch) == state(oracle)
         queries = queries_of(frames[1] + frames[2], fmt)
         assert answers(batch, queries) == answers(oracle, queries)
-    finally:
-        batch.close()
-        oracle.close()
 
 
 def test_a_steady_drain_is_one_apply_and_a_lora_store_in_it_is_applied_on_its_own(
@@ -270,3 +271,67 @@ def test_the_decoder_gives_up_rather_than_guess() -> None:
         runs.load([payload], [0])
         assert runs.decode(0, 0) == GAVE_UP
         assert runs.buffers.counts[C_NEXT] == 0
+
+
+def engine_store(hashes: list[int], seed: int, **fields: object) -> dict[str, object]:
+    """A vLLM 0.33 BlockStored map, with ``fields`` added or replacing the defaults."""
+    tokens = [seed + i for i in range(BLOCK * len(hashes))]
+    event: dict[str, object] = {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "group_idx": 0,
+    }
+    return {**event, **fields}
+
+
+def test_skipped_groups_foreign_sizes_and_oversized_messages_count_alike(
+    context: zmq.Context[zmq.Socket[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the batch path counts itself (events of another attention group) and what it leaves to the stream
+    (a block size not the router's, tokens short of the hashes, a message over the size limit) end in the same
+    counters either way."""
+    batches = [
+        [engine_store([1, 2], 0)],
+        [engine_store([3], 100, group_idx=1), engine_store([4], 200)],  # another group: skipped
+        [
+            engine_store([5], 300, kv_cache_spec_kind="sliding_window"),
+            engine_store([6], 400, kv_cache_spec_kind="mla_attention"),
+        ],
+        [engine_store([7, 8], 500, block_size=2 * BLOCK)],  # not the router's block size: dropped, counted
+        [engine_store([9, 10], 600, token_ids=list(range(BLOCK)))],  # the second block has no tokens
+        [engine_store([11], 700, extra_keys=[None])],  # extra keys that say nothing
+        [engine_store([12], 800, unknown_field=[1, "x", None])],  # a field no decoder reads
+        [engine_store(list(range(20, 20 + 2000)), 900)],  # past the size limit below
+        [{"type": "BlockRemoved", "block_hashes": [1, 99], "medium": "CPU", "group_idx": 0}],
+        [{"type": "AllBlocksCleared"}, engine_store([13], 1000)],
+    ]
+    frames = [encode_live(TOPIC, seq, msgpack.packb([1.5, events, 0])) for seq, events in enumerate(batches)]
+    limit = max(len(f[2]) for f in frames[:-3]) + 1
+    config = PlaneConfig(max_message_bytes=limit)
+    runs: list[int] = []
+
+    def apply_packed(key: WorkerKey, kinds: npt.NDArray[np.uint8], *args: Any, **kwargs: Any) -> list[str]:
+        runs.append(kinds.size)
+        return packed(key, kinds, *args, **kwargs)
+
+    with ExitStack() as stack:
+        sides = [stack.enter_context(closing(side(context, "vllm", batch=b, config=config))) for b in (True, False)]
+        packed = sides[0].shards.writers[0].apply_packed
+        monkeypatch.setattr(sides[0].shards.writers[0], "apply_packed", apply_packed)
+        for s in sides:
+            s.streams[1].on_drain(frames[:1], time.monotonic())
+            s.streams[1].on_drain(frames[1:], time.monotonic())
+        # Stretches end at the foreign size and at the oversized message, whose sequence number the stream
+        # never reads: the removal after it is a gap (read one by one), the clear and store after that a run.
+        assert runs == [2, 2, 2]
+        assert state(sides[0]) == state(sides[1])
+        row = sides[0].streams[1].row
+        assert int(row[W_SKIPPED_EVENTS]) == 2
+        assert int(row[W_DROPPED_BLOCKS]) == 3  # two of another size, one short of tokens
+        assert int(row[W_BAD_FRAMES]) == 1  # the oversized one

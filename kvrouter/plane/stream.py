@@ -370,8 +370,8 @@ class Stream:
         try:
             batch = self._decode(payload, self._events_seen)
         except BadEvent as exc:
+            self._guess_format(payload)  # first: whoever sees the frame counted sees what it decodes as
             self._bad(str(exc), "decode")
-            self._guess_format(payload)
             return None
         if (batch.worker_id, batch.dp_rank) != self.key:
             self._bad(f"a batch of worker {batch.worker_id} dp {batch.dp_rank} on this stream", "wrong-worker")

@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ...hashing._xxh3 import hash_blocks
+from ...hashing.blocks import XXH3_SEED
 from ..model import TIER_NAMES
 from ..packed import CLEARED, REMOVED, STORED, STORED_UNDER
 from ._engine import I32_MAX, MAIN_ATTENTION_KINDS
@@ -52,8 +53,8 @@ T_STORED, T_REMOVED, T_CLEARED = len(FIELDS), len(FIELDS) + 1, len(FIELDS) + 2
 MAIN_KINDS_AT: Final = len(FIELDS) + len(TAGS)
 TIERS_AT: Final = MAIN_KINDS_AT + len(MAIN_ATTENTION_KINDS)
 ENGINE_NAMES: Final = (*FIELDS, *TAGS, *sorted(MAIN_ATTENTION_KINDS), *TIER_NAMES)
-_SEED: Final = np.uint64(1337)
-"""The hashing seed of a block with neither LoRA name nor salt (``hashing/blocks.py``): all this pass hashes."""
+_SEED: Final = np.uint64(XXH3_SEED)
+"""The hashing seed of a block with neither LoRA name nor salt: all this pass hashes."""
 
 
 @kernel

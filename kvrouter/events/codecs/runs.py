@@ -65,6 +65,19 @@ def _layout(fields: tuple[str, ...]) -> npt.NDArray[np.int64]:
     return np.array([FIELDS.index(f) if f in FIELDS else -1 for f in fields], dtype=np.int64)
 
 
+_NAMES_BY_WIRE: dict[str, RunNames] = {}
+"""Each wire's :class:`RunNames`, made once (by the dialect's name, or ``kvrouter``): every stream of that wire
+reads the same arrays."""
+
+
+def _names_of(dialect: Dialect | None) -> RunNames:
+    wire = dialect.name if dialect else "kvrouter"
+    names = _NAMES_BY_WIRE.get(wire)
+    if names is None:
+        names = _NAMES_BY_WIRE[wire] = RunNames(ENGINE_NAMES if dialect else KVROUTER_NAMES, dialect)
+    return names
+
+
 class RunBuffers:
     """The arrays an applier decodes its drains into: the drain's payloads joined, and the run. One set for
     every stream of the applier, which decodes and applies one drain at a time; kept and grown, never shrunk,
@@ -123,7 +136,7 @@ class RunDecoder:
         self._dialect = dialect
         self.least = 1 if dialect else KVROUTER_LEAST
         """The fewest messages a drain needs for this path to pay (``on_drain`` reads smaller ones one by one)."""
-        self._names = RunNames(ENGINE_NAMES if dialect else KVROUTER_NAMES, dialect)
+        self._names = _names_of(dialect)
         self.worker_id = np.uint64(worker_id)
         self.rank = rank
         self.block_size = block_size

@@ -31,6 +31,8 @@ from ..hashing._xxh3 import chain_hashes
 from ..hashing.blocks import XXH3_SEED
 from ..index._kernels import CTX_MAPPED, _counts_at, _floats_at, _overlap_shards, _words_at  # the reader's own
 from . import _active, _twister
+from .cost import PREDICTED_IDLE_SHARE
+from .slots import AVERAGE, LOAD_WINDOW_SECS, SINCE
 
 __all__ = [
     "BOUND_WORDS",
@@ -123,7 +125,10 @@ B_CTX: Final = 40
 """The context of the reader the router walks (``IndexReader.decision_walk``), for :func:`decide_on_shards`."""
 B_OVERLAPS: Final = 43
 """The router's ``(tiers, slots)`` overlaps, which :func:`decide_on_shards` walks into."""
-BOUND_WORDS: Final = 46
+B_SEEN: Final = 46
+"""The slot manager's ``seen`` (``slots.AVERAGE``, ``SINCE``): the load the decisions see, which each decision
+with the predicted tier on folds its queued share into."""
+BOUND_WORDS: Final = 49
 WRITTEN_COUNT: Final = B_WRITTEN + 2
 """``B_WRITTEN`` names a vector, so its third word holds instead how many of its entries the last
 :func:`decide_on_shards` noted: the slots whose columns of ``overlaps`` it wrote, which the next call
@@ -149,6 +154,7 @@ def _decide(
     out: npt.NDArray[np.float64],
     ties: npt.NDArray[np.int64],
     trust: npt.NDArray[np.float64],
+    seen: npt.NDArray[np.float64],
     explain: bool,
 ) -> tuple[int, int, int]:
     """A whole decision after the index walk, in one call: the prompt's sequence hashes into ``seqs[:n]``
@@ -168,7 +174,20 @@ def _decide(
     if params[P_TRACK_BLOCKS] != 0.0:
         touched = _active.leading(holders, seqs[:n], leading, scratch[1], scratch[2])
     result = cost_and_choose(
-        candidates, overlaps, loads[0], loads[1], loads[2], leading, capacities, work, params, out, ties, trust, explain
+        candidates,
+        overlaps,
+        loads[0],
+        loads[1],
+        loads[2],
+        leading,
+        capacities,
+        work,
+        params,
+        out,
+        ties,
+        trust,
+        seen,
+        explain,
     )
     for j in range(touched):
         leading[scratch[1, j]] = 0
@@ -233,6 +252,7 @@ def decide(
     out = carray(_floats_at(bound[B_OUT]), (bound[B_OUT + 1], bound[B_OUT + 2]))
     ties = _vector(bound, B_TIES)
     trust = carray(_floats_at(bound[B_TRUST]), (bound[B_TRUST + 1],))
+    seen = carray(_floats_at(bound[B_SEEN]), (bound[B_SEEN + 1],))
     head, skip, count = _decide(
         local,
         isl,
@@ -249,6 +269,7 @@ def decide(
         out,
         ties,
         trust,
+        seen,
         explain,
     )
     if head < 0:
@@ -339,7 +360,7 @@ per predicted block and the device credit's scale (``_weights``)."""
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _weights(params: npt.NDArray[np.float64], queued_share: float) -> Weights:
+def _weights(params: npt.NDArray[np.float64], queued_share: float, seen_load: float) -> Weights:
     isl = params[P_ISL]
     block = params[P_BLOCK]
     return (
@@ -358,7 +379,7 @@ def _weights(params: npt.NDArray[np.float64], queued_share: float) -> Weights:
         params[P_REQUEST_WEIGHT],
         params[P_LMETRIC],
         params[P_WORK_WEIGHT],
-        _predicted_weight(params[P_PREDICTED], queued_share),
+        _predicted_weight(params[P_PREDICTED], seen_load),
         1.0 + params[P_CREDIT_GAIN] * queued_share,
     )
 
@@ -380,12 +401,22 @@ def _queued_share(
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _predicted_weight(weight: float, share: float) -> float:
+def _predicted_weight(weight: float, seen_load: float) -> float:
     """``cost.predicted_weight``."""
     if weight == 0.0:
         return 0.0
     low = min(1.0, weight)
-    return low + (weight - low) * share
+    return low + (weight - low) * max(0.0, seen_load - PREDICTED_IDLE_SHARE) / (1.0 - PREDICTED_IDLE_SHARE)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _seen_load(seen: npt.NDArray[np.float64], queued_share: float, age: float) -> float:
+    """``SlotManager.seen_load``: fold this decision's queued share into ``seen`` at ``age``; the new average."""
+    fade = math.exp(-max(0.0, age - seen[SINCE]) / LOAD_WINDOW_SECS)
+    average: float = seen[AVERAGE] * fade + queued_share * (1.0 - fade)
+    seen[AVERAGE] = average
+    seen[SINCE] = age
+    return average
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -532,6 +563,7 @@ def cost_and_choose(
     out: npt.NDArray[np.float64],
     ties: npt.NDArray[np.int64],
     trust: npt.NDArray[np.float64],
+    seen: npt.NDArray[np.float64],
     explain: bool,
 ) -> tuple[int, int, int]:  # hot path: two passes over the candidates, then the chosen and its ties
     """Cost every candidate into ``out`` and choose.
@@ -554,6 +586,8 @@ def cost_and_choose(
             tied with ``head`` after it, in order.
         trust: per slot, the credit factor (1 unless the slot's worker is marked untrusted); empty when
             no candidate's credit is weighted down.
+        seen: the slot manager's seen load (``slots.AVERAGE``, ``SINCE``); with the predicted tier on, the
+            decision folds its queued share into it at ``P_WORK_AGE`` (``SlotManager.seen_load``'s arithmetic).
         explain: write every candidate's terms (also done above temperature 0, where ``sample`` reads
             every total and the caller's choice is not known here).
 
@@ -606,7 +640,10 @@ def cost_and_choose(
     share = 0.0  # no pass over the candidates when nothing reads it
     if params[P_PREDICTED] != 0.0 or params[P_CREDIT_GAIN] != 0.0:
         share = _queued_share(candidates, prefill, limited, out, eligible)
-    weights = _weights(params, share)
+    seen_load = 0.0
+    if params[P_PREDICTED] != 0.0:
+        seen_load = _seen_load(seen, share, params[P_WORK_AGE])
+    weights = _weights(params, share, seen_load)
     decaying = params[P_DECAY] != 0.0 and params[P_TRACK_PREFILL] != 0.0
     if decaying:  # a worker holding nothing gets no credit to decay: its three divisions are skipped
         for i in range(k):

@@ -105,15 +105,18 @@ class RouterConfig:
         metadata=option(
             "--router-predicted-credit",
             help="kvrouter's: [blocks per block] credit of prompt blocks just routed to a worker and not yet "
-            "in its events, when every candidate has prefill queued (0 = off, the reference's behaviour).",
+            "in its events, when decisions keep finding every candidate with prefill queued (0 = off, the "
+            "reference's behaviour).",
             panel=Panel.COST,
             min=0.0,
         ),
     )
     """kvrouter's own term (0: off, the reference's behaviour): the predicted tier. A worker's in-flight
     requests hold leading blocks of the prompt that its KV events have not confirmed yet (the prefill
-    that makes them is queued or running); each is credited ``min(1, w)`` blocks on a fleet with no prefill
-    queued, rising linearly to ``w`` when every candidate has prefill queued (``cost.predicted_weight``).
+    that makes them is queued or running); each is credited ``min(1, w)`` blocks at light load, rising
+    linearly to ``w`` as the load the decisions see (``SlotManager.seen_load``: the share of candidates with
+    prefill queued, averaged over seconds) goes from ``cost.PREDICTED_IDLE_SHARE`` to 1
+    (``cost.predicted_weight``).
     The blocks come from the table of active requests' shared blocks, so with ``router_track_active_blocks``
     or ``router_assume_kv_reuse`` off there are none and the tier credits nothing."""
     credit_load_gain: float = field(
@@ -304,7 +307,7 @@ KVROUTER_CONFIG: Final = RouterConfig(
     router_selection_policy="lmetric",
     overlap_score_credit=1.5,
     prefill_work_weight=1.0,
-    predicted_credit=2.0,
+    predicted_credit=24.0,
     credit_load_gain=1.0,
 )
 """kvrouter's own tuning, the ``kvrouter`` policy of the routing benchmark: the reference's opt-in product
@@ -319,13 +322,16 @@ work term, 1.07 and 1.02 with it, at the same hit rate and TTFT (``docs/routing-
 held-out worker counts, speed-ups and trace segments). Credit 1.75 and 2.0 pushed S8's prefill
 imbalance past 1.10 before the work term existed.
 
-The predicted tier (``predicted_credit`` 2: a block in flight on a worker is credited 1 block on an idle
-fleet, 2 on a fully queued one) keeps a burst of requests sharing a fresh prefix together until the
-worker's events arrive. On the agent fan-out workload (8 workers) TTFT p90 fell from 2.7 s to 0.37 s at
-x15 and from 11.8 s to 0.6 s at x30, hit rate from 0.46 to 0.73 and 0.43 to 0.78, with x1's p90 within
-5 % (255 against 243 ms); the Mooncake rows moved by at most 1.7 % in p90. Weight 1.5 left x30 at 2.9 s;
-2.5 and 3 took x1's p90 past 1.10 times the best policy's (``docs/routing-benchmark.md``: the sweep, with
-held-out seeds, sizes and fleets).
+The predicted tier (``predicted_credit`` 24: a block in flight on a worker is credited 1 block at light
+load, rising to 24 as the load the decisions see, ``SlotManager.seen_load``, goes from 0.05 to 1) keeps a
+burst of requests sharing a fresh prefix together until the worker's events arrive. On the agent fan-out
+workload (8 workers) its hit rate at x10-x30 is 0.807-0.829, within 0.04 of SGLang's cache-aware policy's,
+with TTFT p90 at most 1.03 times the best policy's (514-554 ms); without the tier, 0.43-0.46 and up to
+11.8 s. The first version followed the queued share at the instant of each decision with weight 2: TTFT p90
+352-525 ms but hit 0.71-0.79, and a larger weight on that share took x1's p90 past 1.10 times the best's.
+Every goal holds for a weight of 20-32, a window of 2-6 s and an idle share of 0.03-0.05, on the grid's
+held-out rows and on sixteen more fan-out traces (``docs/routing-benchmark.md``, "Choosing the weight");
+the Mooncake rows move by at most 0.5 % in p90.
 
 The device credit's load gain (``credit_load_gain`` 1: 1.5 a block on an idle fleet, 3 on a fully queued one)
 keeps requests with the workers holding a popular prefix when recomputing it would delay the queues: RAG

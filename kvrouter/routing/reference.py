@@ -28,7 +28,14 @@ from .config import RouterConfig
 from .cost import Load, Overlap, credit_scale, predicted_weight, worker_cost
 from .router import SWEEP_INTERVAL_SECS, OverlapSource, Selection, WorkerExplanation
 from .selection import choose, probabilities
-from .slots import DEFAULT_EXPIRY_SECS, DEFAULT_WORK_WINDOW_SECS, FRESH_ID_BASE, WORK_REBASE_WINDOWS, SlotManager
+from .slots import (
+    DEFAULT_EXPIRY_SECS,
+    DEFAULT_WORK_WINDOW_SECS,
+    FRESH_ID_BASE,
+    LOAD_WINDOW_SECS,
+    WORK_REBASE_WINDOWS,
+    SlotManager,
+)
 
 __all__ = ["ReferenceRouter", "ReferenceSlotManager"]
 
@@ -113,6 +120,9 @@ class ReferenceSlotManager:
         counts. Its decayed value at ``now`` is this times ``exp(-(now - epoch) / window)``: one ``exp`` a
         decision instead of one per worker (``SlotManager`` keeps the same numbers, float for float)."""
         self._epoch = 0.0
+        self._seen = 0.0
+        self._seen_since = -math.inf
+        """The load the decisions see (``SlotManager.seen``'s two words)."""
 
     def add_request(
         self,
@@ -155,8 +165,17 @@ class ReferenceSlotManager:
             if (now - self._epoch) / window > WORK_REBASE_WINDOWS:  # before exp((now - epoch) / window) grows huge
                 shrink = math.exp(-(now - self._epoch) / window)
                 self._work = {w: scaled * shrink for w, scaled in self._work.items()}
+                self._seen_since -= now - self._epoch
                 self._epoch = now
             self._work[worker] = self._work.get(worker, 0.0) + prefill_tokens * math.exp((now - self._epoch) / window)
+
+    def seen_load(self, queued_share: float) -> float:
+        """Fold one decision's queued share into the load the decisions see (``SlotManager.seen_load``)."""
+        age = self._clock() - self._epoch
+        fade = math.exp(-max(0.0, age - self._seen_since) / LOAD_WINDOW_SECS)
+        self._seen = self._seen * fade + queued_share * (1.0 - fade)
+        self._seen_since = age
+        return self._seen
 
     def recent_prefill_tokens(self, worker: WorkerKey) -> float:
         """Prefill tokens booked on the worker, each decayed by ``exp(-age / work_window_secs)``."""
@@ -385,7 +404,8 @@ class ReferenceRouter:
         share = 0.0
         if self.config.predicted_credit or self.config.credit_load_gain:
             share = sum(1 for w in eligible if loads[w].active_prefill_tokens > 0) / len(eligible)
-        predicted_w = predicted_weight(self.config, share)
+        seen = self.slots.seen_load(share) if self.config.predicted_credit else 0.0
+        predicted_w = predicted_weight(self.config, seen)
         device_scale = credit_scale(self.config, share)
         costs = {
             w: worker_cost(

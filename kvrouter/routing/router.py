@@ -450,6 +450,7 @@ class Router:
             (kernels.B_WRITTEN, self._written),
             (kernels.B_TWISTER, self._twister),
             (kernels.B_OVERLAPS, self._overlaps),
+            (kernels.B_SEEN, slots.seen),
         ):
             self._bind(entry, array)
         self._bound[kernels.WRITTEN_COUNT] = -1  # not known: the next decision zeroes all of the overlaps

@@ -64,6 +64,13 @@ WORK_REBASE_WINDOWS: Final = 512.0
 booking comes this many windows after the epoch (8.5 h at 60 s), every figure is brought back to a new
 epoch first, so the scale stays below ``exp(512)`` (1e222, far from float64's 1.8e308) and a worker's
 decayed work, scale times ``exp(-age / window)``, never meets an overflow."""
+LOAD_WINDOW_SECS: Final = 4.0
+"""Time constant of the load the decisions see (:meth:`SlotManager.seen_load`). Long against one burst (its
+requests arrive within a few hundred milliseconds), short against how fast a fleet's load moves; 2-6 s hold
+the predicted tier's goals alike (``docs/routing-benchmark.md``, "Choosing the weight")."""
+AVERAGE, SINCE = 0, 1
+"""Words of ``SlotManager.seen``: the average, and the clock minus ``work_epoch`` of the last decision (-inf
+before the first, whose share then stands alone)."""
 PREFILL, REQUESTS, BLOCKS = 0, 1, 2
 """Rows of ``SlotManager.loads``."""
 LEADING, TOUCHED, ALIVE = 0, 1, 2
@@ -171,6 +178,10 @@ class SlotManager:
         ``exp``, not one per candidate (13 µs at 1,024 candidates). ``ReferenceSlotManager`` keeps the
         same figures, float for float."""
         self.work_epoch = 0.0
+        self.seen = np.array([0.0, -math.inf])
+        """The load the decisions see (``AVERAGE``, ``SINCE``), written by every decision with the predicted tier
+        on (:meth:`seen_load`, or the decision kernel, float for float). Never replaced: the kernel holds its
+        address."""
         self.scratch = np.zeros((3, 0), dtype=np.int64)
         """The active-block walk's per-slot buffers (``LEADING``, ``TOUCHED``, ``ALIVE``)."""
         self.generation = 0
@@ -279,9 +290,25 @@ class SlotManager:
             window = self.work_window_secs
             if (now - self.work_epoch) / window > WORK_REBASE_WINDOWS:
                 self.work *= math.exp(-(now - self.work_epoch) / window)
+                self.seen[SINCE] -= now - self.work_epoch
                 self.work_epoch = now
             work = self.work
             work[slot] = float(work[slot]) + prefill_tokens * math.exp((now - self.work_epoch) / window)
+
+    def seen_load(self, queued_share: float) -> float:
+        """Fold one decision's ``queued_share`` (its eligible candidates with prefill queued) into the load the
+        decisions see, and return that load: the shares averaged as ``exp(-age / LOAD_WINDOW_SECS)``, each held
+        over the time since the decision before. So the queue a request finds after a quiet spell weighs in
+        full, and the queue a burst's later requests find, made of the burst's own earlier ones, hardly at
+        all. The predicted tier's weight follows it (``cost.predicted_weight``)."""
+        seen = self.seen
+        before, since = seen.tolist()
+        age = self._clock() - self.work_epoch
+        fade = math.exp(-max(0.0, age - since) / LOAD_WINDOW_SECS)
+        average: float = before * fade + queued_share * (1.0 - fade)
+        seen[AVERAGE] = average
+        seen[SINCE] = age
+        return average
 
     def _decayed(self, slot: int, now: float) -> float:
         """The slot's booked prefill decayed to ``now`` (``math.exp``, as the decision kernel computes it)."""

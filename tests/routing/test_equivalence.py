@@ -280,7 +280,7 @@ burst_steps = st.one_of(burst_selects, burst_selects, burst_selects, steps)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     config=configs(),
-    weight=st.sampled_from([2.0, 1.0, 0.5, 3.0]),
+    weight=st.sampled_from([2.0, 1.0, 0.5, 3.0, 24.0]),
     seed=st.integers(0, 2**32),
     stream=st.lists(burst_steps, min_size=2, max_size=40),
 )

@@ -15,6 +15,7 @@ from kvrouter.hashing import sequence_hashes
 from kvrouter.index import RadixIndex
 from kvrouter.routing import Router, RouterConfig, WorkerExplanation
 from kvrouter.routing.config import KVROUTER_CONFIG
+from kvrouter.routing.cost import PREDICTED_IDLE_SHARE
 from kvrouter.routing.router import SWEEP_INTERVAL_SECS
 from tests.clock import FakeClock
 
@@ -24,6 +25,9 @@ PREFIX = list(range(1, 9))
 """A fresh 8-block prefix: the leader's, shared by every follower."""
 ADDITIVE = RouterConfig(predicted_credit=2.0)
 """The reference's sum with the tier on, so each term is plain arithmetic."""
+ONE_OF_THREE = 1 + (2 - 1) * (1 / 3 - PREDICTED_IDLE_SHARE) / (1 - PREDICTED_IDLE_SHARE)
+"""``ADDITIVE``'s credit per predicted block when the router's first decision finds one eligible candidate
+of three with prefill queued: its seen load is that share, 1/3."""
 
 
 def _rows(router: Router, index: RadixIndex, local: list[int], workers: tuple[WorkerKey, ...] = (W1, W2, W3)):
@@ -48,8 +52,7 @@ def test_a_follower_is_credited_the_leaders_blocks_in_flight_term_by_term():
     router, index = Router(ADDITIVE, block_size=B, seed=0), RadixIndex()
     _book_leader(router, tail=[100])  # 9 blocks, 36 tokens queued on W1
     selection, rows = _rows(router, index, [*PREFIX, 200])  # 9 blocks, 8 shared
-    # one eligible candidate of three has prefill queued: 1 + (2 - 1) * 1/3 credit per predicted block
-    weight = 1 + (2 - 1) * (1 / 3)
+    weight = ONE_OF_THREE
     one = rows[W1]
     assert (one.overlap.device, one.overlap.predicted) == (0, 8)
     assert one.cost.raw_prefill_blocks == (36 + 36) / B
@@ -95,22 +98,28 @@ def _steady(router: Router, workers: tuple[WorkerKey, ...], *, queued: bool) -> 
             router.slots.add_request(f"own{n}", worker, sequence_hashes(own), 20 * B, 0)
 
 
-@pytest.mark.parametrize(("queued", "holders"), [(True, 1), (False, 2)], ids=["busy fleet", "idle fleet"])
-def test_a_burst_on_a_fresh_prefix_lands_together(queued: bool, holders: int):
-    """Five requests sharing a prefix nobody has computed. With every worker prefilling, recomputing the prefix
-    elsewhere delays what is queued there, and the burst stays on the leader's worker; on an idle fleet a
-    follower goes to an idle worker once the queue on the leader's is longer than the prompt, and the next
-    ones follow one of the two. Without the tier each worker computes the prefix."""
+@pytest.mark.parametrize("queued", [True, False], ids=["busy fleet", "idle fleet"])
+def test_a_burst_on_a_fresh_prefix_lands_together(queued: bool):
+    """Five requests sharing a prefix nobody has computed, sent together. With every worker prefilling when
+    the burst arrives, recomputing the prefix elsewhere delays what is queued there, and the burst stays on
+    the leader's worker. On an idle fleet the credit is 1, the rule of waiting against recomputing: each
+    follower goes to an idle worker while there is one (the leader's prefill is longer than the follower's
+    prompt), and the fifth joins a worker computing the prefix, credited its blocks. The burst's own queues
+    do not raise the credit: the first request's view of the fleet weighs in full, the later ones' hardly.
+    Without the tier each worker computes the prefix, the fifth too."""
     workers = tuple((w, 0) for w in range(1, 5))
-    picks: dict[float, list[WorkerKey]] = {}
     for credit in (KVROUTER_CONFIG.predicted_credit, 0.0):
-        router, index = Router(replace(KVROUTER_CONFIG, predicted_credit=credit), block_size=B, seed=0), RadixIndex()
+        config = replace(KVROUTER_CONFIG, predicted_credit=credit)
+        router, index = Router(config, block_size=B, seed=0, clock=FakeClock()), RadixIndex()  # all at one instant
         _steady(router, workers, queued=queued)
-        picks[credit] = [
-            router.select(index, workers, local_hashes=[*PREFIX, 1000 + n], request_id=f"r{n}").worker for n in range(5)
-        ]
-    assert len(set(picks[KVROUTER_CONFIG.predicted_credit])) == holders
-    assert len(set(picks[0.0])) == 4
+        picks = [router.select(index, workers, local_hashes=[*PREFIX, 1000 + n], request_id=f"r{n}") for n in range(5)]
+        holders = {pick.worker for pick in picks}
+        if credit and queued:
+            assert len(holders) == 1
+            assert [pick.predicted_blocks for pick in picks] == [0, 8, 8, 8, 8]
+        else:
+            assert len(holders) == 4
+            assert [pick.predicted_blocks for pick in picks] == [0, 0, 0, 0, 8 if credit else 0]
 
 
 def test_a_prediction_confirmed_by_the_events_becomes_device_overlap():
@@ -119,9 +128,8 @@ def test_a_prediction_confirmed_by_the_events_becomes_device_overlap():
     _store(index, W1, PREFIX[:5])  # the first chunk's events arrived
     _, rows = _rows(router, index, [*PREFIX, 200])
     assert (rows[W1].overlap.device, rows[W1].overlap.predicted) == (5, 3)
-    weight = 1 + (2 - 1) * (1 / 3)
-    assert rows[W1].cost.predicted_credit_blocks == pytest.approx(weight * 3)
-    assert rows[W1].cost.overlap_credit_blocks == pytest.approx(1.0 * 5 + weight * 3)
+    assert rows[W1].cost.predicted_credit_blocks == pytest.approx(ONE_OF_THREE * 3)
+    assert rows[W1].cost.overlap_credit_blocks == pytest.approx(1.0 * 5 + ONE_OF_THREE * 3)
     _store(index, W1, PREFIX)  # and the rest
     _, rows = _rows(router, index, [*PREFIX, 200])
     assert (rows[W1].overlap.device, rows[W1].overlap.predicted) == (8, 0)

@@ -15,7 +15,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 from kvrouter import DuplicateRequest, KvRouterError
 from kvrouter.events.model import WorkerKey
 from kvrouter.routing import ReferenceSlotManager
-from kvrouter.routing.slots import DEFAULT_EXPIRY_SECS, SlotManager
+from kvrouter.routing.slots import DEFAULT_EXPIRY_SECS, LOAD_WINDOW_SECS, SlotManager
 from tests.clock import FakeClock
 
 BLOCK = 4
@@ -255,6 +255,47 @@ def test_recent_prefill_stays_finite_and_exact_across_days(manager: type[SlotMan
         assert slots.recent_prefill_tokens(W1) == pytest.approx(recent, rel=1e-12)
     clock.now += 1e6  # idle far beyond the epoch: decayed to nothing, not NaN
     assert slots.recent_prefill_tokens(W1) == 0.0
+
+
+@pytest.mark.parametrize("manager", [SlotManager, ReferenceSlotManager])
+def test_the_seen_load_weighs_each_decisions_share_by_the_quiet_before_it(
+    manager: type[SlotManager | ReferenceSlotManager],
+):
+    """The first decision's share stands alone; each later one is held over the time since the one before, so
+    a burst's later decisions, milliseconds apart, hardly move the average that its first one set."""
+    clock = FakeClock()
+    slots = manager(block_size=BLOCK, clock=clock)
+    clock.now = 3.0
+    assert slots.seen_load(0.25) == 0.25
+    average = 0.25
+    for _ in range(20):  # a burst: its own queues fill every worker, 1 ms apart
+        clock.now += 0.001
+        fade = math.exp(-0.001 / LOAD_WINDOW_SECS)
+        average = average * fade + 1.0 * (1.0 - fade)
+        assert slots.seen_load(1.0) == average  # float for float: the decision kernel's arithmetic
+    assert average < 0.25 + 0.01
+    clock.now += LOAD_WINDOW_SECS  # the next request comes after a quiet spell, and finds the fleet idle
+    assert slots.seen_load(0.0) == pytest.approx(average / math.e)
+
+
+def test_the_seen_load_survives_the_work_epoch_moving(clock: FakeClock):
+    """The epoch that booked work is kept scaled to moves forward (every 512 work windows); the seen load's
+    time of the last decision moves with it, so its fade still measures the real gap."""
+    slots = SlotManager(block_size=BLOCK, work_window_secs=1.0, clock=clock)
+    reference = ReferenceSlotManager(block_size=BLOCK, work_window_secs=1.0, clock=clock)
+    clock.now = 1.0
+    for each in (slots, reference):
+        each.seen_load(0.5)
+    clock.now = 1000.0  # past 512 windows: the next booking moves the epoch
+    for each in (slots, reference):
+        each.add_request("a", W1, R1, 4 * BLOCK, overlap_blocks=0)
+    assert slots.work_epoch == 1000.0
+    clock.now = 1000.0 + LOAD_WINDOW_SECS
+    expected = 0.5 * math.exp(-(999.0 + LOAD_WINDOW_SECS) / LOAD_WINDOW_SECS) + 1.0 * (
+        1.0 - math.exp(-(999.0 + LOAD_WINDOW_SECS) / LOAD_WINDOW_SECS)
+    )
+    assert slots.seen_load(1.0) == pytest.approx(expected)
+    assert reference.seen_load(1.0) == slots.seen[0]
 
 
 def test_without_prefill_tracking_no_recent_prefill(clock: FakeClock):

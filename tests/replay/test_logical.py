@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -104,6 +105,12 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
             calls += 1
         run.ok("POST", "/select", {"model_name": MODEL, "token_ids": system, "probe": True})
         calls += 1
+        for _ in range(2):  # a long prompt queued on each worker through a quiet spell: a busy fleet, as the
+            # decisions below see it (the seen load), so the tier's credit decides where the followers go
+            busy = [rng.randrange(1, 30_000) for _ in range(16 * BLOCK)]
+            run.ok("POST", "/select_and_reserve", {"model_name": MODEL, "token_ids": busy})
+            calls += 1
+        time.sleep(3.0)
         fresh = [rng.randrange(1, 30_000) for _ in range(8 * BLOCK)]  # reserved, never sent: predicted only
         for n in range(3):
             run.ok("POST", "/select_and_reserve", {"model_name": MODEL, "token_ids": fresh + [n + 1] * BLOCK})
@@ -139,9 +146,9 @@ def test_every_decision_of_a_recorded_run_replays_as_recorded(recorded):
 
 
 def test_predictions_replay_with_the_calls_that_made_them(recorded):
-    """Three reservations on a fresh prefix end the run: no engine computes it, so the later ones find it
-    only as predicted. The replay books the same calls, so it predicts the same; without the tier it
-    decides otherwise."""
+    """Three reservations on a fresh prefix end the run, on a fleet busy for seconds before them: no engine
+    computes the prefix, so the later ones find it only as predicted. The replay books the same calls at the
+    recorded times, so it predicts the same; without the tier it decides otherwise."""
     path, calls = recorded
     recording = read_recording(path)
     assert replay_recording(recording).matched == calls

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -92,13 +93,14 @@ def test_metrics_count_each_prediction_and_how_it_ended(kvrouter_defaults: Runni
     def grew(worker: int, outcome: str) -> float:
         return predictions(run).get((worker, outcome), 0.0) - before.get((worker, outcome), 0.0)
 
-    # a minute's work on both workers, so neither is the idle one the recent-work factor favours
+    # a minute's work on both workers, so neither is the idle one the recent-work factor favours; kept
+    # queued through a quiet spell, so the decisions below see a busy fleet (the seen load), where a follower
+    # waits for a prefix in flight rather than computing it again behind another queue
     warm = [
         run.ok("POST", "/select_and_reserve", {"model_name": MODEL, "token_ids": prompt(100 + n, 40)}) for n in range(4)
     ]
     assert {w["worker_id"] for w in warm} == set(MOCK_IDS)
-    for reservation in warm:
-        run.ok("DELETE", f"/reservations/{reservation['selection_id']}")
+    time.sleep(3.0)
     # a bet the engine never makes good: the leader is reserved, never sent
     shared = prompt(5, 6)
     leader = run.ok("POST", "/select_and_reserve", {"model_name": MODEL, "token_ids": shared})
@@ -124,5 +126,7 @@ def test_metrics_count_each_prediction_and_how_it_ended(kvrouter_defaults: Runni
     )
     run.ok("DELETE", f"/reservations/{follower['selection_id']}")
     run.ok("DELETE", f"/reservations/{leader['selection_id']}")
+    for reservation in warm:
+        run.ok("DELETE", f"/reservations/{reservation['selection_id']}")
     assert grew(chosen, "confirmed") == 1
     assert grew(chosen, "expired") == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -313,21 +314,37 @@ class Worker:
         return answer  # type: ignore[no-any-return]
 
 
+FIRST_FIXED_PORT = 10_000
+"""The lowest port :func:`free_port` hands out."""
+
+
+def _first_ephemeral_port() -> int:
+    """The low end of the kernel's ephemeral range, where ``bind(port 0)`` and outgoing connections take theirs."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default
+
+
 def free_port(span: int = 1) -> int:
-    """A port p with p .. p + span - 1 free right now, as the OS hands them out."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port + span > 65535:
-            continue
+    """A port p with p .. p + span - 1 free right now, drawn at random below the kernel's ephemeral range.
+
+    Why below it: a test probes a port, then a server it starts binds it seconds later. A port the kernel
+    handed out to the probe is one it may hand out again meanwhile, to any socket on the machine bound to
+    port 0 (the mock engines a demo starts, another test's server, an outgoing connection); and the next
+    free ephemeral port, p + 1 for a span of two, is the likeliest of all. Below the range only another
+    explicit choice can take it: another test's draw of the same port in the same seconds."""
+    last = _first_ephemeral_port() - span
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(FIRST_FIXED_PORT, last)
         try:
-            for offset in range(1, span):
-                with socket.socket() as other:
-                    other.bind(("127.0.0.1", port + offset))
+            for offset in range(span):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port + offset))
         except OSError:
             continue
-        return int(port)
+        return port
     pytest.fail("no run of free ports found")
 
 

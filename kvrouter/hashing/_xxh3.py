@@ -23,31 +23,21 @@ Constants are the XXH3 specification's (``xxhash.h`` 0.8: ``XXH_PRIME*``, ``PRIM
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final, TypeVar, cast
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
+
+from .._jit import inlined, kernel
 
 __all__ = ["chain_hashes", "chain_step", "hash_blocks"]
 
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 Words = npt.NDArray[np.uint32]
 Hashes = npt.NDArray[np.uint64]
-
-
-def _kernel(fn: _F) -> _F:
-    """``njit(cache=True, nogil=True)``, returning ``fn``'s own signature so mypy still checks callers."""
-    return cast(_F, njit(cache=True, nogil=True)(fn))
-
-
-def _inlined(fn: _F) -> _F:
-    """A helper that takes arrays, inlined into its caller: called as a function, numba increfs and
-    decrefs each array argument (two atomic operations) on every call."""
-    return cast(_F, njit(cache=True, nogil=True, inline="always")(fn))
 
 
 _PRIME32_1: Final = np.uint64(0x9E3779B1)
@@ -117,28 +107,28 @@ _mul128_fold64 = cast(Callable[[np.uint64, np.uint64], np.uint64], intrinsic(_mu
 splitting into 32-bit halves would take four multiplies."""
 
 
-@_inlined
+@inlined
 def _read64(words: Words, w: int) -> np.uint64:
     return np.uint64(words[w]) | (np.uint64(words[w + 1]) << 32)
 
 
-@_kernel
+@kernel
 def _swap32(x: np.uint64) -> np.uint64:
     return ((x & _BYTE) << 24) | (((x >> 8) & _BYTE) << 16) | (((x >> 16) & _BYTE) << 8) | (x >> 24)
 
 
-@_kernel
+@kernel
 def _swap64(x: np.uint64) -> np.uint64:
     return (_swap32(x & _LOW32) << 32) | _swap32(x >> 32)
 
 
-@_kernel
+@kernel
 def _avalanche(h: np.uint64) -> np.uint64:
     h = (h ^ (h >> 37)) * _PRIME_MX1
     return h ^ (h >> 32)
 
 
-@_kernel
+@kernel
 def _rrmxmx(h: np.uint64, length: np.uint64) -> np.uint64:
     h ^= ((h << 49) | (h >> 15)) ^ ((h << 24) | (h >> 40))
     h *= _PRIME_MX2
@@ -147,26 +137,26 @@ def _rrmxmx(h: np.uint64, length: np.uint64) -> np.uint64:
     return h ^ (h >> 28)
 
 
-@_kernel
+@kernel
 def _len_4to8(first: np.uint64, last: np.uint64, length: np.uint64, seed: np.uint64) -> np.uint64:
     seed ^= _swap32(seed & _LOW32) << 32
     bitflip = (_SECRET[8] ^ _SECRET[16]) - seed
     return _rrmxmx((last + (first << 32)) ^ bitflip, length)
 
 
-@_kernel
+@kernel
 def _len_9to16(first: np.uint64, last: np.uint64, length: np.uint64, seed: np.uint64) -> np.uint64:
     low = first ^ ((_SECRET[24] ^ _SECRET[32]) + seed)
     high = last ^ ((_SECRET[40] ^ _SECRET[48]) - seed)
     return _avalanche(length + _swap64(low) + high + _mul128_fold64(low, high))
 
 
-@_inlined
+@inlined
 def _mix16(words: Words, w: int, secret: Hashes, at: int, seed: np.uint64) -> np.uint64:
     return _mul128_fold64(_read64(words, w) ^ (secret[at] + seed), _read64(words, w + 2) ^ (secret[at + 8] - seed))
 
 
-@_inlined
+@inlined
 def _len_17to128(words: Words, s: int, n: int, seed: np.uint64) -> np.uint64:
     length = np.uint64(4 * n)
     acc = length * _PRIME64_1
@@ -184,7 +174,7 @@ def _len_17to128(words: Words, s: int, n: int, seed: np.uint64) -> np.uint64:
     return _avalanche(acc)
 
 
-@_inlined
+@inlined
 def _len_129to240(words: Words, s: int, n: int, seed: np.uint64) -> np.uint64:
     length = np.uint64(4 * n)
     acc = length * _PRIME64_1
@@ -197,7 +187,7 @@ def _len_129to240(words: Words, s: int, n: int, seed: np.uint64) -> np.uint64:
     return _avalanche(acc + acc_end)
 
 
-@_inlined
+@inlined
 def _short(words: Words, s: int, n: int, seed: np.uint64) -> np.uint64:
     """XXH3-64 of ``words[s:s+n]`` for 4..240 bytes (1..60 words)."""
     length = np.uint64(4 * n)
@@ -210,7 +200,7 @@ def _short(words: Words, s: int, n: int, seed: np.uint64) -> np.uint64:
     return _len_129to240(words, s, n, seed)
 
 
-@_inlined
+@inlined
 def _seeded_secret(seed: np.uint64, table: Hashes) -> None:
     """Fill ``table`` with the long path's secret for ``seed`` (``XXH3_initCustomSecret``): each 16-byte
     pair of kSecret becomes ``(lo + seed, hi - seed)``, read here at every byte offset. Seed 0 gives
@@ -225,7 +215,7 @@ def _seeded_secret(seed: np.uint64, table: Hashes) -> None:
             table[o] = (word >> np.uint64(8 * r)) | (following << np.uint64(64 - 8 * r))
 
 
-@_inlined
+@inlined
 def _accumulate(acc: Hashes, words: Words, w: int, secret: Hashes, at: int) -> None:
     """One 64-byte stripe into the eight accumulators (``XXH3_accumulate_512``, scalar form)."""
     for lane in range(8):
@@ -235,7 +225,7 @@ def _accumulate(acc: Hashes, words: Words, w: int, secret: Hashes, at: int) -> N
         acc[lane] += (keyed & _LOW32) * (keyed >> 32)
 
 
-@_inlined
+@inlined
 def _long(words: Words, s: int, n: int, secret: Hashes, acc: Hashes) -> np.uint64:
     """XXH3-64 of ``words[s:s+n]`` above 240 bytes, with the seed-derived ``secret`` table; ``acc`` is
     scratch for the eight accumulators."""
@@ -261,7 +251,7 @@ def _long(words: Words, s: int, n: int, secret: Hashes, acc: Hashes) -> np.uint6
     return _avalanche(result)
 
 
-@_kernel
+@kernel
 def hash_blocks(tokens: Words, block_size: int, window: int, seed: np.uint64, out: Hashes) -> None:
     """``out[i] = xxh3_64(tokens[i*block_size : i*block_size + window], seed)`` for every ``i`` of ``out``.
 
@@ -279,13 +269,13 @@ def hash_blocks(tokens: Words, block_size: int, window: int, seed: np.uint64, ou
         out[i] = _long(tokens, i * block_size, window, secret, acc)
 
 
-@_kernel
+@kernel
 def chain_step(previous: np.uint64, local: np.uint64, seed: np.uint64) -> np.uint64:
     """One link of the sequence-hash chain: ``xxh3_64(u64le(previous) ‖ u64le(local), seed)``."""
     return _len_9to16(previous, local, np.uint64(16), seed)
 
 
-@_kernel
+@kernel
 def chain_hashes(local: Hashes, seed: np.uint64, out: Hashes) -> None:
     """``out[0] = local[0]``; ``out[i] = chain_step(out[i-1], local[i], seed)``."""
     if local.size == 0:

@@ -51,16 +51,17 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from typing import Any, Final, TypeVar, cast
+from typing import Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
 from llvmlite import ir
-from numba import njit, typeof, types
+from numba import typeof, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.numpy_support import carray
 
+from .._jit import holds_gil, inlined, kernel
 from ..events.packed import REMOVED, STORED_UNDER
 from ..hashing._xxh3 import chain_step
 from .layout import (
@@ -160,7 +161,6 @@ __all__ = [
     "walk",
 ]
 
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 Table = npt.NDArray[np.uint64]
 Map = npt.NDArray[np.uint64]
@@ -170,15 +170,6 @@ TierCounts = npt.NDArray[np.int64]
 """The writer's cached blocks, ``[TIERS, rows]``: ``cached[tier, bit]`` distinct blocks (sequence hashes)
 the holder ``bit * TIERS + tier`` holds, i.e. its set mask bits in that tier's masks. Kept for every tier
 (layout 3): a count bumped only where a mask bit flips costs nothing on the common path either way."""
-
-
-def _kernel(fn: _F) -> _F:
-    return cast(_F, njit(cache=True, nogil=True)(fn))
-
-
-def _inlined(fn: _F) -> _F:
-    """Array-taking helpers are inlined: called out of line, numba increfs each array argument per call."""
-    return cast(_F, njit(cache=True, nogil=True, inline="always")(fn))
 
 
 OK: Final = 0
@@ -319,17 +310,17 @@ _i64 = cast(Callable[[object], int], np.int64)
 # -- shard table ------------------------------------------------------------------------------
 
 
-@_inlined
+@inlined
 def _row_words(table: Table) -> int:
     return SLOT_MASKS + TIERS * _i64(table[H_NWORDS])
 
 
-@_inlined
+@inlined
 def _table_key(seq: np.uint64) -> np.uint64:
     return seq if seq != _ZERO else _ZERO_KEY
 
 
-@_inlined
+@inlined
 def _find(table: Table, key: np.uint64) -> int:
     """The writer's probe (no seqlock: it is the only writer). -1 when absent."""
     mask = np.uint64(table[H_CAPACITY] - _ONE)
@@ -344,7 +335,7 @@ def _find(table: Table, key: np.uint64) -> int:
         slot = _i64((np.uint64(slot) + _ONE) & mask)
 
 
-@_inlined
+@inlined
 def _is_tomb(table: Table, base: int, width: int) -> bool:
     for w in range(base + SLOT_MASKS, base + width):  # noqa: SIM110 (numba compiles no generator)
         if table[w] != _ZERO:
@@ -352,7 +343,7 @@ def _is_tomb(table: Table, base: int, width: int) -> bool:
     return True
 
 
-@_inlined
+@inlined
 def _claim(table: Table, key: np.uint64) -> int:
     """The slot of ``key``, inserting it (into the first tombstone passed, else the empty slot ending the
     probe) when absent. The caller has made sure the table has room."""
@@ -380,7 +371,7 @@ def _claim(table: Table, key: np.uint64) -> int:
     return slot
 
 
-@_inlined
+@inlined
 def _seqlocked_store(table: Table, base: int, word: int, value: np.uint64) -> None:
     """Write one word of the slot at ``base`` inside its version window: odd, the word, even again."""
     version = table[base + SLOT_VERSION]
@@ -394,7 +385,7 @@ def _seqlocked_store(table: Table, base: int, word: int, value: np.uint64) -> No
         _mark(dirty, (base - HEADER_WORDS) // _row_words(table))
 
 
-@_inlined
+@inlined
 def _mark(dirty: int, index: int) -> None:
     """Set slot or row ``index``'s bit in the dirty bitmap at address ``dirty`` (module rules)."""
     word = 1 + index // 64
@@ -405,20 +396,20 @@ def _mark(dirty: int, index: int) -> None:
         bits[0] += _ONE
 
 
-@_inlined
+@inlined
 def _map_mark(meta: Meta, row: int) -> None:
     """A private map's row was written: its dirty bit, while the map is being copied."""
     if meta[M_DIRTY] != 0:
         _mark(meta[M_DIRTY], row)
 
 
-@_inlined
+@inlined
 def _limit(dirty: int) -> float:
     """The load a table or map may be filled to: ``GROWING_LOAD`` while its successor is being built."""
     return GROWING_LOAD if dirty != 0 else MAX_LOAD
 
 
-@_inlined
+@inlined
 def _set_bit(table: Table, slot: int, tier: int, bit: int) -> None:
     width = _row_words(table)
     base = HEADER_WORDS + slot * width
@@ -429,7 +420,7 @@ def _set_bit(table: Table, slot: int, tier: int, bit: int) -> None:
         table[H_LIVE] += _ONE
 
 
-@_inlined
+@inlined
 def _clear_bit(table: Table, slot: int, tier: int, bit: int) -> None:
     width = _row_words(table)
     base = HEADER_WORDS + slot * width
@@ -440,7 +431,7 @@ def _clear_bit(table: Table, slot: int, tier: int, bit: int) -> None:
         table[H_TOMBS] += _ONE
 
 
-@_inlined
+@inlined
 def _release_bit(table: Table, seq: np.uint64, tier: int, bit: int) -> None:
     slot = _find(table, _table_key(seq))
     if slot >= 0:
@@ -450,13 +441,13 @@ def _release_bit(table: Table, seq: np.uint64, tier: int, bit: int) -> None:
 # -- private maps -----------------------------------------------------------------------------
 
 
-@_inlined
+@inlined
 def _map_home(key: np.uint64, holder: int, mask: np.uint64) -> int:
     mixed = (key ^ (np.uint64(holder + 1) * _KEY_MIX)) * _KEY_MIX
     return _i64((mixed ^ (mixed >> np.uint64(29))) & mask)
 
 
-@_inlined
+@inlined
 def _map_find(rows: Map, meta: Meta, key: np.uint64, holder: int) -> int:
     mask = np.uint64(meta[M_CAPACITY] - 1)
     tag = np.uint64(holder + 1)
@@ -470,7 +461,7 @@ def _map_find(rows: Map, meta: Meta, key: np.uint64, holder: int) -> int:
         row = _i64((np.uint64(row) + _ONE) & mask)
 
 
-@_inlined
+@inlined
 def _map_insert(rows: Map, meta: Meta, key: np.uint64, holder: int, value: np.uint64) -> int:
     """Insert a key known to be absent, into the first deleted or empty row of its probe."""
     mask = np.uint64(meta[M_CAPACITY] - 1)
@@ -488,14 +479,14 @@ def _map_insert(rows: Map, meta: Meta, key: np.uint64, holder: int, value: np.ui
     return row
 
 
-@_inlined
+@inlined
 def _map_delete(rows: Map, meta: Meta, row: int) -> None:
     rows[row, 1] = TOMB
     meta[M_TOMBS] += 1
     _map_mark(meta, row)
 
 
-@_kernel
+@kernel
 def init_map(rows: Map, meta: Meta) -> None:
     """An empty map over ``rows``, which the caller has zeroed (fresh anonymous pages, ``np.zeros``); its
     length a power of two. Clearing it again here was a memset of the whole map on every growth."""
@@ -504,17 +495,17 @@ def init_map(rows: Map, meta: Meta) -> None:
     meta[M_TOMBS] = 0
 
 
-@_inlined
+@inlined
 def _mask_word(table: Table, slot: int, tier: int, bit: int) -> int:
     return HEADER_WORDS + slot * _row_words(table) + SLOT_MASKS + tier * _i64(table[H_NWORDS]) + bit // 64
 
 
-@_inlined
+@inlined
 def _holds(table: Table, slot: int, tier: int, bit: int) -> bool:
     return bool((table[_mask_word(table, slot, tier, bit)] >> np.uint64(bit % 64)) & _ONE == _ONE)
 
 
-@_inlined
+@inlined
 def _hold(table: Table, refs: Map, rmeta: Meta, cached: TierCounts, seq: np.uint64, bit: int, tier: int) -> None:
     """One more of the holder's engine hashes names ``seq``. The first sets the mask bit; only a second
     (the same content under two engine hashes, rare) needs a count, kept in ``refs``: stores touch
@@ -534,7 +525,7 @@ def _hold(table: Table, refs: Map, rmeta: Meta, cached: TierCounts, seq: np.uint
         _map_mark(rmeta, row)
 
 
-@_inlined
+@inlined
 def _release(table: Table, refs: Map, rmeta: Meta, cached: TierCounts, seq: np.uint64, bit: int, tier: int) -> None:
     """One fewer of the holder's engine hashes names ``seq``; the last one clears the mask bit."""
     if rmeta[M_USED] > rmeta[M_TOMBS]:  # some content is held twice somewhere: look for a count
@@ -557,7 +548,7 @@ def _release(table: Table, refs: Map, rmeta: Meta, cached: TierCounts, seq: np.u
 # -- events -----------------------------------------------------------------------------------
 
 
-@_kernel
+@kernel
 def store(
     table: Table,
     emap: Map,
@@ -580,7 +571,7 @@ def store(
     return _store_event(table, emap, emeta, refs, rmeta, cached, bit, tier, has_parent, parent, engine, local)
 
 
-@_inlined
+@inlined
 def _store_event(
     table: Table,
     emap: Map,
@@ -647,7 +638,7 @@ def _store_event(
     return OK
 
 
-@_inlined
+@inlined
 def _link(emap: Map, emeta: Meta, row: int, linked: bool, above_hash: np.uint64, above: int) -> None:
     """Record that ``row`` was stored under ``above_hash`` (at ``above``, -1 if absent), or under no parent.
     The caller marked ``row`` already."""
@@ -661,7 +652,7 @@ def _link(emap: Map, emeta: Meta, row: int, linked: bool, above_hash: np.uint64,
         emap[row, MAP_LINKS] &= CHILDREN
 
 
-@_inlined
+@inlined
 def _unlink(emap: Map, emeta: Meta, row: int, holder: int) -> int:
     """``row`` leaves its parent (removed, evicted or moved): one child fewer there. Returns the parent's row
     if that made it a leaf, else -1. A parent removed and stored again starts at 0 children while older
@@ -676,7 +667,7 @@ def _unlink(emap: Map, emeta: Meta, row: int, holder: int) -> int:
     return above if emap[above, MAP_LINKS] & CHILDREN == _ZERO else -1
 
 
-@_inlined
+@inlined
 def _prefetch(
     table: Table, emap: Map, emeta: Meta, engine: npt.NDArray[np.uint64], seqs: npt.NDArray[np.uint64], holder: int
 ) -> None:
@@ -693,7 +684,7 @@ def _prefetch(
     emeta[M_PREFETCH_SINK] = _i64(warm & np.uint64(1))
 
 
-@_kernel
+@kernel
 def remove(
     table: Table,
     emap: Map,
@@ -709,7 +700,7 @@ def remove(
     return _remove_event(table, emap, emeta, refs, rmeta, cached, bit, tier, engine)
 
 
-@_inlined
+@inlined
 def _remove_event(
     table: Table,
     emap: Map,
@@ -738,7 +729,7 @@ def _remove_event(
     return first_missing
 
 
-@_kernel
+@kernel
 def apply_run(
     table: Table,
     emap: Map,
@@ -800,7 +791,7 @@ def apply_run(
     return n
 
 
-@_kernel
+@kernel
 def clear_holder(
     table: Table, emap: Map, emeta: Meta, refs: Map, rmeta: Meta, cached: TierCounts, bit: int, tier: int
 ) -> None:
@@ -820,7 +811,7 @@ EVICT_UNTRUSTED, EVICT_LRU = 0, 1
 it was the least recently stored among the rest."""
 
 
-@_inlined
+@inlined
 def _heap_push(keys: Counts, rows: Counts, n: int, key: int, row: int) -> int:
     """Push onto the binary min-heap of ``n`` entries in ``keys`` / ``rows``; returns the new size."""
     i = n
@@ -834,7 +825,7 @@ def _heap_push(keys: Counts, rows: Counts, n: int, key: int, row: int) -> int:
     return n + 1
 
 
-@_inlined
+@inlined
 def _heap_pop(keys: Counts, rows: Counts, n: int) -> int:
     """Drop the heap's top (the caller read ``rows[0]``); returns the new size."""
     n -= 1
@@ -854,7 +845,7 @@ def _heap_pop(keys: Counts, rows: Counts, n: int) -> int:
     return n
 
 
-@_inlined
+@inlined
 def _recency(table: Table, emap: Map, matched: Table, row: int) -> int:
     """When the row was last stored (or stored under), or its block last matched, whichever is later."""
     stamp = emap[row, MAP_STAMP]
@@ -866,7 +857,7 @@ def _recency(table: Table, emap: Map, matched: Table, row: int) -> int:
     return _i64(stamp)
 
 
-@_kernel
+@kernel
 def touch(table: Table, matched: Table, seqs: npt.NDArray[np.uint64], stamp: np.uint64) -> int:
     """Blocks a decision matched: each sequence hash's slot gets ``stamp`` in ``matched`` (the writer's
     private array beside the table, one word per slot). Returns how many distinct blocks were found.
@@ -886,7 +877,7 @@ def touch(table: Table, matched: Table, seqs: npt.NDArray[np.uint64], stamp: np.
     return found
 
 
-@_kernel
+@kernel
 def evict(
     table: Table,
     emap: Map,
@@ -975,13 +966,13 @@ def evict(
 # the last); the writer reconciles the last, small one itself and publishes.
 
 
-@_inlined
+@inlined
 def _next_dirty(word: int, bits: np.uint64) -> tuple[int, np.uint64]:
     """The index of the lowest bit of ``bits`` (word ``word`` of the bitmap) and the bits left after it."""
     return (word - 1) * 64 + _lowest_bit(bits), bits & (bits - _ONE)
 
 
-@_kernel
+@kernel
 def copy_slots(old: Table, new: Table, old_matched: Table, new_matched: Table, where: Counts) -> None:
     """Copy every live key with its masks and match stamp into the empty, not yet published table ``new``
     (which may have wider masks), noting each one's new slot in ``where``; tombstones are dropped, which
@@ -1002,7 +993,7 @@ def copy_slots(old: Table, new: Table, old_matched: Table, new_matched: Table, w
     # which at worst delays a compaction
 
 
-@_inlined
+@inlined
 def _place(new: Table, key: np.uint64) -> int:
     """The first copy's claim: ``key``'s slot in ``new``, which has no tombstones yet (nothing was dropped
     from it) and no reader (it is not published), so no tombstone test and no seqlock."""
@@ -1020,7 +1011,7 @@ def _place(new: Table, key: np.uint64) -> int:
         slot = _i64((np.uint64(slot) + _ONE) & mask)
 
 
-@_inlined
+@inlined
 def _copy_mask_words(old: Table, new: Table, base: int, dest: int) -> None:
     """The masks of the old slot at ``base`` into the new slot at ``dest`` (whose masks may be wider)."""
     old_words, new_words = _i64(old[H_NWORDS]), _i64(new[H_NWORDS])
@@ -1029,7 +1020,7 @@ def _copy_mask_words(old: Table, new: Table, base: int, dest: int) -> None:
             new[dest + SLOT_MASKS + tier * new_words + w] = old[base + SLOT_MASKS + tier * old_words + w]
 
 
-@_inlined
+@inlined
 def _copy_slot(old: Table, new: Table, old_matched: Table, new_matched: Table, slot: int) -> int:
     """Claim the old slot's key in ``new`` (a round's copy: tombstones may be there) and give it the slot's
     masks and match stamp, counting it live if it now is; returns where."""
@@ -1045,7 +1036,7 @@ def _copy_slot(old: Table, new: Table, old_matched: Table, new_matched: Table, s
     return moved
 
 
-@_kernel
+@kernel
 def reconcile_slots(
     old: Table, new: Table, old_matched: Table, new_matched: Table, where: Counts, dirty: Table, most: int
 ) -> int:
@@ -1086,7 +1077,7 @@ def reconcile_slots(
     return done
 
 
-@_kernel
+@kernel
 def copy_rows(old: Map, new: Map, new_meta: Meta, where: Counts) -> None:
     """Copy the live rows of ``old`` into the empty map ``new`` (growth, and dropping deleted rows), noting
     each one's new row in ``where``."""
@@ -1096,7 +1087,7 @@ def copy_rows(old: Map, new: Map, new_meta: Meta, where: Counts) -> None:
             where[row] = _copy_row(old, new, new_meta, row)
 
 
-@_inlined
+@inlined
 def _copy_row(old: Map, new: Map, new_meta: Meta, row: int) -> int:
     moved = _map_insert(new, new_meta, old[row, 0], _i64(old[row, 1]) - 1, old[row, 2])
     new[moved, MAP_STAMP] = old[row, MAP_STAMP]
@@ -1105,7 +1096,7 @@ def _copy_row(old: Map, new: Map, new_meta: Meta, row: int) -> int:
     return moved
 
 
-@_kernel
+@kernel
 def reconcile_rows(old: Map, new: Map, new_meta: Meta, where: Counts, dirty: Table, most: int) -> int:
     """Bring ``new`` up to date with ``old`` for every row marked in ``dirty``, and clear it; returns how
     many rows that was, or -1 past ``most`` used rows (as ``reconcile_slots``)."""
@@ -1135,7 +1126,7 @@ def reconcile_rows(old: Map, new: Map, new_meta: Meta, where: Counts, dirty: Tab
 # -- reads ------------------------------------------------------------------------------------
 
 
-@_inlined
+@inlined
 def _lookup(table: Table, key: np.uint64, ntiers: int, masks: Table, cols: Table, ncols: int) -> int:
     """Find ``key`` and copy its first ``ntiers`` masks, each OR-ed with the faster tiers', into ``masks``,
     all from one consistent version of the slot: the words of the ``ncols`` mask columns listed in ``cols``
@@ -1174,7 +1165,7 @@ def _lookup(table: Table, key: np.uint64, ntiers: int, masks: Table, cols: Table
         slot = _i64((np.uint64(slot) + _ONE) & mask)
 
 
-@_kernel
+@kernel
 def lookup(table: Table, key: np.uint64, ntiers: int, masks: Table) -> int:
     """``_lookup`` of every column, for callers outside this module (the seqlock stress test); the walk
     inlines it."""
@@ -1193,19 +1184,19 @@ p50 went down about 0.7-1.3 µs, a 512-block one's 0.5-0.7 (its extra chaining p
 still ``PREFETCH_AHEAD``). Prefetching 64 ahead all along instead cost 512-block queries 1.8 µs."""
 
 
-@_inlined
+@inlined
 def scratch_words(ntiers: int, nwords: int, blocks: int) -> int:
     """Words of ``walk``'s scratch for masks ``nwords`` wide and a query of ``blocks`` blocks."""
     return 3 * ntiers * nwords + nwords + 1 + blocks
 
 
-@_inlined
+@inlined
 def _first(scratch: Table, ntiers: int, nwords: int) -> Table:
     """``walk``'s record of the bits holding the query's first block, per tier (see ``walk``)."""
     return scratch[2 * ntiers * nwords : 3 * ntiers * nwords]
 
 
-@_kernel
+@kernel
 def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Counts, scratch: Table) -> int:
     """Per worker bit and tier, the leading query blocks held in that tier or a faster one.
 
@@ -1276,7 +1267,7 @@ def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Count
     return n
 
 
-@_inlined
+@inlined
 def _walk_shard(
     table: Table,
     control: Table,
@@ -1477,19 +1468,19 @@ _dict_drop = cast(Callable[[int], None], intrinsic(_dict_drop_typer))
 """Forget a failed dict build: clear the Python error, release the dict."""
 
 
-@_inlined
+@inlined
 def _table(ctx: Meta, at: int) -> Table:
     return carray(_words_at(ctx[at]), (ctx[at + 1],))
 
 
-@_inlined
+@inlined
 def _scores(table: Table, ntiers: int, work: Counts) -> Counts:
     """``work``'s head viewed as ``[ntiers, bits]`` for the table's mask width."""
     bits = _i64(table[H_NWORDS]) * 64
     return work[: ntiers * bits].reshape((ntiers, bits))
 
 
-@_inlined
+@inlined
 def _buffers(ctx: Meta, n: int, ntiers: int) -> tuple[Counts, Table]:
     """Scores and ``walk``'s scratch: the reader's, unless the query is longer than its scratch holds
     (then allocated for this call)."""
@@ -1503,7 +1494,7 @@ def _buffers(ctx: Meta, n: int, ntiers: int) -> tuple[Counts, Table]:
     return work, scratch
 
 
-@_inlined
+@inlined
 def _query(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int) -> int:
     """``query_shards``' body, inlined into each kernel that answers ``find_matches``."""
     shards, rows = ctx[CTX_SHARDS], ctx[CTX_ROWS]
@@ -1544,7 +1535,7 @@ def _query(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int) -> int:
     return -1 - count if failed else count
 
 
-@_kernel
+@kernel
 def query_shards(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int) -> int:
     """``walk`` every shard whose ``state[k, ASK]`` is set, in one call, with the answer in ``found``: per
     worker and tier holding a block, its key (``bit_keys[k * rows + bit]``, the caller's number for the
@@ -1559,7 +1550,7 @@ def query_shards(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int) -> int:
     return _query(ctx, local, ntiers)
 
 
-@_inlined
+@inlined
 def _match(ctx: Meta, local: npt.NDArray[np.uint64]) -> int:
     """``query_shards`` on device, and when every shard answered, the answer as a dict
     ``{keys[found[i]]: found[n + i]}`` put in the reader's answer list. A dict that could not be built
@@ -1583,17 +1574,13 @@ def _match(ctx: Meta, local: npt.NDArray[np.uint64]) -> int:
     return count
 
 
-_holds_gil = cast(Callable[[_F], _F], njit(cache=True))
-"""The matching kernels call the CPython API, so they keep the GIL (they are not ``nogil``)."""
-
-
-@_holds_gil
+@holds_gil  # the matching kernels call the CPython API
 def match_shards(ctx: Meta, local: npt.NDArray[np.uint64]) -> int:
     """``find_matches`` in one call: ``_match`` for a ``uint64`` array."""
     return _match(ctx, local)
 
 
-@_holds_gil
+@holds_gil
 def match_words(ctx: Meta, address: int, n: int) -> int:
     """``find_matches`` in one call: ``_match`` for ``n`` ``uint64`` words at ``address`` (an ``array``'s
     buffer, which the caller keeps alive): no numpy array is made for the query."""
@@ -1609,7 +1596,7 @@ def compiled(kernel: Callable[..., Any], *args: Any) -> Callable[..., Any]:
     return cast(Callable[..., Any], kernel.compile(signature))  # type: ignore[attr-defined]
 
 
-@_holds_gil
+@holds_gil
 def match_list(ctx: Meta, items: int) -> int:
     """``find_matches`` in one call from the list whose ``id()`` is ``items``: converted into the reader's
     query buffer here (no ``array`` or numpy array made), then ``_match``. ``LIST_REFUSED`` when the list
@@ -1620,7 +1607,7 @@ def match_list(ctx: Meta, items: int) -> int:
     return _match(ctx, carray(_words_at(ctx[CTX_QUERY]), (n,)))
 
 
-@_kernel
+@kernel
 def overlap_shards(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int, out: Counts) -> int:
     """``query_shards`` with the answer dense: ``out[tier, bit_slots[k * rows + bit]] = depth`` for every bit
     of an asked shard that holds a block (bits whose slot is -1 skipped); ``out`` is ``[ntiers, slots]``,
@@ -1628,7 +1615,7 @@ def overlap_shards(ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int, out: C
     return _overlap_shards(ctx, local, ntiers, out, out[0, :0])[0]  # an empty view: notes nothing
 
 
-@_inlined
+@inlined
 def _overlap_shards(
     ctx: Meta, local: npt.NDArray[np.uint64], ntiers: int, out: Counts, written: Counts
 ) -> tuple[int, int]:
@@ -1674,7 +1661,7 @@ def _overlap_shards(
     return failed, noted
 
 
-@_kernel
+@kernel
 def read_rows(control: Table, shard: int, out: npt.NDArray[np.uint64]) -> tuple[int, int]:
     """Copy the worker rows of ``shard`` that can own a mask bit as ``[in use, worker id, dp rank]`` into
     ``out`` (``[rows, 3]``), all from one rows generation (read before the first row and after the last,
@@ -1711,7 +1698,7 @@ def read_rows(control: Table, shard: int, out: npt.NDArray[np.uint64]) -> tuple[
             return ROWS_MOVING, 0
 
 
-@_kernel
+@kernel
 def begin_rows_change(block: Table) -> None:
     """The writer is about to change which worker a row names: the rows generation goes odd (from a
     dead predecessor's odd value too), then a fence, so no row store passes it."""
@@ -1720,14 +1707,14 @@ def begin_rows_change(block: Table) -> None:
     _fence()
 
 
-@_kernel
+@kernel
 def end_rows_change(block: Table) -> None:
     """The rows are written: a fence, then the generation goes even, one past ``begin_rows_change``."""
     _fence()
     _store(block, S_ROWS_GEN, block[S_ROWS_GEN] + _ONE)
 
 
-@_inlined
+@inlined
 def _drop(scores: Counts, tier: int, first_bit: int, dropped: np.uint64, depth: int) -> None:
     """``scores[tier, first_bit + b] = depth`` for each set bit ``b`` of ``dropped``: one step per set bit
     (a shift per bit position cost up to 64 steps a word, most of a walk's time at 256 workers)."""
@@ -1736,7 +1723,7 @@ def _drop(scores: Counts, tier: int, first_bit: int, dropped: np.uint64, depth: 
         dropped &= dropped - _ONE
 
 
-@_inlined
+@inlined
 def _finish(alive: Table, scores: Counts, ntiers: int, nwords: int, depth: int) -> None:
     for j in range(ntiers * nwords):
         _drop(scores, j // nwords, (j % nwords) * 64, alive[j], depth)

@@ -28,28 +28,18 @@ prefix held by 4,096 workers a merge of 4,096 entries per block).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final, TypeVar, cast
+from typing import Final, cast
 
 import numpy as np
 import numpy.typing as npt
-from numba import njit
 
+from .._jit import inlined, kernel
 from ..index._kernels import _lowest_bit, _prefetch_line  # the reader's intrinsics, as the decision kernel takes them
 
 __all__ = ["add", "held_run", "holder_table", "leading", "pair_table", "remove", "room", "widen"]
 
 Rows = npt.NDArray[np.uint64]
 Slots = npt.NDArray[np.int64]
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _kernel(fn: _F) -> _F:
-    return cast(_F, njit(cache=True, nogil=True)(fn))
-
-
-def _inlined(fn: _F) -> _F:
-    """Array-taking helpers are inlined: called out of line, numba increfs each array argument per call."""
-    return cast(_F, njit(cache=True, nogil=True, inline="always")(fn))
 
 
 _i64 = cast(Callable[[object], int], np.int64)
@@ -110,12 +100,12 @@ def widen(holders: Rows, slots: int) -> Rows:
     return wider
 
 
-@_inlined
+@inlined
 def _pair_home(seq: np.uint64, slot: int, mask: np.uint64) -> int:
     return _i64((seq ^ (np.uint64(slot + 1) * _MIX)) & mask)
 
 
-@_inlined
+@inlined
 def _home(table: Rows, row: int, mask: np.uint64, pairs: bool) -> int:
     """Where the key in ``row`` would be stored in an empty table."""
     if pairs:
@@ -123,7 +113,7 @@ def _home(table: Rows, row: int, mask: np.uint64, pairs: bool) -> int:
     return _i64(table[row, H_HASH] & mask)
 
 
-@_kernel
+@kernel
 def _delete(table: Rows, row: int, pairs: bool) -> None:
     """Empty ``row``, moving back every later row of its probe run that may not sit past the hole. Column
     1 (a pair's slot, a holder row's count) is 0 only in an empty row."""
@@ -143,7 +133,7 @@ def _delete(table: Rows, row: int, pairs: bool) -> None:
     table[hole, :] = _ZERO
 
 
-@_inlined
+@inlined
 def _pair(pairs: Rows, seq: np.uint64, slot: int) -> int:
     """The row of ``(seq, slot)``, or the empty row where it would go."""
     mask = np.uint64(pairs.shape[0] - 1)
@@ -154,7 +144,7 @@ def _pair(pairs: Rows, seq: np.uint64, slot: int) -> int:
     return row
 
 
-@_inlined
+@inlined
 def _holder(holders: Rows, seq: np.uint64) -> int:
     """The row of ``seq``, or the empty row where it would go."""
     mask = np.uint64(holders.shape[0] - 1)
@@ -164,7 +154,7 @@ def _holder(holders: Rows, seq: np.uint64) -> int:
     return row
 
 
-@_kernel
+@kernel
 def add(pairs: Rows, holders: Rows, used: Slots, seqs: Rows, slot: int) -> int:
     """Count a request's sequence hashes on ``slot``. ``used`` is ``[pair rows, holder rows]`` in use,
     kept up to date. Returns how many hashes the slot did not hold before (its new distinct blocks)."""
@@ -191,7 +181,7 @@ def add(pairs: Rows, holders: Rows, used: Slots, seqs: Rows, slot: int) -> int:
     return added
 
 
-@_kernel
+@kernel
 def remove(pairs: Rows, holders: Rows, used: Slots, seqs: Rows, slot: int) -> int:
     """Take back what :func:`add` counted for the same hashes. Returns the blocks the slot no longer holds."""
     released = 0
@@ -217,7 +207,7 @@ def remove(pairs: Rows, holders: Rows, used: Slots, seqs: Rows, slot: int) -> in
     return released
 
 
-@_kernel
+@kernel
 def rehash(old: Rows, new: Rows, pairs: bool) -> None:
     """Insert every row of ``old`` into the empty, larger ``new`` of the same width."""
     mask = np.uint64(new.shape[0] - 1)
@@ -230,7 +220,7 @@ def rehash(old: Rows, new: Rows, pairs: bool) -> None:
         new[at, :] = old[row, :]
 
 
-@_kernel
+@kernel
 def held_run(pairs: Rows, seqs: Rows, slot: int) -> int:
     """How many leading hashes of ``seqs`` the active requests of ``slot`` hold."""
     for i in range(seqs.size):
@@ -239,7 +229,7 @@ def held_run(pairs: Rows, seqs: Rows, slot: int) -> int:
     return seqs.size
 
 
-@_kernel
+@kernel
 def leading(holders: Rows, seqs: Rows, out: Slots, touched: Slots, alive: Slots) -> int:
     """Per slot, the leading blocks of the prompt ``seqs`` its active requests hold, written to ``out`` for
     the slots holding the first block (the others are left as they are: 0). Those slots go to

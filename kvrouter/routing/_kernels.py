@@ -20,13 +20,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
-from numba import njit, types
+from numba import types
 from numba.np.numpy_support import carray
 
+from .._jit import inlined, kernel
 from ..hashing._xxh3 import chain_hashes
 from ..hashing.blocks import XXH3_SEED
 from ..index._kernels import CTX_MAPPED, _counts_at, _floats_at, _overlap_shards, _words_at  # the reader's own
@@ -137,7 +138,7 @@ zeroing the whole ``(4, slots)`` array was 32 KB of stores per decision, for the
 writes."""
 
 
-@njit(cache=True, nogil=True, inline="always")
+@inlined
 def _decide(
     local: npt.NDArray[np.uint64],
     isl: float,
@@ -194,17 +195,17 @@ def _decide(
     return result
 
 
-@njit(cache=True, nogil=True, inline="always")
+@inlined
 def _vector(bound: npt.NDArray[np.int64], at: int) -> npt.NDArray[np.int64]:
     return carray(_counts_at(bound[at]), (bound[at + 1],))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@inlined
 def _matrix(bound: npt.NDArray[np.int64], at: int) -> npt.NDArray[np.int64]:
     return carray(_counts_at(bound[at]), (bound[at + 1], bound[at + 2]))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@inlined
 def _column(out: npt.NDArray[np.float64], i: int) -> Column:
     """Candidate ``i``'s column of ``out``."""
     return (
@@ -227,7 +228,7 @@ NO_COLUMN: Final = (0.0,) * COLUMNS
 """The terms returned with no candidate chosen (``head`` < 0, failed shards): not read."""
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def decide(
     local: npt.NDArray[np.uint64],
     overlaps: npt.NDArray[np.int64],
@@ -282,7 +283,7 @@ def decide(
     return head, overlaps[0, candidates[head]], _column(out, head)
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def decide_on_shards(
     local: npt.NDArray[np.uint64],
     bound: npt.NDArray[np.int64],
@@ -348,7 +349,8 @@ def entry_points() -> tuple[Decider, OnShards]:
     types (``local`` through ``local_hash_array``, an array index's answer through
     ``np.ascontiguousarray``), so it calls these; tests and tools call the dispatchers. Compiled on first
     use, not at import: a cold numba cache takes seconds per kernel."""
-    return decide.compile(DECIDE_ARGS), decide_on_shards.compile(ON_SHARDS_ARGS)
+    dispatchers: tuple[Any, Any] = (decide, decide_on_shards)  # numba's, typed as their functions (``_jit``)
+    return dispatchers[0].compile(DECIDE_ARGS), dispatchers[1].compile(ON_SHARDS_ARGS)
 
 
 Weights = tuple[
@@ -359,7 +361,7 @@ Weights = tuple[
 per predicted block and the device credit's scale (``_weights``)."""
 
 
-@njit(cache=True, nogil=True, inline="always")
+@inlined
 def _weights(params: npt.NDArray[np.float64], queued_share: float, seen_load: float) -> Weights:
     isl = params[P_ISL]
     block = params[P_BLOCK]
@@ -384,7 +386,7 @@ def _weights(params: npt.NDArray[np.float64], queued_share: float, seen_load: fl
     )
 
 
-@njit(cache=True, nogil=True, inline="always")
+@inlined
 def _queued_share(
     candidates: npt.NDArray[np.int64],
     prefill: npt.NDArray[np.int64],
@@ -400,7 +402,7 @@ def _queued_share(
     return queued / eligible
 
 
-@njit(cache=True, nogil=True, inline="always")
+@inlined
 def _predicted_weight(weight: float, seen_load: float) -> float:
     """``cost.predicted_weight``."""
     if weight == 0.0:
@@ -409,7 +411,7 @@ def _predicted_weight(weight: float, seen_load: float) -> float:
     return low + (weight - low) * max(0.0, seen_load - PREDICTED_IDLE_SHARE) / (1.0 - PREDICTED_IDLE_SHARE)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@inlined
 def _seen_load(seen: npt.NDArray[np.float64], queued_share: float, age: float) -> float:
     """``SlotManager.seen_load``: fold this decision's queued share into ``seen`` at ``age``; the new average."""
     fade = math.exp(-max(0.0, age - seen[SINCE]) / LOAD_WINDOW_SECS)
@@ -419,7 +421,7 @@ def _seen_load(seen: npt.NDArray[np.float64], queued_share: float, age: float) -
     return average
 
 
-@njit(cache=True, nogil=True, inline="always")
+@inlined
 def _decay(active: int, least: int, weights: Weights) -> float:
     """The overlap credit's decay for a candidate with ``active`` queued prefill tokens, ``least`` being the
     lowest over the eligible candidates (``cost.worker_cost``'s arithmetic)."""
@@ -432,7 +434,7 @@ Terms = tuple[float, float, float, float, float, float, float, float, float, flo
 """One candidate's terms as :func:`_terms` gives them: the ``C_*`` rows but the busy flag and the decay."""
 
 
-@njit(cache=True, nogil=True, inline="always")
+@inlined
 def _terms(
     overlap: tuple[int, int, int, int],
     loads: tuple[int, int, int, int],
@@ -488,7 +490,7 @@ def _terms(
     return raw, credit, adjusted, prefill_cost, decode, request_cost, total, factor, float(predicted), predicted_credit
 
 
-@njit(cache=True, nogil=True, inline="always")
+@inlined
 def _fill(out: npt.NDArray[np.float64], i: int, terms: Terms) -> None:
     raw, credit, adjusted, prefill_cost, decode, request_cost, total, factor, predicted, predicted_credit = terms
     out[C_RAW, i] = raw
@@ -521,7 +523,7 @@ SlotState = tuple[
 the weights."""
 
 
-@njit(cache=True, nogil=True, inline="always")
+@inlined
 def _slot_terms(slot: np.uint64, decay: float, state: SlotState) -> Terms:
     """:func:`_terms` of the candidate in ``slot``, its loads read from the slot manager's arrays. Inlined, its
     array arguments cost nothing: the compiled decision holds no more atomic (reference count)
@@ -538,7 +540,7 @@ def _slot_terms(slot: np.uint64, decay: float, state: SlotState) -> Terms:
     )
 
 
-@njit(cache=True, nogil=True, inline="always")
+@inlined
 def _in_a_run(candidates: npt.NDArray[np.int64]) -> bool:
     """Whether the candidates' slots are ``candidates[0]``, ``candidates[0] + 1``, ... (a fleet numbered as it
     was seen is): one compare per candidate, where each load through ``candidates`` costs a gather."""
@@ -549,7 +551,7 @@ def _in_a_run(candidates: npt.NDArray[np.int64]) -> bool:
     return run
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def cost_and_choose(
     candidates: npt.NDArray[np.int64],
     overlaps: npt.NDArray[np.int64],
@@ -688,7 +690,7 @@ def cost_and_choose(
     return head, skip, count
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def sample(
     out: npt.NDArray[np.float64],
     temperature: float,

@@ -21,7 +21,8 @@ from typing import Final
 
 import numpy as np
 import numpy.typing as npt
-from numba import njit
+
+from .._jit import inlined, kernel
 
 __all__ = ["STATE_WORDS", "advance", "generator", "state", "uniform"]
 
@@ -51,7 +52,7 @@ def generator(words: npt.NDArray[np.uint64]) -> random.Random:
     return rng
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _twist(mt: npt.NDArray[np.uint64]) -> None:
     """The next 624 words, in place (each update reads words already updated, as CPython's loop does)."""
     for k in range(N):
@@ -59,7 +60,7 @@ def _twist(mt: npt.NDArray[np.uint64]) -> None:
         mt[k] = mt[(k + _M) % N] ^ (y >> _ONE) ^ (_MATRIX_A if y & _ONE else _ZERO)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@inlined
 def _word(mt: npt.NDArray[np.uint64]) -> np.uint64:
     """CPython's ``genrand_uint32``: the next tempered 32-bit word."""
     i = mt[N]
@@ -75,7 +76,7 @@ def _word(mt: npt.NDArray[np.uint64]) -> np.uint64:
     return y
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def uniform(mt: npt.NDArray[np.uint64]) -> float:
     """``random.Random.random()``: 27 and 26 bits of two words, in [0, 1)."""
     a = _word(mt) >> np.uint64(5)
@@ -83,7 +84,7 @@ def uniform(mt: npt.NDArray[np.uint64]) -> float:
     return (float(a) * 67108864.0 + float(b)) * (1.0 / 9007199254740992.0)
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def advance(mt: npt.NDArray[np.uint64], words: int) -> None:
     """Skip ``words`` words: ``getrandbits(32 * words)``, or ``words / 2`` calls of ``random()``."""
     for _ in range(words):

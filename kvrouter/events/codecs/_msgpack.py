@@ -16,20 +16,18 @@ Rules for every function here: numpy arrays in, integers out, no Python objects,
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Final, TypeVar, cast
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
-from numba import njit
+
+from ..._jit import inlined, kernel
 
 __all__ = [
     "NIL",
     "Bytes",
     "copy_words",
     "header",
-    "inlined",
-    "kernel",
     "name_index",
     "nil_or_nils",
     "packed_bin",
@@ -41,23 +39,11 @@ __all__ = [
     "uint",
 ]
 
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 Bytes = npt.NDArray[np.uint8]
 
 NIL: Final = 0xC0
 """msgpack's nil."""
-
-
-def kernel(fn: _F) -> _F:
-    """``njit(cache=True, nogil=True)``, returning ``fn``'s own signature so mypy still checks callers."""
-    return cast(_F, njit(cache=True, nogil=True)(fn))
-
-
-def inlined(fn: _F) -> _F:
-    """A helper that takes arrays, inlined into its caller: called as a function, numba increfs and
-    decrefs each array argument (two atomic operations) on every call, here on every value."""
-    return cast(_F, njit(cache=True, nogil=True, inline="always")(fn))
 
 
 @inlined

@@ -27,7 +27,8 @@ from typing import Final
 
 import numpy as np
 
-from ._msgpack import Bytes, header, inlined, kernel
+from ..._jit import inlined, kernel
+from ._msgpack import Bytes, header
 
 __all__ = ["EXT_HASHES", "EXT_TOKENS", "GAVE_UP", "NEED_ROOM", "lift_arrays"]
 

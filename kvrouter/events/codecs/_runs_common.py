@@ -7,8 +7,8 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from ..._jit import kernel
 from ..packed import CLEARED
-from ._msgpack import kernel
 
 __all__ = [
     "C_BLOCKS",

@@ -8,6 +8,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from ..._jit import kernel
 from ...hashing._xxh3 import hash_blocks
 from ...hashing.blocks import XXH3_SEED
 from ..model import TIER_NAMES
@@ -18,7 +19,6 @@ from ._msgpack import (
     NIL,
     Bytes,
     header,
-    kernel,
     name_index,
     nil_or_nils,
     read_hashes,

@@ -8,9 +8,10 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from ..._jit import kernel
 from ..model import TIER_NAMES
 from ..packed import CLEARED, REMOVED, STORED, STORED_UNDER
-from ._msgpack import NIL, Bytes, copy_words, header, kernel, name_index, packed_bin, read_int, read_number, skip
+from ._msgpack import NIL, Bytes, copy_words, header, name_index, packed_bin, read_int, read_number, skip
 from ._runs_common import C_LAST, DONE, GAVE_UP, NEED_ROOM, finish
 
 __all__ = ["KVROUTER_NAMES", "decode_kvrouter_runs"]

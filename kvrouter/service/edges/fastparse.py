@@ -25,37 +25,28 @@ would then live twice).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Final, TypeVar, cast
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 import orjson
-from numba import njit
 
+from ..._jit import kernel
 from ...errors import BadRequest
 from ..core.requests import MAX_NAME, SelectRequest, parse_select
 
 __all__ = ["fast_select", "scan_tokens", "warm"]
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _jit(fn: _F) -> _F:
-    """``njit(cache=True, nogil=True)``, keeping ``fn``'s signature for mypy."""
-    return cast(_F, njit(cache=True, nogil=True)(fn))
-
-
 _KEY: Final = np.frombuffer(b"token_ids", dtype=np.uint8).copy()
 U32_MAX: Final = (1 << 32) - 1
 
 
-@_jit
+@kernel
 def _is_ws(c: int) -> bool:
     return c == 32 or c == 10 or c == 13 or c == 9
 
 
-@_jit
+@kernel
 def _skip_ws(buf: npt.NDArray[np.uint8], i: int) -> int:
     n = buf.size
     while i < n and (buf[i] == 32 or buf[i] == 10 or buf[i] == 13 or buf[i] == 9):
@@ -63,7 +54,7 @@ def _skip_ws(buf: npt.NDArray[np.uint8], i: int) -> int:
     return i
 
 
-@_jit
+@kernel
 def _string_end(buf: npt.NDArray[np.uint8], i: int) -> int:
     """``buf[i]`` is the opening quote: the index after the closing one, or -1 (unterminated)."""
     n = buf.size
@@ -79,7 +70,7 @@ def _string_end(buf: npt.NDArray[np.uint8], i: int) -> int:
     return -1
 
 
-@_jit
+@kernel
 def _value_end(buf: npt.NDArray[np.uint8], i: int) -> int:
     """``buf[i]`` starts a value: the index after it, or -1. Strings and nesting are tracked; the rest
     (numbers, literals, string contents) is left for orjson to judge."""
@@ -108,7 +99,7 @@ def _value_end(buf: npt.NDArray[np.uint8], i: int) -> int:
     return -1
 
 
-@_jit
+@kernel
 def _parse_array(buf: npt.NDArray[np.uint8], i: int, out: npt.NDArray[np.uint32]) -> tuple[int, int]:
     """``buf[i]`` is ``[``: (count, index after ``]``) of an array of JSON integers in u32, or (-1, -1).
     All arithmetic is on int64 (ten digits fit), so numba emits no unsigned/float conversions."""
@@ -161,7 +152,7 @@ def _parse_array(buf: npt.NDArray[np.uint8], i: int, out: npt.NDArray[np.uint32]
     return -1, -1
 
 
-@_jit
+@kernel
 def _scan(buf: npt.NDArray[np.uint8], key: npt.NDArray[np.uint8], out: npt.NDArray[np.uint32]) -> tuple[int, int, int]:
     """(count, start, end): ``buf[start:end]`` is the top-level ``token_ids`` array, its ``count``
     integers in ``out``. (-1, 0, 0): not found, or not a shape this parser takes."""

@@ -320,13 +320,7 @@ class Stream:
                 mixed=bool(b.counts[C_MIXED]),
             )
             self._events_seen += events
-            self._bump(W_EVENTS, events)
-            skipped = int(b.counts[C_SKIPPED])
-            if skipped:
-                self._bump(W_SKIPPED_EVENTS, skipped)
-            self.cursor = runs.last()
-            self._words[W_LAST_ID] = self.cursor
-            self._settle()
+            self._advance(events, int(b.counts[C_SKIPPED]), runs.last())
             self._quiet_check(now)
             if status != NEED_ROOM:
                 return end
@@ -488,7 +482,6 @@ class Stream:
                     recovered=recovered,
                     evicted=self._writer.take_evicted(),
                 )
-        self._bump(W_EVENTS, len(events))
         if unit.foreign_block_size:
             self._words[W_SEEN] = seen_word(int(self._words[W_SEEN]), block_size=unit.foreign_block_size)
         if unit.dropped_blocks:
@@ -499,10 +492,17 @@ class Stream:
                 self._where,
                 self.spec.block_size,
             )
-        if unit.skipped_events:
-            self._bump(W_SKIPPED_EVENTS, unit.skipped_events)
-        self.cursor = unit.last
-        self._words[W_LAST_ID] = unit.last
+        self._advance(len(events), unit.skipped_events, unit.last)
+
+    def _advance(self, applied: int, skipped: int, last: int) -> None:
+        """What applying through id ``last`` leaves, by either path (``_apply``, the batch path's ``_run``): the
+        events applied and skipped counted, the cursor moved, and, with no recovery in flight, the worker
+        settled."""
+        self._bump(W_EVENTS, applied)
+        if skipped:
+            self._bump(W_SKIPPED_EVENTS, skipped)
+        self.cursor = last
+        self._words[W_LAST_ID] = last
         if self._recovery is None:
             self._settle()
 

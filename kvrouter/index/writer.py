@@ -316,11 +316,7 @@ class ShardWriter:
                 else:
                     errors.extend(self._apply_run(bit, event.tier.rank, *pack_run(events[first:end])))
                 first = end
-            self._sync_cached(bit)
-            if errors:
-                errors = self._excuse(bit, errors)
-        self._count(len(events), errors, sent_at)
-        return errors
+        return self._close_batch(bit, errors, len(events), sent_at)
 
     def apply_packed(
         self,
@@ -364,10 +360,17 @@ class ShardWriter:
                 )
                 if mixed:  # the next stretch's local hashes start after this one's stores
                     local_at += int(np.sum(np.diff(stretch)[kinds[first:end] != packed.REMOVED]))
+        return self._close_batch(bit, errors, count, sent_at)
+
+    def _close_batch(self, bit: int, errors: list[str], events: int, sent_at: float) -> list[str]:
+        """A batch's end, by either way in (``apply_batch``, ``apply_packed``): the holder's cached counts
+        synced and the errors its evictions caused excused (a known worker only), then the batch counted.
+        Returns the errors left."""
+        if bit >= 0:
             self._sync_cached(bit)
             if errors:
                 errors = self._excuse(bit, errors)
-        self._count(count, errors, sent_at)
+        self._count(events, errors, sent_at)
         return errors
 
     def touch(self, seqs: npt.NDArray[np.uint64]) -> int:

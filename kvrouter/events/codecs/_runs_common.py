@@ -11,6 +11,7 @@ from ..._jit import kernel
 from ..packed import CLEARED
 
 __all__ = [
+    "COUNT_WORDS",
     "C_BLOCKS",
     "C_EVENTS",
     "C_LAST",
@@ -36,6 +37,8 @@ C_NEXT, C_EVENTS, C_BLOCKS, C_LOCAL, C_SKIPPED, C_LAST, C_MIXED = 0, 1, 2, 3, 4,
 hashes, the engine events skipped (another attention group, as ``RawBatch.skipped_events``), the last
 event id taken (kvrouter batches, whose events carry ids), and 1 when the run holds a clear or more than one
 tier (0: the table kernels can take it whole, in one call)."""
+COUNT_WORDS: Final = C_MIXED + 1
+"""The length of ``counts``."""
 
 
 @kernel

@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from ..model import TIER_NAMES
 from ._engine import Dialect
-from ._runs_common import C_EVENTS, C_LAST, C_MIXED, C_NEXT, C_SKIPPED, DONE, GAVE_UP, NEED_ROOM
+from ._runs_common import C_EVENTS, C_LAST, C_MIXED, C_NEXT, C_SKIPPED, COUNT_WORDS, DONE, GAVE_UP, NEED_ROOM
 from ._runs_engine import ENGINE_NAMES, FIELDS, decode_engine_runs
 from ._runs_kvrouter import KVROUTER_NAMES, decode_kvrouter_runs
 
@@ -93,7 +93,7 @@ class RunBuffers:
         self.fields = np.empty(len(FIELDS), dtype=np.int64)
         self.word = np.zeros(1, dtype=np.uint64)
         self.real = self.word.view(np.float64)
-        self.counts = np.zeros(7, dtype=np.int64)
+        self.counts = np.zeros(COUNT_WORDS, dtype=np.int64)
         self.grow(INITIAL_EVENTS, INITIAL_BLOCKS)
 
     def grow(self, events: int, blocks: int) -> None:

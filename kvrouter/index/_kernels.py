@@ -73,6 +73,7 @@ from .layout import (
     H_EPOCH,
     H_LIVE,
     H_NWORDS,
+    H_TIERS,
     H_TOMBS,
     H_USED,
     HEADER_WORDS,
@@ -311,8 +312,14 @@ _i64 = cast(Callable[[object], int], np.int64)
 
 
 @inlined
+def _tiers(table: Table) -> int:
+    """The tiers the table's slots have masks for (``layout.row_words``); a slower one is empty."""
+    return _i64(table[H_TIERS])
+
+
+@inlined
 def _row_words(table: Table) -> int:
-    return SLOT_MASKS + TIERS * _i64(table[H_NWORDS])
+    return SLOT_MASKS + _tiers(table) * _i64(table[H_NWORDS])
 
 
 @inlined
@@ -1015,7 +1022,7 @@ def _place(new: Table, key: np.uint64) -> int:
 def _copy_mask_words(old: Table, new: Table, base: int, dest: int) -> None:
     """The masks of the old slot at ``base`` into the new slot at ``dest`` (whose masks may be wider)."""
     old_words, new_words = _i64(old[H_NWORDS]), _i64(new[H_NWORDS])
-    for tier in range(TIERS):
+    for tier in range(_tiers(old)):  # the new table has every tier of the old
         for w in range(old_words):
             new[dest + SLOT_MASKS + tier * new_words + w] = old[base + SLOT_MASKS + tier * old_words + w]
 
@@ -1134,7 +1141,8 @@ def _lookup(table: Table, key: np.uint64, ntiers: int, masks: Table, cols: Table
     ``STUCK_SPINS`` reads (its writer died there, or was preempted) or was rewritten for
     ``MAX_READ_RETRIES`` reads in a row."""
     nwords = _i64(table[H_NWORDS])
-    width = SLOT_MASKS + TIERS * nwords
+    width = _row_words(table)
+    tiers = _tiers(table)
     mask = np.uint64(table[H_CAPACITY] - _ONE)
     slot = _i64(key & mask)
     while True:
@@ -1148,7 +1156,7 @@ def _lookup(table: Table, key: np.uint64, ntiers: int, masks: Table, cols: Table
                 for c in range(ncols):
                     w = _i64(cols[c])
                     for t in range(ntiers):
-                        held = _load(table, base + SLOT_MASKS + t * nwords + w)
+                        held = _load(table, base + SLOT_MASKS + t * nwords + w) if t < tiers else _ZERO
                         masks[t * nwords + w] = held if t == 0 else held | masks[(t - 1) * nwords + w]
             _fence()
             after = _load(table, base + SLOT_VERSION)
@@ -1213,8 +1221,8 @@ def walk(table: Table, local: npt.NDArray[np.uint64], ntiers: int, scores: Count
     as no worker of the shard is left.
     """
     nwords = _i64(table[H_NWORDS])
-    width = SLOT_MASKS + TIERS * nwords
-    last = SLOT_MASKS + ntiers * nwords - 1  # the last word a probe reads of its slot
+    width = _row_words(table)
+    last = SLOT_MASKS + min(ntiers, _tiers(table)) * nwords - 1  # the last word a probe reads of its slot
     mask = np.uint64(table[H_CAPACITY] - _ONE)
     n = local.size
     alive = scratch[: ntiers * nwords]

@@ -142,12 +142,12 @@ def _warm_tables() -> None:
     from ..events.codecs.kvrouter import Decoder, Encoder
     from ..events.model import EngineHash, EventBatch, LocalHash, Removed, Stored, StoredBlock
     from . import _kernels as kernels
-    from .layout import H_CAPACITY, H_NWORDS, MIN_CAPACITY, TIERS, shard_words
+    from .layout import H_CAPACITY, H_NWORDS, H_TIERS, MIN_CAPACITY, TIERS, shard_words
     from .writer import pack_run
 
     def table() -> Any:
-        words = np.zeros(shard_words(MIN_CAPACITY, 1), dtype=np.uint64)
-        words[H_CAPACITY], words[H_NWORDS] = MIN_CAPACITY, 1
+        words = np.zeros(shard_words(MIN_CAPACITY, 1, TIERS), dtype=np.uint64)
+        words[H_CAPACITY], words[H_NWORDS], words[H_TIERS] = MIN_CAPACITY, 1, TIERS
         return words
 
     def private_map() -> tuple[Any, Any]:

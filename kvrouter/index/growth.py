@@ -48,6 +48,7 @@ from .layout import (
     H_EPOCH,
     H_MAGIC,
     H_NWORDS,
+    H_TIERS,
     SHARD_MAGIC,
     Segment,
     shard_words,
@@ -239,7 +240,7 @@ class Growth:
 
 
 class TableGrowth(Growth):
-    """A shard table into a new segment: more slots, or wider masks, or only fewer tombstones."""
+    """A shard table into a new segment: more slots, or wider masks, or more tiers, or only fewer tombstones."""
 
     def __init__(
         self,
@@ -250,17 +251,18 @@ class TableGrowth(Growth):
         *,
         capacity: int,
         nwords: int,
+        tiers: int,
         epoch: int,
     ) -> None:
         self.old, self.old_matched = old, matched
-        self._name, self._nwords, self.epoch = name, nwords, epoch
+        self._name, self._nwords, self._tiers, self.epoch = name, nwords, tiers, epoch
         self.new: Segment | None = None
         self.matched = np.zeros(0, dtype=np.uint64)
         """The successor's match stamps (``ShardWriter._matched``), carried slot by slot."""
         super().__init__(helper, int(old.words[H_CAPACITY]), capacity)
 
     def _copy(self) -> None:
-        new = new_table(self._name, self.capacity, self._nwords, self.epoch, populate=False)
+        new = new_table(self._name, self.capacity, self._nwords, self._tiers, self.epoch, populate=False)
         populate_in_steps(new.words)
         self.new = new
         self.matched = np.zeros(self.capacity if self.old_matched.size else 0, dtype=np.uint64)
@@ -353,11 +355,12 @@ def new_map(rows: int, *, populate: bool = True) -> Map:
     return table, meta
 
 
-def new_table(name: str, capacity: int, nwords: int, epoch: int, *, populate: bool = True) -> Segment:
+def new_table(name: str, capacity: int, nwords: int, tiers: int, epoch: int, *, populate: bool = True) -> Segment:
     """A new, empty shard segment with its header written, all but the magic (set when it is complete)."""
-    segment = Segment.create(name, shard_words(capacity, nwords), populate=populate)
+    segment = Segment.create(name, shard_words(capacity, nwords, tiers), populate=populate)
     words = segment.words
     words[H_CAPACITY] = capacity
     words[H_NWORDS] = nwords
+    words[H_TIERS] = tiers
     words[H_EPOCH] = epoch
     return segment

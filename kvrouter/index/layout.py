@@ -44,13 +44,16 @@ WORD_BITS: Final = 64
 
 # -- shard segment ------------------------------------------------------------------------------
 SHARD_MAGIC: Final = 0x6B76_7273_6861_7264  # "kvrshard"
-HEADER_WORDS: Final = 8
-H_MAGIC, H_CAPACITY, H_NWORDS, H_USED, H_EPOCH, H_TOMBS, H_LIVE, H_DIRTY = range(8)
+HEADER_WORDS: Final = 16
+"""Header words of the shard and control segments: two cache lines (the shard's uses nine words), so the
+first slot or shard block still starts on a line of its own."""
+H_MAGIC, H_CAPACITY, H_NWORDS, H_USED, H_EPOCH, H_TOMBS, H_LIVE, H_DIRTY, H_TIERS = range(9)
 """Shard header words: magic, slot capacity, mask words per tier, used slots (live + tombstones),
-epoch, tombstones, live keys, and the writer's dirty-slot bitmap while the table is being copied into its
-successor (an address in the writer's own process, 0 otherwise: no reader looks at it; ``growth.Growth``)."""
+epoch, tombstones, live keys, the writer's dirty-slot bitmap while the table is being copied into its
+successor (an address in the writer's own process, 0 otherwise: no reader looks at it; ``growth.Growth``),
+and the tiers the slots have masks for (``H_TIERS``: 1 to ``TIERS``, see ``row_words``)."""
 SLOT_KEY, SLOT_VERSION, SLOT_MASKS = 0, 1, 2
-"""Within a slot row: the key, the seqlock version, then ``TIERS * nwords`` mask words."""
+"""Within a slot row: the key, the seqlock version, then ``tiers * nwords`` mask words."""
 ZERO_KEY: Final = 0x9E37_79B9_7F4A_7C15
 """Stored instead of a sequence hash of 0, since key 0 marks an empty slot (odds 2**-64 either way)."""
 MIN_CAPACITY: Final = 1024
@@ -73,11 +76,12 @@ blocks (an 8 B model on one 80 GB GPU at 16 tokens a block), or 64 such engines 
 their device. An eviction adds a transient 16 bytes per engine-map row (its heap)."""
 # -- control segment ----------------------------------------------------------------------------
 CONTROL_MAGIC: Final = 0x6B76_7263_7472_6C00  # "kvrctrl"
-LAYOUT_VERSION: Final = 4
+LAYOUT_VERSION: Final = 5
 """2: worker rows grew to 16 words (event-plane cursor, gap counters, trust state); shards got a rows generation.
 3: worker rows grew to 20 words: cached blocks in the host, disk and shared tiers beside the device count.
 4: the index cap: worker rows grew to 22 words (entries evicted, by reason), shard blocks to 32 (entries,
-budget, evictions by reason, events about evicted blocks, matched blocks stamped)."""
+budget, evictions by reason, events about evicted blocks, matched blocks stamped).
+5: headers of 16 words; a shard table keeps masks only for the tiers in use (``H_TIERS``, ``row_words``)."""
 C_MAGIC, C_VERSION, C_SHARDS, C_ROWS = range(4)
 """Control header words: magic, layout version, shard count, worker rows per shard."""
 SHARD_BLOCK_WORDS: Final = 32
@@ -223,12 +227,19 @@ def unlink_segment(name: str) -> None:
         os.unlink(f"{SHM_DIR}/{name}")
 
 
-def row_words(nwords: int) -> int:
-    return SLOT_MASKS + TIERS * nwords
+def row_words(nwords: int, tiers: int) -> int:
+    """A slot's words: key, version, and ``nwords`` mask words for each of the table's first ``tiers`` tiers.
+
+    Why not always ``TIERS``: most fleets cache on the device only, and the three masks no event ever sets
+    were most of a slot (at 256 workers a shard, 144 bytes where 48 hold anything), so most of every
+    probe's cache lines and of the table's memory. A table starts with the device tier alone, and its
+    writer widens it (a copy, like a growth) the first time a worker stores in a slower tier; a reader
+    takes a tier past ``tiers`` as empty."""
+    return SLOT_MASKS + tiers * nwords
 
 
-def shard_words(capacity: int, nwords: int) -> int:
-    return HEADER_WORDS + capacity * row_words(nwords)
+def shard_words(capacity: int, nwords: int, tiers: int) -> int:
+    return HEADER_WORDS + capacity * row_words(nwords, tiers)
 
 
 @dataclass(eq=False)

@@ -52,6 +52,7 @@ from .layout import (
     H_LIVE,
     H_MAGIC,
     H_NWORDS,
+    H_TIERS,
     H_USED,
     MAX_LOAD,
     MIN_CAPACITY,
@@ -247,7 +248,7 @@ class ShardWriter:
         self._growths: dict[str, Growth] = {}
         """What is growing now, by part: ``table``, ``emap``, ``refs`` (``_parts``)."""
         epoch = control.epoch(shard) + 1
-        self._segment = new_table(shard_name(owner_pid, shard, epoch), capacity, 1, epoch)
+        self._segment = new_table(shard_name(owner_pid, shard, epoch), capacity, 1, 1, epoch)
         self._segment.words[H_MAGIC] = SHARD_MAGIC
         control.publish_segment(shard, self._segment.name, epoch, 1)
         self._matched = np.zeros(0, dtype=np.uint64)
@@ -432,6 +433,7 @@ class ShardWriter:
         """One event through its own kernel; the caller syncs the worker's cached count."""
         tier = event.tier.rank
         if event.tag == "S":
+            self._hold_tier(tier)
             parent = event.parent
             has_parent, parent_word = parent is not None, np.uint64(parent or 0)
             engine, local = _read_only(event.engine), _read_only(event.local)
@@ -459,6 +461,8 @@ class ShardWriter:
     ) -> list[str]:
         """Stored and Removed events of one tier through ``apply_run``, growing the tables as it asks; error
         kinds in order."""
+        if tier >= int(self.table[H_TIERS]) and bool(np.any(kinds != packed.REMOVED)):
+            self._hold_tier(tier)
         statuses = np.zeros(kinds.size, dtype=np.int64)
         done = 0
         while True:
@@ -607,11 +611,8 @@ class ShardWriter:
             return -1
         bit = int(free[0])
         nwords = int(self.table[H_NWORDS])
-        if bit >= nwords * WORD_BITS:  # wider masks: a table of the same size, published before the row
-            self._settle("table")
-            capacity = max(int(self.table[H_CAPACITY]), capacity_for(int(self.table[H_LIVE]), MIN_CAPACITY))
-            self._grow_table(capacity, nwords * 2)
-            self._settle("table")
+        if bit >= nwords * WORD_BITS:  # wider masks, published before the row
+            self._widen(nwords * 2, int(self.table[H_TIERS]))
         self._cached[:, bit] = 0
         block = self.control.block(self.shard)
         kernels.begin_rows_change(block)  # the row may be a forgotten worker's: readers mid-walk walk again
@@ -678,16 +679,37 @@ class ShardWriter:
                 # never smaller: the old one may fill to GROWING_LOAD while this one is built
                 rows = max(capacity, capacity_for(live + new_keys, MIN_MAP_ROWS))
                 if part == "table":
-                    self._grow_table(rows, int(self.table[H_NWORDS]))
+                    self._grow_table(rows, int(self.table[H_NWORDS]), int(self.table[H_TIERS]))
                 else:
                     old = (self._emap, self._emeta) if part == "emap" else (self._refs, self._rmeta)
                     self._growths[part] = MapGrowth(self._helper, old, rows)
 
-    def _grow_table(self, capacity: int, nwords: int) -> None:
+    def _hold_tier(self, tier: int) -> None:
+        """Before a store in ``tier``: the table has masks for it (``layout.row_words``). The first store in
+        a slower tier than any before widens the table once, for the rest of the shard's life."""
+        if tier >= int(self.table[H_TIERS]):
+            self._widen(int(self.table[H_NWORDS]), tier + 1)
+
+    def _widen(self, nwords: int, tiers: int) -> None:
+        """A table of the same size with wider slots, published before the caller goes on: a copy the
+        writer waits for, once per doubling of the workers or new tier, never per event."""
+        self._settle("table")
+        capacity = max(int(self.table[H_CAPACITY]), capacity_for(int(self.table[H_LIVE]), MIN_CAPACITY))
+        self._grow_table(capacity, nwords, tiers)
+        self._settle("table")
+
+    def _grow_table(self, capacity: int, nwords: int, tiers: int) -> None:
         epoch = self.control.epoch(self.shard) + 1
         name = shard_name(self.owner_pid, self.shard, epoch)
         self._growths["table"] = TableGrowth(
-            self._helper, self._segment, self._matched, name, capacity=capacity, nwords=nwords, epoch=epoch
+            self._helper,
+            self._segment,
+            self._matched,
+            name,
+            capacity=capacity,
+            nwords=nwords,
+            tiers=tiers,
+            epoch=epoch,
         )
 
     def _finish(self, part: str) -> None:

@@ -30,9 +30,11 @@ from kvrouter.events.model import (
 from kvrouter.hashing import sequence_hashes
 from kvrouter.index import RadixIndex
 from kvrouter.index.layout import (
+    H_CAPACITY,
+    H_NWORDS,
+    H_TIERS,
     HEADER_WORDS,
     SLOT_MASKS,
-    TIERS,
     W_SEEN,
     W_STALE,
     W_STATE,
@@ -61,12 +63,12 @@ def table_holdings(index: InProcessShards) -> Holdings:
     held: Holdings = {}
     for shard, writer in enumerate(index.writers):
         table = writer.table
-        capacity, nwords = int(table[1]), int(table[2])
-        width = row_words(nwords)
+        capacity, nwords, tiers = int(table[H_CAPACITY]), int(table[H_NWORDS]), int(table[H_TIERS])
+        width = row_words(nwords, tiers)
         slots = table[HEADER_WORDS : HEADER_WORDS + capacity * width].reshape(capacity, width)
         bits = {bit: (wid, rank) for bit, (wid, rank, _) in index.control.workers(shard).items()}
         for slot in np.flatnonzero(slots[:, 0]).tolist():
-            for tier in range(TIERS):
+            for tier in range(tiers):
                 for word in range(nwords):
                     mask = int(slots[slot, SLOT_MASKS + tier * nwords + word])
                     for b in range(64):

@@ -35,6 +35,7 @@ from kvrouter.index.dense import WorkerSlots
 from kvrouter.index.layout import (
     H_CAPACITY,
     H_NWORDS,
+    H_TIERS,
     HEADER_WORDS,
     MIN_CAPACITY,
     SLOT_MASKS,
@@ -46,6 +47,7 @@ from kvrouter.index.layout import (
     Control,
     Segment,
     control_name,
+    row_words,
     shard_words,
 )
 from kvrouter.index.reader import IndexReader
@@ -123,10 +125,10 @@ def _check_reads(table: npt.NDArray[np.uint64], keys: npt.NDArray[np.uint64], re
 @pytest.fixture
 def hot_table() -> Iterator[tuple[Segment, npt.NDArray[np.uint64]]]:
     """A shard segment with 64 hot keys, one per home slot, all masks at generation 0."""
-    segment = Segment.create(_unique_name(), shard_words(CAPACITY, NWORDS))
+    segment = Segment.create(_unique_name(), shard_words(CAPACITY, NWORDS, TIERS))
     try:
         words = segment.words
-        words[H_CAPACITY], words[H_NWORDS] = CAPACITY, NWORDS
+        words[H_CAPACITY], words[H_NWORDS], words[H_TIERS] = CAPACITY, NWORDS, TIERS
         keys = np.arange(1, HOT_SLOTS + 1, dtype=np.uint64)
         width = SLOT_MASKS + TIERS * NWORDS
         for key in keys:
@@ -366,7 +368,8 @@ def _one_block_shard(offset: int) -> Iterator[tuple[Control, IndexReader, npt.ND
         writer.apply(Stored(1, None, (StoredBlock(EngineHash(7), LocalHash(42)),)))
         table = writer.table
         slot = int(np.uint64(42) & np.uint64(int(table[H_CAPACITY]) - 1))
-        yield control, reader, table, HEADER_WORDS + slot * (SLOT_MASKS + TIERS * int(table[H_NWORDS])) + SLOT_VERSION
+        width = row_words(int(table[H_NWORDS]), int(table[H_TIERS]))
+        yield control, reader, table, HEADER_WORDS + slot * width + SLOT_VERSION
     finally:
         reader.close()
         writer.close(unlink=True)

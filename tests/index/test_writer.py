@@ -24,7 +24,8 @@ from kvrouter.events.model import (
     StoredBlock,
 )
 from kvrouter.index import RadixIndex, layout
-from kvrouter.index.layout import H_CAPACITY, H_LIVE, H_NWORDS, Control
+from kvrouter.index.layout import H_CAPACITY, H_LIVE, H_NWORDS, H_TIERS, Control
+from kvrouter.index.reader import IndexReader
 from kvrouter.index.writer import raw_event
 from tests.index.contract import error_kind, replay
 from tests.index.shm import InProcessShards
@@ -236,6 +237,44 @@ def test_masks_widen_past_64_workers_and_rows_are_reused():
         index.close()
 
 
+def test_a_table_has_masks_for_the_tiers_in_use_and_widens_at_the_first_store_in_another():
+    """A table starts with device masks only; removes and clears in a tier it has no masks for change
+    nothing; the first store in a slower tier widens it once, keeping every answer of every tier, and a
+    reader attached before the widening follows it."""
+    index, oracle = InProcessShards(1), RadixIndex()
+    reader = IndexReader(index.control.name)
+    events: list[KvEvent] = [
+        _chain_event(1, [1, 2, 3], 10),
+        _chain_event(2, [1, 2, 4], 20),
+        Removed(1, (EngineHash(99),), tier=StorageTier.HOST),
+        Cleared(2, tier=StorageTier.DISK),
+    ]
+    try:
+        for event in events:
+            index.apply_batch((event.worker_id, 0), [event])
+            error_kind(oracle, event.worker_id, event)
+        table = index.writers[0].table
+        assert (int(table[H_TIERS]), int(table[H_NWORDS])) == (1, 1)
+        epoch = index.control.epoch(0)
+        assert reader.find_matches_by_tier([1, 2, 3]) == oracle.find_matches_by_tier([1, 2, 3])
+        for event, tiers in (
+            (Stored(2, None, (StoredBlock(EngineHash(30), LocalHash(1)),), tier=StorageTier.HOST), 2),
+            (Stored(1, None, (StoredBlock(EngineHash(40), LocalHash(7)),), tier=StorageTier.SHARED), 4),
+            (Stored(1, None, (StoredBlock(EngineHash(50), LocalHash(8)),), tier=StorageTier.DISK), 4),
+        ):
+            index.apply_event(event.worker_id, event)
+            oracle.apply_event(event.worker_id, event)
+            assert int(index.writers[0].table[H_TIERS]) == tiers
+            for query in ([1, 2, 3], [1, 2, 4], [7], [8]):
+                assert reader.find_matches_by_tier(query) == oracle.find_matches_by_tier(query), query
+                assert reader.find_matches(query) == oracle.find_matches(query), query
+        assert index.control.epoch(0) == epoch + 2  # one copy per widening, none for a tier already there
+        assert _tiers(index, (1, 0)) == (3, 0, 1, 1)
+    finally:
+        reader.close()
+        index.close()
+
+
 def test_worker_rows_count_cached_device_blocks():
     index = InProcessShards(1)
     try:
@@ -338,7 +377,7 @@ def test_the_row_words_are_distinct_and_fit_the_row():
         layout.W_CACHED_DISK,
         layout.W_CACHED_SHARED,
     )
-    assert layout.LAYOUT_VERSION == 4
+    assert layout.LAYOUT_VERSION == 5
 
 
 def test_the_shard_block_words_are_distinct_and_fit_the_block():

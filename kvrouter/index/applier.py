@@ -54,6 +54,7 @@ from ..events.model import WorkerKey
 from ..plane.config import PlaneConfig
 from ..plane.ingest import Ingest
 from ..plane.registry import WorkerSpec
+from .heap import Heap
 from .layout import (
     STATUS_RECOVERING,
     STATUS_STOPPED,
@@ -259,8 +260,13 @@ def _serve(
     recv = socket.recv_multipart
     logged: set[str] = set()
     next_tick = 0.0
+    heap = Heap()
     while True:  # hot path: one poll, then every readable socket drained
         ready = poller.poll(GROWTH_TICK_MS if writer.growing else TICK_MS)
+        if ready:
+            heap.busy()
+        elif not writer.growing:  # a whole tick without a message: a burst's buffers go back (heap.py)
+            heap.idle()
         if writer.growing:
             writer.advance()
         now = time.monotonic()

@@ -14,8 +14,8 @@ its default 4 threads), alternating the order over ``--wire-repeat`` repeats:
 4. the clock starts, every frame is sent in workload order, then ``/query`` is asked, over one kept-alive
    connection, for each publisher's last sequence until every one answers it whole on its instance; the
    clock stops. Each of those queries is timed: the ``/query`` latency while the service ingests;
-5. the PSS is read again; the index's bytes per block is its growth over the (publisher, block) entries
-   the burst stored.
+5. ``PSS_SETTLE_S`` later, the PSS is read again; the index's bytes per block is its growth over the
+   (publisher, block) entries the burst stored.
 
 Then, for the first publisher count and each ``--wire-rates`` (100k, 300k, 1M blocks/s), a fresh start
 of each service gets the frames at that steady rate for up to ``LAG_SECONDS`` (a thread paces them) while
@@ -68,6 +68,10 @@ from kvrouter.events.model import EventBatch
 
 MODEL: Final = "bench"
 VISIBLE_TIMEOUT_S: Final = 300.0
+PSS_SETTLE_S: Final = 1.0
+"""How long after the burst's last sequence shows the PSS is read again, for every service alike: the
+memory a burst leaves behind (the index), not the receive buffers a service frees once it is done
+(kvrouter's applier gives its back when it idles, ``index/heap.py``)."""
 QUERY_GAP_S: Final = 0.001
 """The pause between two rounds of queries (the lag's, and the burst's asking whether every last sequence shows):
 the resolution, against the load the queries add; without it the burst's client and the service's HTTP front
@@ -205,6 +209,7 @@ def run_side(side: str, burst: Burst, folder: Path) -> dict[str, Any]:
             if waiting:
                 time.sleep(QUERY_GAP_S)  # this client must not take the core the service ingests on
         seconds = perf_counter() - started
+        time.sleep(PSS_SETTLE_S)
         grown = tree_pss(server.process.pid) - idle
     return {
         "blocks_per_s": burst.blocks / seconds,

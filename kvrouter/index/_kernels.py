@@ -77,6 +77,8 @@ from .layout import (
     H_TOMBS,
     H_USED,
     HEADER_WORDS,
+    MAP_GROWING_LOAD,
+    MAP_MAX_LOAD,
     MAX_LOAD,
     S_EPOCH,
     S_NWORDS,
@@ -412,8 +414,14 @@ def _map_mark(meta: Meta, row: int) -> None:
 
 @inlined
 def _limit(dirty: int) -> float:
-    """The load a table or map may be filled to: ``GROWING_LOAD`` while its successor is being built."""
+    """The load a table may be filled to: ``GROWING_LOAD`` while its successor is being built."""
     return GROWING_LOAD if dirty != 0 else MAX_LOAD
+
+
+@inlined
+def _map_limit(dirty: int) -> float:
+    """The load a private map may be filled to (``layout.MAP_MAX_LOAD``)."""
+    return MAP_GROWING_LOAD if dirty != 0 else MAP_MAX_LOAD
 
 
 @inlined
@@ -598,8 +606,8 @@ def _store_event(
     n = engine.size
     if (
         _i64(table[H_USED]) + n > _i64(table[H_CAPACITY]) * _limit(_i64(table[H_DIRTY]))
-        or emeta[M_USED] + n > emeta[M_CAPACITY] * _limit(emeta[M_DIRTY])
-        or rmeta[M_USED] + n > rmeta[M_CAPACITY] * _limit(rmeta[M_DIRTY])
+        or emeta[M_USED] + n > emeta[M_CAPACITY] * _map_limit(emeta[M_DIRTY])
+        or rmeta[M_USED] + n > rmeta[M_CAPACITY] * _map_limit(rmeta[M_DIRTY])
     ):
         return NEED_ROOM
     ordered = np.sort(engine)

@@ -73,8 +73,9 @@ more go back to the helper for another round."""
 MAX_ROUNDS: Final = 8
 """Rounds on the helper after which the writer takes the last one whatever its size: a writer dirtying
 as fast as the helper reconciles would otherwise never publish."""
-GROWN_LOAD: Final = 0.375
-"""The load a successor may start at: room for a third more keys before the next growth."""
+GROWN_SHARE: Final = 0.75
+"""The share of its ``MAX_LOAD`` a successor may start at: room for a third more keys before the next
+growth (a table full at 0.5 doubles to 0.25)."""
 FULL_LOAD: Final = 0.9
 """The used share a successor may not pass while reconciled: past it the writer copies afresh
 (``Growth.settle``), so a probe always meets an empty slot."""
@@ -90,10 +91,11 @@ _T = TypeVar("_T")
 Map = tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]
 
 
-def capacity_for(keys: int, minimum: int) -> int:
-    """The smallest power of two holding ``keys`` below ``GROWN_LOAD``: a full table (load 0.5) doubles,
-    one that is mostly tombstones is rebuilt at its own size (never smaller, ``ShardWriter._make_room``)."""
-    return max(minimum, 1 << math.ceil(math.log2(max(1, keys) / GROWN_LOAD)))
+def capacity_for(keys: int, minimum: int, max_load: float) -> int:
+    """The smallest power of two holding ``keys`` below ``GROWN_SHARE`` of ``max_load``: a full table
+    doubles, one that is mostly tombstones is rebuilt at its own size (never smaller,
+    ``ShardWriter._make_room``)."""
+    return max(minimum, 1 << math.ceil(math.log2(max(1, keys) / (GROWN_SHARE * max_load))))
 
 
 HELPER_THREADS: Final = 2

@@ -63,6 +63,14 @@ GROWING_LOAD: Final = 0.75
 """The load a table or map may reach while its successor is being built beside it (``growth.Growth``):
 probes a little longer for a fraction of a second, instead of a writer waiting for the copy. Past it the
 writer does wait (a burst of new keys faster than the copy)."""
+MAP_MAX_LOAD: Final = 0.7
+"""``MAX_LOAD`` of the applier's private maps (the engine map, refs). Only their writer probes them, once
+per block of an event, where a table slot is probed by every query's walk; and the engine map has a row
+per (worker, block) entry, the table a slot per distinct block, so it is most of the index's memory (in
+process at 64 workers, 160 of 274 bytes a block at a load of 0.5). Longer probes cost the writer about
+as much as the fewer, smaller growths save it (``docs/shm-engine.md``, "Memory")."""
+MAP_GROWING_LOAD: Final = 0.85
+"""``GROWING_LOAD`` of the private maps."""
 
 MAX_INDEX_BLOCKS: Final = 1 << 23
 """The default index cap, in (worker, block) entries over all shards and tiers (``--max-index-blocks``).

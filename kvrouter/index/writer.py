@@ -54,6 +54,8 @@ from .layout import (
     H_NWORDS,
     H_TIERS,
     H_USED,
+    MAP_GROWING_LOAD,
+    MAP_MAX_LOAD,
     MAX_LOAD,
     MIN_CAPACITY,
     NO_ID,
@@ -666,18 +668,19 @@ class ShardWriter:
     def _make_room(self, new_keys: int) -> None:
         """Before a store of ``new_keys`` blocks: every table and map must take them below its limit, which
         is ``MAX_LOAD`` (past it, a growth starts) or, while one runs, ``GROWING_LOAD`` (past it, the writer
-        waits for the growth to end)."""
+        waits for the growth to end); for the maps ``MAP_MAX_LOAD`` and ``MAP_GROWING_LOAD``."""
         for part in ("table", "emap", "refs"):
+            most, most_growing = (MAX_LOAD, GROWING_LOAD) if part == "table" else (MAP_MAX_LOAD, MAP_GROWING_LOAD)
             while True:
                 used, capacity, live = self._parts()[part]
                 growing = part in self._growths
-                if used + new_keys <= capacity * (GROWING_LOAD if growing else MAX_LOAD):
+                if used + new_keys <= capacity * (most_growing if growing else most):
                     break
                 if growing:
                     self._finish(part)
                     continue
-                # never smaller: the old one may fill to GROWING_LOAD while this one is built
-                rows = max(capacity, capacity_for(live + new_keys, MIN_MAP_ROWS))
+                # never smaller: the old one may fill to its growing load while this one is built
+                rows = max(capacity, capacity_for(live + new_keys, MIN_MAP_ROWS, most))
                 if part == "table":
                     self._grow_table(rows, int(self.table[H_NWORDS]), int(self.table[H_TIERS]))
                 else:
@@ -694,7 +697,7 @@ class ShardWriter:
         """A table of the same size with wider slots, published before the caller goes on: a copy the
         writer waits for, once per doubling of the workers or new tier, never per event."""
         self._settle("table")
-        capacity = max(int(self.table[H_CAPACITY]), capacity_for(int(self.table[H_LIVE]), MIN_CAPACITY))
+        capacity = max(int(self.table[H_CAPACITY]), capacity_for(int(self.table[H_LIVE]), MIN_CAPACITY, MAX_LOAD))
         self._grow_table(capacity, nwords, tiers)
         self._settle("table")
 

@@ -23,8 +23,8 @@ from kvrouter.events.model import (
     Stored,
     StoredBlock,
 )
-from kvrouter.index import RadixIndex, layout
-from kvrouter.index.layout import H_CAPACITY, H_LIVE, H_NWORDS, H_TIERS, Control
+from kvrouter.index import RadixIndex, _kernels as kernels, layout
+from kvrouter.index.layout import H_CAPACITY, H_LIVE, H_NWORDS, H_TIERS, MAP_MAX_LOAD, MAX_LOAD, Control
 from kvrouter.index.reader import IndexReader
 from kvrouter.index.writer import raw_event
 from tests.index.contract import error_kind, replay
@@ -272,6 +272,24 @@ def test_a_table_has_masks_for_the_tiers_in_use_and_widens_at_the_first_store_in
         assert _tiers(index, (1, 0)) == (3, 0, 1, 1)
     finally:
         reader.close()
+        index.close()
+
+
+def test_the_engine_map_fills_to_its_own_load_and_the_table_to_half():
+    """The writer's private engine map grows past ``MAP_MAX_LOAD``, the shared table past ``MAX_LOAD``: 700
+    fresh blocks take the table from 1,024 slots to 2,048 and leave the 1,024-row map as it is (0.68)."""
+    index = InProcessShards(1)
+    try:
+        writer = index.writers[0]
+        rows = int(writer._emeta[kernels.M_CAPACITY])
+        assert rows == int(writer.table[H_CAPACITY]) == 1024
+        for doc in range(7):
+            index.apply_event(1, _chain_event(1, [doc * 1000 + i for i in range(100)], doc * 1000))
+        writer.settle()
+        assert MAX_LOAD < int(writer._emeta[kernels.M_USED]) / rows < MAP_MAX_LOAD
+        assert int(writer._emeta[kernels.M_CAPACITY]) == rows
+        assert int(writer.table[H_CAPACITY]) == 2048
+    finally:
         index.close()
 
 

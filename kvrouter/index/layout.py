@@ -75,12 +75,13 @@ MAP_GROWING_LOAD: Final = 0.85
 MAX_INDEX_BLOCKS: Final = 1 << 23
 """The default index cap, in (worker, block) entries over all shards and tiers (``--max-index-blocks``).
 
-An entry costs at most one table slot (48 bytes with up to 64 workers per shard, ``row_words(1)``, plus
-the writer's 8-byte match stamp) and one engine-map row (48 bytes, ``_kernels.MAP_ROW_WORDS``). Tables and
-maps run at a load of 0.375 to 0.5, and down to 0.19 just after one doubled: about 280 bytes an entry,
-550 at worst. 8 M entries is then about 2.2 GiB, 4.4 at worst (less in a fleet with common prefixes: the
-slot is shared by every worker holding the block), and holds the device caches of 256 engines of 30 k
-blocks (an 8 B model on one 80 GB GPU at 16 tokens a block), or 64 such engines with a host tier four times
+An entry costs at most one table slot (24 bytes with up to 64 workers per shard caching on the device
+alone, ``row_words(1, 1)``; 48 with all four tiers; plus the writer's 8-byte match stamp) and one
+engine-map row (48 bytes, ``_kernels.MAP_ROW_WORDS``). Tables run at a load of 0.25 to 0.5, the engine
+map at 0.35 to 0.7: on the device alone about 175 bytes an entry, 265 just after both doubled. 8 M
+entries is then about 1.4 GiB, 2.1 at worst (less in a fleet with common prefixes: the slot is shared by
+every worker holding the block), and holds the device caches of 256 engines of 30 k blocks (an 8 B model
+on one 80 GB GPU at 16 tokens a block), or 64 such engines with a host tier four times
 their device. An eviction adds a transient 16 bytes per engine-map row (its heap)."""
 # -- control segment ----------------------------------------------------------------------------
 CONTROL_MAGIC: Final = 0x6B76_7263_7472_6C00  # "kvrctrl"

@@ -38,13 +38,14 @@ The fences compile to no instruction on x86-64 (TSO keeps loads with loads and s
 order); they stop LLVM from moving the data accesses across the version accesses, and emit the needed
 barriers on AArch64 (``spec/shm-engine.md`` §3.5).
 
-The applier's private maps are open addressing tables of ``[key, holder + 1, value, stamp, parent,
-links]`` rows (holder word 0 empty, ``TOMB`` deleted): the engine map, engine hash → sequence hash, and
-``refs``, the count of a holder's engine hashes naming one sequence, kept only where that count is 2 or
-more (a set mask bit is the count of 1). A holder is ``bit * TIERS + tier``: one worker in one tier of
-this shard. The last three words serve the index cap (``evict``) and only in the engine map: when the
-row was last stored (``emeta[M_STAMP]``, the writer's batch count), the engine hash it was stored under,
-and its links (bit 63: it has a parent; the rest: how many of the holder's rows name it as parent).
+The applier's private maps are open addressing tables of ``[key, tag, value, stamp, parent]`` rows: the
+engine map, engine hash → sequence hash, and ``refs``, the count of a holder's engine hashes naming one
+sequence, kept only where that count is 2 or more (a set mask bit is the count of 1). A holder is
+``bit * TIERS + tier``: one worker in one tier of this shard. The tag is ``holder + 1`` in its low
+``HOLDER_BITS`` (a tag of 0: an empty row; ``TOMB``: a deleted one) and, in the engine map, the row's links
+above them (``HAS_PARENT``: it has a parent; ``CHILDREN``: how many of the holder's rows name it as
+parent). Stamp, parent and links serve the index cap (``evict``), and only in the engine map: when the row
+was last stored (``emeta[M_STAMP]``, the writer's batch count) and the engine hash it was stored under.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ from .layout import (
 __all__ = [
     "ASK",
     "BLOCK_NOT_FOUND",
+    "CHILD",
     "CHILDREN",
     "CTX_ANSWER",
     "CTX_BIT_KEYS",
@@ -118,9 +120,12 @@ __all__ = [
     "EVICT_UNTRUSTED",
     "GENERATION",
     "HAS_PARENT",
+    "HOLDER",
+    "HOLDER_BITS",
     "INVALID_SEQUENCE",
     "LIST_REFUSED",
     "MAP_ROW_WORDS",
+    "MAP_TAG",
     "MAX_READ_RETRIES",
     "MAX_STUCK_READS",
     "META_WORDS",
@@ -219,13 +224,20 @@ stores write into rows, (the refs' meta, which ``_hold`` and ``_release`` take a
 (holder, block) entries, the sum of ``cached``: counted where a mask bit flips, so the writer never sums
 it in Python; and the address of the dirty bitmap while the map is being copied (0 otherwise)."""
 META_WORDS: Final = 6
-MAP_KEY, MAP_HOLDER, MAP_VALUE, MAP_STAMP, MAP_PARENT, MAP_LINKS = range(6)
+MAP_KEY, MAP_TAG, MAP_VALUE, MAP_STAMP, MAP_PARENT = range(5)
 """Private map row words (see the module docstring)."""
-MAP_ROW_WORDS: Final = 6
+MAP_ROW_WORDS: Final = 5
+"""40 bytes a row: the links share the holder's word. A sixth word of their own made the engine map, most
+of the index's memory, a sixth larger."""
+HOLDER_BITS: Final = 20
+HOLDER: Final = np.uint64((1 << HOLDER_BITS) - 1)
+"""``MAP_TAG`` mask: ``holder + 1`` (at most ``WORKER_ROWS * TIERS``, below the mask's all-ones of ``TOMB``)."""
 HAS_PARENT: Final = np.uint64(1 << 63)
-"""``MAP_LINKS`` flag: ``MAP_PARENT`` names the engine hash the row was stored under."""
-CHILDREN: Final = np.uint64((1 << 63) - 1)
-"""``MAP_LINKS`` mask: rows of the holder stored under this one; 0 makes the row a leaf, evicted first."""
+"""``MAP_TAG`` flag: ``MAP_PARENT`` names the engine hash the row was stored under."""
+CHILD: Final = np.uint64(1 << HOLDER_BITS)
+CHILDREN: Final = np.uint64((1 << 63) - (1 << HOLDER_BITS))
+"""``MAP_TAG`` mask: rows of the holder stored under this one, in units of ``CHILD``; 0 makes the row a
+leaf, evicted first."""
 TOMB: Final = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 _ONE: Final = np.uint64(1)
 _ZERO: Final = np.uint64(0)
@@ -467,10 +479,10 @@ def _map_find(rows: Map, meta: Meta, key: np.uint64, holder: int) -> int:
     tag = np.uint64(holder + 1)
     row = _map_home(key, holder, mask)
     while True:
-        owner = rows[row, 1]
+        owner = rows[row, MAP_TAG]
         if owner == _ZERO:
             return -1
-        if owner == tag and rows[row, 0] == key:
+        if owner & HOLDER == tag and rows[row, MAP_KEY] == key:
             return row
         row = _i64((np.uint64(row) + _ONE) & mask)
 
@@ -480,22 +492,22 @@ def _map_insert(rows: Map, meta: Meta, key: np.uint64, holder: int, value: np.ui
     """Insert a key known to be absent, into the first deleted or empty row of its probe."""
     mask = np.uint64(meta[M_CAPACITY] - 1)
     row = _map_home(key, holder, mask)
-    while rows[row, 1] != _ZERO and rows[row, 1] != TOMB:
+    while rows[row, MAP_TAG] != _ZERO and rows[row, MAP_TAG] != TOMB:
         row = _i64((np.uint64(row) + _ONE) & mask)
-    if rows[row, 1] == TOMB:
+    if rows[row, MAP_TAG] == TOMB:
         meta[M_TOMBS] -= 1
     else:
         meta[M_USED] += 1
-    rows[row, 0] = key
-    rows[row, 1] = np.uint64(holder + 1)
-    rows[row, 2] = value
+    rows[row, MAP_KEY] = key
+    rows[row, MAP_TAG] = np.uint64(holder + 1)  # no links yet
+    rows[row, MAP_VALUE] = value
     _map_mark(meta, row)
     return row
 
 
 @inlined
 def _map_delete(rows: Map, meta: Meta, row: int) -> None:
-    rows[row, 1] = TOMB
+    rows[row, MAP_TAG] = TOMB
     meta[M_TOMBS] += 1
     _map_mark(meta, row)
 
@@ -645,7 +657,6 @@ def _store_event(
         else:
             row = _map_insert(emap, emeta, engine[i], holder, seq)
             emap[row, MAP_STAMP] = stamp
-            emap[row, MAP_LINKS] = _ZERO
             _link(emap, emeta, row, linked, above_hash, above)
             _hold(table, refs, rmeta, cached, seq, bit, tier)
         linked, above_hash, above = True, engine[i], row
@@ -658,12 +669,12 @@ def _link(emap: Map, emeta: Meta, row: int, linked: bool, above_hash: np.uint64,
     The caller marked ``row`` already."""
     if linked:
         emap[row, MAP_PARENT] = above_hash
-        emap[row, MAP_LINKS] |= HAS_PARENT
+        emap[row, MAP_TAG] |= HAS_PARENT
         if above >= 0:
-            emap[above, MAP_LINKS] += _ONE
+            emap[above, MAP_TAG] += CHILD
             _map_mark(emeta, above)
     else:
-        emap[row, MAP_LINKS] &= CHILDREN
+        emap[row, MAP_TAG] &= ~HAS_PARENT
 
 
 @inlined
@@ -671,14 +682,14 @@ def _unlink(emap: Map, emeta: Meta, row: int, holder: int) -> int:
     """``row`` leaves its parent (removed, evicted or moved): one child fewer there. Returns the parent's row
     if that made it a leaf, else -1. A parent removed and stored again starts at 0 children while older
     children still name it, so a count never goes below 0 (it may read low: a row taken for a leaf early)."""
-    if emap[row, MAP_LINKS] & HAS_PARENT == _ZERO:
+    if emap[row, MAP_TAG] & HAS_PARENT == _ZERO:
         return -1
     above = _map_find(emap, emeta, emap[row, MAP_PARENT], holder)
-    if above < 0 or emap[above, MAP_LINKS] & CHILDREN == _ZERO:
+    if above < 0 or emap[above, MAP_TAG] & CHILDREN == _ZERO:
         return -1
-    emap[above, MAP_LINKS] -= _ONE
+    emap[above, MAP_TAG] -= CHILD
     _map_mark(emeta, above)
-    return above if emap[above, MAP_LINKS] & CHILDREN == _ZERO else -1
+    return above if emap[above, MAP_TAG] & CHILDREN == _ZERO else -1
 
 
 @inlined
@@ -694,7 +705,7 @@ def _prefetch(
     width = _row_words(table)
     rows = emap.reshape(emap.size)
     for i in range(engine.size):
-        _prefetch_line(rows, _map_home(engine[i], holder, map_mask) * MAP_ROW_WORDS + 1)
+        _prefetch_line(rows, _map_home(engine[i], holder, map_mask) * MAP_ROW_WORDS + MAP_TAG)
         if seqs.size:
             _prefetch_line(table, HEADER_WORDS + _i64(_table_key(seqs[i]) & table_mask) * width)
 
@@ -813,10 +824,10 @@ def clear_holder(
     """Release everything one holder has (Cleared, clear_all_blocks, remove_worker): two scans of the maps."""
     tag = np.uint64(bit * TIERS + tier + 1)
     for row in range(refs.shape[0]):
-        if refs[row, 1] == tag:
+        if refs[row, MAP_TAG] & HOLDER == tag:
             _map_delete(refs, rmeta, row)
     for row in range(emap.shape[0]):
-        if emap[row, 1] == tag:
+        if emap[row, MAP_TAG] & HOLDER == tag:
             _map_delete(emap, emeta, row)
             _release(table, refs, rmeta, cached, emap[row, 2], bit, tier)
 
@@ -940,17 +951,17 @@ def evict(
             continue
         n = 0
         for row in range(size):
-            owner = emap[row, 1]
+            owner = emap[row, MAP_TAG]
             if owner == _ZERO or owner == TOMB:  # noqa: SIM109 (numba)
                 continue
-            if (untrusted[(_i64(owner) - 1) // TIERS] == 0) != (trusted == 1):
+            if (untrusted[(_i64(owner & HOLDER) - 1) // TIERS] == 0) != (trusted == 1):
                 continue
-            if not (leaves_only and emap[row, MAP_LINKS] & CHILDREN != _ZERO):
+            if not (leaves_only and owner & CHILDREN != _ZERO):
                 n = _heap_push(keys, rows, n, _recency(table, emap, matched, row), row)
         while n > 0 and entries > target:  # hot path: one heap pop and one release per entry
             row = rows[0]
             n = _heap_pop(keys, rows, n)
-            holder = _i64(emap[row, 1]) - 1
+            holder = _i64(emap[row, MAP_TAG] & HOLDER) - 1
             bit, tier = holder // TIERS, holder % TIERS
             above = _unlink(emap, emeta, row, holder)
             if leaves_only and above >= 0:
@@ -1097,17 +1108,17 @@ def copy_rows(old: Map, new: Map, new_meta: Meta, where: Counts) -> None:
     """Copy the live rows of ``old`` into the empty map ``new`` (growth, and dropping deleted rows), noting
     each one's new row in ``where``."""
     for row in range(old.shape[0]):
-        owner = old[row, 1]
+        owner = old[row, MAP_TAG]
         if owner != _ZERO and owner != TOMB:
             where[row] = _copy_row(old, new, new_meta, row)
 
 
 @inlined
 def _copy_row(old: Map, new: Map, new_meta: Meta, row: int) -> int:
-    moved = _map_insert(new, new_meta, old[row, 0], _i64(old[row, 1]) - 1, old[row, 2])
+    moved = _map_insert(new, new_meta, old[row, MAP_KEY], _i64(old[row, MAP_TAG] & HOLDER) - 1, old[row, MAP_VALUE])
+    new[moved, MAP_TAG] = old[row, MAP_TAG]  # the links with the holder
     new[moved, MAP_STAMP] = old[row, MAP_STAMP]
     new[moved, MAP_PARENT] = old[row, MAP_PARENT]
-    new[moved, MAP_LINKS] = old[row, MAP_LINKS]
     return moved
 
 
@@ -1129,7 +1140,7 @@ def reconcile_rows(old: Map, new: Map, new_meta: Meta, where: Counts, dirty: Tab
         while bits != _ZERO:
             row, bits = _next_dirty(word, bits)
             done += 1
-            owner = old[row, 1]
+            owner = old[row, MAP_TAG]
             if owner != _ZERO and owner != TOMB:
                 if new_meta[M_USED] >= most:
                     return -1

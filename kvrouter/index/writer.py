@@ -520,8 +520,9 @@ class ShardWriter:
         workers = {bit: worker for worker, bit in self._bits.items()}
         held: dict[tuple[WorkerKey, int], set[int]] = {}
         emap = self._emap
-        for row in np.flatnonzero((emap[:, 1] != 0) & (emap[:, 1] != kernels.TOMB)).tolist():
-            holder = int(emap[row, 1]) - 1
+        tags = emap[:, kernels.MAP_TAG]
+        for row in np.flatnonzero((tags != 0) & (tags != kernels.TOMB)).tolist():
+            holder = int(tags[row] & kernels.HOLDER) - 1
             held.setdefault((workers[holder // TIERS], holder % TIERS), set()).add(int(emap[row, 0]))
         return held
 

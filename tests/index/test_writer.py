@@ -398,6 +398,14 @@ def test_the_row_words_are_distinct_and_fit_the_row():
     assert layout.LAYOUT_VERSION == 5
 
 
+def test_every_holder_tag_fits_below_a_deleted_row_s():
+    """An engine-map row's tag holds ``holder + 1`` under ``HOLDER``, its links above: the largest holder of a
+    shard must not read as ``TOMB``'s all-ones, and no link bit may fall in the holder's."""
+    assert int(kernels.HOLDER) > layout.WORKER_ROWS * layout.TIERS + 1
+    assert int(kernels.HOLDER) & int(kernels.CHILDREN | kernels.HAS_PARENT) == 0
+    assert int(kernels.HOLDER | kernels.CHILDREN | kernels.HAS_PARENT) == int(kernels.TOMB)
+
+
 def test_the_shard_block_words_are_distinct_and_fit_the_block():
     single = {name: getattr(layout, name) for name in dir(layout) if name.startswith("S_") and name.isupper()}
     taken = [word for name, word in single.items() if name not in ("S_ERRORS", "S_NAME", "S_EVICTED")]

@@ -77,9 +77,9 @@ MAX_INDEX_BLOCKS: Final = 1 << 23
 
 An entry costs at most one table slot (24 bytes with up to 64 workers per shard caching on the device
 alone, ``row_words(1, 1)``; 48 with all four tiers; plus the writer's 8-byte match stamp) and one
-engine-map row (48 bytes, ``_kernels.MAP_ROW_WORDS``). Tables run at a load of 0.25 to 0.5, the engine
-map at 0.35 to 0.7: on the device alone about 175 bytes an entry, 265 just after both doubled. 8 M
-entries is then about 1.4 GiB, 2.1 at worst (less in a fleet with common prefixes: the slot is shared by
+engine-map row (40 bytes, ``_kernels.MAP_ROW_WORDS``). Tables run at a load of 0.25 to 0.5, the engine
+map at 0.35 to 0.7: on the device alone about 160 bytes an entry, 240 just after both doubled. 8 M
+entries is then about 1.3 GiB, 1.9 at worst (less in a fleet with common prefixes: the slot is shared by
 every worker holding the block), and holds the device caches of 256 engines of 30 k blocks (an 8 B model
 on one 80 GB GPU at 16 tokens a block), or 64 such engines with a host tier four times
 their device. An eviction adds a transient 16 bytes per engine-map row (its heap)."""

@@ -24,9 +24,9 @@ a growth runs and a final round bounded by ``FINAL_DIRTY``; the copy and the rou
 run on the helpers. The old table or map is freed on a helper too (``release``, ``drop_pages``).
 
 Rejected: incremental rehashing with both tables live (Redis's dict): every kernel, the readers' walk
-included, would probe two tables during a growth; pre-sizing to the index cap: over 1.2 GiB from
-the first event (``docs/shm-engine.md``); growing on a forked child: the maps are private to the writer, and a copy
-on write of the whole table is the stall again.
+included, would probe two tables during a growth; pre-sizing to the index cap: over 1.2 GiB from the
+first event (``docs/shm-engine.md``); growing on a forked child: the maps are private to the writer, and
+a copy on write of the whole table is the stall again.
 """
 
 from __future__ import annotations

@@ -260,21 +260,23 @@ def _serve(
     recv = socket.recv_multipart
     logged: set[str] = set()
     next_tick = 0.0
-    heap = Heap()
+    heap = Heap(time.monotonic())
     while True:  # hot path: one poll, then every readable socket drained
         ready = poller.poll(GROWTH_TICK_MS if writer.growing else TICK_MS)
-        if ready:
-            heap.busy()
-        elif not writer.growing:  # a whole tick without a message: a burst's buffers go back (heap.py)
-            heap.idle()
         if writer.growing:
             writer.advance()
         now = time.monotonic()
+        if ready:
+            heap.busy()
+        elif not writer.growing:  # a whole tick without a message: a burst's buffers go back (heap.py)
+            heap.idle(now)
         if now >= next_tick:
             next_tick = now + TICK_MS / 1000
             if os.getppid() != parent:
                 return True
             ingest.tick(now)
+            if not writer.growing:
+                heap.tick(now)
             if control.status(shard) == STATUS_RECOVERING and not ingest.joining:
                 control.set_status(shard, STATUS_UP)
                 log.info("shard rebuilt shard=%d: every followed worker has joined", shard)

@@ -1,4 +1,5 @@
-"""``Heap``: what a busy spell freed goes back to the system at the next idle poll, once."""
+"""``Heap``: what a busy spell freed goes back to the system at the next idle poll, once, or every
+``TRIM_EVERY_S`` to an applier that never idles."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrouter.index.heap import Heap
+from kvrouter.index.heap import TRIM_EVERY_S, Heap
 
 BUFFERS = 10_000
 BUFFER_BYTES = 8 << 10
@@ -30,10 +31,10 @@ def _burst(kept: list[bytes]) -> None:
     kept.extend(buffers[::KEEP_EVERY])
 
 
-@pytest.mark.skipif(Heap()._trim is None, reason="the C library has no malloc_trim")
+@pytest.mark.skipif(Heap(0.0)._trim is None, reason="the C library has no malloc_trim")
 def test_an_idle_poll_after_a_burst_gives_the_freed_buffers_back_once():
-    heap = Heap()
-    heap.idle()
+    heap = Heap(0.0)
+    heap.idle(0.1)
     assert heap.trims == 0  # nothing received: nothing to give back
     kept: list[bytes] = []
     thread = threading.Thread(target=_burst, args=(kept,))
@@ -41,10 +42,32 @@ def test_an_idle_poll_after_a_burst_gives_the_freed_buffers_back_once():
     thread.join()
     held = _pss_mb()
     heap.busy()
-    heap.idle()
+    heap.idle(0.2)
     freed = BUFFERS * BUFFER_BYTES * (1 - 1 / KEEP_EVERY) / 2**20
     assert heap.trims == 1
     assert held - _pss_mb() > freed / 2, (held, _pss_mb(), freed)
-    heap.idle()
+    heap.idle(0.3)
     assert heap.trims == 1  # a second idle poll in a row finds nothing new
     assert len(kept) == BUFFERS // KEEP_EVERY
+
+
+@pytest.mark.skipif(Heap(0.0)._trim is None, reason="the C library has no malloc_trim")
+def test_an_applier_that_never_idles_trims_every_interval_while_it_receives():
+    heap = Heap(0.0)
+    heap.busy()
+    heap.tick(TRIM_EVERY_S / 2)
+    assert heap.trims == 0  # too soon
+    heap.tick(TRIM_EVERY_S)
+    assert heap.trims == 1
+    heap.busy()
+    heap.tick(TRIM_EVERY_S * 1.5)
+    assert heap.trims == 1  # the interval counts from the last trim
+    heap.tick(TRIM_EVERY_S * 2)
+    assert heap.trims == 2
+    heap.tick(TRIM_EVERY_S * 4)
+    assert heap.trims == 2  # nothing received since: nothing to give back
+    heap.busy()
+    heap.idle(TRIM_EVERY_S * 4.1)  # an idle poll trims at once and restarts the interval
+    heap.busy()
+    heap.tick(TRIM_EVERY_S * 5)
+    assert heap.trims == 3

@@ -463,8 +463,7 @@ class ShardWriter:
     ) -> list[str]:
         """Stored and Removed events of one tier through ``apply_run``, growing the tables as it asks; error
         kinds in order."""
-        if tier >= int(self.table[H_TIERS]) and bool(np.any(kinds != packed.REMOVED)):
-            self._hold_tier(tier)
+        self._hold_tier(tier, kinds)
         statuses = np.zeros(kinds.size, dtype=np.int64)
         done = 0
         while True:
@@ -523,7 +522,7 @@ class ShardWriter:
         tags = emap[:, kernels.MAP_TAG]
         for row in np.flatnonzero((tags != 0) & (tags != kernels.TOMB)).tolist():
             holder = int(tags[row] & kernels.HOLDER) - 1
-            held.setdefault((workers[holder // TIERS], holder % TIERS), set()).add(int(emap[row, 0]))
+            held.setdefault((workers[holder // TIERS], holder % TIERS), set()).add(int(emap[row, kernels.MAP_KEY]))
         return held
 
     def row(self, worker: WorkerKey) -> npt.NDArray[np.uint64] | None:
@@ -688,11 +687,13 @@ class ShardWriter:
                     old = (self._emap, self._emeta) if part == "emap" else (self._refs, self._rmeta)
                     self._growths[part] = MapGrowth(self._helper, old, rows)
 
-    def _hold_tier(self, tier: int) -> None:
-        """Before a store in ``tier``: the table has masks for it (``layout.row_words``). The first store in
-        a slower tier than any before widens the table once, for the rest of the shard's life."""
-        if tier >= int(self.table[H_TIERS]):
-            self._widen(int(self.table[H_NWORDS]), tier + 1)
+    def _hold_tier(self, tier: int, kinds: npt.NDArray[np.uint8] | None = None) -> None:
+        """Before a store in ``tier`` (or a run of events ``kinds`` there, which may be removes only): the
+        table has masks for it (``layout.row_words``). The first store in a slower tier than any before
+        widens the table once, for the rest of the shard's life; removes there cannot reach it."""
+        if tier < int(self.table[H_TIERS]) or (kinds is not None and not np.any(kinds != packed.REMOVED)):
+            return
+        self._widen(int(self.table[H_NWORDS]), tier + 1)
 
     def _widen(self, nwords: int, tiers: int) -> None:
         """A table of the same size with wider slots, published before the caller goes on: a copy the

@@ -536,12 +536,15 @@ class Service:
             self._warm(self.engine)
 
     def _warm(self, index: Engine | EngineView) -> None:
-        """Compile the router's and the parser's kernels on the engine (in approximate mode too: the kernels
-        are the same, and only an exact router decides on the engine's index)."""
+        """Compile (or load from numba's cache) every kernel a first request calls: the router's, the parser's
+        and both query walks (in approximate mode too: the kernels are the same, and only an exact router
+        decides on the engine's index). A load left to the first ``/query`` cost it 17-35 ms, a compile
+        seconds (``tests/service/process/test_warm.py``)."""
         router = Router(replace(self.config.router, use_kv_events=True), block_size=16, seed=0)
         router.select(index, ((0, 0),), tokens=list(range(64)))
         fastparse.warm()
         index.find_matches([1, 2, 3])
+        index.find_matches_by_tier([1, 2, 3])  # /query walks with a kernel of its own
 
     def _evicted(self) -> int:
         """Entries the index cap evicted so far, over every shard (0 when the engine cannot say)."""

@@ -331,3 +331,13 @@ def test_readers_see_every_flushed_document_while_the_tables_grow_beside_the_wri
         remove_left_shard(control)
     assert writer.exitcode == 0
     assert checks.value > 100
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_helper_threads_run_as_batch_and_leave_the_writer_ordinary():
+    helper = growth_module.Helper()
+    try:
+        assert helper.submit(os.sched_getscheduler, 0).result() == os.SCHED_BATCH
+    finally:
+        helper.close()
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER

@@ -393,17 +393,22 @@ def parse_unregistration(body: Mapping[str, Any]) -> Unregistration:
     )
 
 
-def parse_query(body: Mapping[str, Any], *, by_hash: bool) -> QueryRequest:
+def parse_query(
+    body: Mapping[str, Any], *, by_hash: bool, tokens: npt.NDArray[np.uint32] | None = None
+) -> QueryRequest:
+    """``tokens`` (``/query`` only): the body's ``token_ids`` already parsed and checked (``fastparse``; the
+    body then holds ``[]`` in their place)."""
+    hashes = None
     if by_hash:
         if body.get("cache_salt") is not None:
             raise BadRequest("cache_salt: not accepted by /query_by_hash (the hashes already carry it)")
         if "block_hashes" not in body:
             raise BadRequest("block_hashes: required")
         tokens, hashes = None, hash_list(body["block_hashes"])
-    else:
+    elif tokens is None:
         if "token_ids" not in body:
             raise BadRequest("token_ids: required")
-        tokens, hashes = token_array(body["token_ids"]), None
+        tokens = token_array(body["token_ids"])
     return QueryRequest(
         model_name=_str(body, "model_name", "default"),
         routing_group=_str(body, "routing_group", "default"),

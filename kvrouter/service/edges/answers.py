@@ -29,7 +29,8 @@ from ..core.facts import IndexFacts
 from ..core.partition import Instance, Partition, address
 from ..core.queue import RouterQueue
 from ..core.registry import Registry
-from ..core.requests import SelectRequest, parse_body, parse_select, session_id
+from ..core.requests import SelectRequest, parse_body, parse_query, parse_select, session_id
+from ..core.state import Core
 from . import fastparse
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "SelectAnswers",
     "dump_json",
     "loads_json",
+    "query_body",
     "query_json",
     "select_json",
     "workers_json",
@@ -256,6 +258,19 @@ class SelectAnswers:
             head = orjson.dumps(opening)[:-1] + b',"overlap":{"longest_matched":'
             self._heads[key] = head
         return head
+
+
+def query_body(core: Core, raw: bytes, *, by_hash: bool) -> bytes:
+    """The body of ``/query``'s (or ``/query_by_hash``'s) answer to the request body ``raw``, the index summary
+    included: what the lane and aiohttp's route both send. Token ids go through ``fastparse``, as a
+    selection's do. Raises the core's errors for the gate to map (400, 404, 503)."""
+    core.lifecycle.require_index()  # before the parse: its compiled scan waits for the start's compile
+    request = None if by_hash else fastparse.fast_query(raw)
+    if request is None:
+        request = parse_query(parse_body(raw), by_hash=by_hash)
+    body = query_json(core.decider.query(request))
+    body["index"] = core.facts.summary
+    return orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
 
 
 def query_json(answer: QueryAnswer) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The hot lane: ``/select`` and a reservation's life answered by our own HTTP/1.1 code, the rest by aiohttp.
+"""The hot lane: ``/select``, ``/query`` and a reservation's life answered by our own HTTP/1.1 code, the rest by
+aiohttp.
 
 Why: a router front spends its CPU on HTTP, not on routing. Measured on this 2-core machine (wrk, one
 connection per request stream, concurrency 8, a 7.5 KB POST answered with a constant): a bare aiohttp
@@ -7,13 +8,14 @@ header end and ``Content-Length`` 97,900/s (about 10 µs). kvrouter's own work p
 hash, decide, encode) is about 60 µs, so aiohttp's request machinery was more than half of every decision.
 
 What the lane takes, from every connection's first byte: ``POST /select``, ``/select_and_reserve``
-(``/route``), ``/reservations/{id}/prefill_complete`` and ``DELETE /reservations/{id}`` over HTTP/1.1 with
-a ``Content-Length`` body within the body limit, no ``Transfer-Encoding``, ``Expect``, ``Upgrade`` or
-``Connection`` other than keep-alive, while the service is not draining, (for the selections) has no
-router queue to wait in and (for the reservations) knows the reservation or has no replica sync whose
-booking it could wait for (``Service.hear_of``). It answers them at once, synchronously, through the
-same gate (``gate.py``: admission, token, statuses, counters), parser and answer encoder (``answers.py``)
-and core calls as aiohttp's handlers, so an answer is the same whichever layer gave it (``test_lane.py``).
+(``/route``), ``/query``, ``/query_by_hash``, ``/reservations/{id}/prefill_complete`` and ``DELETE
+/reservations/{id}`` over HTTP/1.1 with a ``Content-Length`` body within the body limit, no
+``Transfer-Encoding``, ``Expect``, ``Upgrade`` or ``Connection`` other than keep-alive, while the service
+is not draining, (for the selections) has no router queue to wait in and (for the reservations) knows the
+reservation or has no replica sync whose booking it could wait for (``Service.hear_of``). It answers them
+at once, synchronously, through the same gate (``gate.py``: admission, token, statuses, counters), parser
+and answer encoder (``answers.py``) and core calls as aiohttp's handlers, so an answer is the same
+whichever layer gave it (``test_lane.py``).
 
 What it does not take, it hands over: at the first request the lane does not take, the connection (its
 unread bytes included) becomes an aiohttp connection for the rest of its life, so every other route,
@@ -48,7 +50,7 @@ from aiohttp import web
 
 from ..core.requests import cached_tokens, parse_body, reservation_id
 from ..core.state import Core
-from .answers import SelectAnswers
+from .answers import SelectAnswers, query_body
 from .gate import FRONT_HEADER, Gate
 from .host import Host
 from .routes import JSON, OK, SESSION_HEADER
@@ -64,6 +66,8 @@ HEAD_LIMIT: Final = 16384
 """A request head longer than this is aiohttp's to refuse (its line and field limits are 8,190 bytes)."""
 SELECTIONS: Final = {b"/select": False, b"/select_and_reserve": True, b"/route": True}
 """The selection routes the lane answers, and whether each books a reservation."""
+QUERIES: Final = {b"/query": False, b"/query_by_hash": True}
+"""The index queries the lane answers, and whether each takes block hashes."""
 RESERVATIONS: Final = b"/reservations/"
 PREFILL_COMPLETE: Final = b"/prefill_complete"
 _SESSION: Final = SESSION_HEADER.lower().encode()
@@ -278,7 +282,11 @@ class LaneConnection(asyncio.BufferedProtocol):
             return None
         method, target = parts[0], parts[1]
         if method == b"POST":
-            if target not in SELECTIONS and not (target.startswith(RESERVATIONS) and target.endswith(PREFILL_COMPLETE)):
+            if (
+                target not in SELECTIONS
+                and target not in QUERIES
+                and not (target.startswith(RESERVATIONS) and target.endswith(PREFILL_COMPLETE))
+            ):
                 return None
         elif method != b"DELETE" or not target.startswith(RESERVATIONS):
             return None
@@ -320,8 +328,11 @@ class LaneConnection(asyncio.BufferedProtocol):
         if lifecycle.stopping:
             return None  # aiohttp's middleware answers 503, and it drains what it holds
         reserve = SELECTIONS.get(target)
+        by_hash = QUERIES.get(target) if method == b"POST" else None
         reservation = ""
-        if reserve is None:
+        if by_hash is not None:
+            route = target.decode()
+        elif reserve is None:
             reservation = self._selection_id(method, target)
             if not reservation or core.reservations.awaits_booking(reservation):
                 return None  # aiohttp's handler waits for a peer's booking still on its way (hear_of)
@@ -337,7 +348,9 @@ class LaneConnection(asyncio.BufferedProtocol):
         status = 200
         try:
             gate.authorize(verb, route, headers.get(b"authorization", b"").decode("latin-1"))
-            if reserve is None:
+            if by_hash is not None:
+                payload, extra = query_body(core, body, by_hash=by_hash), _JSON_TYPE
+            elif reserve is None:
                 lifecycle.require_index()
                 reservation = reservation_id(reservation)
                 if method == b"POST":

@@ -21,9 +21,9 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from ...errors import BadRequest, NotFound
-from ..core.requests import cached_tokens, parse_body, parse_query, reservation_id
+from ..core.requests import cached_tokens, parse_body, reservation_id
 from ..core.state import Core
-from .answers import SelectAnswers, dump_json, loads_json, query_json, workers_json
+from .answers import SelectAnswers, dump_json, loads_json, query_body, workers_json
 from .gate import FRONT_HEADER, OPENAI_ROUTES, Gate, openai_error
 from .host import Host
 
@@ -124,10 +124,6 @@ class Routes:
         gate.count(name, request.method, response.status, started)
         return response
 
-    def _with_index(self, body: dict[str, Any]) -> web.Response:
-        body["index"] = self.core.facts.summary
-        return _json(body, headers=self.core.facts.headers)
-
     async def _body(self, request: web.Request) -> dict[str, Any]:
         return parse_body(await request.read())
 
@@ -149,12 +145,14 @@ class Routes:
         return _json(workers_json(self.core.registry, model, group), headers=self.core.facts.headers)
 
     async def _h_query(self, request: web.Request) -> web.Response:
-        answer = self.core.decider.query(parse_query(await self._body(request), by_hash=False))
-        return self._with_index(query_json(answer))
+        return self._query(await request.read(), by_hash=False)
 
     async def _h_query_by_hash(self, request: web.Request) -> web.Response:
-        answer = self.core.decider.query(parse_query(await self._body(request), by_hash=True))
-        return self._with_index(query_json(answer))
+        return self._query(await request.read(), by_hash=True)
+
+    def _query(self, raw: bytes, *, by_hash: bool) -> web.Response:
+        body = query_body(self.core, raw, by_hash=by_hash)
+        return web.Response(body=body, content_type=JSON, headers=self.core.facts.headers)
 
     async def _select_route(self, request: web.Request, *, reserve: bool) -> web.Response:
         started = time.perf_counter()

@@ -1,13 +1,15 @@
-"""``fastparse``: differential against the ordinary path (``orjson`` + ``validation.parse_select``).
+"""``fastparse``: differential against the ordinary path (``orjson`` + ``requests.parse_select`` or
+``parse_query``).
 
-For every body, generated or malformed, the fast parser either gives the request the ordinary path
-gives (token ids equal and ``uint32``, every other field equal) or declines (None): it never answers
-where the ordinary path refuses, and never answers differently.
+For every body, generated or malformed, each fast parser (``/select``'s and ``/query``'s) either gives the
+request the ordinary path gives (token ids equal and ``uint32``, every other field equal) or declines
+(None): it never answers where the ordinary path refuses, and never answers differently.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,32 +18,42 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvrouter.errors import ServiceError
-from kvrouter.service.core.requests import SelectRequest, parse_body, parse_select
-from kvrouter.service.edges.fastparse import fast_select, scan_tokens
+from kvrouter.service.core.requests import QueryRequest, SelectRequest, parse_body, parse_query, parse_select
+from kvrouter.service.edges.fastparse import fast_query, fast_select, scan_tokens
+
+Request = SelectRequest | QueryRequest
+PARSERS: list[tuple[Callable[[bytes], Request | None], Callable[[dict[str, Any]], Request]]] = [
+    (fast_select, parse_select),
+    (fast_query, lambda body: parse_query(body, by_hash=False)),
+]
+"""Each fast parser and the ordinary validator it must agree with."""
 
 
-def slow(body: bytes) -> SelectRequest | None:
+def slow(body: bytes, validate: Callable[[dict[str, Any]], Request]) -> Request | None:
     try:
-        return parse_select(parse_body(body))
+        return validate(parse_body(body))
     except ServiceError:
         return None
 
 
 def check(body: bytes) -> bool:
-    """The fast answer equals the slow one, or the fast parser declined. True when it answered."""
-    fast = fast_select(body)
-    if fast is None:
-        return False
-    reference = slow(body)
-    assert reference is not None, body
-    assert fast.token_ids is not None
-    assert reference.token_ids is not None
-    assert fast.token_ids.dtype == np.uint32
-    assert np.array_equal(fast.token_ids, reference.token_ids), body
-    for f in dataclasses.fields(SelectRequest):
-        if f.name != "token_ids":
-            assert getattr(fast, f.name) == getattr(reference, f.name), (f.name, body)
-    return True
+    """Each fast answer equals the slow one, or that fast parser declined. True when both answered."""
+    answered = True
+    for fast_parse, validate in PARSERS:
+        fast = fast_parse(body)
+        if fast is None:
+            answered = False
+            continue
+        reference = slow(body, validate)
+        assert reference is not None, body
+        assert fast.token_ids is not None
+        assert reference.token_ids is not None
+        assert fast.token_ids.dtype == np.uint32
+        assert np.array_equal(fast.token_ids, reference.token_ids), body
+        for f in dataclasses.fields(type(fast)):
+            if f.name != "token_ids":
+                assert getattr(fast, f.name) == getattr(reference, f.name), (f.name, body)
+    return answered
 
 
 json_scalar = st.one_of(
@@ -72,6 +84,8 @@ fields = st.fixed_dictionaries(
         "explain": st.one_of(st.booleans(), json_scalar),
         "fallbacks": st.integers(-1, 70),
         "block_hashes": st.lists(st.integers(0, 1 << 63), max_size=3),
+        "lora_name": st.one_of(st.text(max_size=4), json_scalar),
+        "cache_salt": st.one_of(st.text(max_size=4), json_scalar),
         "extra": json_value,
         "ključ\u2028": json_value,
     },
@@ -156,6 +170,7 @@ def test_fast_answers(body: bytes) -> None:
 )
 def test_declines(body: bytes) -> None:
     assert fast_select(body) is None
+    assert fast_query(body) is None
     check(body)
 
 

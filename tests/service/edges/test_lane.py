@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from kvrouter.hashing import block_hashes
 from kvrouter.service.edges import lane as lane_module
 from tests.service.conftest import BLOCK, MODEL, TOKEN, Running, all_trusted, http
 
@@ -102,6 +103,12 @@ SAME = [
     ("/select", {"model_name": MODEL}),  # 400: no prompt
     ("/select_and_reserve", {"model_name": MODEL, "token_ids": PROMPT, "selection_id": "lane-1"}),
     ("/select_and_reserve", {"model_name": MODEL, "token_ids": PROMPT, "selection_id": "lane-1"}),  # 409
+    ("/query", {"model_name": MODEL, "token_ids": PROMPT}),
+    ("/query", {"model_name": MODEL, "routing_group": "default", "token_ids": PROMPT, "lora_name": None}),
+    ("/query", {"model_name": "nobody", "token_ids": PROMPT}),  # 404
+    ("/query", {"model_name": MODEL, "token_ids": [1, -2]}),  # 400: not a u32
+    ("/query_by_hash", {"model_name": MODEL, "block_hashes": block_hashes(PROMPT, BLOCK)}),
+    ("/query_by_hash", {"model_name": MODEL, "token_ids": PROMPT}),  # 400: no hashes
 ]
 
 
@@ -131,7 +138,8 @@ def test_the_lane_answers_as_aiohttp_does(running: Running, raw: Raw, wait_until
         else:
             assert set(answer) == {"error"}
     running.ok("DELETE", "/reservations/lane-1")
-    assert [status for status, _, _ in ours] == [200, 200, 404, 400, 400, 400, 200, 409]
+    assert [status for status, _, _ in ours] == [200, 200, 404, 400, 400, 400, 200, 409, 200, 200, 404, 400, 200, 400]
+    assert ours[8][2]["scores"] == {"2": {"0": 3 * BLOCK}}  # the query saw worker 2's three blocks
 
 
 def by_lane(answer: tuple[int, dict[str, str], Any]) -> tuple[int, Any]:

@@ -263,7 +263,7 @@ class ServiceConfig:
             "--max-index-blocks",
             help="Cap on the index's (worker, block) entries, all workers and tiers, split evenly over the shards; "
             "past it, blocks of workers not exact go first, then the least recently stored or matched. 0: no cap. "
-            "The default is about 2.2 GiB of index (4.4 at worst).",
+            "The default is about 1.3 GiB of index (1.9 just after the tables double).",
             panel=Panel.WORKERS,
             min=0,
         ),

@@ -275,6 +275,7 @@ def _serve(
             if os.getppid() != parent:
                 return True
             ingest.tick(now)
+            writer.release_retired(now)
             if not writer.growing:
                 heap.tick(now)
             if control.status(shard) == STATUS_RECOVERING and not ingest.joining:

@@ -315,12 +315,19 @@ class TableGrowth(Growth):
         self.new.words[H_MAGIC] = SHARD_MAGIC
         return self.new
 
+    def retire(self) -> None:
+        """Once the successor is published: the old segment's name goes (readers find the new one in the
+        control segment, and a start's sweep has nothing left to find), its memory stays mapped here until
+        :meth:`release`."""
+        unlink_segment(self.old.name)
+
     def release(self) -> None:
+        """Unmap the old segment: the last process to unmap it frees its pages (a few ms per 100 MB)."""
         super().release()
         self.old_matched = np.empty(0, dtype=np.uint64)
         drop_pages(self.old.words)
         self.old.close()
-        unlink_segment(self.old.name)
+        unlink_segment(self.old.name)  # retire() first, but a writer closing mid-growth comes here directly
 
     def abandon(self) -> None:
         super().abandon()

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvrouter.events.model import Cleared, EngineHash, LocalHash, Removed, StorageTier, Stored, StoredBlock
-from kvrouter.index import RadixIndex, growth as growth_module
+from kvrouter.index import RadixIndex, growth as growth_module, writer as writer_module
 from kvrouter.index.layout import H_CAPACITY, H_DIRTY, MIN_CAPACITY, Control, control_name
 from kvrouter.index.reader import IndexReader
 from kvrouter.index.writer import ShardWriter
@@ -144,6 +144,34 @@ def test_writes_before_during_and_after_the_copy_all_reach_the_successor(stepped
         expected = oracle.find_matches_by_tier(query)
         assert stepped.reader.find_matches_by_tier(query) == expected
     assert stepped.writer.engine_hashes() == _engine_hashes(oracle)
+
+
+def _mapped(name: str) -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(f"/{name} " in line or line.rstrip().endswith(f"/{name}") for line in maps)
+
+
+def test_an_old_table_is_unlinked_at_once_and_unmapped_after_its_readers_moved_on(stepped: Stepped):
+    """The last process to unmap a segment frees its pages: the writer keeps the old table mapped for
+    ``RETIRE_S``, so a reader's next query (which maps the new one and unmaps the old) is not that process."""
+    for doc in range(6):
+        assert stepped.writer.apply(_chain(1, doc * 1000, 100)) is None
+    old = stepped.control.segment_name(0)
+    assert stepped.reader.find_matches([0]) == {(1, 0): 1}  # the reader maps the old table
+    while stepped.writer.growing:
+        while stepped.helper.step():
+            pass
+        stepped.writer.advance()
+    assert stepped.control.segment_name(0) != old
+    assert not os.path.exists(f"/dev/shm/{old}")  # a start's sweep would find nothing of it
+    assert _mapped(old)
+    assert stepped.reader.find_matches([0]) == {(1, 0): 1}  # the reader moved to the new table
+    stepped.writer.release_retired(time.monotonic())
+    assert not stepped.helper.step()  # not yet: its second has not passed
+    assert _mapped(old)
+    stepped.writer.release_retired(time.monotonic() + writer_module.RETIRE_S)
+    assert stepped.helper.step()
+    assert not _mapped(old)
 
 
 def test_a_writer_that_dirties_much_gives_the_helper_another_round(stepped: Stepped, monkeypatch: pytest.MonkeyPatch):

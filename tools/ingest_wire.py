@@ -20,10 +20,11 @@ its default 4 threads), alternating the order over ``--wire-repeat`` repeats:
 
 Then, for the first publisher count and each ``--wire-rates`` (100k, 300k, 1M blocks/s), a fresh start
 of each service gets the frames at that steady rate for up to ``LAG_SECONDS`` (a thread paces them) while
-this thread asks ``/query`` for each publisher's latest sent sequence; once it answers whole, every
-sequence that publisher sent up to it is visible: send-to-visible lag per sequence (the query round,
-a few ms, bounds the resolution). Sequences still unseen ``VISIBLE_TIMEOUT_S`` after the end mean the
-service fell behind.
+this thread asks ``/query``, every ``QUERY_GAP_S``, for the first publisher's latest sent sequence; once it
+answers whole, every sequence that publisher sent up to it is visible: send-to-visible lag per sequence
+(a query and its gap, 1-2 ms, bound the resolution). Sequences still unseen ``VISIBLE_TIMEOUT_S`` after
+the end mean the service fell behind. The steady runs are repeated and alternated as the bursts are, each
+figure the median over the repeats (one run's p99 is its seven worst sequences).
 
 Both services parse the frames, hash the token ids and build their index; kvrouter's 2-shard run splits
 the publishers over two appliers. This process sends on one core while the service has the other.
@@ -306,7 +307,13 @@ def run_wire(
                 "entries": burst.entries,
                 **{side: _median(samples) for side, samples in runs.items()},
             }
-        lag = {str(rate): {side: run_lag(side, steady, rate, folder) for side in SIDES} for rate in rates}
+        lag: dict[str, dict[str, Any]] = {}
+        for rate in rates:
+            steady_runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+            for repeat in range(repeats):
+                for side in SIDES if repeat % 2 == 0 else tuple(reversed(SIDES)):
+                    steady_runs[side].append(run_lag(side, steady, rate, folder))
+            lag[str(rate)] = {side: _median(samples) for side, samples in steady_runs.items()}
     first = figures[str(publisher_counts[0])]
     reference = first["reference"]
     ratios = {

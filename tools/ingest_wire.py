@@ -349,10 +349,10 @@ def print_lag(result: dict[str, Any]) -> None:
         for side in SIDES:
             run = row[side]
             lag = run["lag_ms"]
-            behind = f", {run['never_visible']} never visible (fell behind)" if run["never_visible"] else ""
-            print(
+            behind = f", {run['never_visible']:.0f} never visible (fell behind)" if run["never_visible"] else ""
+            print(  # counts are medians over the repeats
                 f"  {int(rate):>9,} blocks/s {side:<11} p50 {lag['p50']:8.1f} p99 {lag['p99']:8.1f}"
-                f" max {lag['max']:8.1f} ms, {run['watched']} of {run['sequences']} sequences timed{behind}"
+                f" max {lag['max']:8.1f} ms, {run['watched']:.0f} of {run['sequences']:.0f} sequences timed{behind}"
             )
 
 

@@ -25,7 +25,7 @@ would then live twice).
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -230,32 +230,41 @@ def fast_select(body: bytes) -> SelectRequest | None:
     """The ``SelectRequest`` of a ``/select`` body with its token ids parsed by :func:`scan_tokens`, or
     None: not that shape, or refused by orjson or the validator (the caller's ordinary path then
     parses the body again and raises the error it always raised)."""
-    found = scan_tokens(body)
-    if found is None:
+    split = _split(body)
+    if split is None:
         return None
-    tokens, start, end = found
+    tokens, rest = split
+    if len(rest) == 2 and type(name := rest.get("model_name")) is str and 0 < len(name) <= MAX_NAME:
+        return SelectRequest(model_name=name, token_ids=tokens)  # the hot body: what parse_select gives
     try:
-        rest = orjson.loads(body[:start] + b"[]" + body[end:])
-        if not isinstance(rest, dict):
-            return None
-        if len(rest) == 2 and type(name := rest.get("model_name")) is str and 0 < len(name) <= MAX_NAME:
-            return SelectRequest(model_name=name, token_ids=tokens)  # the hot body: what parse_select gives
         return parse_select(rest, tokens=tokens)
-    except (orjson.JSONDecodeError, BadRequest):
+    except BadRequest:
         return None
 
 
 def fast_query(body: bytes) -> QueryRequest | None:
     """:func:`fast_select`'s twin for a ``/query`` body."""
+    split = _split(body)
+    if split is None:
+        return None
+    try:
+        return parse_query(split[1], by_hash=False, tokens=split[0])
+    except BadRequest:
+        return None
+
+
+def _split(body: bytes) -> tuple[npt.NDArray[np.uint32], dict[str, Any]] | None:
+    """The body's token ids, and the rest of it as orjson reads it with ``[]`` in their place; None when
+    either is not there (the ordinary path then says why)."""
     found = scan_tokens(body)
     if found is None:
         return None
     tokens, start, end = found
     try:
         rest = orjson.loads(body[:start] + b"[]" + body[end:])
-        return parse_query(rest, by_hash=False, tokens=tokens) if isinstance(rest, dict) else None
-    except (orjson.JSONDecodeError, BadRequest):
+    except orjson.JSONDecodeError:
         return None
+    return (tokens, rest) if isinstance(rest, dict) else None
 
 
 def warm() -> None:

@@ -45,8 +45,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from time import perf_counter
 from typing import Any, Final
@@ -297,23 +298,11 @@ def run_wire(
         steady = Burst(publisher_counts[0], frames, seed)  # the steady runs use the first count's too
         for count in publisher_counts:
             burst = steady if count == publisher_counts[0] else Burst(count, frames, seed)
-            runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
-            for repeat in range(repeats):
-                order = SIDES if repeat % 2 == 0 else tuple(reversed(SIDES))
-                for side in order:
-                    runs[side].append(run_side(side, burst, folder))
-            figures[str(count)] = {
-                "blocks": burst.blocks,
-                "entries": burst.entries,
-                **{side: _median(samples) for side, samples in runs.items()},
-            }
-        lag: dict[str, dict[str, Any]] = {}
-        for rate in rates:
-            steady_runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
-            for repeat in range(repeats):
-                for side in SIDES if repeat % 2 == 0 else tuple(reversed(SIDES)):
-                    steady_runs[side].append(run_lag(side, steady, rate, folder))
-            lag[str(rate)] = {side: _median(samples) for side, samples in steady_runs.items()}
+            medians = _alternated(repeats, partial(run_side, burst=burst, folder=folder))
+            figures[str(count)] = {"blocks": burst.blocks, "entries": burst.entries, **medians}
+        lag = {
+            str(rate): _alternated(repeats, partial(run_lag, burst=steady, rate=rate, folder=folder)) for rate in rates
+        }
     first = figures[str(publisher_counts[0])]
     reference = first["reference"]
     ratios = {
@@ -325,6 +314,15 @@ def run_wire(
         row = lag[str(LAG_RATIO_RATE)]
         ratios["wire_lag_p99_300k"] = _p99(row["reference"]) / _p99(row["kvrouter-1"])
     return {"wire": figures, "wire_lag": lag, "wire_ratios": ratios}
+
+
+def _alternated(repeats: int, run: Callable[[str], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``run`` for every side, ``repeats`` times, the order reversed every other time; each side's medians."""
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    for repeat in range(repeats):
+        for side in SIDES if repeat % 2 == 0 else tuple(reversed(SIDES)):
+            runs[side].append(run(side))
+    return {side: _median(samples) for side, samples in runs.items()}
 
 
 def _p99(run: dict[str, Any]) -> float:

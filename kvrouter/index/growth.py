@@ -309,7 +309,7 @@ class TableGrowth(Growth):
         self.old.words[H_DIRTY] = 0 if bitmap is None else bitmap.ctypes.data
 
     def finish(self) -> Segment:
-        """The successor, reconciled and stamped: the caller publishes it and unlinks the old one."""
+        """The successor, reconciled and stamped: the caller publishes it, then retires the old one."""
         self.settle()
         assert self.new is not None
         self.new.words[H_MAGIC] = SHARD_MAGIC
@@ -322,12 +322,12 @@ class TableGrowth(Growth):
         unlink_segment(self.old.name)
 
     def release(self) -> None:
-        """Unmap the old segment: the last process to unmap it frees its pages (a few ms per 100 MB)."""
+        """Unmap the old segment, retired before: the last process to unmap it frees its pages (a few ms per
+        100 MB)."""
         super().release()
         self.old_matched = np.empty(0, dtype=np.uint64)
         drop_pages(self.old.words)
         self.old.close()
-        unlink_segment(self.old.name)  # retire() first, but a writer closing mid-growth comes here directly
 
     def abandon(self) -> None:
         super().abandon()

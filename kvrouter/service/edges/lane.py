@@ -328,7 +328,7 @@ class LaneConnection(asyncio.BufferedProtocol):
         if lifecycle.stopping:
             return None  # aiohttp's middleware answers 503, and it drains what it holds
         reserve = SELECTIONS.get(target)
-        by_hash = QUERIES.get(target) if method == b"POST" else None
+        by_hash = QUERIES.get(target)  # _parse_head let a query target through on POST only
         reservation = ""
         if by_hash is not None:
             route = target.decode()

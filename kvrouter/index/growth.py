@@ -119,7 +119,15 @@ def _in_background() -> None:
     blocks/s run (1 shard): p99 lag 8.4-10.6 ms as ordinary threads, 6.7-8.2 as batch, the burst's rate
     unchanged (1.15-1.52 against 1.38-1.65 M blocks/s). Rejected: ``nice`` 19, which made a burst slower
     (1.70 against 1.55 M blocks/s at the median of six pairs: the copy starves), and 10 (no better than 0 in
-    either). Where the policy is missing, nothing changes."""
+    either). Also rejected (2026-12-07, interleaved pairs against batch, 1 shard and 16 publishers unless
+    said): ``SCHED_IDLE``, which bursts starve as they do ``nice`` 19; idle until the writer's keys pass a
+    fifth of a growth's room, then promoted to batch, which only a privileged thread may do (steady 300k
+    p99 5.5 against 7.5 ms at the median of six, but bursts 5-10 % slower with 2 shards or 64 publishers,
+    three of three); the same, idle only while the applier had spare time (no steady gain left); growth in
+    steps handed from idle threads to batch ones, which needs no privilege, but an idle thread's step in
+    progress starved up to 100 ms in a burst, and at 1 M blocks/s the p99 doubled; shorter time slices
+    (``sched_setattr``) for the appliers and fronts instead (no change). Where the policy is missing, nothing
+    changes."""
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: this thread (Linux)
 
@@ -375,7 +383,9 @@ class MapGrowth(Growth):
 
 def new_map(rows: int, *, populate: bool = True) -> Map:
     """An empty private map (engine map or refs) in pre-faulted memory (see ``layout.Segment.create`` for
-    why, and for ``populate``), zero from the kernel."""
+    why, and for ``populate``), zero from the kernel. Rejected: transparent huge pages (``MADV_HUGEPAGE``,
+    against the map's TLB misses): ``bench_ingest.py``'s in-process rate was 1.82 M blocks/s with them
+    against 2.25 without (medians of three, kvrouter frames, 16 workers), populating 2 ms per 2 MB page."""
     width = kernels.MAP_ROW_WORDS
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
     memory = mmap.mmap(-1, rows * width * 8, flags=flags)

@@ -34,8 +34,9 @@ figures are printed and stored beside them. As a diagnostic, each worker count a
 rate of the applier's own work (decode + ``ShardWriter.apply_batch``, no process, no socket) per format.
 
 ``--wire`` also sends vLLM frames over real ZMQ into ``kvrouter up`` (1 and 2 shards) and the reference's
-``python -m dynamo.indexer``, service by service, and adds ``wire_burst_1``, ``wire_burst_2`` and
-``wire_bytes_per_block`` (``tools/ingest_wire.py`` says how).
+``python -m dynamo.indexer``, service by service, and adds ``wire_burst_1``, ``wire_burst_2``,
+``wire_lag_p99_300k`` and ``wire_bytes_per_block``, and kvrouter's ``find_matches`` latency during a table's
+growth against its steady reads (``tools/ingest_wire.py`` says how).
 
 Freshness: a reader process, forked before this process starts any thread, attaches to a 1-shard engine
 by handle; this process publishes fresh kvrouter-format sequences from 16 workers at a steady

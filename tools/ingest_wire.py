@@ -23,8 +23,11 @@ of each service gets the frames at that steady rate for up to ``LAG_SECONDS`` (a
 this thread asks ``/query``, every ``QUERY_GAP_S``, for the first publisher's latest sent sequence; once it
 answers whole, every sequence that publisher sent up to it is visible: send-to-visible lag per sequence
 (a query and its gap, 1-2 ms, bound the resolution). Sequences still unseen ``VISIBLE_TIMEOUT_S`` after
-the end mean the service fell behind. The steady runs are repeated and alternated as the bursts are, each
-figure the median over the repeats (one run's p99 is its seven worst sequences).
+the end mean the service fell behind. Meanwhile, against kvrouter, a reader process of its own times
+``find_matches`` of that publisher's first sequence every 0.5 ms, each read filed by whether a shard's
+table was growing around it (``tools/growth_reads.py``): issue 33's read goals. The steady runs are
+repeated and alternated as the bursts are, each figure the median over the repeats (one run's p99 is its
+seven worst sequences).
 
 Both services parse the frames, hash the token ids and build their index; kvrouter's 2-shard run splits
 the publishers over two appliers. This process sends on one core while the service has the other.
@@ -46,7 +49,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
 from time import perf_counter
@@ -64,6 +67,7 @@ from bench_ingest import (
     stored_event,
 )
 from bench_service import START_TIMEOUT, Server, free_port, process_family, stop, stopped_on_failure, tail, wait_http
+from growth_reads import goals, growth_reads
 
 from kvrouter.events.codecs import vllm
 from kvrouter.events.codecs.frames import encode_live
@@ -246,7 +250,12 @@ def run_lag(side: str, burst: Burst, rate: float, folder: Path) -> dict[str, Any
         frames.append((worker, frame, total / rate))
         total += blocks
     sent_at = [0.0] * len(frames)
-    with serving(side, burst, folder) as (_, publishers, queries):
+    first = next(i for i, (worker, _, _) in enumerate(frames) if worker == WATCHED)
+    probe = [int(h) for h in burst.sequences[first].local]  # the watched publisher's first sequence
+    reads: dict[str, Any] = {}
+    with serving(side, burst, folder) as (server, publishers, queries), ExitStack() as stack:
+        if side != "reference":  # filled when the stack closes
+            reads = stack.enter_context(growth_reads(server.process.pid, probe, (WATCHED + 1, 0)))
         sockets = publishers.sockets
         started = perf_counter()
 
@@ -285,6 +294,7 @@ def run_lag(side: str, burst: Burst, rate: float, folder: Path) -> dict[str, Any
         "watched": sum(1 for w, _, _ in frames if w == WATCHED),
         "lag_ms": percentiles(lags),
         "never_visible": behind,
+        **reads,
     }
 
 
@@ -352,6 +362,15 @@ def print_lag(result: dict[str, Any]) -> None:
                 f"  {int(rate):>9,} blocks/s {side:<11} p50 {lag['p50']:8.1f} p99 {lag['p99']:8.1f}"
                 f" max {lag['max']:8.1f} ms, {run['watched']:.0f} of {run['sequences']:.0f} sequences timed{behind}"
             )
+            if "read_growth_us" in run:
+                growth, steady = run["read_growth_us"], run["read_steady_us"]
+                verdicts = ", ".join(f"{goal}: {'yes' if met else 'NO'}" for goal, met in goals(run).items())
+                print(
+                    f"    find_matches during a table's growth n={growth['n']:.0f} p50 {growth['p50']:.1f}"
+                    f" p99.9 {growth['p99.9']:.1f} max {growth['max']:.0f} µs; steady n={steady['n']:.0f}"
+                    f" p50 {steady['p50']:.1f} p99 {steady['p99']:.1f} max {steady['max']:.0f} µs;"
+                    f" {run['read_wrong']:.0f} wrong; {verdicts}"
+                )
 
 
 def print_wire(result: dict[str, Any]) -> None:

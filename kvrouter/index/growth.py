@@ -69,9 +69,14 @@ __all__ = [
     "new_table",
 ]
 
-FINAL_DIRTY: Final = 4096
-"""Dirty slots or rows the writer reconciles itself, between two batches (0.1-0.4 µs each: at most 1-2 ms);
-more go back to the helper for another round."""
+FINAL_DIRTY: Final = 512
+"""Dirty slots or rows the writer reconciles itself, between two batches (0.1-0.4 µs each: at most 0.2 ms);
+more go back to the helper for another round. It was 4,096 (up to 1-2 ms of the writer's, on every
+growth); interleaved pairs on 2026-12-07 (``bench_ingest.py --wire``'s workload, 1 shard and 16 publishers
+unless said) with 512: the steady 300k blocks/s p99 from send to visible in the index (a reader polling
+``find_matches``) 2.3 against 2.8 ms, on ``/query`` 5.1 against 5.5 ms (medians of six); bursts of 64
+publishers 1.72-1.77 against 1.62-1.70 M blocks/s, 2 shards 2.32-2.34 against 2.07-2.33, 16 publishers
+the same; at 1 M and 100k blocks/s no worse; ``tools/bench_growth.py``'s longest call 28 against 53 ms."""
 MAX_ROUNDS: Final = 8
 """Rounds on the helper after which the writer takes the last one whatever its size: a writer dirtying
 as fast as the helper reconciles would otherwise never publish."""

@@ -390,7 +390,8 @@ def new_map(rows: int, *, populate: bool = True) -> Map:
     """An empty private map (engine map or refs) in pre-faulted memory (see ``layout.Segment.create`` for
     why, and for ``populate``), zero from the kernel. Rejected: transparent huge pages (``MADV_HUGEPAGE``,
     against the map's TLB misses): ``bench_ingest.py``'s in-process rate was 1.82 M blocks/s with them
-    against 2.25 without (medians of three, kvrouter frames, 16 workers), populating 2 ms per 2 MB page."""
+    against 2.25 without (medians of three, kvrouter frames, 16 workers), and populating a 2 MB page took
+    0.3-4.5 ms (4.5 when the kernel had to compact memory for it) against 0.6-0.7 ms for small pages."""
     width = kernels.MAP_ROW_WORDS
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
     memory = mmap.mmap(-1, rows * width * 8, flags=flags)

@@ -27,7 +27,7 @@ from typing import Any, Final
 from bench_index import percentiles
 
 from kvrouter.events.model import WorkerKey
-from kvrouter.index.layout import H_DIRTY, Control, Segment
+from kvrouter.index.layout import H_DIRTY, Control, Segment, control_name
 from kvrouter.index.reader import IndexReader
 
 GAP_S: Final = 0.0005
@@ -92,18 +92,16 @@ def growth_reads(owner_pid: int, probe: Sequence[int], key: WorkerKey) -> Iterat
     it yields holds, afterwards, ``read_growth_us`` and ``read_steady_us`` (``bench_index.percentiles``) and
     ``read_wrong``."""
     figures: dict[str, Any] = {}
-    ours, theirs = multiprocessing.get_context("spawn").Pipe()
-    name = f"kvrouter-{owner_pid}-ctl"
-    process = multiprocessing.get_context("spawn").Process(
-        target=_read, args=(theirs, name, list(probe), key), name="growth-reads"
-    )
+    spawn = multiprocessing.get_context("spawn")
+    ours, theirs = spawn.Pipe()
+    name = control_name(owner_pid)
+    process = spawn.Process(target=_read, args=(theirs, name, list(probe), key), name="growth-reads")
     process.start()
     try:
         deadline = perf_counter_ns() + START_TIMEOUT_S * 1e9
-        while not ours.poll(0.1):
-            if not process.is_alive() or perf_counter_ns() > deadline:
-                raise SystemExit(f"bench_ingest --wire: the growth reader did not start against {name}")
-        if ours.recv() != "ready":
+        while not ours.poll(0.1) and process.is_alive() and perf_counter_ns() < deadline:
+            pass
+        if not ours.poll() or ours.recv() != "ready":
             raise SystemExit(f"bench_ingest --wire: the growth reader did not start against {name}")
         yield figures
         ours.send("stop")

@@ -54,6 +54,7 @@ from ..events.model import WorkerKey
 from ..plane.config import PlaneConfig
 from ..plane.ingest import Ingest
 from ..plane.registry import WorkerSpec
+from ..plane.wakes import Wakes
 from .heap import Heap
 from .layout import (
     STATUS_RECOVERING,
@@ -216,9 +217,9 @@ def run_applier(
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.RCVHWM, QUEUE_LIMIT)
     socket.bind(endpoint)
-    poller = zmq.Poller()
-    poller.register(socket, zmq.POLLIN)
-    ingest = Ingest(context, poller, writer, config or PlaneConfig())
+    wakes = Wakes()
+    wakes.watch(socket)
+    ingest = Ingest(context, wakes, writer, config or PlaneConfig())
     if ingest.tap is not None:  # the owned workers' blocks went with the old segment, for readers too
         for worker in workers:
             ingest.tap.cleared(worker, "segment", at=(creating_ns, created_ns))
@@ -226,10 +227,11 @@ def run_applier(
         ingest.add(WorkerSpec.from_wire(spec), ranks)
     orphaned = False
     try:
-        orphaned = _serve(socket, poller, ingest, control, writer, shard, parent)
+        orphaned = _serve(socket, wakes, ingest, control, writer, shard, parent)
     finally:
         control.set_status(shard, STATUS_STOPPED)
         ingest.close()
+        wakes.close()
         writer.close(unlink=True)
         socket.close(linger=0)
         context.term()
@@ -248,7 +250,7 @@ def run_applier(
 
 def _serve(
     socket: zmq.Socket[bytes],
-    poller: zmq.Poller,
+    wakes: Wakes,
     ingest: Ingest,
     control: Control,
     writer: ShardWriter,
@@ -262,7 +264,7 @@ def _serve(
     next_tick = 0.0
     heap = Heap(time.monotonic())
     while True:  # hot path: one poll, then every readable socket drained
-        ready = poller.poll(GROWTH_TICK_MS if writer.growing else TICK_MS)
+        ready = wakes.poll(GROWTH_TICK_MS if writer.growing else TICK_MS)
         if writer.growing:
             writer.advance()
         now = time.monotonic()
@@ -281,7 +283,7 @@ def _serve(
             if control.status(shard) == STATUS_RECOVERING and not ingest.joining:
                 control.set_status(shard, STATUS_UP)
                 log.info("shard rebuilt shard=%d: every followed worker has joined", shard)
-        for sock, _ in ready:
+        for sock in ready:
             if sock is not socket:
                 ingest.on_ready(sock, now)
                 continue
@@ -324,6 +326,8 @@ def _serve(
                 if what not in logged:
                     logged.add(what)
                     log.warning("malformed applier message shard=%d message=%s: counted as bad_event", shard, what)
+            else:  # the bound, not the end: more may wait, and no new wake will tell of them
+                wakes.again(socket)
 
 
 def _payload_applier(writer: ShardWriter, shard: int) -> Callable[[bytes], None]:

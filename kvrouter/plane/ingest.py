@@ -1,9 +1,10 @@
-"""``Ingest``: the streams of one applier, and the poller that wakes them.
+"""``Ingest``: the streams of one applier, and the sockets that wake them.
 
-The applier is a process around one ``zmq.Poller``: its PULL socket from the supervisor, one SUB socket per
-(worker, dp_rank) it owns, and the DEALER of each recovery in flight. Ingest keeps the socket → stream map
-the poller needs, adds and removes workers as the supervisor says, runs the streams' timers, and tells the
-applier when every stream has finished joining, so a restarted shard can leave ``recovering``.
+The applier is a process around one :class:`~kvrouter.plane.wakes.Wakes`: its PULL socket from the
+supervisor, one SUB socket per (worker, dp_rank) it owns, and the DEALER of each recovery in flight. Ingest
+keeps the socket → stream map the wakes need, adds and removes workers as the supervisor says, runs the
+streams' timers, and tells the applier when every stream has finished joining, so a restarted shard can
+leave ``recovering``.
 
 Every socket is the applier's own, made from its own context after the fork, and closed here: a stream that
 is removed closes its sockets at once, and :meth:`close` closes what is left.
@@ -25,6 +26,7 @@ from .config import PlaneConfig
 from .registry import WorkerSpec
 from .stream import Stream
 from .tap import Tap
+from .wakes import Wakes
 
 __all__ = ["Ingest"]
 
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_LIMIT: Final = 256
 """Messages taken from one SUB socket per wake-up, so a flooding worker cannot starve the others or the
-supervisor's messages; what is left stays queued in the socket for the next poll. They are one batch for
+supervisor's messages; what is left stays queued in the socket for the next round. They are one batch for
 the stream (``Stream.on_drain``)."""
 
 
@@ -40,10 +42,10 @@ class Ingest:
     """Every stream of one shard."""
 
     def __init__(
-        self, context: zmq.Context[zmq.Socket[bytes]], poller: zmq.Poller, writer: ShardWriter, config: PlaneConfig
+        self, context: zmq.Context[zmq.Socket[bytes]], wakes: Wakes, writer: ShardWriter, config: PlaneConfig
     ) -> None:
         self._context = context
-        self._poller = poller
+        self._wakes = wakes
         self._writer = writer
         self._config = config
         self._streams: dict[tuple[int, int], Stream] = {}
@@ -59,10 +61,10 @@ class Ingest:
     def _watch(self, socket: zmq.Socket[bytes], stream: Stream | None) -> None:
         if stream is None:
             if self._owners.pop(socket, None) is not None:
-                self._poller.unregister(socket)
+                self._wakes.unwatch(socket)
         else:
             self._owners[socket] = stream
-            self._poller.register(socket, zmq.POLLIN)
+            self._wakes.watch(socket)
 
     def add(self, spec: WorkerSpec, ranks: Iterable[int]) -> None:
         """Follow ``ranks`` of ``spec`` (a spec registered again replaces its streams: a new endpoint or format)."""
@@ -100,6 +102,8 @@ class Ingest:
                     break
             if messages:
                 stream.on_drain(messages, now)
+            if len(messages) == DRAIN_LIMIT:  # more may wait, and no new wake will tell of them
+                self._wakes.again(socket)
         else:
             stream.on_recovery(now)
 

@@ -4,7 +4,7 @@ Both are a DEALER the router connects for one recovery and closes after it, neve
 to a recovery that timed out would otherwise be read as the answer to the next one, and an open socket
 per worker would cost a file descriptor per rank of the fleet for a path used after drops and restarts
 only. A client never blocks: it sends its request at once (ZMQ queues it while the peer is away) and the
-applier's poller tells the stream when replies are readable, so a peer that never answers costs a timer,
+applier's wakes tell the stream when replies are readable, so a peer that never answers costs a timer,
 not a hang (``plane/stream.py`` owns the timeout).
 
 - :class:`ReplayClient` speaks vLLM's and SGLang's replay protocol (``spec/wire-formats.md`` §1.6): one

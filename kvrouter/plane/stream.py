@@ -27,7 +27,7 @@ kvrouter worker left partial by a timeout gets a fresh full restore after ``rest
 becomes ``exact`` again once its indexer answers; an engine becomes ``exact`` again when it restarts.
 
 The stream is transport-agnostic above its two sockets: decoding is a function of the payload, the
-writer is the shard's, and the applier's poller calls :meth:`on_drain`, :meth:`on_recovery` and
+writer is the shard's, and the applier's loop calls :meth:`on_drain`, :meth:`on_recovery` and
 :meth:`tick`. Its counters live in the worker's row of the control segment (``index/layout.py``), where
 ``engine.workers()``, the service's metrics and ``kvrouter top`` read them.
 """
@@ -87,7 +87,7 @@ MEMORY_GUARD: Final = 4
 before it is in memory; smaller oversized messages reach the stream, which counts and names them."""
 
 Watch = Callable[[zmq.Socket[bytes], "Stream | None"], None]
-"""Tells the applier's poller to watch a socket for a stream (or, with None, to stop watching it)."""
+"""Tells the applier's wakes to watch a socket for a stream (or, with None, to stop watching it)."""
 
 
 class Unit(NamedTuple):

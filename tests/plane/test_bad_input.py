@@ -21,6 +21,7 @@ from kvrouter.hashing import block_hashes
 from kvrouter.index.layout import W_BAD_FRAMES
 from kvrouter.plane import PlaneConfig, WorkerSpec
 from kvrouter.plane.ingest import Ingest
+from kvrouter.plane.wakes import Wakes
 from tests.index.shm import InProcessShards
 
 BLOCK = 4
@@ -218,8 +219,8 @@ def test_each_kind_of_bad_message_is_logged_once_then_only_counted(
 ):
     """The stream code in this process (no applier), so its log lines can be read."""
     shards = InProcessShards(1)
-    poller = zmq.Poller()
-    ingest = Ingest(context, poller, shards.writers[0], CONFIG)
+    wakes = Wakes()
+    ingest = Ingest(context, wakes, shards.writers[0], CONFIG)
     try:
         ingest.add(WorkerSpec(1, "tcp://127.0.0.1:9", topic=TOPIC, block_size=BLOCK), [0])
         (stream,) = ingest._streams.values()
@@ -232,4 +233,5 @@ def test_each_kind_of_bad_message_is_logged_once_then_only_counted(
         assert int(stream.row[W_BAD_FRAMES]) == 10
     finally:
         ingest.close()
+        wakes.close()
         shards.close()

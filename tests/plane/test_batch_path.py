@@ -42,6 +42,7 @@ from kvrouter.index.layout import W_BAD_FRAMES, W_DROPPED_BLOCKS, W_LAST_EVENT_N
 from kvrouter.plane import PlaneConfig, WorkerSpec
 from kvrouter.plane.ingest import Ingest
 from kvrouter.plane.stream import Stream
+from kvrouter.plane.wakes import Wakes
 from tests.index.shm import InProcessShards
 
 BLOCK = 4
@@ -55,11 +56,13 @@ HASHES = st.integers(1, 40)
 class Side:
     shards: InProcessShards
     ingest: Ingest
+    wakes: Wakes
     streams: dict[int, Stream]
     """By worker id; the workers share the shard."""
 
     def close(self) -> None:
         self.ingest.close()
+        self.wakes.close()
         self.shards.close()
 
 
@@ -74,7 +77,8 @@ def side(
     context: zmq.Context[zmq.Socket[bytes]], fmt: str, *, batch: bool, workers: int = 1, config: PlaneConfig = CONFIG
 ) -> Side:
     shards = InProcessShards(1)
-    ingest = Ingest(context, zmq.Poller(), shards.writers[0], config)
+    wakes = Wakes()
+    ingest = Ingest(context, wakes, shards.writers[0], config)
     try:
         for worker in range(1, workers + 1):
             spec = WorkerSpec(worker, f"tcp://127.0.0.1:{worker}", format=fmt, topic=TOPIC, block_size=BLOCK)  # type: ignore[arg-type]
@@ -82,12 +86,13 @@ def side(
         streams = {key[0]: stream for key, stream in ingest._streams.items()}
     except BaseException:
         ingest.close()
+        wakes.close()
         shards.close()
         raise
     if not batch:
         for stream in streams.values():
             stream._runs = None  # the oracle: the same streams, one message at a time
-    return Side(shards, ingest, streams)
+    return Side(shards, ingest, wakes, streams)
 
 
 def stored(hashes: list[int], parent: int | None, seed: int, **extra: object) -> Stored:

@@ -22,10 +22,11 @@ Then, for the first publisher count and each ``--wire-rates`` (100k, 300k, 1M bl
 of each service gets the frames at that steady rate for up to ``LAG_SECONDS`` (a thread paces them) while
 this thread asks ``/query``, every ``QUERY_GAP_S``, for the first publisher's latest sent sequence; once it
 answers whole, every sequence that publisher sent up to it is visible: send-to-visible lag per sequence
-(a query and its gap, 1-2 ms, bound the resolution). Sequences still unseen ``VISIBLE_TIMEOUT_S`` after
-the end mean the service fell behind. Meanwhile, against kvrouter, a reader process of its own times
-``find_matches`` of that publisher's first sequence every 0.5 ms, each read filed by whether a shard's
-table was growing around it (``tools/growth_reads.py``): issue 33's read goals. The steady runs are
+(a query and its gap, 1-2 ms, bound the resolution), and the CPU the service's processes used meanwhile
+(from ``/proc``: what ingesting at that rate costs the host, per block offered). Sequences still unseen
+``VISIBLE_TIMEOUT_S`` after the end mean the service fell behind. Meanwhile, against kvrouter, a reader
+process of its own times ``find_matches`` of that publisher's first sequence every 0.5 ms, each read filed
+by whether a shard's table was growing around it (``tools/growth_reads.py``): issue 33's read goals. The steady runs are
 repeated and alternated as the bursts are, each figure the median over the repeats (one run's p99 is its
 seven worst sequences).
 
@@ -137,6 +138,11 @@ def start(side: str, folder: Path) -> Server:
         if side != "reference":  # the index up: a first run compiles its kernels
             wait_http(server, "/ready", START_TIMEOUT, lambda _, body: "engine starting" not in str(body))
     return server
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) ``root`` and every live descendant have used so far."""
+    return sum(ticks for _, ticks in process_family(root).values()) / os.sysconf("SC_CLK_TCK")
 
 
 def tree_pss(root: int) -> int:
@@ -257,6 +263,7 @@ def run_lag(side: str, burst: Burst, rate: float, folder: Path) -> dict[str, Any
         if side != "reference":  # filled when the stack closes
             reads = stack.enter_context(growth_reads(server.process.pid, probe, (WATCHED + 1, 0)))
         sockets = publishers.sockets
+        cpu_before = tree_cpu_s(server.process.pid)
         started = perf_counter()
 
         def pace() -> None:
@@ -287,6 +294,7 @@ def run_lag(side: str, burst: Burst, rate: float, folder: Path) -> dict[str, Any
                 break
             time.sleep(QUERY_GAP_S)
         sender.join()
+        cpu = tree_cpu_s(server.process.pid) - cpu_before
     behind = len(pending) + sum(1 for w, _, _ in frames[next_frame:] if w == WATCHED)
     return {
         "offered_blocks_per_s": rate,
@@ -294,6 +302,8 @@ def run_lag(side: str, burst: Burst, rate: float, folder: Path) -> dict[str, Any
         "watched": sum(1 for w, _, _ in frames if w == WATCHED),
         "lag_ms": percentiles(lags),
         "never_visible": behind,
+        "cpu_s": cpu,
+        "cpu_us_per_block": cpu / total * 1e6,
         **reads,
     }
 
@@ -360,7 +370,8 @@ def print_lag(result: dict[str, Any]) -> None:
             behind = f", {run['never_visible']:.0f} never visible (fell behind)" if run["never_visible"] else ""
             print(  # counts are medians over the repeats
                 f"  {int(rate):>9,} blocks/s {side:<11} p50 {lag['p50']:8.1f} p99 {lag['p99']:8.1f}"
-                f" max {lag['max']:8.1f} ms, {run['watched']:.0f} of {run['sequences']:.0f} sequences timed{behind}"
+                f" max {lag['max']:8.1f} ms, {run['watched']:.0f} of {run['sequences']:.0f} sequences timed{behind};"
+                f" service CPU {run['cpu_s']:.2f} s, {run['cpu_us_per_block']:.2f} µs a block"
             )
             if "read_growth_us" in run:
                 growth, steady = run["read_growth_us"], run["read_steady_us"]

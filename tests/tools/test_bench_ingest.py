@@ -64,6 +64,7 @@ def test_wire_run_feeds_both_services_and_reports_the_wire_ratios(tmp_path: Path
     for side in ("kvrouter-1", "kvrouter-2", "reference"):
         assert steady[side]["never_visible"] == 0
         assert steady[side]["lag_ms"]["n"] == steady[side]["watched"] > 0
+        assert steady[side]["cpu_s"] > 0  # the service worked to ingest: its processes' CPU was read
     for side in ("kvrouter-1", "kvrouter-2"):  # a reader of kvrouter's own index, filed by growth or not
         assert steady[side]["read_steady_us"]["n"] > 0
         assert "read_growth_us" in steady[side]  # none in a run whose tables never grew
@@ -71,5 +72,6 @@ def test_wire_run_feeds_both_services_and_reports_the_wire_ratios(tmp_path: Path
     assert "read_steady_us" not in steady["reference"]
     assert "wire: vLLM frames over ZMQ" in stdout
     assert "wire lag:" in stdout
+    assert "µs a block" in stdout
     assert "find_matches during a table's growth" in stdout
     assert left_behind(pid) == []

@@ -76,10 +76,14 @@ from kvrouter.events.model import EventBatch
 
 MODEL: Final = "bench"
 VISIBLE_TIMEOUT_S: Final = 300.0
-PSS_SETTLE_S: Final = 1.0
+PSS_SETTLE_S: Final = 2.0
 """How long after the burst's last sequence shows the PSS is read again, for every service alike: the
-memory a burst leaves behind (the index), not the receive buffers a service frees once it is done
-(kvrouter's applier gives its back when it idles, ``index/heap.py``)."""
+memory a burst leaves behind (the index), not what a service frees once it is done: kvrouter's applier
+gives its receive buffers back when it idles (``index/heap.py``), and unmaps a grown table's predecessor
+``RETIRE_S`` (1 s) after the successor is published, so that readers still in it finish. At 1 s, two of
+seven 16-publisher bursts read 175 bytes an entry instead of 141-143, the old table still mapped when a
+growth had ended in the burst's last second; at 2 s seven of seven read 141-143, and the reference's
+figure (165-192) did not move either way (three runs each, 2026-12-07)."""
 QUERY_GAP_S: Final = 0.001
 """The pause between two rounds of queries (the lag's, and the burst's asking whether every last sequence shows):
 the resolution, against the load the queries add; without it the burst's client and the service's HTTP front

@@ -58,6 +58,8 @@ class StorageTier(enum.Enum):
 
 
 _TIER_RANK: Final = {tier: rank for rank, tier in enumerate(StorageTier)}
+TIERS_IN_ORDER: Final = tuple(StorageTier)
+"""Every tier, fastest first, for the per-query paths: iterating the enum itself costs about a microsecond."""
 
 TIER_NAMES: Final[dict[str, StorageTier]] = {
     # vLLM `medium` (0.10.2+)

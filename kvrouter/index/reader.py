@@ -50,7 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import ConfigError, EngineError
-from ..events.model import StorageTier, WorkerKey
+from ..events.model import TIERS_IN_ORDER, StorageTier, WorkerKey
 from ..hashing import local_hash_array
 from ..hashing.chain import local_hash_words
 from . import _kernels as kernels
@@ -214,7 +214,7 @@ class IndexReader:
 
     def find_matches_by_tier(self, local_hashes: Sequence[int]) -> dict[StorageTier, dict[WorkerKey, int]]:
         """Per tier, per worker, the leading query blocks held in that tier or a faster one."""
-        results: list[dict[WorkerKey, int]] = [{} for _ in StorageTier]
+        results: list[dict[WorkerKey, int]] = [{} for _ in TIERS_IN_ORDER]
         if len(local_hashes) > 0:
             local = local_hash_array(local_hashes)
             count = kernels.query_shards(self._ctx, local, TIERS)
@@ -222,7 +222,7 @@ class IndexReader:
                 self._torn.clear()
             for key, depth, tier in zip(*self._query_again(local, TIERS, count), strict=True):
                 results[tier][key] = depth
-        return dict(zip(StorageTier, results, strict=True))
+        return dict(zip(TIERS_IN_ORDER, results, strict=True))
 
     def overlaps(self, local: npt.NDArray[np.uint64], slots: WorkerSlots, ntiers: int) -> npt.NDArray[np.int64]:
         """``(ntiers, len(slots))``: per tier, per slot, the leading blocks of ``local`` held in that tier or a

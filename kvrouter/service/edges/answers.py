@@ -20,7 +20,7 @@ from typing import Any, Final
 import orjson
 
 from ...events.codecs.dynamo import Encoder
-from ...events.model import StorageTier, WorkerKey
+from ...events.model import TIERS_IN_ORDER, WorkerKey
 from ...routing.router import Selection
 from ..core.counters import ServiceCounters
 from ..core.decider import QueryAnswer, ranked_fallbacks
@@ -274,13 +274,22 @@ def query_body(core: Core, raw: bytes, *, by_hash: bool) -> bytes:
 
 
 def query_json(answer: QueryAnswer) -> dict[str, Any]:
-    """The indexer's answer in matched tokens: ``scores`` (device, legacy) and ``instances``."""
+    """The indexer's answer in matched tokens: ``scores`` (device, legacy) and ``instances``, in the
+    partition's worker order. Only the workers that hold something are looked at: a prompt matches a few
+    of a fleet's workers, and looking up every worker in every tier, through the enum, cost 15-20 µs of a
+    ``/query``'s 185 (16 workers, 1,024 tokens; the front's CPU, 2026-12-07)."""
     partition, tiers = answer.partition, answer.tiers
     block = partition.block_size
     scores: dict[str, dict[str, int]] = {}
     instances: dict[str, dict[str, Any]] = {}
-    for key in partition.worker_keys():
-        device, host, disk, shared = (tiers.get(tier, {}).get(key, 0) for tier in StorageTier)
+    nothing: dict[WorkerKey, int] = {}
+    on_device, on_host, on_disk, on_shared = (tiers.get(tier, nothing) for tier in TIERS_IN_ORDER)
+    holding = on_device.keys() | on_host.keys() | on_disk.keys() | on_shared.keys()
+    for key in partition.worker_keys() if holding else ():
+        if key not in holding:
+            continue
+        device, host = on_device.get(key, 0), on_host.get(key, 0)
+        disk, shared = on_disk.get(key, 0), on_shared.get(key, 0)
         deepest = max(device, host, disk, shared)
         if not deepest:
             continue

@@ -186,14 +186,15 @@ class ServiceConfig:
         default=1,
         metadata=option(
             "--fronts",
-            help="Front processes answering on --port together (connections dealt in turn), their loads in step.",
+            help="Front processes answering on --port together (two share each connection), their loads in step.",
             panel=Panel.SERVER,
             min=1,
             max=MAX_FRONTS,
         ),
     )
-    """Front processes serving ``port`` together (front 0 deals them connections), each reading the index
-    through shared memory, their load views kept in step by the replica sync (``fronts.py``)."""
+    """Front processes serving ``port`` together (front 0 accepts each connection and hands it to the two
+    fronts that share it, ``sharing.py``), each reading the index through shared memory, their load views
+    kept in step by the replica sync (``fronts.py``)."""
     shadow_policies: tuple[str, ...] = field(
         default=(),
         metadata=option(

@@ -268,9 +268,7 @@ def _serve(
         if writer.growing:
             writer.advance()
         now = time.monotonic()
-        if ready:
-            heap.busy()
-        elif not writer.growing:  # a whole tick without a message: a burst's buffers go back (heap.py)
+        if not ready and not writer.growing:  # a whole tick without a wake: a burst's buffers go back (heap.py)
             heap.idle(now)
         if now >= next_tick:
             next_tick = now + TICK_MS / 1000
@@ -285,13 +283,15 @@ def _serve(
                 log.info("shard rebuilt shard=%d: every followed worker has joined", shard)
         for sock in ready:
             if sock is not socket:
-                ingest.on_ready(sock, now)
+                if ingest.on_ready(sock, now):
+                    heap.busy()
                 continue
             for _ in range(PULL_DRAIN_LIMIT):
                 try:
                     frames = recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                heap.busy()
                 tag = frames[0] if frames else b""
                 if tag == EVENTS and len(frames) == 2:
                     apply_payload(frames[1])

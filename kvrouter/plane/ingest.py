@@ -87,11 +87,12 @@ class Ingest:
         for key in [k for k in self._streams if k[0] == worker_id]:
             self._streams.pop(key).close()
 
-    def on_ready(self, socket: zmq.Socket[bytes], now: float) -> None:
-        """A watched socket is readable: hand what it holds to its stream."""
+    def on_ready(self, socket: zmq.Socket[bytes], now: float) -> bool:
+        """A watched socket may hold something: hand it to its stream. Whether it held anything (a notice
+        alone, such as a reconnection, brings nothing)."""
         stream = self._owners.get(socket)
         if stream is None:
-            return
+            return False
         if socket is stream.socket:
             recv = socket.recv_multipart
             messages: list[list[bytes]] = []
@@ -104,8 +105,9 @@ class Ingest:
                 stream.on_drain(messages, now)
             if len(messages) == DRAIN_LIMIT:  # more may wait, and no new wake will tell of them
                 self._wakes.again(socket)
-        else:
-            stream.on_recovery(now)
+            return bool(messages)
+        stream.on_recovery(now)
+        return True  # a recovery's replies, or its peer's notices: rare either way
 
     def tick(self, now: float) -> None:
         wall = time.time_ns()

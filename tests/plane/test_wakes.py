@@ -66,9 +66,7 @@ def test_a_message_wakes_its_socket_and_only_it(context: zmq.Context[zmq.Socket[
             pull.close()
 
 
-def test_a_socket_left_with_messages_comes_back_only_when_said(
-    context: zmq.Context[zmq.Socket[bytes]], wakes: Wakes
-):
+def test_a_socket_left_with_messages_comes_back_only_when_said(context: zmq.Context[zmq.Socket[bytes]], wakes: Wakes):
     push, pull = pair(context)
     try:
         wakes.watch(pull)

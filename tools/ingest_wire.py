@@ -26,9 +26,9 @@ answers whole, every sequence that publisher sent up to it is visible: send-to-v
 (from ``/proc``: what ingesting at that rate costs the host, per block offered). Sequences still unseen
 ``VISIBLE_TIMEOUT_S`` after the end mean the service fell behind. Meanwhile, against kvrouter, a reader
 process of its own times ``find_matches`` of that publisher's first sequence every 0.5 ms, each read filed
-by whether a shard's table was growing around it (``tools/growth_reads.py``): issue 33's read goals. The steady runs are
-repeated and alternated as the bursts are, each figure the median over the repeats (one run's p99 is its
-seven worst sequences).
+by whether a shard's table was growing around it (``tools/growth_reads.py``): issue 33's read goals. The
+steady runs are repeated and alternated as the bursts are, each figure the median over the repeats (one
+run's p99 is its seven worst sequences).
 
 Both services parse the frames, hash the token ids and build their index; kvrouter's 2-shard run splits
 the publishers over two appliers. This process sends on one core while the service has the other.

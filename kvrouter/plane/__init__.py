@@ -2,7 +2,8 @@
 
 ``registry`` (what a worker is: endpoints, format, dp ranks) → ``stream`` (one (worker, dp_rank): cursor,
 gap detection, recovery, trust state) over ``recovery`` (replay and local-indexer clients) → ``ingest``
-(the streams of one applier) and ``wakes`` (which of its sockets to read next). ``docs/ARCHITECTURE.md`` draws the flow.
+(the streams of one applier) and ``wakes`` (which of its sockets to read next). ``docs/ARCHITECTURE.md``
+draws the flow.
 """
 
 from __future__ import annotations

@@ -276,8 +276,9 @@ def query_body(core: Core, raw: bytes, *, by_hash: bool) -> bytes:
 def query_json(answer: QueryAnswer) -> dict[str, Any]:
     """The indexer's answer in matched tokens: ``scores`` (device, legacy) and ``instances``, in the
     partition's worker order. Only the workers that hold something are looked at: a prompt matches a few
-    of a fleet's workers, and looking up every worker in every tier, through the enum, cost 15-20 µs of a
-    ``/query``'s 185 (16 workers, 1,024 tokens; the front's CPU, 2026-12-07)."""
+    of a fleet's workers. Looking up every worker in every tier through the enum (and the reader's own
+    iterations of the enum) cost 15-20 µs of a ``/query``'s 185 (16 workers, 1,024 tokens; the front's
+    CPU, 2026-12-07)."""
     partition, tiers = answer.partition, answer.tiers
     block = partition.block_size
     scores: dict[str, dict[str, int]] = {}

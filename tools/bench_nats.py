@@ -173,6 +173,8 @@ SNAPSHOT_TIMEOUT_S: Final = 90.0
 """A snapshot restart past this is reported as failed (with why) and its side not run again: the default
 run must stay within 5 minutes."""
 STOP_TIMEOUT_S: Final = 20.0
+STOP_LOG_LINES: Final = 150
+"""The log lines shown for a replica that did not exit cleanly: enough for the stacks of every thread."""
 HTTP_TIMEOUT_S: Final = 30.0
 """A replica's HTTP calls; its loop can be busy for seconds while it restores."""
 READY_TIMEOUT_S: Final = 5.0
@@ -353,7 +355,8 @@ def running(replica: Replica) -> Iterator[Replica]:
     finally:
         code = replica.stop()
         if code != 0:
-            print(f"bench_nats: {replica.name} exited {code}: {tail(replica.log)}", file=sys.stderr)
+            # a stop that overran wrote every thread's stack to the log (kvrouter/cli/stacks.py): show them whole
+            print(f"bench_nats: {replica.name} exited {code}: {tail(replica.log, STOP_LOG_LINES)}", file=sys.stderr)
 
 
 def register_nats(replica: Replica, worker_id: int, model: str, query_endpoint: str | None = None) -> None:

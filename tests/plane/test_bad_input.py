@@ -67,13 +67,6 @@ class Wire:
 
 
 @pytest.fixture
-def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.term()
-
-
-@pytest.fixture
 def wire(context: zmq.Context[zmq.Socket[bytes]]) -> Iterator[Wire]:
     wire = Wire(context)
     yield wire

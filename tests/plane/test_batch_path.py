@@ -10,7 +10,7 @@ answer every query alike and every counter of the worker's row and of the shard 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -64,13 +64,6 @@ class Side:
         self.ingest.close()
         self.wakes.close()
         self.shards.close()
-
-
-@pytest.fixture
-def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield ctx
-    ctx.term()
 
 
 def side(

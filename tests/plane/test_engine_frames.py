@@ -5,7 +5,7 @@ a gap with exactly the recorded exchange."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -46,13 +46,6 @@ class Publisher:
     def close(self) -> None:
         for socket in self.sockets:
             socket.close(linger=0)
-
-
-@pytest.fixture
-def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.term()
 
 
 def scores(engine: Engine, query: list[int]) -> list[list[int]]:

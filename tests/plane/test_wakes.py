@@ -14,13 +14,6 @@ WAIT_MS = 2000
 
 
 @pytest.fixture
-def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield ctx
-    ctx.term()
-
-
-@pytest.fixture
 def wakes() -> Iterator[Wakes]:
     made = Wakes()
     yield made
@@ -36,6 +29,18 @@ def pair(context: zmq.Context[zmq.Socket[bytes]]) -> tuple[zmq.Socket[bytes], zm
     pull.setsockopt(zmq.LINGER, 0)
     pull.connect(f"tcp://127.0.0.1:{port}")
     return push, pull
+
+
+@pytest.fixture
+def ends(
+    context: zmq.Context[zmq.Socket[bytes]], wakes: Wakes
+) -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
+    """One :func:`pair`; at the end its PULL is unwatched (whether or not the test watched it) and both close."""
+    push, pull = pair(context)
+    yield push, pull
+    wakes.unwatch(pull)
+    push.close()
+    pull.close()
 
 
 def settle(wakes: Wakes) -> None:
@@ -66,24 +71,19 @@ def test_a_message_wakes_its_socket_and_only_it(context: zmq.Context[zmq.Socket[
             pull.close()
 
 
-def test_a_socket_left_with_messages_comes_back_only_when_said(context: zmq.Context[zmq.Socket[bytes]], wakes: Wakes):
-    push, pull = pair(context)
-    try:
-        wakes.watch(pull)
-        settle(wakes)
-        for n in range(3):
-            push.send(b"%d" % n)
-        assert wakes.poll(WAIT_MS) == [pull]
-        time.sleep(0.05)  # all three arrived
-        assert pull.recv(zmq.NOBLOCK) == b"0"  # a drain bound of one
-        assert wakes.poll(0) == []  # libzmq tells of the queue once: the two left wake nobody
-        wakes.again(pull)
-        assert wakes.poll(0) == [pull]
-        assert [pull.recv(zmq.NOBLOCK), pull.recv(zmq.NOBLOCK)] == [b"1", b"2"]
-    finally:
-        wakes.unwatch(pull)
-        push.close()
-        pull.close()
+def test_a_socket_left_with_messages_comes_back_only_when_said(ends: tuple[zmq.Socket[bytes], ...], wakes: Wakes):
+    push, pull = ends
+    wakes.watch(pull)
+    settle(wakes)
+    for n in range(3):
+        push.send(b"%d" % n)
+    assert wakes.poll(WAIT_MS) == [pull]
+    time.sleep(0.05)  # all three arrived
+    assert pull.recv(zmq.NOBLOCK) == b"0"  # a drain bound of one
+    assert wakes.poll(0) == []  # libzmq tells of the queue once: the two left wake nobody
+    wakes.again(pull)
+    assert wakes.poll(0) == [pull]
+    assert [pull.recv(zmq.NOBLOCK), pull.recv(zmq.NOBLOCK)] == [b"1", b"2"]
 
 
 def test_a_socket_is_handed_out_once_when_watched(context: zmq.Context[zmq.Socket[bytes]], wakes: Wakes):
@@ -119,33 +119,24 @@ def test_a_socket_is_handed_out_once_when_watched(context: zmq.Context[zmq.Socke
         router.close()
 
 
-def test_an_unwatched_socket_is_never_handed_out(context: zmq.Context[zmq.Socket[bytes]], wakes: Wakes):
-    push, pull = pair(context)
-    try:
-        wakes.watch(pull)
-        wakes.again(pull)
-        wakes.unwatch(pull)
-        wakes.again(pull)  # said of a socket no longer watched: ignored
-        push.send(b"x")
-        assert pull.poll(WAIT_MS)
-        assert wakes.poll(10) == []
-        wakes.unwatch(pull)  # twice: nothing
-    finally:
-        push.close()
-        pull.close()
+def test_an_unwatched_socket_is_never_handed_out(ends: tuple[zmq.Socket[bytes], ...], wakes: Wakes):
+    push, pull = ends
+    wakes.watch(pull)
+    wakes.again(pull)
+    wakes.unwatch(pull)
+    wakes.again(pull)  # said of a socket no longer watched: ignored
+    push.send(b"x")
+    assert pull.poll(WAIT_MS)
+    assert wakes.poll(10) == []
+    wakes.unwatch(pull)  # twice: nothing
 
 
-def test_the_wait_ends_at_the_timeout_or_the_message(context: zmq.Context[zmq.Socket[bytes]], wakes: Wakes):
-    push, pull = pair(context)
-    try:
-        wakes.watch(pull)
-        settle(wakes)
-        started = time.monotonic()
-        assert wakes.poll(30) == []
-        assert time.monotonic() - started >= 0.025
-        push.send(b"x")
-        assert wakes.poll(WAIT_MS) == [pull]
-    finally:
-        wakes.unwatch(pull)
-        push.close()
-        pull.close()
+def test_the_wait_ends_at_the_timeout_or_the_message(ends: tuple[zmq.Socket[bytes], ...], wakes: Wakes):
+    push, pull = ends
+    wakes.watch(pull)
+    settle(wakes)
+    started = time.monotonic()
+    assert wakes.poll(30) == []
+    assert time.monotonic() - started >= 0.025
+    push.send(b"x")
+    assert wakes.poll(WAIT_MS) == [pull]

@@ -67,7 +67,17 @@ from bench_ingest import (
     build_sequences,
     stored_event,
 )
-from bench_service import START_TIMEOUT, Server, free_port, process_family, stop, stopped_on_failure, tail, wait_http
+from bench_service import (
+    START_TIMEOUT,
+    Server,
+    free_port,
+    process_family,
+    process_ticks,
+    stop,
+    stopped_on_failure,
+    tail,
+    wait_http,
+)
 from growth_reads import goals, growth_reads
 
 from kvrouter.events.codecs import vllm
@@ -142,11 +152,6 @@ def start(side: str, folder: Path) -> Server:
         if side != "reference":  # the index up: a first run compiles its kernels
             wait_http(server, "/ready", START_TIMEOUT, lambda _, body: "engine starting" not in str(body))
     return server
-
-
-def tree_cpu_s(root: int) -> float:
-    """CPU seconds (user + system) ``root`` and every live descendant have used so far."""
-    return sum(ticks for _, ticks in process_family(root).values()) / os.sysconf("SC_CLK_TCK")
 
 
 def tree_pss(root: int) -> int:
@@ -267,7 +272,7 @@ def run_lag(side: str, burst: Burst, rate: float, folder: Path) -> dict[str, Any
         if side != "reference":  # filled when the stack closes
             reads = stack.enter_context(growth_reads(server.process.pid, probe, (WATCHED + 1, 0)))
         sockets = publishers.sockets
-        cpu_before = tree_cpu_s(server.process.pid)
+        ticks_before = process_ticks(server.process.pid)
         started = perf_counter()
 
         def pace() -> None:
@@ -298,7 +303,7 @@ def run_lag(side: str, burst: Burst, rate: float, folder: Path) -> dict[str, Any
                 break
             time.sleep(QUERY_GAP_S)
         sender.join()
-        cpu = tree_cpu_s(server.process.pid) - cpu_before
+        cpu = (process_ticks(server.process.pid) - ticks_before) / os.sysconf("SC_CLK_TCK")
     behind = len(pending) + sum(1 for w, _, _ in frames[next_frame:] if w == WATCHED)
     return {
         "offered_blocks_per_s": rate,

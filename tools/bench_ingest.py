@@ -30,8 +30,9 @@ kvrouter must keep up anyway. Medians over ``--repeat``.
 
 Ratios, rates kvrouter ÷ reference (> 1: kvrouter better), from 1 shard, the lowest over the worker counts:
 ``ingest`` (kvrouter-format frames, goal ≥ 3) and ``ingest_vllm`` (vLLM frames, goal ≥ 1). The 2-shard
-figures are printed and stored beside them. As a diagnostic, each worker count also gets the in-process
-rate of the applier's own work (decode + ``ShardWriter.apply_batch``, no process, no socket) per format.
+figures are printed and stored beside them. As diagnostics, each worker count also gets, per format, the
+in-process rate of the applier's own work (decode + ``ShardWriter.apply_batch``, no process, no socket) and
+what its receive costs a message, compiled and through ``recv_multipart`` (``tools/receive_cost.py``).
 
 ``--wire`` also sends vLLM frames over real ZMQ into ``kvrouter up`` (1 and 2 shards) and the reference's
 ``python -m dynamo.indexer``, service by service, and adds ``wire_burst_1``, ``wire_burst_2``,
@@ -81,6 +82,7 @@ from bench_index import (
     leftovers,
     print_ratios,
 )
+from receive_cost import receive_cost
 
 from kvrouter.engine import Engine, attach
 from kvrouter.events.codecs import dynamo as dynamo_codec, vllm
@@ -91,7 +93,7 @@ from kvrouter.hashing import sequence_hashes_array
 from kvrouter.hashing.blocks import block_hashes_array
 from kvrouter.index.layout import NO_ID, W_DP_RANK, W_IN_USE, W_LAST_ID, W_WORKER_ID, Control, control_name
 from kvrouter.index.writer import ShardWriter
-from kvrouter.plane import WorkerSpec
+from kvrouter.plane import PlaneConfig, WorkerSpec
 
 IngestFormat = Literal["kvrouter", "vllm"]
 FORMATS: Final[tuple[IngestFormat, ...]] = ("kvrouter", "vllm")
@@ -611,6 +613,8 @@ def run_workers(workload: IngestWorkload, args: argparse.Namespace) -> dict[str,
     make_tree = _reference_tree()
     base = workload.base
     in_process = {fmt: apply_in_process(workload, fmt) for fmt in FORMATS}
+    limit = PlaneConfig().max_message_bytes
+    receive = {fmt: receive_cost([f for _, f in workload.frames[fmt]], TOPIC, limit) for fmt in FORMATS}
     reference: list[float] = []
     runs: dict[IngestFormat, dict[int, list[dict[str, Any]]]] = {fmt: {s: [] for s in args.shards} for fmt in FORMATS}
     tree: Any = None
@@ -633,6 +637,7 @@ def run_workers(workload: IngestWorkload, args: argparse.Namespace) -> dict[str,
         "blocks": base.blocks,
         "distinct_blocks": base.distinct_blocks,
         "in_process_blocks_per_s": in_process,
+        "receive_us_per_message": receive,
         "reference": {
             "blocks_per_s": reference_blocks,
             "events_per_s": reference_blocks * len(base.events) / base.blocks,
@@ -705,6 +710,11 @@ def print_table(result: dict[str, Any]) -> None:
                     f"{reference:>10.2f} {rate / reference:>6.2f} {row['send_seconds']:>6.2f} "
                     f"{config['in_process_blocks_per_s'][fmt] / 1e6:>17.2f}"
                 )
+        for fmt, ways in config["receive_us_per_message"].items():
+            print(
+                f"{'':<12} {config['workers']:>4} receive, {fmt} frames (µs a message): "
+                + ", ".join(f"{way} {us:.2f}" for way, us in ways.items())
+            )
         print(
             f"{'':<12} {config['workers']:>4} reference {config['reference']['events_per_s'] / 1e3:.1f} k events/s; "
             f"{config['events']} events, {config['blocks']:,} block-applies, "

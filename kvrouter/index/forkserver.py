@@ -203,13 +203,15 @@ def _warm_tables() -> None:
 
 def _warm_codecs() -> None:
     """Block and chain hashing from every token form an engine decoder hands over, the engine decoders'
-    compiled pre-pass over msgpack (``_prescan.py``), and the batch path's decoder (``runs.py``)."""
+    compiled pre-pass over msgpack (``_prescan.py``), the batch path's decoder (``runs.py``), and the
+    receive loop that fills its buffers (``plane/receive.py``)."""
     from array import array
 
     from ..events.codecs import kvrouter, sglang, vllm
     from ..events.codecs.runs import RunBuffers, RunDecoder
     from ..events.model import EngineHash, EventBatch, LocalHash, Removed, Stored, StoredBlock
     from ..hashing import block_hashes_array, sequence_hashes_array
+    from ..plane import receive
 
     for tokens in ([1, 2, 3, 4], array("I", [1, 2, 3, 4]), np.arange(4, dtype=np.uint32)):
         block_hashes_array(tokens, 2)
@@ -226,6 +228,7 @@ def _warm_codecs() -> None:
     runs = RunDecoder(None, 1, 0, 2, RunBuffers())
     runs.load([kvrouter.Encoder().encode(engine_batch)], [0])
     runs.decode(0, 0)
+    receive.warm()
 
 
 class ForkServer:

@@ -23,6 +23,7 @@ from ..errors import BadEvent, ConfigError
 from ..events.codecs.runs import RunBuffers
 from ..index.writer import ShardWriter
 from .config import PlaneConfig
+from .receive import Receiver
 from .registry import WorkerSpec
 from .stream import Stream
 from .tap import Tap
@@ -50,7 +51,8 @@ class Ingest:
         self._config = config
         self._streams: dict[tuple[int, int], Stream] = {}
         self._buffers = RunBuffers()
-        """What every stream's batch path decodes a drain into (``Stream.on_drain``)."""
+        """What every stream's drain is received into and its batch path decodes (``Stream.on_drain``)."""
+        self._receiver = Receiver(self._buffers)
         self._owners: dict[zmq.Socket[bytes], Stream] = {}
         self.tap: Tap | None = (
             None if config.record_endpoint is None else Tap(context, config.record_endpoint, writer.shard)
@@ -94,18 +96,12 @@ class Ingest:
         if stream is None:
             return False
         if socket is stream.socket:
-            recv = socket.recv_multipart
-            messages: list[list[bytes]] = []
-            for _ in range(DRAIN_LIMIT):  # hot path: one receive per message, then one batch
-                try:
-                    messages.append(recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-            if messages:
-                stream.on_drain(messages, now)
-            if len(messages) == DRAIN_LIMIT:  # more may wait, and no new wake will tell of them
+            drain = self._receiver.drain(socket, DRAIN_LIMIT, stream.spec.topic, self._config.max_message_bytes)
+            if drain.count:
+                stream.on_drain(drain, now)
+            if drain.count == DRAIN_LIMIT:  # more may wait, and no new wake will tell of them
                 self._wakes.again(socket)
-            return bool(messages)
+            return bool(drain.count)
         stream.on_recovery(now)
         return True  # a recovery's replies, or its peer's notices: rare either way
 

@@ -74,6 +74,7 @@ from ..index.layout import (
 )
 from ..index.writer import ShardWriter
 from .config import PlaneConfig
+from .receive import Drain
 from .recovery import QueryClient, RecoveryClient, ReplayClient
 from .registry import FORMATS, WorkerSpec
 from .tap import Tap
@@ -182,6 +183,7 @@ class Stream:
         self._watch = watch
         self._config = config
         self._decode, self._engine = _decoder(spec)
+        self.buffers = buffers
         self._runs: RunDecoder | None = RunDecoder(
             None if self._engine is None else self._engine.dialect, spec.worker_id, rank, spec.block_size, buffers
         )
@@ -254,37 +256,26 @@ class Stream:
 
     # -- arrivals -----------------------------------------------------------------------------
 
-    def on_drain(self, messages: list[list[bytes]], now: float) -> None:
-        """Messages drained from the SUB socket, in order. Where the stream is steady (no recovery in flight,
-        nothing recorded, no salted block remembered), each stretch of messages in sequence order goes through
-        the compiled batch path: decoded, hashed and applied in one call each (``events/codecs/runs.py``,
-        ``ShardWriter.apply_packed``). The message that ends a stretch (out of order, malformed, or one that
-        path does not decode) is checked, decoded and read against the cursor on its own (``_live``), then the
-        next stretch starts after it."""
+    def on_drain(self, drain: Drain, now: float) -> None:
+        """A drain of the SUB socket (``receive.py``), its messages in order. Where the stream is steady (no
+        recovery in flight, nothing recorded, no salted block remembered), each stretch of messages in
+        sequence order goes through the compiled batch path: decoded, hashed and applied in one call each
+        (``events/codecs/runs.py``, ``ShardWriter.apply_packed``). The message that ends a stretch (out of
+        order, odd, or one that path does not decode) is checked, decoded and read against the cursor on its
+        own (``_live``), then the next stretch starts after it."""
         self._heard()
         runs = self._runs
-        if runs is None or self._tap is not None or len(messages) < runs.least:
-            for frames in messages:
-                self._live(frames, now)
+        if runs is None or self._tap is not None or drain.count < runs.least:
+            for m in range(drain.count):
+                self._live(drain.frames(m), now)
             return
-        topic, limit = self.spec.topic, self._config.max_message_bytes
-        payloads: list[bytes] = []
-        seqs: list[int] = []
-        for frames in messages:  # hot path: one shape check a message
-            if len(frames) == 3 and frames[0] == topic and len(frames[1]) == 8 and len(frames[2]) <= limit:
-                payloads.append(frames[2])
-                seqs.append(int.from_bytes(frames[1], "big"))
-            else:
-                payloads.append(b"")  # left to _live, which names what is wrong with it
-                seqs.append(NO_ID)
-        runs.load(payloads, seqs)
         m = 0
-        while m < len(messages):
+        while m < drain.count:
             if self._steady():
                 m = self._run(runs, m, now)
-                if m == len(messages):
+                if m == drain.count:
                     break
-            self._live(messages[m], now)
+            self._live(drain.frames(m), now)
             m += 1
 
     def _steady(self) -> bool:

@@ -23,6 +23,7 @@ from kvrouter.plane import PlaneConfig, WorkerSpec
 from kvrouter.plane.ingest import Ingest
 from kvrouter.plane.wakes import Wakes
 from tests.index.shm import InProcessShards
+from tests.plane.drains import drain_of
 
 BLOCK = 4
 TOPIC = b"kv"
@@ -219,7 +220,7 @@ def test_each_kind_of_bad_message_is_logged_once_then_only_counted(
         (stream,) = ingest._streams.values()
         with caplog.at_level(logging.WARNING, logger="kvrouter.plane.stream"):
             for seq in range(5):
-                stream.on_drain([encode_live(TOPIC, seq, b"\xc1"), [TOPIC]], time.monotonic())
+                stream.on_drain(drain_of(stream, [encode_live(TOPIC, seq, b"\xc1"), [TOPIC]], CONFIG), time.monotonic())
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("bad message")]
         assert len(lines) == 2
         assert all("worker=1 dp=0" in line and "tcp://127.0.0.1:9" in line for line in lines)

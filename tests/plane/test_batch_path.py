@@ -44,6 +44,7 @@ from kvrouter.plane.ingest import Ingest
 from kvrouter.plane.stream import Stream
 from kvrouter.plane.wakes import Wakes
 from tests.index.shm import InProcessShards
+from tests.plane.drains import drain_of
 
 BLOCK = 4
 TOPIC = b"kv"
@@ -209,8 +210,8 @@ def test_drains_apply_as_the_messages_one_by_one(
         now = time.monotonic()
         for worker in turns:  # each worker's drains in order, the two workers' interleaved
             drain = drains[worker].pop(0)
-            batch.streams[worker].on_drain(drain, now)
-            oracle.streams[worker].on_drain(drain, now)
+            for s in (batch, oracle):
+                s.streams[worker].on_drain(drain_of(s.streams[worker], drain, CONFIG), now)
         assert state(batch) == state(oracle)
         queries = queries_of(frames[1] + frames[2], fmt)
         assert answers(batch, queries) == answers(oracle, queries)
@@ -240,7 +241,8 @@ def test_a_steady_drain_is_one_apply_and_a_lora_store_in_it_is_applied_on_its_ow
     monkeypatch.setattr(writer, "apply_packed", apply_packed)
     monkeypatch.setattr(writer, "apply_batch", apply_batch)
     try:
-        s.streams[1].on_drain([encode_live(TOPIC, seq, p) for seq, p in enumerate(plain)], time.monotonic())
+        sent = [encode_live(TOPIC, seq, p) for seq, p in enumerate(plain)]
+        s.streams[1].on_drain(drain_of(s.streams[1], sent, CONFIG), time.monotonic())
         assert runs == [-1, 4, -1, 4]
         assert s.streams[1].cursor == 9
         lora_local = block_hashes(tuple(range(7, 7 + BLOCK)), BLOCK, lora_name="adapter-x")
@@ -323,8 +325,8 @@ def test_skipped_groups_foreign_sizes_and_oversized_messages_count_alike(
         packed = sides[0].shards.writers[0].apply_packed
         monkeypatch.setattr(sides[0].shards.writers[0], "apply_packed", apply_packed)
         for s in sides:
-            s.streams[1].on_drain(frames[:1], time.monotonic())
-            s.streams[1].on_drain(frames[1:], time.monotonic())
+            s.streams[1].on_drain(drain_of(s.streams[1], frames[:1], config), time.monotonic())
+            s.streams[1].on_drain(drain_of(s.streams[1], frames[1:], config), time.monotonic())
         # Stretches end at the foreign size and at the oversized message, whose sequence number the stream
         # never reads: the removal after it is a gap (read one by one), the clear and store after that a run.
         assert runs == [2, 2, 2]

@@ -28,6 +28,9 @@ def test_quick_run_applies_every_frame_and_reports_both_ratios(tmp_path: Path) -
     assert "1 shard" in figures["ratio_basis"]
     for config in figures["configs"].values():
         assert set(config["formats"]) == {"kvrouter", "vllm"}
+        for ways in config["receive_us_per_message"].values():  # the receive's cost, both ways, was measured
+            assert set(ways) == {"compiled", "recv_multipart"}
+            assert all(us > 0 for us in ways.values())
         for by_shards in config["formats"].values():
             assert set(by_shards) == {"1", "2"}
             for row in by_shards.values():
@@ -43,6 +46,7 @@ def test_quick_run_applies_every_frame_and_reports_both_ratios(tmp_path: Path) -
     assert freshness["p50_us"] <= freshness["p99_us"]
     assert figures["machine"]["before"]["loadavg"]
     assert "load average" in stdout
+    assert "receive, vllm frames" in stdout
     assert "shm: clean" in stdout
     assert left_behind(pid) == []
 

@@ -310,7 +310,7 @@ class Receiver:
     def _drain_at(self, address: int, limit: int, topic: bytes, max_bytes: int) -> Drain:
         """The compiled drain of the libzmq socket at ``address`` (0, a closed socket: nothing)."""
         b = self.buffers
-        if b.buf.size > _KEEP_BYTES or not b.buf.flags.writeable:
+        if b.buf.size > _KEEP_BYTES:
             b.buf = np.empty(_INITIAL_BYTES, dtype=np.uint8)
         if self._odd.size > _KEEP_BYTES:
             self._odd = np.empty(1 << 12, dtype=np.uint8)

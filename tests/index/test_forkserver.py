@@ -55,7 +55,13 @@ def test_appliers_are_forked_by_a_single_threaded_server_also_on_restart(wait_un
 APPLIER_PATH = """
 import os, sys
 from kvrouter.events.codecs import sglang, vllm
+import zmq
 from kvrouter.events.codecs._prescan import lift_arrays
+from kvrouter.events.codecs._runs_engine import decode_engine_runs
+from kvrouter.events.codecs._runs_kvrouter import decode_kvrouter_runs
+from kvrouter.events.codecs.frames import encode_live
+from kvrouter.events.codecs.runs import C_EVENTS, C_MIXED, RunBuffers, RunDecoder
+from kvrouter.plane import receive
 from kvrouter.events.codecs.kvrouter import Decoder, Encoder
 from kvrouter.events.model import Cleared, EngineHash, EventBatch, LocalHash, Removed, Stored, StoredBlock
 from kvrouter.hashing import _xxh3
@@ -67,6 +73,8 @@ from kvrouter.index.writer import ShardWriter
 warm_up()
 watched = {name: getattr(kernels, name) for name in kernels.__all__ if hasattr(getattr(kernels, name), "signatures")}
 watched |= {"lift_arrays": lift_arrays, "hash_blocks": _xxh3.hash_blocks, "chain_hashes": _xxh3.chain_hashes}
+watched |= {"decode_engine_runs": decode_engine_runs, "decode_kvrouter_runs": decode_kvrouter_runs,
+            "receive._drain": receive._drain}
 compiled = {name: len(kernel.signatures) for name, kernel in watched.items()}
 control = Control.create(control_name((os.getpid() << 20) + 1), 1)
 writer = ShardWriter(control, 0, (os.getpid() << 20) + 1, capacity=MIN_CAPACITY)
@@ -97,6 +105,28 @@ try:
             alone = codec.Encoder(encoding).encode(EventBatch((engine_events[0],), timestamp=0.0))
             other_size = codec.Decoder(1, 4).decode_raw(alone)  # not the registered block size: blocks dropped
             writer.apply_batch((1, 0), other_size.events)
+    context = zmq.Context()  # the batch path: frames received from a socket, decoded and applied in one call each
+    pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    pull.bind("inproc://warm")
+    push.connect("inproc://warm")
+    buffers = RunBuffers()
+    receiver = receive.Receiver(buffers)
+    batch = EventBatch(tuple(engine_events[:2]), timestamp=0.0)
+    for dialect, payload in [(None, Encoder().encode(batch))] + [
+        (codec.Decoder.dialect, codec.Encoder(encoding).encode(batch))
+        for codec in (vllm, sglang) for encoding in ("map", "array")
+    ]:
+        push.send_multipart(encode_live(b"kv", 0, payload))
+        while not receiver.drain(pull, 256, b"kv", 1 << 20).count:
+            pass
+        runs = RunDecoder(dialect, 1, 0, 2, buffers)
+        runs.decode(0, 0)
+        b, events = runs.buffers, int(runs.buffers.counts[C_EVENTS])
+        writer.apply_packed((1, 0), b.kinds[:events], b.tiers[:events], b.parents[:events], b.offsets[: events + 1],
+                            b.engine, b.local, float(b.stamps[0]), mixed=bool(b.counts[C_MIXED]))
+    pull.close()
+    push.close()
+    context.term()
     writer.clear_all_blocks(3)
     writer.forget((4, 0))
     writer.remove_worker(5)
@@ -112,7 +142,8 @@ print({name: (compiled[name], after[name]) for name in compiled if after[name] !
 @pytest.mark.timeout(300)
 def test_warm_up_compiles_every_kernel_signature_the_applier_path_uses():
     """In a fresh interpreter: after ``warm_up`` the applier's whole path (decoded batches, ``apply``,
-    growth, wider masks, clears, removals) compiles nothing more."""
+    growth, wider masks, clears, removals, and the batch path: a drain received, decoded and applied in one
+    call each) compiles nothing more."""
     done = subprocess.run([sys.executable, "-c", APPLIER_PATH], capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "{}"

@@ -106,8 +106,10 @@ class RunBuffers:
 
     def load(self, payloads: list[bytes], seqs: list[int], *, tokens: bool) -> None:
         """A drain's payloads, in order, with their ZMQ sequence numbers; ``tokens``: its messages carry token
-        ids to re-hash."""
-        self.buf = np.frombuffer(b"".join(payloads), dtype=np.uint8)
+        ids to re-hash. The joined payloads are writable, as the receive's buffer is (``plane/receive.py``):
+        numba compiles a kernel once per array type, and a read-only one would be compiled again, in each
+        applier, on its first drain."""
+        self.buf = np.frombuffer(bytearray(b"".join(payloads)), dtype=np.uint8)
         lengths = list(map(len, payloads))
         self.bounds = np.fromiter(accumulate(lengths, initial=0), dtype=np.int64, count=len(payloads) + 1)
         self.seqs = np.array(seqs, dtype=np.uint64)

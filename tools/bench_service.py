@@ -922,6 +922,12 @@ def print_table(result: dict[str, Any]) -> None:
             print(f"  {key:<18} {value:>6.2f}  goal ≥ {goal:g}: {'met' if value >= goal else 'not met'}")
 
 
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM ends a run as Ctrl-C does: the servers it started are stopped on the way out (by default the
+    signal killed this process alone, and its servers went on serving, with their segments)."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_serve"]:
@@ -999,6 +1005,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.concurrency.append(needed)
     load_before = os.getloadavg()
     started = time.perf_counter()
+    signal.signal(signal.SIGTERM, _terminated)
     with tempfile.TemporaryDirectory(prefix="bench_service-") as tmp:
         result = run(args, Path(tmp))
     result["machine"] = {

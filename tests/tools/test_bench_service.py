@@ -7,13 +7,18 @@ Speed is not asserted (speed claims are the tool's ratios from one run, not test
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.tools.runner import run_tool
+from tests.tools.runner import ROOT, TOOLS, run_tool
 
 pytest.importorskip("dynamo._core", reason="the reference runtime comes with the anchors extra")
 if shutil.which("wrk") is None:
@@ -47,3 +52,44 @@ def test_quick_run_measures_both_servers_and_reports_both_ratios(tmp_path: Path)
     assert all(p["requests"] > 0 and p["errors"] == 0 for p in fast.values())
     assert figures["fastpath"]["generator_ceiling"]["requests"] > 0
     assert figures["shm_left"] == []
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = (Path("/proc") / entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def test_sigterm_stops_the_servers_it_started() -> None:
+    """SIGTERM in the middle of a run: the kvrouter server it started exits too, and leaves no segment."""
+    bench = subprocess.Popen(
+        [sys.executable, str(TOOLS / "bench_service.py"), "--quick", "--sides", "kvrouter", "--compare-fronts", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        servers: list[int] = []
+        while not servers:  # the kvrouter server process started
+            assert time.monotonic() < deadline, "no server started"
+            assert bench.poll() is None
+            servers = [c for c in children(bench.pid) if b"_serve" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            time.sleep(0.2)
+        time.sleep(3)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+        for server in servers:
+            assert not Path(f"/proc/{server}").exists(), f"server {server} outlived the run"
+            assert [n for n in os.listdir("/dev/shm") if n.startswith(f"kvrouter-{server}-")] == []
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()

@@ -41,7 +41,7 @@ import zmq
 from numba import types
 from numba.core.typing.templates import Signature
 
-from .._jit import kernel
+from .._jit import inlined, kernel
 from ..events.codecs.runs import RunBuffers
 from ..index.layout import NO_ID
 
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 _DONTWAIT: Final = 1  # ZMQ_DONTWAIT
 _MSG_WORDS: Final = 8  # zmq_msg_t: 64 bytes, pointer-aligned
 _INITIAL_BYTES: Final = 1 << 20
+_INITIAL_ODD_BYTES: Final = 1 << 12
 _KEEP_BYTES: Final = 16 << 20
 """A buffer grown past this by one drain (an oversized frame) is given back before the next."""
 
@@ -110,7 +111,7 @@ _memcpy = _external("memcpy", _P(_P, _P, _P))
 _memcmp = _external("memcmp", types.intc(_P, _P, _P))
 
 
-@kernel
+@inlined
 def _grown(buf: npt.NDArray[np.uint8], used: int, need: int) -> npt.NDArray[np.uint8]:
     """``buf`` with room for ``need`` bytes past ``used``: itself, or a copy twice as large or more."""
     if used + need <= buf.size:
@@ -141,6 +142,32 @@ def _keep_odd(
     frames[k, 1] = size
     counts[_FRAMES] = k + 1
     counts[_ODD_BYTES] = used + size
+    return odd, frames
+
+
+@inlined
+def _keep_first(
+    odd: npt.NDArray[np.uint8],
+    frames: npt.NDArray[np.int64],
+    counts: npt.NDArray[np.int64],
+    n: int,
+    topic: npt.NDArray[np.uint8],
+    seq: np.uint64,
+    scratch: npt.NDArray[np.uint8],
+    buf: npt.NDArray[np.uint8],
+    start: int,
+    used: int,
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
+    """The first ``n`` frames of a message found odd after them, kept as they came: the topic they matched,
+    the sequence number's 8 bytes, the payload copied to ``buf[start:used]``."""
+    if n >= 1:
+        odd, frames = _keep_odd(odd, frames, counts, topic.ctypes.data, topic.size)
+    if n >= 2:
+        for i in range(8):
+            scratch[i] = np.uint8((seq >> np.uint64(8 * (7 - i))) & np.uint64(0xFF))
+        odd, frames = _keep_odd(odd, frames, counts, scratch.ctypes.data, 8)
+    if n >= 3:
+        odd, frames = _keep_odd(odd, frames, counts, buf.ctypes.data + start, used - start)
     return odd, frames
 
 
@@ -202,14 +229,7 @@ def _drain(
                 else:
                     plain = False
                 if not plain:  # the frames before this one, as they came
-                    if n >= 1:
-                        odd, frames = _keep_odd(odd, frames, counts, topic.ctypes.data, topic.size)
-                    if n >= 2:
-                        for i in range(8):
-                            scratch[i] = np.uint8((seq >> np.uint64(8 * (7 - i))) & np.uint64(0xFF))
-                        odd, frames = _keep_odd(odd, frames, counts, scratch.ctypes.data, 8)
-                    if n >= 3:
-                        odd, frames = _keep_odd(odd, frames, counts, buf.ctypes.data + start, used - start)
+                    odd, frames = _keep_first(odd, frames, counts, n, topic, seq, scratch, buf, start, used)
                     used = start
             if not plain:
                 odd, frames = _keep_odd(odd, frames, counts, data, size)
@@ -218,12 +238,7 @@ def _drain(
                 break
         if plain and n != 3:  # too few frames: kept as they came
             plain = False
-            if n >= 1:
-                odd, frames = _keep_odd(odd, frames, counts, topic.ctypes.data, topic.size)
-            if n >= 2:
-                for i in range(8):
-                    scratch[i] = np.uint8((seq >> np.uint64(8 * (7 - i))) & np.uint64(0xFF))
-                odd, frames = _keep_odd(odd, frames, counts, scratch.ctypes.data, 8)
+            odd, frames = _keep_first(odd, frames, counts, n, topic, seq, scratch, buf, start, used)
         if plain:
             seqs[m] = seq
             counts[_LONGEST] = max(counts[_LONGEST], used - start)
@@ -291,7 +306,7 @@ class Receiver:
         self.buffers = buffers
         self._compiled = compiled_loop
         self._msg = np.zeros(_MSG_WORDS, dtype=np.uint64)
-        self._odd = np.empty(1 << 12, dtype=np.uint8)
+        self._odd = np.empty(_INITIAL_ODD_BYTES, dtype=np.uint8)
         self._frames = np.empty((64, 2), dtype=np.int64)
         self._odd_messages = np.empty((0, 2), dtype=np.int64)
         self._counts = np.zeros(_COUNTS, dtype=np.int64)
@@ -313,7 +328,7 @@ class Receiver:
         if b.buf.size > _KEEP_BYTES:
             b.buf = np.empty(_INITIAL_BYTES, dtype=np.uint8)
         if self._odd.size > _KEEP_BYTES:
-            self._odd = np.empty(1 << 12, dtype=np.uint8)
+            self._odd = np.empty(_INITIAL_ODD_BYTES, dtype=np.uint8)
         if self._seqs.size < limit:
             self._seqs = np.empty(limit, dtype=np.uint64)
             self._bounds = np.zeros(limit + 1, dtype=np.int64)

@@ -184,6 +184,7 @@ class Stream:
         self._config = config
         self._decode, self._engine = _decoder(spec)
         self.buffers = buffers
+        """The applier's: its receive fills them with a drain (``receive.py``) and the batch path reads them."""
         self._runs: RunDecoder | None = RunDecoder(
             None if self._engine is None else self._engine.dialect, spec.worker_id, rank, spec.block_size, buffers
         )

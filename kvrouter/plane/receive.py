@@ -13,8 +13,8 @@ Rules:
 Why: pyzmq's ``recv_multipart`` costs 4-5 µs for a three-frame message on this machine (three frame
 objects, three ``getsockopt(RCVMORE)`` calls), and the shape check and ``b"".join`` after it 1-2 µs more;
 in a burst from 16 publishers that was 15-20 % of the applier's time. The compiled loop calls libzmq's
-``zmq_msg_recv`` and copies each payload once, straight into the buffer the decoder reads: about 0.5 µs a
-message (``tools/bench_receive.py``).
+``zmq_msg_recv`` and copies each payload once, straight into the buffer the decoder reads: 0.6-1.2 µs a
+message in drains of 256, against 4.6-6.8 through pyzmq (``tools/receive_cost.py``).
 
 How: the library is pyzmq's own copy, the one already mapped in this process (its sockets are that copy's
 objects; another copy of libzmq would not know them). Its entry points, and libc's ``memcpy`` and ``memcmp``,

@@ -377,6 +377,19 @@ def start_kvrouter(folder: Path, fronts: int, name: str = "kvrouter", model_path
 
 
 @contextlib.contextmanager
+def killed_on_failure(process: subprocess.Popen[bytes]) -> Iterator[None]:
+    """A load generator the run waits on is killed if the run ends first (SIGTERM, Ctrl-C, a failure): a
+    ``_zmq_load`` whose server was stopped under it waited for a reply for ever."""
+    try:
+        yield
+    except BaseException:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        raise
+
+
+@contextlib.contextmanager
 def stopped_on_failure(server: Server) -> Iterator[None]:
     """A server that does not come up is stopped here: the caller never gets it to stop (a kvrouter that
     never answered ``/health`` was left serving, with its segments, after the run had exited)."""
@@ -481,7 +494,8 @@ def run_wrk(server: Server, script: Path, connections: int, seconds: float) -> d
     process = subprocess.Popen([*command, server.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert process.stdout is not None
     assert process.stderr is not None
-    _, code, usage = os.wait4(process.pid, 0)
+    with killed_on_failure(process):
+        _, code, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(code)
     out, err = process.stdout.read().decode(), process.stderr.read().decode()
     process.stdout.close()
@@ -516,7 +530,8 @@ def run_zmq(
     command += ["--connections", str(connections), "--seconds", str(seconds), "--tokens", tokens]
     before = process_ticks(server.process.pid) if server is not None else 0
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = (text.decode() for text in process.communicate())
+    with killed_on_failure(process):
+        out, err = (text.decode() for text in process.communicate())
     server_ticks = process_ticks(server.process.pid) - before if server is not None else 0
     line = next((x for x in out.splitlines() if x.startswith("BENCH ")), None)
     if process.returncode != 0 or line is None:
@@ -568,6 +583,8 @@ def zmq_load(endpoint: str, bodies: Path, connections: int, seconds: float, toke
             sock.send_multipart([b"kvr1", packed[i % len(packed)]])
             i += 1
         for sock in sockets:
+            if not sock.poll(int(START_TIMEOUT * 1000)):
+                raise SystemExit(f"bench_service _zmq_load: no reply from {endpoint} in {START_TIMEOUT:g} s")
             sock.recv_multipart()
         started = clock()
         cpu_started = time.process_time()

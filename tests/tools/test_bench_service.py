@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.service.test_up import descendants, kill_survivors, still_there
 from tests.tools.runner import ROOT, TOOLS, run_tool
 
 pytest.importorskip("dynamo._core", reason="the reference runtime comes with the anchors extra")
@@ -55,19 +56,6 @@ def test_quick_run_measures_both_servers_and_reports_both_ratios(tmp_path: Path)
     assert figures["shm_left"] == []
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = (Path("/proc") / entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
 def test_sigterm_stops_the_servers_it_started() -> None:
     """SIGTERM in the middle of a run, while the fast path's generator runs: the kvrouter server it started
     exits too and leaves no segment, and no process it started (the generator and the echo server
@@ -78,25 +66,28 @@ def test_sigterm_stops_the_servers_it_started() -> None:
         stderr=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
+    tree: set[tuple[int, str]] = set()
+    commands: dict[int, bytes] = {}
     try:
         deadline = time.monotonic() + 120
-        started: dict[int, bytes] = {}
-        while not any(b"_zmq_load" in command for command in started.values()):
-            assert time.monotonic() < deadline, f"no fast-path generator started: {started}"
+        while not any(b"_zmq_load" in command for command in commands.values()):
+            assert time.monotonic() < deadline, f"no fast-path generator started: {commands}"
             assert bench.poll() is None
-            for child in children(bench.pid):
+            for pid, started in descendants(bench.pid):
+                tree.add((pid, started))
                 with contextlib.suppress(OSError):
-                    started.setdefault(child, Path(f"/proc/{child}/cmdline").read_bytes())
+                    commands.setdefault(pid, Path(f"/proc/{pid}/cmdline").read_bytes())
             time.sleep(0.02)
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(60) == 128 + signal.SIGTERM
-        servers = [pid for pid, command in started.items() if b"_serve" in command]
+        servers = [pid for pid, command in commands.items() if b"_serve" in command]
         assert servers
         for server in servers:
             assert [n for n in os.listdir("/dev/shm") if n.startswith(f"kvrouter-{server}-")] == []
-        left = {pid: command for pid, command in started.items() if Path(f"/proc/{pid}").exists()}
+        left = {pid: commands.get(pid) for pid in still_there(list(tree))}
         assert left == {}
     finally:
         if bench.poll() is None:
             bench.kill()
             bench.wait()
+        kill_survivors(list(tree))  # a failed test still leaves nothing behind

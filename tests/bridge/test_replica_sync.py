@@ -212,12 +212,13 @@ def test_a_late_replica_learns_the_load_also_for_a_worker_registered_after_it_jo
 
 
 def test_a_call_that_outruns_the_peers_booking_waits_for_it_and_an_unknown_one_is_404_after_the_grace(
-    pair: list[Replica], module_nats_server: NatsServer
+    pair: list[Replica], module_nats_server: NatsServer, wait_until: Callable[..., None]
 ) -> None:
     """A client behind a balancer that is not sticky books on one replica and may reach another before the
     booking does. Here a third router (a bare ``ReplicaSync``) books 0.15 s after B was asked to complete the
     reservation: B waits for it and completes it, rather than answering 404 and leaving the prefill counted."""
     a, b = pair
+    wait_until(lambda: b.sync()["connected"], what="B's replica sync connected (only then does a call wait)")
 
     async def main() -> None:
         host = Host((1, 0))
@@ -249,13 +250,14 @@ def test_a_call_that_outruns_the_peers_booking_waits_for_it_and_an_unknown_one_i
 
 
 def test_over_the_fast_path_the_outrun_call_waits_in_its_own_task_while_later_messages_are_answered(
-    module_nats_server: NatsServer, mocks: list[Worker], tmp_path: Path
+    module_nats_server: NatsServer, mocks: list[Worker], tmp_path: Path, wait_until: Callable[..., None]
 ) -> None:
     """The same race over ZMQ (a DEALER connected to several replicas sends each request to the next one):
     the ``prefill_complete`` waits for the booking, and a ``query`` sent after it is answered first."""
     zmq_port = free_port()
     with replicas(module_nats_server.url, "fastsync", tmp_path, ["F"], "--zmq-port", str(zmq_port)) as (f,):
         f.register(1, mocks[0])
+        wait_until(lambda: f.sync()["connected"], what="F's replica sync connected (only then does a call wait)")
 
         async def main() -> None:
             host = Host((1, 0))

@@ -999,13 +999,16 @@ def _next_dirty(word: int, bits: np.uint64) -> tuple[int, np.uint64]:
 
 
 @kernel
-def copy_slots(old: Table, new: Table, old_matched: Table, new_matched: Table, where: Counts) -> None:
-    """Copy every live key with its masks and match stamp into the empty, not yet published table ``new``
-    (which may have wider masks), noting each one's new slot in ``where``; tombstones are dropped, which
-    is the compaction. Empty match arrays: no block was ever matched, nothing to carry."""
+def copy_slots(
+    old: Table, new: Table, old_matched: Table, new_matched: Table, where: Counts, start: int, end: int
+) -> None:
+    """Copy every live key of old slots ``start``...``end - 1`` with its masks and match stamp into the not
+    yet published table ``new`` (which may have wider masks), noting each one's new slot in ``where``;
+    tombstones are dropped, which is the compaction. Empty match arrays: no block was ever matched, nothing
+    to carry. A whole copy is every range in turn (``growth.COPY_CHUNK``), the first into an empty ``new``."""
     old_width, new_width = _row_words(old), _row_words(new)
     carry = old_matched.size > 0
-    for slot in range(_i64(old[H_CAPACITY])):
+    for slot in range(start, end):
         base = HEADER_WORDS + slot * old_width
         key = old[base]
         if key == _ZERO or _is_tomb(old, base, old_width):
@@ -1104,10 +1107,10 @@ def reconcile_slots(
 
 
 @kernel
-def copy_rows(old: Map, new: Map, new_meta: Meta, where: Counts) -> None:
-    """Copy the live rows of ``old`` into the empty map ``new`` (growth, and dropping deleted rows), noting
-    each one's new row in ``where``."""
-    for row in range(old.shape[0]):
+def copy_rows(old: Map, new: Map, new_meta: Meta, where: Counts, start: int, end: int) -> None:
+    """Copy the live rows among ``start``...``end - 1`` of ``old`` into the map ``new`` (growth, and dropping
+    deleted rows), noting each one's new row in ``where``; as ``copy_slots``, a range at a time."""
+    for row in range(start, end):
         owner = old[row, MAP_TAG]
         if owner != _ZERO and owner != TOMB:
             where[row] = _copy_row(old, new, new_meta, row)

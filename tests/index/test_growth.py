@@ -118,7 +118,10 @@ def _engine_hashes(oracle: RadixIndex) -> dict[tuple[tuple[int, int], int], set[
     return {(worker, tier.rank): {int(h) for h in held} for (worker, tier), held in oracle.holdings().items() if held}
 
 
-def test_writes_before_during_and_after_the_copy_all_reach_the_successor(stepped: Stepped):
+def test_writes_before_during_and_after_the_copy_all_reach_the_successor(
+    stepped: Stepped, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(growth_module, "COPY_CHUNK", 100)  # each copy in several calls, the last a part
     oracle = RadixIndex()
 
     def apply(event: Stored | Removed) -> None:
@@ -234,8 +237,11 @@ class GrowsBesideItsWriter(RuleBasedStateMachine):
         self.oracle = RadixIndex()
         self.shard = Stepped()
         self.next_hash = itertools.count(1)
+        self.patch = pytest.MonkeyPatch()
+        self.patch.setattr(growth_module, "COPY_CHUNK", 96)  # every copy in several calls, as a big table's
 
     def teardown(self) -> None:
+        self.patch.undo()
         self.shard.close()
 
     def apply(self, event: Stored | Removed | Cleared) -> None:

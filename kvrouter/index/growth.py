@@ -96,14 +96,16 @@ growing its heap with ``mprotect``) waits, and every page fault queues behind th
 I/O thread stalled 15-41 ms in single calls, and the steady 300k blocks/s run of ``bench_ingest.py --wire``
 saw a p99 send-to-visible lag of 31-178 ms in most runs, 7-9 ms with 2 MB. The total is the same."""
 COPY_CHUNK: Final = 1 << 15
-"""Old slots or rows per compiled copy call (1.6 ms for a map's, 70 % full). After each, and after each ``madvise``
-step, the helper yields its core (``os.sched_yield``): the scheduler then runs a woken writer or front at
-once, where it had let them wait out the helper's time slice (1-4 ms drains and 3-7 ms ``/query`` answers
-while a growth ran, at a steady 300k blocks/s). ``bench_ingest.py --wire``'s steady 300k run, 1 shard,
-interleaved pairs, p99 medians of six: 3.9 against 4.2 ms with the ``madvise`` steps yielding, 4.2 against
-5.2 with the copies too, and this code against the code before it 3.7 against 5.7 (better in each of the six pairs).
-Bursts unchanged: 1 shard 1.83, 2.00 and 2.10 against 1.94, 2.00 and 2.13 M blocks/s in three sets of six
-pairs, 2 shards 2.13 against 2.13. A yield with nothing else to run returns at once."""
+"""Old slots or rows per compiled copy call (1.6 ms for a map's, 70 % full). After each, and after each
+``madvise`` step, the helper yields its core (``os.sched_yield``): the scheduler then runs a woken writer or
+front at once, where it had let them wait out the helper's time slice (1-4 ms drains and 3-7 ms ``/query``
+answers while a growth ran, at a steady 300k blocks/s). ``bench_ingest.py --wire``'s steady 300k run, 1
+shard, interleaved pairs, p99 medians of six: 3.9 against 4.2 ms with the ``madvise`` steps yielding, 4.2
+against 5.2 with the copies too, and this code against the code before it 3.7 against 5.7 (better in each of
+the six pairs); with the benchmark's growth reader process querying beside it, two more sets gave 7.1
+against 5.7 and 4.7 against 5.5 (22 of the 30 pairs better in all). Bursts unchanged: 1 shard 1.83, 2.00
+and 2.10 against 1.94, 2.00 and 2.13 M blocks/s in three sets of six pairs, 2 shards 2.13 against 2.13. A
+yield with nothing else to run returns at once."""
 _MADV_DONTNEED: Final = 4
 _MADV_POPULATE_WRITE: Final = 23
 """Linux 5.14 and later; before, ``madvise`` refuses it and the pages fault in as they are first written."""

@@ -8,10 +8,11 @@ Rules:
    calls hold no GIL,
    so the writer goes on applying batches to the old table meanwhile, and readers go on reading it. A
    growth has one task on the helpers at a time.
-2. From the moment a growth starts, every write to the old table or map marks its slot or row in a dirty
-   bitmap (``_kernels._mark``). When the helper is done, the writer swaps in a clean bitmap and hands the
-   dirty one back to the helper for a round of ``reconcile_*``; rounds repeat while the writer keeps
-   dirtying more than ``FINAL_DIRTY`` slots or rows in one, up to ``MAX_ROUNDS``.
+2. From the moment the copy starts (the writer starts it between batches, once the successor is
+   populated), every write to the old table or map marks its slot or row in a dirty bitmap
+   (``_kernels._mark``); what it wrote before, the copy reads. When the helper is done, the writer swaps in
+   a clean bitmap and hands the dirty one back to the helper for a round of ``reconcile_*``; rounds repeat
+   while the writer keeps dirtying more than ``FINAL_DIRTY`` slots or rows in one, up to ``MAX_ROUNDS``.
 3. The last round is the writer's own, between two batches, with nothing running beside it: the
    successor then equals the old table exactly, and only then is it published (``Growth.finish``).
 4. Until then the old table or map takes the writer's new keys up to ``GROWING_LOAD``; past it the writer
@@ -225,8 +226,10 @@ class Growth:
         """Slots or rows the reconciling rounds brought up to date (the writer logs it)."""
         self.overfull = False
         """A round would have passed ``FULL_LOAD``: the successor is copied afresh when settled."""
-        self._mark_into(self._bitmaps[0])  # before the copy reads a slot: every later write is seen
-        self._future: Future[None] = helper.submit(self._build)
+        self._copying = False
+        """Whether the copy has started: until then the successor is being made and populated."""
+        self._mark_into(self._bitmaps[0])  # the old table's growing load applies from now
+        self._future: Future[None] = helper.submit(self._prepare)
 
     def ready(self) -> bool:
         """Whether the successor can be published now: the helper is idle and the writer's bitmap is small
@@ -234,6 +237,9 @@ class Growth:
         if not self._future.done():
             return False
         self._future.result()  # a failure on the helper is the writer's
+        if not self._copying:
+            self._start_copy()
+            return False
         marked = self._bitmaps[self._marking]
         if self.overfull or int(marked[0]) <= FINAL_DIRTY or self.rounds >= MAX_ROUNDS:
             return True
@@ -247,6 +253,9 @@ class Growth:
         """The last round, the writer's own, once the helper's round ended (waiting for it if need be):
         stop marking, reconcile what was marked. The caller publishes."""
         self._future.result()
+        if not self._copying:
+            self._start_copy()
+            self._future.result()
         self._mark_into(None)
         self._reconcile(self._bitmaps[self._marking])
         if self.overfull:  # nothing writes the old one now: a fresh copy is exact
@@ -259,8 +268,31 @@ class Growth:
         self._future.exception()
 
     def _build(self) -> None:
+        """A whole successor at once, for a writer that waits for it anyway (``settle``)."""
+        self._prepare()
+        self._in_chunks(self._copier())
+
+    def _prepare(self) -> None:
+        """The successor, empty and populated, and the notes of where each slot or row goes."""
         self.where = np.full(self._rows, -1, dtype=np.int64)  # tens of MB: not on the writer's thread
-        self._copy()
+        self._make()
+
+    def _start_copy(self) -> None:
+        """Between batches, once the successor is populated: the copy reads every slot or row after this, so
+        what the writer marked while it was populated (a third to a half of a growth's time, in a burst)
+        need not be reconciled (a 256-worker burst of ``bench_ingest.py``'s workload: 188k slots and rows
+        reconciled instead of 450k). The writer marks into the other bitmap from now; the helper clears the
+        first before it copies. Until then the writer marks into that first one all the same: a set
+        address is what tells the kernels that the old table may fill to its growing load."""
+        self._copying = True
+        stale = self._bitmaps[self._marking]
+        self._marking ^= 1
+        self._mark_into(self._bitmaps[self._marking])
+        self._future = self._helper.submit(self._copy, stale)
+
+    def _copy(self, stale: npt.NDArray[np.uint64]) -> None:
+        stale[:] = 0
+        self._in_chunks(self._copier())
 
     def release(self) -> None:
         """Drop the old table or map, run on the helper after the writer published the successor: unmapping
@@ -276,7 +308,11 @@ class Growth:
         else:
             self.reconciled += done
 
-    def _copy(self) -> None:
+    def _make(self) -> None:
+        raise NotImplementedError
+
+    def _copier(self) -> Callable[[int, int], None]:
+        """The compiled copy of old slots or rows ``start``...``end - 1`` into the successor."""
         raise NotImplementedError
 
     def _in_chunks(self, copy: Callable[[int, int], None]) -> None:
@@ -318,13 +354,15 @@ class TableGrowth(Growth):
         """The successor's match stamps (``ShardWriter._matched``), carried slot by slot."""
         super().__init__(helper, int(old.words[H_CAPACITY]), capacity)
 
-    def _copy(self) -> None:
+    def _make(self) -> None:
         new = new_table(self._name, self.capacity, self._nwords, self._tiers, self.epoch, populate=False)
         populate_in_steps(new.words)
         self.new = new
         self.matched = np.zeros(self.capacity if self.old_matched.size else 0, dtype=np.uint64)
-        copy = partial(kernels.copy_slots, self.old.words, new.words, self.old_matched, self.matched, self.where)
-        self._in_chunks(copy)
+
+    def _copier(self) -> Callable[[int, int], None]:
+        assert self.new is not None
+        return partial(kernels.copy_slots, self.old.words, self.new.words, self.old_matched, self.matched, self.where)
 
     def _reconcile_into(self, dirty: npt.NDArray[np.uint64], most: int) -> int:
         assert self.new is not None
@@ -382,11 +420,14 @@ class MapGrowth(Growth):
         drop_pages(self.old_rows)
         self.old_rows = np.empty((0, kernels.MAP_ROW_WORDS), dtype=np.uint64)
 
-    def _copy(self) -> None:
+    def _make(self) -> None:
         rows, meta = new_map(self.capacity, populate=False)
         populate_in_steps(rows)
         self.new = rows, meta
-        self._in_chunks(partial(kernels.copy_rows, self.old_rows, rows, meta, self.where))
+
+    def _copier(self) -> Callable[[int, int], None]:
+        assert self.new is not None
+        return partial(kernels.copy_rows, self.old_rows, *self.new, self.where)
 
     def _reconcile_into(self, dirty: npt.NDArray[np.uint64], most: int) -> int:
         assert self.new is not None

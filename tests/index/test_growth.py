@@ -118,6 +118,26 @@ def _engine_hashes(oracle: RadixIndex) -> dict[tuple[tuple[int, int], int], set[
     return {(worker, tier.rank): {int(h) for h in held} for (worker, tier), held in oracle.holdings().items() if held}
 
 
+def _copied(stepped: Stepped, part: str = "table") -> None:
+    """Run the helper until ``part``'s successor is made, populated and copied, starting the copy between
+    batches as the writer does; the other parts' copies are not started."""
+    growth = stepped.writer._growths[part]
+    while not growth._copying:
+        assert stepped.helper.step()
+        stepped.writer.advance()
+    while not growth._future.done():
+        assert stepped.helper.step()
+
+
+def _published(stepped: Stepped) -> None:
+    """Run the helper and the writer's checks between batches until every growth is published."""
+    for _ in range(8):
+        while stepped.helper.step():
+            pass
+        stepped.writer.advance()
+    assert not stepped.writer.growing
+
+
 def test_writes_before_during_and_after_the_copy_all_reach_the_successor(
     stepped: Stepped, monkeypatch: pytest.MonkeyPatch
 ):
@@ -132,15 +152,12 @@ def test_writes_before_during_and_after_the_copy_all_reach_the_successor(
     apply(_chain(2, 9000, 100))
     assert stepped.writer.growing
     old = stepped.writer.table
-    assert int(old[H_DIRTY]) != 0  # the writer marks what it writes from the start
-    apply(Removed(1, tuple(EngineHash(i) for i in range(50, 100))))  # before the copy
-    assert stepped.helper.step()  # the copy of the table
+    assert int(old[H_DIRTY]) != 0  # the writer marks what it writes from the start (the growing load)
+    apply(Removed(1, tuple(EngineHash(i) for i in range(50, 100))))  # while the successors are populated
+    _copied(stepped)
     apply(_chain(2, 9100, 20, parent=9099))  # after the table's copy, before the maps'
     apply(Removed(2, (EngineHash(9000),)))
-    while stepped.helper.step():
-        pass
-    stepped.writer.advance()  # little was dirtied: published now, by the writer's own last round
-    assert not stepped.writer.growing
+    _published(stepped)  # little was dirtied: published by the writer's own last round
     assert int(stepped.writer.table[H_CAPACITY]) == 2 * MIN_CAPACITY
     assert stepped.control.epoch(0) == 2
     for query in ([0, *range(1, 120)], list(range(9000, 9120)), [4000, 4001]):
@@ -185,7 +202,7 @@ def test_a_writer_that_dirties_much_gives_the_helper_another_round(stepped: Step
         assert stepped.writer.apply(event) is None
         oracle.apply_event(1, event)
     growth = stepped.writer._growths["table"]
-    assert stepped.helper.step()  # the table's copy
+    _copied(stepped)
     event = _chain(2, 6000, 90)  # 90 new slots of the old table dirty: more than the writer's own round takes
     assert stepped.writer.apply(event) is None
     oracle.apply_event(2, event)
@@ -201,6 +218,31 @@ def test_a_writer_that_dirties_much_gives_the_helper_another_round(stepped: Step
         assert stepped.reader.find_matches_by_tier(query) == oracle.find_matches_by_tier(query)
 
 
+def test_what_is_written_while_the_successor_is_populated_reaches_it_by_the_copy_alone(
+    stepped: Stepped, monkeypatch: pytest.MonkeyPatch
+):
+    """The copy reads every slot after it starts: the writes before it (while the helper made and populated
+    the successor) need no round."""
+    monkeypatch.setattr(growth_module, "FINAL_DIRTY", 16)
+    oracle = RadixIndex()
+    for doc in range(6):
+        event = _chain(1, doc * 1000, 100)
+        assert stepped.writer.apply(event) is None
+        oracle.apply_event(1, event)
+    growth = stepped.writer._growths["table"]
+    event = _chain(2, 6000, 90)  # 90 slots written before the successor exists: more than the last round takes
+    assert stepped.writer.apply(event) is None
+    oracle.apply_event(2, event)
+    _copied(stepped)
+    stepped.writer.advance()
+    assert "table" not in stepped.writer._growths
+    assert (growth.rounds, growth.reconciled) == (0, 0)
+    _published(stepped)
+    for query in (list(range(5000, 5100)), list(range(6000, 6090))):
+        assert stepped.reader.find_matches_by_tier(query) == oracle.find_matches_by_tier(query)
+    assert stepped.writer.engine_hashes() == _engine_hashes(oracle)
+
+
 def test_a_successor_too_full_to_reconcile_is_copied_afresh(stepped: Stepped, monkeypatch: pytest.MonkeyPatch):
     """Dropped slots stay in the successor as keys without holders; were churn to pile them up past
     ``FULL_LOAD``, the round stops and the writer copies the old table afresh when it settles."""
@@ -213,7 +255,7 @@ def test_a_successor_too_full_to_reconcile_is_copied_afresh(stepped: Stepped, mo
     for doc in range(6):
         apply(_chain(1, doc * 1000, 100))
     growth = stepped.writer._growths["table"]
-    assert stepped.helper.step()  # the copy
+    _copied(stepped)
     apply(_chain(2, 6000, 90))
     apply(Removed(1, tuple(EngineHash(i) for i in range(1000, 1050))))
     for _ in range(3):

@@ -194,28 +194,31 @@ def test_an_old_table_is_unlinked_at_once_and_unmapped_after_its_readers_moved_o
     assert not _mapped(old)
 
 
-def test_a_writer_that_dirties_much_gives_the_helper_another_round(stepped: Stepped, monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize(("part", "docs", "dirty"), [("table", 6, 90), ("emap", 8, 60)])
+def test_a_writer_that_dirties_much_gives_the_helper_another_round(
+    stepped: Stepped, monkeypatch: pytest.MonkeyPatch, part: str, docs: int, dirty: int
+):
+    """``docs`` start the part's first growth; ``dirty`` new blocks then dirty as many slots or rows, more than
+    one of a round's batches (``RECONCILE_BATCH``) and than the writer's own round takes, and less than the
+    old part's growing load."""
     monkeypatch.setattr(growth_module, "FINAL_DIRTY", 16)
     oracle = RadixIndex()
-    for doc in range(6):
+    for doc in range(docs):
         event = _chain(1, doc * 1000, 100)
         assert stepped.writer.apply(event) is None
         oracle.apply_event(1, event)
-    growth = stepped.writer._growths["table"]
-    _copied(stepped)
-    event = _chain(2, 6000, 90)  # 90 new slots of the old table dirty: more than the writer's own round takes
+    growth = stepped.writer._growths[part]
+    _copied(stepped, part)
+    event = _chain(2, 10_000, dirty)
     assert stepped.writer.apply(event) is None
     oracle.apply_event(2, event)
     assert growth.rounds == 1
     assert stepped.writer.growing
-    for _ in range(3):  # the maps' copies and rounds, the table's second round: nothing dirties them now
-        while stepped.helper.step():
-            pass
-        stepped.writer.advance()
-    assert not stepped.writer.growing
-    assert growth.reconciled >= 90
-    for query in (list(range(5000, 5100)), list(range(6000, 6090))):
+    _published(stepped)
+    assert growth.reconciled >= dirty
+    for query in (list(range(5000, 5100)), list(range(10_000, 10_000 + dirty))):
         assert stepped.reader.find_matches_by_tier(query) == oracle.find_matches_by_tier(query)
+    assert stepped.writer.engine_hashes() == _engine_hashes(oracle)
 
 
 def test_what_is_written_while_the_successor_is_populated_reaches_it_by_the_copy_alone(

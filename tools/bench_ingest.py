@@ -29,10 +29,12 @@ alternate with kvrouter's 1-shard runs. It neither reads sockets nor re-hashes, 
 kvrouter must keep up anyway. Medians over ``--repeat``.
 
 Ratios, rates kvrouter ÷ reference (> 1: kvrouter better), from 1 shard, the lowest over the worker counts:
-``ingest`` (kvrouter-format frames, goal ≥ 3) and ``ingest_vllm`` (vLLM frames, goal ≥ 1). The 2-shard
+``ingest`` (kvrouter-format frames, goal ≥ 3) and ``ingest_vllm`` (vLLM frames, goal ≥ 1.5). The 2-shard
 figures are printed and stored beside them. As diagnostics, each worker count also gets, per format, the
 in-process rate of the applier's own work (decode + ``ShardWriter.apply_batch``, no process, no socket) and
-what its receive costs a message, compiled and through ``recv_multipart`` (``tools/receive_cost.py``).
+what its receive costs a message, compiled and through ``recv_multipart`` (``tools/receive_cost.py``), and
+each engine run where its CPU went (``CPU_ROLES``, from ``/proc``): with the clock's wall time beside it,
+whether the two cores were busy throughout, and with what.
 
 ``--wire`` also sends vLLM frames over real ZMQ into ``kvrouter up`` (1 and 2 shards) and the reference's
 ``python -m dynamo.indexer``, service by service, and adds ``wire_burst_1``, ``wire_burst_2``,
@@ -298,6 +300,33 @@ class Progress:
         return all(np.array_equal(rows[used, W_LAST_ID], expected) for rows, used, expected in self.views)
 
 
+CPU_ROLES: Final = ("sender", "applier", "applier_zmq_io", "growth_helpers")
+"""Where a run's CPU goes: this process (the publishers, their ZMQ I/O thread), each applier's main thread,
+its ZMQ I/O thread, and its other threads (the growth helpers)."""
+
+
+def thread_cpu(appliers: list[int]) -> dict[str, float]:
+    """CPU seconds so far (user + system) of this process and of the applier processes, by ``CPU_ROLES``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = dict.fromkeys(CPU_ROLES, 0.0)
+    for pid in [os.getpid(), *appliers]:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                    fields = text[text.rindex(")") + 2 :].split()
+                    if pid == os.getpid():
+                        role = "sender"
+                    elif int(tid) == pid:
+                        role = "applier"
+                    elif text[text.index("(") + 1 :].startswith("ZMQbg"):
+                        role = "applier_zmq_io"
+                    else:
+                        role = "growth_helpers"
+                    used[role] += (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
 def check_workers(engine: Engine, workload: IngestWorkload) -> list[str]:
     """What the worker rows show wrong after a run: gaps, bad frames, missing events."""
     counts = [0] * workload.base.workers
@@ -346,6 +375,8 @@ def ingest_engine(workload: IngestWorkload, fmt: IngestFormat, shards: int, tree
             try:
                 progress = Progress(control, workload.last_ids)
                 sends = [(publishers.sockets[worker].send_multipart, message) for worker, message in frames]
+                appliers = [control.pid(shard) for shard in range(shards)]
+                cpu_before = thread_cpu(appliers)
                 start = perf_counter_ns()
                 for send, message in sends:  # hot path
                     send(message)
@@ -359,6 +390,7 @@ def ingest_engine(workload: IngestWorkload, fmt: IngestFormat, shards: int, tree
                         )
                     time.sleep(POLL_S)
                 seconds = (perf_counter_ns() - start) / 1e9
+                cpu_after = thread_cpu(appliers)
             finally:
                 control.close()
         finally:
@@ -372,6 +404,7 @@ def ingest_engine(workload: IngestWorkload, fmt: IngestFormat, shards: int, tree
         "bad_frames": sum(row.bad_frames for row in rows),
         "seconds": seconds,
         "send_seconds": (sent - start) / 1e9,
+        "cpu_s": {role: cpu_after[role] - cpu_before[role] for role in CPU_ROLES},
         "events_per_s": len(frames) / seconds,
         "blocks_per_s": base.blocks / seconds,
         "problems": problems,
@@ -598,6 +631,8 @@ def median_of(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "blocks_per_s": statistics.median(s["blocks_per_s"] for s in samples),
         "samples_blocks_per_s": [s["blocks_per_s"] for s in samples],
         "send_seconds": statistics.median(s["send_seconds"] for s in samples),
+        "seconds": statistics.median(s["seconds"] for s in samples),
+        "cpu_s": {role: statistics.median(s["cpu_s"][role] for s in samples) for role in CPU_ROLES},
         "events_applied": [s["events_applied"] for s in samples],
         "gaps_detected": sum(s["gaps_detected"] for s in samples),
         "bad_frames": sum(s["bad_frames"] for s in samples),
@@ -709,6 +744,13 @@ def print_table(result: dict[str, Any]) -> None:
                     f"{fmt:<12} {config['workers']:>4} {shards:>6} {rate:>15.2f} {row['events_per_s'] / 1e3:>10.1f} "
                     f"{reference:>10.2f} {rate / reference:>6.2f} {row['send_seconds']:>6.2f} "
                     f"{config['in_process_blocks_per_s'][fmt] / 1e6:>17.2f}"
+                )
+        for fmt in FORMATS:
+            for shards, row in config["formats"][fmt].items():
+                print(
+                    f"{'':<12} {config['workers']:>4} {fmt} frames, {shards} shard(s), CPU during the run (s, medians; "
+                    f"the run {row['seconds']:.2f} s on {os.cpu_count()} CPUs): "
+                    + ", ".join(f"{role} {seconds:.2f}" for role, seconds in row["cpu_s"].items())
                 )
         for fmt, ways in config["receive_us_per_message"].items():
             print(

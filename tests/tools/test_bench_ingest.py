@@ -40,6 +40,10 @@ def test_quick_run_applies_every_frame_and_reports_both_ratios(tmp_path: Path) -
                 assert row["problems"] == []
                 assert row["mismatches"] == 0
                 assert row["compared"] >= 200
+                assert set(row["cpu_s"]) == {"sender", "applier", "applier_zmq_io", "growth_helpers"}
+                assert all(seconds >= 0 for seconds in row["cpu_s"].values())
+    rows = [row for c in figures["configs"].values() for f in c["formats"].values() for row in f.values()]
+    assert sum(row["cpu_s"]["applier"] for row in rows) > 0  # the appliers' main threads were found and did the work
     freshness = figures["freshness"]
     assert freshness["missing"] == 0
     assert freshness["sequences"] > 0
@@ -47,6 +51,7 @@ def test_quick_run_applies_every_frame_and_reports_both_ratios(tmp_path: Path) -
     assert figures["machine"]["before"]["loadavg"]
     assert "load average" in stdout
     assert "receive, vllm frames" in stdout
+    assert "CPU during the run" in stdout
     assert "shm: clean" in stdout
     assert left_behind(pid) == []
 

@@ -27,7 +27,8 @@ Everything here runs once per block, so it is numba, over arrays laid out by ``l
   word 0 counts the bits set, bit ``i`` of word ``1 + i // 64`` is slot or row ``i``), so the copy can
   run beside the writer and be corrected afterwards for exactly what the writer changed
   (``reconcile_slots`` / ``reconcile_rows``); the bitmap's address is the table's ``H_DIRTY`` word or the
-  map's ``M_DIRTY``, 0 when nothing is being copied;
+  map's ``M_DIRTY``, 0 when no growth runs (while the successor is still being populated, the marks go to a
+  bitmap the copy then discards);
 - which worker a mask bit names (the shard's worker rows, in the control segment) changes only inside
   the shard's rows generation window (``begin_rows_change`` / ``end_rows_change``: odd, rows, even). A
   reader copies the rows once per generation (``read_rows``: generation, rows, same generation) into its
@@ -1070,7 +1071,8 @@ RECONCILE_BATCH: Final = 32
 up to millions, a cache miss or more each, and asking for a batch's lines together overlaps their misses.
 A round of 8,000 to 20,000 fresh slots of a 1 M-slot table growing to 2 M (256 workers; a helper's round,
 timed alone, four runs each way): 280-342 ns a slot against 503-544 one slot at a time. In a 256-worker
-burst the rounds of the last growth then shrank from 7 to 0.9 ms instead of staying at 4-5 ms."""
+burst the eight rounds of the last growth then shrank from 7 ms to 0.9, where they had stayed at 4-5 ms
+after the first two."""
 
 
 @inlined

@@ -1070,15 +1070,19 @@ RECONCILE_BATCH: Final = 32
 """Dirty slots or rows a round takes at a time (``_gather``): a round's slots lie scattered over a table of
 up to millions, a cache miss or more each, and asking for a batch's lines together overlaps their misses.
 A round of 8,000 to 20,000 fresh slots of a 1 M-slot table growing to 2 M (256 workers; a helper's round,
-timed alone, four runs each way): 280-342 ns a slot against 503-544 one slot at a time. In a 256-worker
+timed alone): 257-342 ns a slot against 503-544 one slot at a time (257-261 once ``_gather`` also asked for
+the ``where`` entries of the copying pass, six runs). In a 256-worker
 burst the eight rounds of the last growth then shrank from 7 ms to 0.9, where they had stayed at 4-5 ms
 after the first two."""
 
 
 @inlined
-def _gather(dirty: Table, word: int, bits: np.uint64, batch: Counts, clear: bool) -> tuple[int, np.uint64, int]:
-    """The next dirty slots after bit ``bits`` of word ``word`` (start at 0, 0), up to a batch: returns where
-    the next gather starts and how many it put in ``batch``; ``clear`` zeroes each word as it is read."""
+def _gather(
+    dirty: Table, word: int, bits: np.uint64, batch: Counts, where: Counts, clear: bool
+) -> tuple[int, np.uint64, int]:
+    """The next dirty slots after bit ``bits`` of word ``word`` (start at 0, 0), up to a batch, each one's
+    ``where`` entry asked for (both passes read it): returns where the next gather starts and how many it
+    put in ``batch``; ``clear`` zeroes each word as it is read."""
     n = 0
     while n < batch.size:
         while bits == _ZERO:
@@ -1089,6 +1093,7 @@ def _gather(dirty: Table, word: int, bits: np.uint64, batch: Counts, clear: bool
             if clear:
                 dirty[word] = _ZERO
         batch[n], bits = _next_dirty(word, bits)
+        _prefetch_line(where, batch[n])
         n += 1
     return word, bits, n
 
@@ -1107,11 +1112,9 @@ def reconcile_slots(
     batch = np.empty(RECONCILE_BATCH, dtype=np.int64)
     word, bits = 0, _ZERO
     while True:
-        word, bits, n = _gather(dirty, word, bits, batch, False)
+        word, bits, n = _gather(dirty, word, bits, batch, where, False)
         if n == 0:
             break
-        for i in range(n):
-            _prefetch_line(where, batch[i])
         for i in range(n):
             if where[batch[i]] >= 0:
                 _prefetch_line(new, HEADER_WORDS + where[batch[i]] * new_width)
@@ -1130,7 +1133,7 @@ def reconcile_slots(
     done = 0
     word, bits = 0, _ZERO
     while True:
-        word, bits, n = _gather(dirty, word, bits, batch, True)
+        word, bits, n = _gather(dirty, word, bits, batch, where, True)
         if n == 0:
             break
         for i in range(n):
@@ -1179,11 +1182,9 @@ def reconcile_rows(old: Map, new: Map, new_meta: Meta, where: Counts, dirty: Tab
     batch = np.empty(RECONCILE_BATCH, dtype=np.int64)
     word, bits = 0, _ZERO
     while True:
-        word, bits, n = _gather(dirty, word, bits, batch, False)
+        word, bits, n = _gather(dirty, word, bits, batch, where, False)
         if n == 0:
             break
-        for i in range(n):
-            _prefetch_line(where, batch[i])
         for i in range(n):
             if where[batch[i]] >= 0:
                 _prefetch_line(new_words, where[batch[i]] * MAP_ROW_WORDS + MAP_TAG)
@@ -1194,7 +1195,7 @@ def reconcile_rows(old: Map, new: Map, new_meta: Meta, where: Counts, dirty: Tab
     done = 0
     word, bits = 0, _ZERO
     while True:
-        word, bits, n = _gather(dirty, word, bits, batch, True)
+        word, bits, n = _gather(dirty, word, bits, batch, where, True)
         if n == 0:
             break
         for i in range(n):

@@ -313,17 +313,16 @@ def thread_cpu(appliers: list[int]) -> dict[str, float]:
         with contextlib.suppress(OSError):
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with contextlib.suppress(OSError):
-                    text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-                    fields = text[text.rindex(")") + 2 :].split()
+                    name, ticks = proc_stat(Path(f"/proc/{pid}/task/{tid}/stat"))
                     if pid == os.getpid():
                         role = "sender"
                     elif int(tid) == pid:
                         role = "applier"
-                    elif text[text.index("(") + 1 :].startswith("ZMQbg"):
+                    elif name.startswith("ZMQbg"):
                         role = "applier_zmq_io"
                     else:
                         role = "growth_helpers"
-                    used[role] += (int(fields[11]) + int(fields[12])) / tick
+                    used[role] += ticks / tick
     return used
 
 
@@ -800,6 +799,13 @@ def print_table(result: dict[str, Any]) -> None:
 # -- main ---------------------------------------------------------------------------------------
 
 
+def proc_stat(path: Path) -> tuple[str, int]:
+    """A process's or thread's name and CPU time so far (user + system, clock ticks), from its ``stat``."""
+    text = path.read_text()
+    fields = text[text.rindex(")") + 2 :].split()
+    return text[text.index("(") + 1 : text.rindex(")")], int(fields[11]) + int(fields[12])
+
+
 def cpu_ticks() -> dict[int, tuple[str, int]]:
     """Every process's name and CPU time so far (user + system, clock ticks)."""
     found = {}
@@ -807,12 +813,9 @@ def cpu_ticks() -> dict[int, tuple[str, int]]:
         if not entry.isdigit():
             continue
         try:
-            text = Path(f"/proc/{entry}/stat").read_text()
+            found[int(entry)] = proc_stat(Path(f"/proc/{entry}/stat"))
         except OSError:
             continue
-        name = text[text.index("(") + 1 : text.rindex(")")]
-        fields = text[text.rindex(")") + 2 :].split()
-        found[int(entry)] = (name, int(fields[11]) + int(fields[12]))
     return found
 
 

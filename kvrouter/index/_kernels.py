@@ -1071,9 +1071,8 @@ RECONCILE_BATCH: Final = 32
 up to millions, a cache miss or more each, and asking for a batch's lines together overlaps their misses.
 A round of 8,000 to 20,000 fresh slots of a 1 M-slot table growing to 2 M (256 workers; a helper's round,
 timed alone): 257-342 ns a slot against 503-544 one slot at a time (257-261 once ``_gather`` also asked for
-the ``where`` entries of the copying pass, six runs). In a 256-worker
-burst the eight rounds of the last growth then shrank from 7 ms to 0.9, where they had stayed at 4-5 ms
-after the first two."""
+the ``where`` entries of the copying pass, six runs). In a 256-worker burst the eight rounds of the last
+growth then shrank from 7 ms to 0.9, where they had stayed at 4-5 ms after the first two."""
 
 
 @inlined

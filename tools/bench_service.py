@@ -37,7 +37,12 @@ both servers is made of (issue 32's "where that tail comes from"; ``docs/http-ap
 
 **Fronts.** ``--compare-fronts N`` (4) starts a second kvrouter with N fronts beside the first
 (``--fronts``, one per core by default); its concurrency-8 rounds alternate with the others, and the server
-CPU per ``/select`` of the two is compared (median over rounds of the ratio; goal: within 10 %).
+CPU per ``/select`` of the two is compared (median over rounds of the ratio; goal: within 10 %). Beside
+them, in the same rounds, the fronts' floor: this file's ``_floor --work`` with as many plain asyncio
+processes as each kvrouter has fronts, on one port (``SO_REUSEPORT``: each connection one process's own,
+nothing shared between them), each request parsed by ``orjson`` and its tokens hashed into blocks with kvrouter's hasher, a small JSON
+answer. The same CPU ratio for them is what running more processes than cores costs on this machine,
+whatever a server does inside them (``docs/http-api.md``, "Several fronts").
 
 Where a kvrouter request's time goes: ``/metrics`` is scraped before and after the concurrency-8 point;
 the routing-overhead histogram's per-phase sums over the requests between (of the front that answers
@@ -722,6 +727,21 @@ def servers(folder: Path, sides: Sequence[str], fronts: int, compare: int | None
                 SHM_LEFT.extend(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
 
 
+@contextlib.contextmanager
+def floors(fronts: int, compare: int | None) -> Iterator[list[Server]]:
+    """The fronts' floor (with ``compare``): ``_floor --work`` as ``fronts`` processes on one port and as
+    ``compare``, each connection one process's own. What it pays for more processes is the machine's: the
+    processes share nothing, and each request costs them the same."""
+    started: list[Server] = []
+    try:
+        for processes in (fronts, compare) if compare is not None else ():
+            started.append(start_floor(f"floor-{processes}procs", processes=processes, work=True))
+        yield started
+    finally:
+        for server in started:
+            stop(server)
+
+
 def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     workload = build_workload(args.bodies, args.seed)
     bodies = folder / "bodies.jsonl"
@@ -736,14 +756,14 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     floor = floor_point(script, TAIL_CONCURRENCY, args.seconds)  # before any server: the machine's own tail
     compare = args.compare_fronts if args.compare_fronts and args.compare_fronts != args.fronts else None
     try:
-        with servers(folder, args.sides, args.fronts, compare) as started:
+        with servers(folder, args.sides, args.fronts, compare) as started, floors(args.fronts, compare) as floor_pair:
             for server in started:
                 register(server, publishers.endpoints)
             publishers.wait_subscribed(len(started), START_TIMEOUT)
             publishers.send(workload.frames)
             for server in started:
                 verify(server, workload, START_TIMEOUT)
-            for server in started:
+            for server in [*started, *floor_pair]:
                 run_wrk(server, script, RATIO_CONCURRENCY, args.warmup)
             kvrouter = next((s for s in started if s.name == "kvrouter"), None)
             compared = next((s for s in started if s.name.startswith("kvrouter-")), None)
@@ -755,7 +775,9 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                 if connections in args.concurrency:
                     rounds = args.rounds if connections in (TAIL_CONCURRENCY, RATIO_CONCURRENCY) else 1
                     ours = kvrouter if connections == RATIO_CONCURRENCY else None  # its phases are timed here
-                    measured = [*sides, compared] if connections == RATIO_CONCURRENCY and compared else sides
+                    measured = (
+                        [*sides, compared, *floor_pair] if connections == RATIO_CONCURRENCY and compared else sides
+                    )
                     before = scrape(ours) if ours is not None else {}
                     for turn in range(rounds):  # who goes first alternates: neither side always follows the other
                         for server in measured if turn % 2 == 0 else measured[::-1]:
@@ -789,11 +811,12 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     main_runs = runs.get("kvrouter", {}).get(RATIO_CONCURRENCY)
     other_runs = runs.get(f"kvrouter-{compare}fronts", {}).get(RATIO_CONCURRENCY) if compare else None
     if main_runs and other_runs:
-        pairs = list(zip(main_runs, other_runs, strict=True))
+        floor_runs = [runs[f"floor-{n}procs"][RATIO_CONCURRENCY] for n in (args.fronts, compare)]
         fronts_cpu = {
             "fronts": args.fronts,
             "compare": compare,
-            "cpu_ratio": statistics.median(m["server_cpu_us"] / o["server_cpu_us"] for m, o in pairs),
+            "cpu_ratio": cpu_ratio(main_runs, other_runs),
+            "floor_cpu_ratio": cpu_ratio(*floor_runs),
             "goal": FRONTS_CPU_GOAL,
         }
     return {
@@ -825,27 +848,52 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     }
 
 
+def cpu_ratio(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> float:
+    """Server CPU per request of ``first`` ÷ ``second``, the median over rounds of the ratio within a round."""
+    return float(statistics.median(f["server_cpu_us"] / s["server_cpu_us"] for f, s in zip(first, second, strict=True)))
+
+
 def floor_point(script: Path, connections: int, seconds: float) -> dict[str, Any]:
     """The machine's own tail: wrk against this file's ``_floor`` server, which answers every request at
     once from asyncio with no work at all (what no server on this machine can beat)."""
-    floor = subprocess.Popen([sys.executable, __file__, "_floor", "--port", "0"], stdout=subprocess.PIPE)
-    assert floor.stdout is not None
-    line = floor.stdout.readline()  # the port it bound: chosen by its own bind, so no other process can take it first
-    server = Server("floor", f"http://127.0.0.1:{line.decode().strip() or 0}", floor, Path(os.devnull))
+    server = start_floor("floor", processes=1, work=False)
     try:
-        wait_http(server, "/health", START_TIMEOUT)
         return run_wrk(server, script, connections, seconds)
     finally:
         stop(server)
-        floor.stdout.close()
 
 
-def serve_floor(port: int) -> int:
-    """``_floor``: an asyncio HTTP/1.1 server answering every request with a fixed JSON body at once."""
+def start_floor(name: str, *, processes: int, work: bool) -> Server:
+    """``_floor`` in a process of its own (``processes`` > 1: with its children, on one port), once it answers."""
+    command = [sys.executable, __file__, "_floor", "--port", "0", "--processes", str(processes)]
+    floor = subprocess.Popen([*command, *(["--work"] if work else [])], stdout=subprocess.PIPE)
+    assert floor.stdout is not None
+    line = floor.stdout.readline()  # the port it bound: chosen by its own bind, so no other process can take it first
+    floor.stdout.close()
+    server = Server(name, f"http://127.0.0.1:{line.decode().strip() or 0}", floor, Path(os.devnull))
+    with stopped_on_failure(server):
+        wait_http(server, "/health", START_TIMEOUT)
+    return server
+
+
+def serve_floor(port: int, processes: int, work: bool) -> int:
+    """``_floor``: an asyncio HTTP/1.1 server answering every request at once, with a fixed JSON body, or
+    (``work``) as a plain router would: the body parsed by ``orjson``, its tokens hashed into blocks by
+    kvrouter's hasher, a small JSON answer. ``processes`` > 1: it binds with ``SO_REUSEPORT`` and spawns
+    ``processes`` - 1 more of itself on that port (as kvrouter's fronts are spawned), which the kernel deals
+    connections to, each process its own; they stop when it does."""
     import asyncio
 
-    body = b'{"status":"ok"}'
-    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    import orjson
+
+    fixed = b'{"status":"ok"}'
+
+    def answer(body: bytes) -> bytes:
+        out = fixed
+        if work and body:
+            hashes = block_hashes_array(orjson.loads(body)["token_ids"], BLOCK)
+            out = orjson.dumps({"worker_id": int(hashes[-1] % WORKERS), "blocks": len(hashes)})
+        return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(out), out)
 
     class Answering(asyncio.Protocol):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -862,16 +910,36 @@ def serve_floor(port: int) -> int:
                         length = int(value)
                 if len(self.buffer) < end + 4 + length:
                     return
+                body = self.buffer[end + 4 : end + 4 + length]
                 self.buffer = self.buffer[end + 4 + length :]
-                self.transport.write(answer)
+                self.transport.write(answer(body))
 
-    async def run() -> None:
-        server = await asyncio.get_running_loop().create_server(Answering, "127.0.0.1", port)
-        print(server.sockets[0].getsockname()[1], flush=True)
-        await server.serve_forever()
-
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    others: list[subprocess.Popen[bytes]] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    asyncio.run(run())
+    try:
+        for _ in range(processes - 1):
+            command = [sys.executable, __file__, "_floor", "--port", str(port), *(["--work"] if work else [])]
+            others.append(subprocess.Popen(command, stdout=subprocess.PIPE))
+            assert others[-1].stdout is not None
+            others[-1].stdout.readline()  # it listens
+            others[-1].stdout.close()
+
+        async def run() -> None:
+            server = await asyncio.get_running_loop().create_server(Answering, sock=listener)
+            print(port, flush=True)
+            await server.serve_forever()
+
+        asyncio.run(run())
+    finally:
+        for other in others:
+            other.terminate()
+        for other in others:
+            other.wait()
     return 0
 
 
@@ -913,6 +981,11 @@ def print_table(result: dict[str, Any]) -> None:
         print(
             f"server CPU per /select at concurrency {RATIO_CONCURRENCY}, {fc['fronts']} fronts ÷ {fc['compare']} "
             f"fronts (median over rounds): {fc['cpu_ratio']:.2f}  goal ≥ {fc['goal']:.2f} (within 10 %): {verdict}"
+        )
+        print(
+            f"the machine's fronts floor: the same ratio for {fc['fronts']} and {fc['compare']} plain asyncio "
+            f"processes on one port (SO_REUSEPORT, nothing shared; each request parsed and hashed): "
+            f"{fc['floor_cpu_ratio']:.2f}"
         )
     fast = result.get("fastpath") or {}
     for c, p in fast.get("points", {}).items():
@@ -965,11 +1038,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         loading.add_argument("--tokens", choices=("bin", "list"), default="bin")
         options = loading.parse_args(argv[1:])
         return zmq_load(options.endpoint, options.bodies, options.connections, options.seconds, options.tokens)
-    if argv[:1] in (["_zmq_echo"], ["_floor"]):
-        echoing = argparse.ArgumentParser(prog=f"bench_service.py {argv[0]}")
+    if argv[:1] == ["_zmq_echo"]:
+        echoing = argparse.ArgumentParser(prog="bench_service.py _zmq_echo")
         echoing.add_argument("--port", type=int, required=True)
-        port = echoing.parse_args(argv[1:]).port
-        return zmq_echo(port) if argv[0] == "_zmq_echo" else serve_floor(port)
+        return zmq_echo(echoing.parse_args(argv[1:]).port)
+    if argv[:1] == ["_floor"]:
+        flooring = argparse.ArgumentParser(prog="bench_service.py _floor")
+        flooring.add_argument("--port", type=int, required=True)
+        flooring.add_argument("--processes", type=int, default=1)
+        flooring.add_argument("--work", action="store_true")
+        options = flooring.parse_args(argv[1:])
+        return serve_floor(options.port, options.processes, options.work)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=SECONDS, help="per measured point")
     parser.add_argument("--warmup", type=float, default=WARMUP_SECONDS, help="per server, at concurrency 8")

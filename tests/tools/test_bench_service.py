@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -48,12 +49,50 @@ def test_quick_run_measures_both_servers_and_reports_both_ratios(tmp_path: Path)
     assert compared["8"]["errors"] == 0
     assert figures["fronts_cpu"]["compare"] == 4
     assert figures["fronts_cpu"]["cpu_ratio"] > 0
+    for processes in (2, 4):  # the fronts' floor: plain processes on one port, measured in the same rounds
+        floor = figures["points"][f"floor-{processes}procs"]
+        assert set(floor) == {"8"}
+        assert floor["8"]["rounds"] == 2
+        assert floor["8"]["requests"] > 0
+        assert floor["8"]["errors"] == 0
+    assert figures["fronts_cpu"]["floor_cpu_ratio"] > 0
     assert figures["floor"]["requests"] > 0
     fast = figures["fastpath"]["points"]  # the ZMQ fast path, kvrouter only
     assert set(fast) == {"1", "8"}
     assert all(p["requests"] > 0 and p["errors"] == 0 for p in fast.values())
     assert figures["fastpath"]["generator_ceiling"]["requests"] > 0
     assert figures["shm_left"] == []
+
+
+def test_a_floor_of_several_processes_answers_and_stops_with_its_children() -> None:
+    """``_floor --processes 3 --work``: the three share one port and answer a ``/select`` body with its
+    blocks; SIGTERM to the first stops the other two as well."""
+    floor = subprocess.Popen(
+        [sys.executable, str(TOOLS / "bench_service.py"), "_floor", "--port", "0", "--processes", "3", "--work"],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert floor.stdout is not None
+    tree: list[tuple[int, str]] = []
+    try:
+        port = int(floor.stdout.readline())  # printed once the other two listen
+        tree = descendants(floor.pid)
+        assert len(tree) == 2
+        body = json.dumps({"model_name": "m", "token_ids": list(range(40))})
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /select HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body.encode()))
+            head, _, answer = sock.recv(4096).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        assert json.loads(answer)["blocks"] == 2  # 40 tokens: 2 whole blocks
+        floor.send_signal(signal.SIGTERM)
+        assert floor.wait(20) == 0
+        assert still_there(tree) == []
+    finally:
+        if floor.poll() is None:
+            floor.kill()
+            floor.wait()
+        floor.stdout.close()
+        kill_survivors(tree)
 
 
 def test_sigterm_stops_the_servers_it_started() -> None:

@@ -66,7 +66,7 @@ each the median over the rounds of the ratio within a round (the two sides of a 
 the table's rows are each side's medians, and the rounds are listed under it. Goals: ≥ 1 on the first two
 (issue 11, kept by issue 32), and ``select_p99_c1`` ≥ 1/1.5 (kvrouter's p99 at concurrency 1 at most
 1.5 times the reference's: issue 32). ``--quick`` is a smoke test for the test suite (32 prompts, 1 s
-points, no timing meaning). The default run takes about 7 minutes.
+points, no timing meaning). The default run takes about 8 minutes.
 
 HTTP outside the clock (waiting for a server, registering the workers, the routing check before any clock
 runs, the ``/metrics`` scrapes) goes through ``kvrouter.SyncClient``, for both servers: the reference's

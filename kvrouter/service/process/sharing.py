@@ -50,12 +50,10 @@ How:
 
 The cost, per request: the lock and unlock (about 1.4 µs together), two writes of a shared word, and each
 other front's wake for bytes it leaves (its epoll; a refused lock, 1.7 µs with its ``OSError``), against a
-request's 50-90 µs of CPU. Four fronts on two cores still spend 2-18 % more CPU per ``/select`` than two
-(``tools/bench_service.py``, 2026-12-06: 79 against 94 µs; 2026-12-07, three runs: ratios 0.98, 0.82 and
-0.89), nearly all of it user time in the same Python path (66 against 78 µs a request), spread evenly over
-the fronts (4 x 22-28 µs against 2 x 41-47 µs, 2026-12-07). ``perf stat`` over the fronts counted 0.57
-context switches a request against 0.40, and no more migrations: each of four fronts finds fewer requests
-ready per wake than each of two, and four interpreters take turns on two cores' caches. Not
+request's 50-90 µs of CPU. Four fronts on two cores spend 2-19 % more CPU per ``/select`` than two, and
+plain processes that share nothing spend as much more on this machine, in the same rounds
+(``tools/bench_service.py``'s fronts' floor; ``docs/http-api.md``, "Several fronts"): four interpreters take
+turns on two cores' caches, each finding fewer requests ready per wake than one of two. Not
 possible on a shared connection: TLS or HTTP/2 (the fronts would need one session state; a TLS-terminating
 proxy in front is the way). Rejected: a lock word in shared memory taken by compare-and-swap (Python has no
 atomic instruction, and a dead front's word would stay taken); serving each request by whichever front reads

@@ -42,6 +42,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import os
 import signal
 import sys
 import tomllib
@@ -232,6 +233,13 @@ def up(ctx: typer.Context, **values: Any) -> None:
         return
     if service_config.exposed_without_auth:
         typer.echo(f"kvrouter up: warning: {service_config.host} is not loopback and no --auth-token is set", err=True)
+    cores = len(os.sched_getaffinity(0))
+    if service_config.fronts > cores:  # each front past the cores waits for one: no throughput, more CPU a request
+        typer.echo(
+            f"kvrouter up: warning: --fronts {service_config.fronts} on {cores} usable cores: fronts beyond the "
+            'cores add no throughput and cost each request more CPU (docs/http-api.md, "Several fronts")',
+            err=True,
+        )
     raise typer.Exit(serve(service_config, demo_config if demo_config.roles else None))
 
 

@@ -349,6 +349,19 @@ def test_up_warns_once_when_the_api_is_off_loopback_without_a_token(runner, monk
     assert WARNING not in guarded.stderr
 
 
+FRONTS_WARNING = "usable cores: fronts beyond the cores add no throughput"
+
+
+@pytest.mark.parametrize(("fronts", "warnings"), [(1, 0), (2, 0), (3, 1), (4, 1)])
+def test_up_warns_once_when_there_are_more_fronts_than_usable_cores(runner, monkeypatch, fronts, warnings):
+    """Two cores usable (a container's cpuset, or a small VM): a third front only waits for one."""
+    monkeypatch.setattr("kvrouter.cli.up.serve", lambda config, demo: 0)
+    monkeypatch.setattr("kvrouter.cli.up.os.sched_getaffinity", lambda pid: {0, 1})
+    result = runner.invoke(app, ["up", "--fronts", str(fronts)])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count(FRONTS_WARNING) == warnings
+
+
 def test_print_config_does_not_warn(runner):
     result = runner.invoke(app, ["up", "--host", "0.0.0.0", "--print-config"])
     assert result.exit_code == 0

@@ -40,9 +40,9 @@ both servers is made of (issue 32's "where that tail comes from"; ``docs/http-ap
 CPU per ``/select`` of the two is compared (median over rounds of the ratio; goal: within 10 %). Beside
 them, in the same rounds, the fronts' floor: this file's ``_floor --work`` with as many plain asyncio
 processes as each kvrouter has fronts, on one port (``SO_REUSEPORT``: each connection one process's own,
-nothing shared between them), each request parsed by ``orjson`` and its tokens hashed into blocks with kvrouter's hasher, a small JSON
-answer. The same CPU ratio for them is what running more processes than cores costs on this machine,
-whatever a server does inside them (``docs/http-api.md``, "Several fronts").
+nothing shared between them), each request parsed by ``orjson`` and its tokens hashed into blocks with
+kvrouter's hasher, a small JSON answer. The same CPU ratio for them is what running more processes than
+cores costs on this machine, whatever a server does inside them (``docs/http-api.md``, "Several fronts").
 
 Where a kvrouter request's time goes: ``/metrics`` is scraped before and after the concurrency-8 point;
 the routing-overhead histogram's per-phase sums over the requests between (of the front that answers
@@ -865,8 +865,7 @@ def floor_point(script: Path, connections: int, seconds: float) -> dict[str, Any
 
 def start_floor(name: str, *, processes: int, work: bool) -> Server:
     """``_floor`` in a process of its own (``processes`` > 1: with its children, on one port), once it answers."""
-    command = [sys.executable, __file__, "_floor", "--port", "0", "--processes", str(processes)]
-    floor = subprocess.Popen([*command, *(["--work"] if work else [])], stdout=subprocess.PIPE)
+    floor = subprocess.Popen(floor_command(0, work, processes), stdout=subprocess.PIPE)
     assert floor.stdout is not None
     line = floor.stdout.readline()  # the port it bound: chosen by its own bind, so no other process can take it first
     floor.stdout.close()
@@ -874,6 +873,12 @@ def start_floor(name: str, *, processes: int, work: bool) -> Server:
     with stopped_on_failure(server):
         wait_http(server, "/health", START_TIMEOUT)
     return server
+
+
+def floor_command(port: int, work: bool, processes: int = 1) -> list[str]:
+    """``_floor``'s command line (``port`` 0: it binds one of its own and prints it)."""
+    command = [sys.executable, __file__, "_floor", "--port", str(port), "--processes", str(processes)]
+    return [*command, "--work"] if work else command
 
 
 def serve_floor(port: int, processes: int, work: bool) -> int:
@@ -923,8 +928,7 @@ def serve_floor(port: int, processes: int, work: bool) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         for _ in range(processes - 1):
-            command = [sys.executable, __file__, "_floor", "--port", str(port), *(["--work"] if work else [])]
-            others.append(subprocess.Popen(command, stdout=subprocess.PIPE))
+            others.append(subprocess.Popen(floor_command(port, work), stdout=subprocess.PIPE))
             assert others[-1].stdout is not None
             others[-1].stdout.readline()  # it listens
             others[-1].stdout.close()

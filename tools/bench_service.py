@@ -727,15 +727,21 @@ def servers(folder: Path, sides: Sequence[str], fronts: int, compare: int | None
                 SHM_LEFT.extend(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
 
 
+FLOORS: Final = {"spawned": False, "forked": True}
+"""The fronts' floors: their processes spawned (as kvrouter's fronts are), or forked from a warm one."""
+
+
 @contextlib.contextmanager
 def floors(fronts: int, compare: int | None) -> Iterator[list[Server]]:
-    """The fronts' floor (with ``compare``): ``_floor --work`` as ``fronts`` processes on one port and as
-    ``compare``, each connection one process's own. What it pays for more processes is the machine's: the
-    processes share nothing, and each request costs them the same."""
+    """The fronts' floors (with ``compare``): ``_floor --work`` as ``fronts`` processes on one port and as
+    ``compare``, each connection one process's own, spawned and forked. The processes share no work, and
+    each request costs them the same: what they pay for more of them is the machine's, and how they came
+    to be."""
     started: list[Server] = []
     try:
-        for processes in (fronts, compare) if compare is not None else ():
-            started.append(start_floor(f"floor-{processes}procs", processes=processes, work=True))
+        for how, fork in FLOORS.items():
+            for processes in (fronts, compare) if compare is not None else ():
+                started.append(start_floor(f"floor-{processes}{how}", processes=processes, work=True, fork=fork))
         yield started
     finally:
         for server in started:
@@ -811,12 +817,14 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     main_runs = runs.get("kvrouter", {}).get(RATIO_CONCURRENCY)
     other_runs = runs.get(f"kvrouter-{compare}fronts", {}).get(RATIO_CONCURRENCY) if compare else None
     if main_runs and other_runs:
-        floor_runs = [runs[f"floor-{n}procs"][RATIO_CONCURRENCY] for n in (args.fronts, compare)]
         fronts_cpu = {
             "fronts": args.fronts,
             "compare": compare,
             "cpu_ratio": cpu_ratio(main_runs, other_runs),
-            "floor_cpu_ratio": cpu_ratio(*floor_runs),
+            "floor_cpu_ratios": {
+                how: cpu_ratio(*(runs[f"floor-{n}{how}"][RATIO_CONCURRENCY] for n in (args.fronts, compare)))
+                for how in FLOORS
+            },
             "goal": FRONTS_CPU_GOAL,
         }
     return {
@@ -863,9 +871,9 @@ def floor_point(script: Path, connections: int, seconds: float) -> dict[str, Any
         stop(server)
 
 
-def start_floor(name: str, *, processes: int, work: bool) -> Server:
+def start_floor(name: str, *, processes: int, work: bool, fork: bool = False) -> Server:
     """``_floor`` in a process of its own (``processes`` > 1: with its children, on one port), once it answers."""
-    floor = subprocess.Popen(floor_command(0, work, processes), stdout=subprocess.PIPE)
+    floor = subprocess.Popen(floor_command(0, work, processes, fork), stdout=subprocess.PIPE)
     assert floor.stdout is not None
     line = floor.stdout.readline()  # the port it bound: chosen by its own bind, so no other process can take it first
     floor.stdout.close()
@@ -875,18 +883,20 @@ def start_floor(name: str, *, processes: int, work: bool) -> Server:
     return server
 
 
-def floor_command(port: int, work: bool, processes: int = 1) -> list[str]:
+def floor_command(port: int, work: bool, processes: int = 1, fork: bool = False) -> list[str]:
     """``_floor``'s command line (``port`` 0: it binds one of its own and prints it)."""
     command = [sys.executable, __file__, "_floor", "--port", str(port), "--processes", str(processes)]
-    return [*command, "--work"] if work else command
+    return command + ["--work"] * work + ["--fork"] * fork
 
 
-def serve_floor(port: int, processes: int, work: bool) -> int:
+def serve_floor(port: int, processes: int, work: bool, fork: bool) -> int:
     """``_floor``: an asyncio HTTP/1.1 server answering every request at once, with a fixed JSON body, or
     (``work``) as a plain router would: the body parsed by ``orjson``, its tokens hashed into blocks by
-    kvrouter's hasher, a small JSON answer. ``processes`` > 1: it binds with ``SO_REUSEPORT`` and spawns
-    ``processes`` - 1 more of itself on that port (as kvrouter's fronts are spawned), which the kernel deals
-    connections to, each process its own; they stop when it does."""
+    kvrouter's hasher, a small JSON answer. ``processes`` > 1: it binds with ``SO_REUSEPORT`` and starts
+    ``processes`` - 1 more of itself on that port, which the kernel deals connections to, each process its
+    own; they stop when it does. They are spawned (as kvrouter's fronts are), or (``fork``) forked from
+    this process once it has answered one request, before any loop: they share its memory until they
+    write it."""
     import asyncio
 
     import orjson
@@ -919,31 +929,61 @@ def serve_floor(port: int, processes: int, work: bool) -> int:
                 self.buffer = self.buffer[end + 4 + length :]
                 self.transport.write(answer(body))
 
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    listener.bind(("127.0.0.1", port))
-    listener.listen(128)
+    def listen(port: int) -> socket.socket:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+        return listener
+
+    async def serve(listener: socket.socket, listening: Callable[[], object]) -> None:
+        server = await asyncio.get_running_loop().create_server(Answering, sock=listener)
+        listening()
+        await server.serve_forever()
+
+    def forked(port: int) -> int:
+        """A copy of this process serving its own listener on ``port``; returns once it listens."""
+        readable, writable = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                asyncio.run(serve(listen(port), lambda: os.write(writable, b"l")))
+            except SystemExit:  # SIGTERM: this process's handler, inherited
+                code = 0
+            finally:
+                os._exit(code)  # not this function's caller's cleanup: its siblings are not this copy's
+        os.close(writable)
+        os.read(readable, 1)
+        os.close(readable)
+        return pid
+
+    listener = listen(port)
     port = listener.getsockname()[1]
-    others: list[subprocess.Popen[bytes]] = []
+    if fork:
+        answer(orjson.dumps({"token_ids": list(range(PROMPT_TOKENS))}))  # what the copies then share
+    spawned: list[subprocess.Popen[bytes]] = []
+    copies: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         for _ in range(processes - 1):
-            others.append(subprocess.Popen(floor_command(port, work), stdout=subprocess.PIPE))
-            assert others[-1].stdout is not None
-            others[-1].stdout.readline()  # it listens
-            others[-1].stdout.close()
-
-        async def run() -> None:
-            server = await asyncio.get_running_loop().create_server(Answering, sock=listener)
-            print(port, flush=True)
-            await server.serve_forever()
-
-        asyncio.run(run())
+            if fork:
+                copies.append(forked(port))
+                continue
+            spawned.append(subprocess.Popen(floor_command(port, work), stdout=subprocess.PIPE))
+            assert spawned[-1].stdout is not None
+            spawned[-1].stdout.readline()  # it listens
+            spawned[-1].stdout.close()
+        asyncio.run(serve(listener, lambda: print(port, flush=True)))
     finally:
-        for other in others:
-            other.terminate()
-        for other in others:
-            other.wait()
+        for process in spawned:
+            process.terminate()
+        for pid in copies:
+            os.kill(pid, signal.SIGTERM)
+        for process in spawned:
+            process.wait()
+        for pid in copies:
+            os.waitpid(pid, 0)
     return 0
 
 
@@ -986,11 +1026,11 @@ def print_table(result: dict[str, Any]) -> None:
             f"server CPU per /select at concurrency {RATIO_CONCURRENCY}, {fc['fronts']} fronts ÷ {fc['compare']} "
             f"fronts (median over rounds): {fc['cpu_ratio']:.2f}  goal ≥ {fc['goal']:.2f} (within 10 %): {verdict}"
         )
-        print(
-            f"the machine's fronts floor: the same ratio for {fc['fronts']} and {fc['compare']} plain asyncio "
-            f"processes on one port (SO_REUSEPORT, nothing shared; each request parsed and hashed): "
-            f"{fc['floor_cpu_ratio']:.2f}"
-        )
+        for how, ratio in fc["floor_cpu_ratios"].items():
+            print(
+                f"the fronts' floor, {how}: the same ratio for {fc['fronts']} and {fc['compare']} plain asyncio "
+                f"processes on one port (SO_REUSEPORT, each request parsed and hashed): {ratio:.2f}"
+            )
     fast = result.get("fastpath") or {}
     for c, p in fast.get("points", {}).items():
         print(
@@ -1051,8 +1091,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         flooring.add_argument("--port", type=int, required=True)
         flooring.add_argument("--processes", type=int, default=1)
         flooring.add_argument("--work", action="store_true")
+        flooring.add_argument("--fork", action="store_true")
         options = flooring.parse_args(argv[1:])
-        return serve_floor(options.port, options.processes, options.work)
+        return serve_floor(options.port, options.processes, options.work, options.fork)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=SECONDS, help="per measured point")
     parser.add_argument("--warmup", type=float, default=WARMUP_SECONDS, help="per server, at concurrency 8")

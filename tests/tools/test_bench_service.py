@@ -49,13 +49,14 @@ def test_quick_run_measures_both_servers_and_reports_both_ratios(tmp_path: Path)
     assert compared["8"]["errors"] == 0
     assert figures["fronts_cpu"]["compare"] == 4
     assert figures["fronts_cpu"]["cpu_ratio"] > 0
-    for processes in (2, 4):  # the fronts' floor: plain processes on one port, measured in the same rounds
-        floor = figures["points"][f"floor-{processes}procs"]
+    for name in ("floor-2spawned", "floor-4spawned", "floor-2forked", "floor-4forked"):  # the fronts' floors:
+        floor = figures["points"][name]  # plain processes on one port, measured in the same rounds
         assert set(floor) == {"8"}
         assert floor["8"]["rounds"] == 2
         assert floor["8"]["requests"] > 0
         assert floor["8"]["errors"] == 0
-    assert figures["fronts_cpu"]["floor_cpu_ratio"] > 0
+    assert set(figures["fronts_cpu"]["floor_cpu_ratios"]) == {"spawned", "forked"}
+    assert all(ratio > 0 for ratio in figures["fronts_cpu"]["floor_cpu_ratios"].values())
     assert figures["floor"]["requests"] > 0
     fast = figures["fastpath"]["points"]  # the ZMQ fast path, kvrouter only
     assert set(fast) == {"1", "8"}
@@ -64,11 +65,12 @@ def test_quick_run_measures_both_servers_and_reports_both_ratios(tmp_path: Path)
     assert figures["shm_left"] == []
 
 
-def test_a_floor_of_several_processes_answers_and_stops_with_its_children() -> None:
+@pytest.mark.parametrize("how", [[], ["--fork"]], ids=["spawned", "forked"])
+def test_a_floor_of_several_processes_answers_and_stops_with_its_children(how: list[str]) -> None:
     """``_floor --processes 3 --work``: the three share one port and answer a ``/select`` body with its
     blocks; SIGTERM to the first stops the other two as well."""
     floor = subprocess.Popen(
-        [sys.executable, str(TOOLS / "bench_service.py"), "_floor", "--port", "0", "--processes", "3", "--work"],
+        [sys.executable, str(TOOLS / "bench_service.py"), "_floor", "--port", "0", "--processes", "3", "--work", *how],
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )

@@ -38,11 +38,13 @@ both servers is made of (issue 32's "where that tail comes from"; ``docs/http-ap
 **Fronts.** ``--compare-fronts N`` (4) starts a second kvrouter with N fronts beside the first
 (``--fronts``, one per core by default); its concurrency-8 rounds alternate with the others, and the server
 CPU per ``/select`` of the two is compared (median over rounds of the ratio; goal: within 10 %). Beside
-them, in the same rounds, the fronts' floor: this file's ``_floor --work`` with as many plain asyncio
+them, in the same rounds, the fronts' floors: this file's ``_floor --work`` with as many plain asyncio
 processes as each kvrouter has fronts, on one port (``SO_REUSEPORT``: each connection one process's own,
-nothing shared between them), each request parsed by ``orjson`` and its tokens hashed into blocks with
-kvrouter's hasher, a small JSON answer. The same CPU ratio for them is what running more processes than
-cores costs on this machine, whatever a server does inside them (``docs/http-api.md``, "Several fronts").
+no work shared between them), each request parsed by ``orjson`` and its tokens hashed into blocks with
+kvrouter's hasher, a small JSON answer; once spawned, as kvrouter's fronts are, and once forked from a
+process that has answered a request. The same CPU ratio for them is what more processes than cores cost
+on this machine when each has its own copy of everything, and when they share their parent's memory
+(``docs/http-api.md``, "Several fronts").
 
 Where a kvrouter request's time goes: ``/metrics`` is scraped before and after the concurrency-8 point;
 the routing-overhead histogram's per-phase sums over the requests between (of the front that answers

@@ -739,15 +739,20 @@ def floors(fronts: int, compare: int | None) -> Iterator[list[Server]]:
     ``compare``, each connection one process's own, spawned and forked. The processes share no work, and
     each request costs them the same: what they pay for more of them is the machine's, and how they came
     to be."""
+    counts = (fronts, compare) if compare is not None else ()
+    wanted = [(f"floor-{n}{how}", n, fork) for how, fork in FLOORS.items() for n in counts]
+    launched = [launch_floor(processes, True, fork) for _, processes, fork in wanted]  # they start together
     started: list[Server] = []
     try:
-        for how, fork in FLOORS.items():
-            for processes in (fronts, compare) if compare is not None else ():
-                started.append(start_floor(f"floor-{processes}{how}", processes=processes, work=True, fork=fork))
+        for (name, _, _), process in zip(wanted, launched, strict=True):
+            started.append(floor_server(name, process))
         yield started
     finally:
         for server in started:
             stop(server)
+        for process in launched[len(started) :]:  # not answering yet (or stopped already, a no-op)
+            process.terminate()
+            process.wait()
 
 
 def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
@@ -875,7 +880,16 @@ def floor_point(script: Path, connections: int, seconds: float) -> dict[str, Any
 
 def start_floor(name: str, *, processes: int, work: bool, fork: bool = False) -> Server:
     """``_floor`` in a process of its own (``processes`` > 1: with its children, on one port), once it answers."""
-    floor = subprocess.Popen(floor_command(0, work, processes, fork), stdout=subprocess.PIPE)
+    return floor_server(name, launch_floor(processes, work, fork))
+
+
+def launch_floor(processes: int, work: bool, fork: bool) -> subprocess.Popen[bytes]:
+    """``_floor`` started, not waited for (:func:`floor_server` waits): several start together."""
+    return subprocess.Popen(floor_command(0, work, processes, fork), stdout=subprocess.PIPE)
+
+
+def floor_server(name: str, floor: subprocess.Popen[bytes]) -> Server:
+    """A launched ``_floor`` once it answers."""
     assert floor.stdout is not None
     line = floor.stdout.readline()  # the port it bound: chosen by its own bind, so no other process can take it first
     floor.stdout.close()
@@ -971,11 +985,12 @@ def serve_floor(port: int, processes: int, work: bool, fork: bool) -> int:
         for _ in range(processes - 1):
             if fork:
                 copies.append(forked(port))
-                continue
-            spawned.append(subprocess.Popen(floor_command(port, work), stdout=subprocess.PIPE))
-            assert spawned[-1].stdout is not None
-            spawned[-1].stdout.readline()  # it listens
-            spawned[-1].stdout.close()
+            else:
+                spawned.append(subprocess.Popen(floor_command(port, work), stdout=subprocess.PIPE))
+        for process in spawned:  # started together; each prints its port once it listens
+            assert process.stdout is not None
+            process.stdout.readline()
+            process.stdout.close()
         asyncio.run(serve(listener, lambda: print(port, flush=True)))
     finally:
         for process in spawned:

@@ -741,7 +741,7 @@ def floors(fronts: int, compare: int | None) -> Iterator[list[Server]]:
     to be."""
     counts = (fronts, compare) if compare is not None else ()
     wanted = [(f"floor-{n}{how}", n, fork) for how, fork in FLOORS.items() for n in counts]
-    launched = [launch_floor(processes, True, fork) for _, processes, fork in wanted]  # they start together
+    launched = [launch_floor(processes, work=True, fork=fork) for _, processes, fork in wanted]  # they start together
     started: list[Server] = []
     try:
         for (name, _, _), process in zip(wanted, launched, strict=True):
@@ -871,20 +871,16 @@ def cpu_ratio(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> floa
 def floor_point(script: Path, connections: int, seconds: float) -> dict[str, Any]:
     """The machine's own tail: wrk against this file's ``_floor`` server, which answers every request at
     once from asyncio with no work at all (what no server on this machine can beat)."""
-    server = start_floor("floor", processes=1, work=False)
+    server = floor_server("floor", launch_floor(1, work=False, fork=False))
     try:
         return run_wrk(server, script, connections, seconds)
     finally:
         stop(server)
 
 
-def start_floor(name: str, *, processes: int, work: bool, fork: bool = False) -> Server:
-    """``_floor`` in a process of its own (``processes`` > 1: with its children, on one port), once it answers."""
-    return floor_server(name, launch_floor(processes, work, fork))
-
-
 def launch_floor(processes: int, work: bool, fork: bool) -> subprocess.Popen[bytes]:
-    """``_floor`` started, not waited for (:func:`floor_server` waits): several start together."""
+    """``_floor`` in a process of its own (``processes`` > 1: with its children, on one port), started, not
+    waited for (:func:`floor_server` waits): several start together."""
     return subprocess.Popen(floor_command(0, work, processes, fork), stdout=subprocess.PIPE)
 
 

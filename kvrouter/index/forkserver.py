@@ -12,8 +12,10 @@ milliseconds.
 
 Protocol, over two ``multiprocessing`` connections (pickled tuples on socketpairs):
 
-- requests (duplex, the supervisor asks and waits for the reply): ``("spawn", args)`` → ``("spawned",
-  pid)``: fork a child running ``target(*args)``, ``args`` opaque to the server; ``("kill", pid, signum)``
+- requests (duplex, the supervisor asks and waits for the reply): ``("spawn", args, n)`` → ``("spawned",
+  pid)``: fork a child running ``target(*args, *fds)``, ``args`` opaque to the server, ``fds`` the ``n``
+  descriptors sent right after the request (``SCM_RIGHTS``; the server closes its copies once it forked);
+  ``("kill", pid, signum)``
   → ``("killed", bool)``: signal a child not reaped yet (a pid the server has reaped is never signalled,
   so a reused pid cannot be hit);
 - reports (one way, read by the supervisor's monitor thread): ``(pid, exitcode)`` once per child, when
@@ -37,9 +39,9 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from multiprocessing import connection
+from multiprocessing import connection, reduction
 from multiprocessing.connection import Connection
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -238,15 +240,26 @@ class ForkServer:
     thread (one request at a time), and ``reports`` is read by one thread.
 
     Args:
-        target: what every child runs, ``target(*args)``; looked up now, so the server and its children
-            run the function as it is at this moment.
+        target: what every child runs, ``target(*args, *fds)``; looked up now, so the server and its
+            children run the function as it is at this moment.
+        warm: run once by the server before it reads a request (the appliers' kernels: :func:`warm_up`).
+        prepare: run by the server as ``prepare(*args)`` before each fork, for what can be warmed only once
+            the first child's arguments are known (the fronts' kernels, on the engine's first segments); a
+            failure is logged and the child forked all the same, to load what it needs itself.
         close_fds: descriptors the server must not keep (the supervisor's owner lock).
 
     Raises:
         EngineError: the server could not be forked.
     """
 
-    def __init__(self, target: Callable[..., None], *, close_fds: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        target: Callable[..., None],
+        *,
+        warm: Callable[[], None] | None = warm_up,
+        prepare: Callable[..., None] | None = None,
+        close_fds: Sequence[int] = (),
+    ) -> None:
         requests, server_requests = connection.Pipe(duplex=True)
         reports, server_reports = connection.Pipe(duplex=False)
         parent = os.getpid()
@@ -264,7 +277,7 @@ class ForkServer:
                 for fd in close_fds:
                     with contextlib.suppress(OSError):
                         os.close(fd)
-                _serve(server_requests, server_reports, target, parent)
+                _serve(server_requests, server_reports, _Work(target, warm, prepare), parent)
                 code = 0
             except BaseException:
                 traceback.print_exc()
@@ -278,24 +291,27 @@ class ForkServer:
         """``(pid, exitcode)`` for every child that exited; ``EOFError`` once the server is gone."""
         self._requests: Connection | None = requests
 
-    def spawn(self, args: tuple[Any, ...]) -> int:
-        """Fork a child running ``target(*args)``; returns its pid.
+    def spawn(self, args: tuple[Any, ...], fds: Sequence[int] = ()) -> int:
+        """Fork a child running ``target(*args, *fds)``, the child holding a copy of each of ``fds`` (the
+        caller keeps and closes its own); returns its pid.
 
         Raises:
             EngineError: the server is gone.
         """
-        reply = self._ask(("spawn", args))
+        reply = self._ask(("spawn", args, len(fds)), fds)
         return int(reply[1])
 
     def kill(self, pid: int, signum: int = signal.SIGKILL) -> bool:
         """Signal a child of the server that has not been reaped; False if it has (or never was one)."""
         return bool(self._ask(("kill", pid, signum))[1])
 
-    def _ask(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _ask(self, request: tuple[Any, ...], fds: Sequence[int] = ()) -> tuple[Any, ...]:
         if self._requests is None:
             raise EngineError("fork server: closed")
         try:
             self._requests.send(request)
+            for fd in fds:
+                reduction.send_handle(self._requests, fd, self.pid)
             reply: tuple[Any, ...] = self._requests.recv()
         except (EOFError, OSError, TypeError) as exc:  # TypeError: closed by another thread mid-read
             raise EngineError(f"fork server {self.pid}: gone ({exc!r})") from exc
@@ -327,11 +343,20 @@ class ForkServer:
         return True
 
 
-def _serve(requests: Connection, reports: Connection, target: Callable[..., None], supervisor: int) -> None:
+class _Work(NamedTuple):
+    """What the server runs: ``warm`` once, ``prepare`` before each fork, ``target`` in each child."""
+
+    target: Callable[..., None]
+    warm: Callable[[], None] | None
+    prepare: Callable[..., None] | None
+
+
+def _serve(requests: Connection, reports: Connection, work: _Work, supervisor: int) -> None:
     """The server's loop: fork on request, reap and report exits, leave with the supervisor."""
     for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C and systemd signal the whole group at once:
         signal.signal(signum, signal.SIG_IGN)  # the supervisor decides when its processes stop
-    warm_up()  # SIGTERM mid-compile still ends the server (see ForkServer.close)
+    if work.warm is not None:
+        work.warm()  # SIGTERM mid-compile still ends the server (see ForkServer.close)
     children: dict[int, int] = {}  # pidfd -> pid
     while True:
         ready = connection.wait([requests, *children], timeout=PARENT_CHECK_S)
@@ -343,7 +368,7 @@ def _serve(requests: Connection, reports: Connection, target: Callable[..., None
                     request = requests.recv()
                 except EOFError:
                     return
-                requests.send(_handle(request, children, requests, reports, target))
+                requests.send(_handle(request, children, requests, reports, work))
             else:
                 assert isinstance(source, int)
                 pid = children.pop(source)
@@ -357,18 +382,30 @@ def _handle(
     children: dict[int, int],
     requests: Connection,
     reports: Connection,
-    target: Callable[..., None],
+    work: _Work,
 ) -> tuple[Any, ...]:
     if request[0] == "spawn":
-        pid = os.fork()
-        if pid == 0:  # the child: none of the server's descriptors, then the target
+        _, args, count = request
+        fds = [reduction.recv_handle(requests) for _ in range(count)]
+        if work.prepare is not None:
+            try:
+                work.prepare(*args)
+            except Exception:  # only a head start: the child loads what it needs itself
+                log.exception("fork server: preparing a child failed; forking it unprepared")
+        try:
+            pid = os.fork()
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        if pid == 0:  # the child: none of the server's descriptors but its own, then the target
             code = 1
             try:
                 requests.close()
                 reports.close()
                 for pidfd in children:
                     os.close(pidfd)
-                target(*request[1])
+                work.target(*args, *fds)
                 code = 0
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -376,6 +413,8 @@ def _handle(
                 traceback.print_exc()
             finally:
                 _exit(code)
+        for fd in fds:  # the child's now
+            os.close(fd)
         children[os.pidfd_open(pid)] = pid
         return ("spawned", pid)
     if request[0] == "kill":

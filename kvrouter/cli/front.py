@@ -1,49 +1,54 @@
-"""``python -m kvrouter.cli.front``: one of fronts 1..N-1 of ``kvrouter up --fronts N``, not a command.
+"""One of fronts 1..N-1 of ``kvrouter up --fronts N``, in the process the fronts' fork server forked.
 
-Front 0 starts it (``service/process/fronts.py``) and writes a pickled
-:class:`~kvrouter.service.process.fronts.FrontSpec` on its stdin; it maps front 0's engine, joins the local
-bus, takes the registry, takes the connections front 0 deals it and prints one ready line. SIGINT, SIGTERM
-or SIGHUP drain it and stop it; so does front 0's exit.
-SIGUSR1 writes its thread stacks to stderr.
+``kvrouter up`` gives :func:`run` to its service, which hands it to the fork server (``service/process/
+fronts.py``). The front maps front 0's engine, joins the local bus, takes the registry, serves the
+connections front 0 deals it on its socketpair and tells front 0 there when it is ready. SIGINT, SIGTERM or
+SIGHUP drain it and stop it; so does front 0's exit. SIGUSR1 writes its thread stacks to stderr.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import pickle
-import sys
+import ctypes
+import dataclasses
+import os
+import signal
+from typing import Final
 
 from ..service.process.app import Service
-from ..service.process.fronts import READY_LINE, FrontSpec
-from . import configure_logging
+from ..service.process.fronts import FrontSpec
+from .signals import STOP_SIGNALS
 from .stacks import stacks_on_sigusr1
-from .up import STOP_SIGNALS
+
+__all__ = ["run"]
+
+PR_SET_NAME: Final = 15
+"""``prctl``'s option number (``<linux/prctl.h>``): the thread's name, what ``ps -o comm`` and ``top`` show."""
 
 
-def main() -> int:
-    spec = pickle.loads(sys.stdin.buffer.read())
-    if not isinstance(spec, FrontSpec):
-        print(f"kvrouter front: expected a FrontSpec on stdin, got {type(spec).__name__}", file=sys.stderr)
-        return 2
-    configure_logging(logging.getLevelName(spec.log_level))
-    service = Service(spec.config, front=spec)
+def run(spec: FrontSpec, connections: int) -> None:
+    """The front's life, from the fork to its stop. ``connections``: its end of the socketpair with front 0.
+
+    Forked from a server that ignores SIGINT and SIGTERM, so they are this front's own again first; a
+    session of its own, so a terminal's Ctrl-C reaches front 0 only, and front 0 stops the others."""
+    os.setsid()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    _name(f"kvrouter-front{spec.index}")
+    service = Service(spec.config, front=dataclasses.replace(spec, connections=connections))
     service.start()  # maps the engine: nothing to fork on a front that does not own it
 
-    async def run() -> None:
+    async def serve() -> None:
         loop = asyncio.get_running_loop()
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, service.stop)
-
-        def on_ready(url: str) -> None:
-            print(f"{READY_LINE} front={spec.index} url={url}", flush=True)
-
-        await service.run(on_ready=on_ready)
+        await service.run()
 
     with stacks_on_sigusr1():
-        asyncio.run(run())
-    return 0
+        asyncio.run(serve())
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _name(name: str) -> None:
+    """Name the process as ``ps`` and ``top`` show it (its command line stays front 0's: it was forked)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)

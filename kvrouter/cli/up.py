@@ -63,6 +63,7 @@ from ..plane.registry import WorkerSpec, parse_workers
 from ..routing.config import RouterConfig
 from ..routing.roles import DEFAULT_ROLE
 from ..service.core.config import ServiceConfig, WorkerRole
+from .signals import STOP_SIGNALS
 from .stacks import stacks_later, stacks_on_sigusr1
 
 if TYPE_CHECKING:
@@ -73,9 +74,6 @@ __all__ = ["EPILOG", "OPTIONS", "ROUTER_FLAGS", "load_toml", "up"]
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""Each stops the service cleanly; SIGHUP too, so closing the terminal (or its tmux) does not kill it
-mid-flight with its segments and demo engines left behind."""
 STOP_AFTER_DRAIN_S: Final = 5.0
 """A stop still running this long after the drain (10 s after the signal, by default; the process's exit
 included) has hung somewhere: every thread's stack goes to stderr (``cli/stacks.py``), and the stop
@@ -375,8 +373,9 @@ def serve(config: ServiceConfig, demo: EmbeddedConfig | None) -> int:
     """Start the engine (forks), then run the loop until a signal; the process's exit status."""
     from ..demo import Embedded
     from ..service.process.app import Service
+    from . import front
 
-    service = Service(config)
+    service = Service(config, front_main=front.run)
     try:
         service.start()  # forks the engine's fork server: before the loop and before any thread
     except KvRouterError as exc:

@@ -130,6 +130,16 @@ def _stat(pid: int) -> tuple[int, str] | None:
     return int(fields[1]), fields[19]
 
 
+def _name(pid: int) -> str:
+    """What ``ps`` shows for a process: its name and command line ('' when it is gone)."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+    return f"{pid} {comm}: {command[:200]}"
+
+
 def descendants(root: int) -> list[tuple[int, str]]:
     """(pid, start time) of every process below ``root`` now; the start time tells a reused pid apart."""
     children: dict[int, list[int]] = {}
@@ -144,6 +154,19 @@ def descendants(root: int) -> list[tuple[int, str]]:
             if stat is not None:
                 found.append((pid, stat[1]))
                 stack.append(pid)
+    return found
+
+
+def other_fronts(root: int) -> list[int]:
+    """The pids of fronts 1..N-1 of the ``kvrouter up`` ``root``: forked, so named by their process name."""
+    found = []
+    for pid, _ in descendants(root):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text()
+        except OSError:
+            continue
+        if name.startswith("kvrouter-front"):
+            found.append(pid)
     return found
 
 
@@ -181,7 +204,8 @@ def stop_and_check(up: Up, signum: int, shm_entries: Callable[[int], list[str]],
     except subprocess.TimeoutExpired:
         pytest.fail(f"kvrouter up still running {EXIT_BOUND_S}s after {signal.Signals(signum).name}")
     assert code == 0
-    assert still_there(tree) == [], "processes kvrouter up started outlived it"
+    left = still_there(tree)
+    assert left == [], f"processes kvrouter up started outlived it: {[_name(pid) for pid in left]}"
     assert shm_entries(up.proc.pid) == []
 
 

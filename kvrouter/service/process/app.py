@@ -10,7 +10,8 @@ is front 0. Every route is a few microseconds of synchronous work on the core, s
 locks serves it all: a thread pool would add a hand-off per request and a lock around every router, and
 gain nothing on two cores.
 
-**The start.** :meth:`Service.start` forks the engine's fork server (the one fork, before any thread);
+**The start.** :meth:`Service.start` forks the engine's fork server and, with ``--fronts N``, the fronts'
+(the only forks, before any thread);
 :meth:`Service.run` binds at once, so ``/health`` answers from the first second, and brings the index up
 on a thread of its own (a first run compiles its kernels for about a minute). Meanwhile the lifecycle is
 ``starting``: the routes that need the index answer 503 with ``Retry-After``, registry writes are taken
@@ -40,7 +41,7 @@ from ...bridge import ReplicaSync, Subjects, localbus
 from ...bridge.durable import DurableEvents, consumer_name
 from ...bridge.events import NatsEventRelay
 from ...engine import Engine, EngineView
-from ...errors import BadRequest, EngineError, KvRouterError
+from ...errors import BadRequest, ConfigError, EngineError, KvRouterError
 from ...recording import Recorder
 from ...routing.router import Router
 from ...stats import discovery
@@ -93,6 +94,37 @@ def _hold_full_collections() -> tuple[int, int, int]:
     return held
 
 
+def warm_kernels(index: Engine | EngineView, config: ServiceConfig) -> None:
+    """Compile (or load from numba's cache) every kernel a first request calls: the router's, the parser's
+    and both query walks (in approximate mode too: the kernels are the same, and only an exact router
+    decides on the engine's index). A load left to the first ``/query`` cost it 17-35 ms, a compile
+    seconds (``tests/service/process/test_warm.py``)."""
+    router = Router(replace(config.router, use_kv_events=True), block_size=16, seed=0)
+    router.select(index, ((0, 0),), tokens=list(range(64)))
+    fastparse.warm()
+    index.find_matches([1, 2, 3])
+    index.find_matches_by_tier([1, 2, 3])  # /query walks with a kernel of its own
+
+
+class _FrontsWarmUp:
+    """The fronts' fork server's ``prepare``: before its first fork, :func:`warm_kernels` in the server, on a
+    view of the engine's segments, so every front it forks starts with them loaded, in pages they share."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.done = False
+
+    def __call__(self, spec: FrontSpec) -> None:
+        if self.done:
+            return
+        self.done = True  # once, even if it fails: each front then loads what it needs itself
+        view = EngineView(spec.handle)
+        try:
+            warm_kernels(view, self.config)
+        finally:
+            view.close()
+
+
 class Service:
     """The router service: ``service = Service(config); service.start()`` (forks: before any thread or
     loop), then ``asyncio.run(service.run(on_ready=...))`` until :meth:`stop`.
@@ -101,8 +133,18 @@ class Service:
     aiohttp application, to which routes may be added before ``run``.
     """
 
-    def __init__(self, config: ServiceConfig, *, front: FrontSpec | None = None) -> None:
+    def __init__(
+        self,
+        config: ServiceConfig,
+        *,
+        front: FrontSpec | None = None,
+        front_main: Callable[[FrontSpec, int], None] | None = None,
+    ) -> None:
+        """``front``: this process is that other front of ``--fronts N``. ``front_main``: on front 0 of
+        ``--fronts N``, what each other front runs once forked, ``front_main(spec, connections)``
+        (``kvrouter up`` gives ``cli/front.py``'s)."""
         self.config = config
+        self._front_main = front_main
         self.recording: ServiceRecording | None = None
         """``--record FILE``: the front's records, the held clock and the seed."""
         plane = config.plane
@@ -277,13 +319,18 @@ class Service:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Fork the engine's fork server: the one fork this process makes, so call it before any thread or
-        event loop exists. Returns at once; :meth:`run` forks the appliers through it and waits for them
-        (and for this process's own kernels to load or compile) off the event loop. Idempotent.
+        """Fork the engine's fork server, and on front 0 of ``--fronts N`` the fronts' first: the only forks
+        this process makes, so call it before any thread or event loop exists. Returns at once; :meth:`run`
+        forks the appliers through it and waits for them (and for this process's own kernels to load or
+        compile) off the event loop. Idempotent.
 
         Raises:
             EngineError: another engine runs in this process, or its segments are left behind.
         """
+        if not self._forked and self.fronts is not None and self.fronts.primary:
+            if self._front_main is None:
+                raise ConfigError("--fronts N: front 0 needs front_main, what the other fronts run")
+            self.fronts.fork(self._front_main, _FrontsWarmUp(self.config))  # before the engine takes its lock
         if not self._forked and self.owned is not None:
             self.owned.start(wait=False)
         self._forked = True
@@ -406,6 +453,8 @@ class Service:
             # A first run's compile left its garbage too (about 600,000 objects): collected once, first.
             gc.collect()
             gc.freeze()
+            if fronts is not None and not fronts.primary:
+                fronts.ready()  # front 0 deals this front connections from now on
             if on_ready is not None:
                 on_ready(self.url)
             await self._stop_event.wait()
@@ -536,15 +585,7 @@ class Service:
             self._warm(self.engine)
 
     def _warm(self, index: Engine | EngineView) -> None:
-        """Compile (or load from numba's cache) every kernel a first request calls: the router's, the parser's
-        and both query walks (in approximate mode too: the kernels are the same, and only an exact router
-        decides on the engine's index). A load left to the first ``/query`` cost it 17-35 ms, a compile
-        seconds (``tests/service/process/test_warm.py``)."""
-        router = Router(replace(self.config.router, use_kv_events=True), block_size=16, seed=0)
-        router.select(index, ((0, 0),), tokens=list(range(64)))
-        fastparse.warm()
-        index.find_matches([1, 2, 3])
-        index.find_matches_by_tier([1, 2, 3])  # /query walks with a kernel of its own
+        warm_kernels(index, self.config)
 
     def _evicted(self) -> int:
         """Entries the index cap evicted so far, over every shard (0 when the engine cannot say)."""

@@ -8,8 +8,9 @@ HTTP work per request (``docs/http-api.md``); more fronts answer more. The layou
   (``bridge/localbus.py``), an ``ipc://`` broker in a private directory (``<runtime dir>/fronts-<pid>/``,
   mode 0700). Once its engine is up and its command-line workers are registered it starts fronts
   1..N-1 and is ready when they are.
-- **Fronts 1..N-1** are ``python -m kvrouter.cli.front`` processes (spawned, not forked: the parent
-  already runs threads and a loop), given a :class:`FrontSpec` on stdin. Each maps the engine's index
+- **Fronts 1..N-1** are forked by the fronts' fork server, which front 0 forks before it has any thread
+  (:meth:`Fronts.fork`; the server warms what a front runs, then forks each one, restarts too), each given
+  a :class:`FrontSpec` and its end of a socketpair with front 0. Each maps the engine's index
   read-only (:class:`~kvrouter.engine.EngineView`: the design card's lock-free readers).
 - **Every front serves every connection.** Front 0 listens on the port and accepts every connection;
   each one goes, numbered, to the two fronts that serve it, in turn over the ready fronts (front 0 and
@@ -56,12 +57,9 @@ import contextlib
 import functools
 import logging
 import os
-import pickle
-import re
 import shutil
 import signal
 import socket
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Final
@@ -70,8 +68,8 @@ import orjson
 
 from ...bridge import localbus
 from ...engine import Engine, ReaderHandle
-from ...errors import ServiceError, Unavailable, refusal_of
-from ...ready_line import ready_line
+from ...errors import EngineError, ServiceError, Unavailable, refusal_of
+from ...index.forkserver import ForkServer
 from ...stats import discovery
 from ..core.config import ServiceConfig
 from ..core.counters import ServiceCounters
@@ -100,7 +98,7 @@ COUNTERS_INTERVAL_S: Final = 1.0
 CONTROL_TIMEOUT_S: Final = 10.0
 """How long a front waits for front 0 to do a write route (a registration waits on the engine)."""
 READY_TIMEOUT_S: Final = 300.0
-"""How long front 0 waits for a started front's ready line (a cold numba cache compiles for minutes)."""
+"""How long front 0 waits for a started front to say it is ready (a cold numba cache compiles for minutes)."""
 RESTART_DELAY_S: Final = 1.0
 ACK_POLL_S: Final = 0.002
 STOP_TIMEOUT_S: Final = 10.0
@@ -110,13 +108,13 @@ MAX_OWNED_KEPT: Final = 4096
 """Front 0 keeps at most about this many numbers of connections a front owns before it forgets the ended ones."""
 MAX_DEALT: Final = 64
 """Connections one read of a front's socketpair takes at most (front 0 sends one per message)."""
-READY_LINE: Final = "kvrouter front ready"
-READY_RE: Final = re.compile("^" + re.escape(READY_LINE))
+READY: Final = b"r"
+"""What a front sends front 0 on its socketpair once it serves (its connections arrive there from then on)."""
 
 
 @dataclass(frozen=True, slots=True)
 class FrontSpec:
-    """What front ``index`` (1..N-1) is given on stdin, pickled: its parent's config (with the bound port),
+    """What front ``index`` (1..N-1) is forked with: its parent's config (with the bound port),
     the engine to map and the bus to join."""
 
     config: ServiceConfig
@@ -126,7 +124,7 @@ class FrontSpec:
     """Where the front sends the blocks its decisions matched (``EngineView.touch``)."""
     bus: str
     parent: int
-    """Front 0's pid: a front whose parent changes stops."""
+    """The fronts' fork server's pid: a front whose parent changes stops (the server leaves with front 0)."""
     connections: int = -1
     """The front's end of its socketpair with front 0 (a descriptor it inherits): its connections arrive there."""
     log_level: int = logging.WARNING
@@ -135,6 +133,35 @@ class FrontSpec:
     """Front 0's fast-path relay (``fastpath_relay.py``) this front serves, or None (no fast path)."""
     serving: str = ""
     """The fronts' shared segment (``sharing.py``'s :class:`Serving`): each front's word."""
+
+
+class _FrontProcess:
+    """Front 0's handle on another front's process: a pidfd to signal it (never a reused pid), and its exit
+    status (None when the fork server went first), set when the fork server reports it reaped."""
+
+    def __init__(self, pid: int, pidfd: int, exited: asyncio.Future[int | None]) -> None:
+        self.pid = pid
+        self._pidfd = pidfd
+        self.exited = exited
+
+    @property
+    def running(self) -> bool:
+        return not self.exited.done()
+
+    def ended(self, code: int | None) -> None:
+        if not self.exited.done():
+            self.exited.set_result(code)
+        self.close()
+
+    def signal(self, signum: int) -> None:
+        if self.running and self._pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError):  # exited, not reaped and reported yet
+                signal.pidfd_send_signal(self._pidfd, signum)
+
+    def close(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
 
 
 class Fronts:
@@ -168,9 +195,19 @@ class Fronts:
         self._broker: localbus.LocalBroker | None = None
         self._bus: localbus.LocalBus | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._forks: ForkServer | None = None
+        """Front 0: the fronts' fork server (:meth:`fork`), until :meth:`close`."""
+        self._spawning = asyncio.Lock()
+        self._processes: dict[int, _FrontProcess] = {}
+        """Front 0: each other front's process, the last one started for its index."""
+        self._by_pid: dict[int, _FrontProcess] = {}
+        """Front 0: the processes whose exit the fork server has not reported yet."""
+        self._reaped: dict[int, int] = {}
+        """Front 0: exits the fork server reported before its answer to their fork reached the loop."""
+        self._forking: asyncio.Future[int] | None = None
+        """Front 0: the last fork asked of the server (a stop waits for it before it closes the server)."""
         self._ready: set[int] = set()
-        """Fronts (1..N-1) that printed their ready line and have not exited since."""
+        """Fronts (1..N-1) that said they are ready and have not exited since."""
         self._stopping = False
         self._peers: dict[int, tuple[int, ServiceCounters]] = {}
         """Another front's index -> (its pid, its counters as last published)."""
@@ -504,16 +541,18 @@ class Fronts:
     # -- front 0: the other fronts' processes ------------------------------------------------------
 
     async def start_fronts(self, port: int) -> None:
-        """Start fronts 1..N-1 on the port front 0 bound and wait for each one's ready line.
+        """Fork fronts 1..N-1 on the port front 0 bound and wait until each one says it is ready.
 
         Raises:
-            ServiceError: a front exited, or printed no ready line within :data:`READY_TIMEOUT_S`.
+            ServiceError: a front exited, or was not ready within :data:`READY_TIMEOUT_S`.
         """
+        if self._forks is not None:
+            asyncio.get_running_loop().add_reader(self._forks.reports.fileno(), self._on_reports)
         starts = [self._start(index, port) for index in range(1, self.count)]
         await asyncio.gather(*starts)
         self._tasks.append(asyncio.create_task(self._supervise(port), name="kvrouter-fronts-supervise"))
 
-    def _spec(self, index: int, port: int, connections: int) -> FrontSpec:
+    def _spec(self, index: int, port: int, parent: int) -> FrontSpec:
         config = replace(self.core.config, port=port, zmq_port=None, workers=())
         level = logging.getLogger("kvrouter").getEffectiveLevel()
         engine = self.engine
@@ -524,49 +563,104 @@ class Fronts:
             engine.reader_handle(),
             engine.applier_endpoints(),
             self.endpoint,
-            os.getpid(),
-            connections,
+            parent,
+            -1,  # the front's own descriptor, given when it is forked
             level,
             self.fastpath,
             self.serving.name if self.serving is not None else "",
         )
 
+    def fork(self, target: Callable[[FrontSpec, int], None], prepare: Callable[[FrontSpec], None]) -> None:
+        """Front 0, before the process has any thread: fork the fronts' fork server (``index/forkserver.py``),
+        which forks every other front, first start and restarts alike, running ``target(spec, connections)``
+        after ``prepare(spec)`` warmed what a front runs in the server itself. Forked, the fronts share the
+        server's pages (its imported modules and loaded kernels) until they write them: spawned, four fronts
+        cost about a fifth more CPU per request than two, forked about nothing more (``docs/http-api.md``).
+
+        Raises:
+            EngineError: the server could not be forked.
+        """
+        if self.primary and self.count > 1 and self._forks is None:
+            self._forks = ForkServer(target, warm=None, prepare=prepare)
+
     async def _start(self, index: int, port: int) -> None:
+        forks = self._forks
+        if forks is None:
+            raise Unavailable("the fronts' fork server was not started (Service.start forks it)")
+        loop = asyncio.get_running_loop()
         channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
+            async with self._spawning:  # one fork at a time; the first waits a second or two for the warm-up
+                if self._stopping:
+                    theirs.close()
+                    raise Unavailable(f"front {index} not started: the service is stopping")
+                spec = (self._spec(index, port, forks.pid),)
+                forking = self._forking = loop.run_in_executor(None, forks.spawn, spec, (theirs.fileno(),))
+                forking.add_done_callback(functools.partial(self._forked, index, theirs))
+                try:
+                    pid = await asyncio.shield(forking)  # a fork in flight is seen through, even by a stop
+                except EngineError as exc:
+                    raise Unavailable(f"front {index} not forked: {exc}") from exc
+            process = self._processes[index]
+            channel.setblocking(False)
             try:
-                proc = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "kvrouter.cli.front",
-                    stdin=asyncio.subprocess.PIPE,
-                    stdout=asyncio.subprocess.PIPE,
-                    pass_fds=(theirs.fileno(),),
-                    start_new_session=True,  # a terminal's Ctrl-C reaches front 0 only; front 0 stops the others
-                )
-                self._procs[index] = proc
-                assert proc.stdin is not None
-                assert proc.stdout is not None
-                proc.stdin.write(pickle.dumps(self._spec(index, port, theirs.fileno())))
-            finally:
-                theirs.close()  # the front holds its own copy
-            await proc.stdin.drain()
-            proc.stdin.close()
-            try:
-                found = await ready_line(proc.stdout, READY_RE, READY_TIMEOUT_S)
+                said = await asyncio.wait_for(loop.sock_recv(channel, 16), READY_TIMEOUT_S)
             except TimeoutError:
-                raise Unavailable(f"front {index} printed no ready line in {READY_TIMEOUT_S:.0f}s") from None
-            if found is None:
-                code = await proc.wait()
+                raise Unavailable(f"front {index} was not ready in {READY_TIMEOUT_S:.0f}s") from None
+            if said != READY:  # its end closed: it exited first
+                code = await process.exited
                 raise Unavailable(f"front {index} exited with status {code} before it was ready")
         except BaseException:  # not started, not ready, or cancelled: front 0's end goes too
             channel.close()
             raise
-        log.info("front ready front=%d pid=%d", index, proc.pid)
-        channel.setblocking(False)
+        log.info("front ready front=%d pid=%d", index, pid)
         self._channels[index] = channel
-        asyncio.get_running_loop().add_reader(channel.fileno(), self._on_notice, index, channel)
+        loop.add_reader(channel.fileno(), self._on_notice, index, channel)
         self._ready.add(index)
+
+    def _forked(self, index: int, theirs: socket.socket, forking: asyncio.Future[int]) -> None:
+        """Front 0, once the fork server answered: the front's process is known (and asked to stop at once if
+        the service began to stop meanwhile); the front holds its own end of the socketpair now."""
+        theirs.close()
+        if forking.cancelled() or forking.exception() is not None:
+            return
+        pid = forking.result()
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # exited and reaped already: its report says how
+            pidfd = -1
+        process = self._processes[index] = _FrontProcess(pid, pidfd, asyncio.get_running_loop().create_future())
+        if pid in self._reaped:
+            process.ended(self._reaped.pop(pid))
+        else:
+            self._by_pid[pid] = process
+        if self._stopping:
+            process.signal(signal.SIGTERM)
+
+    def _on_reports(self) -> None:
+        """Front 0: the fork server reaped fronts; each one's exit completes its process's ``exited``."""
+        assert self._forks is not None
+        reports = self._forks.reports
+        try:
+            while reports.poll():
+                pid, code = reports.recv()
+                if (process := self._by_pid.pop(pid, None)) is not None:
+                    process.ended(code)
+                else:  # reaped before its fork's answer reached the loop: _forked takes it
+                    self._reaped[pid] = code
+        except (EOFError, OSError):  # the server is gone: fronts can no longer be started again
+            asyncio.get_running_loop().remove_reader(reports.fileno())
+            if not self._stopping:
+                log.error("fronts' fork server exited pid=%d: a front that exits is not started again", self._forks.pid)
+            for process in self._by_pid.values():  # they stop too: their parent, the server, is gone
+                process.ended(None)
+            self._by_pid.clear()
+
+    def ready(self) -> None:
+        """Another front, serving: front 0 is told on the socketpair (``_start`` waits for it)."""
+        if self._inbox is not None:
+            with contextlib.suppress(OSError):  # front 0 gone: this front stops anyway
+                self._inbox.send(READY)
 
     def deal(self, transport: asyncio.Transport) -> tuple[int, bool]:
         """Front 0, for each connection it accepts: number it and send a copy to the fronts that serve it
@@ -631,10 +725,10 @@ class Fronts:
     async def _supervise(self, port: int) -> None:
         """Start again any front that exits while the service runs."""
         while not self._stopping:
-            waits = {asyncio.ensure_future(p.wait()): i for i, p in self._procs.items()}
-            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
+            waits = {p.exited: i for i, p in self._processes.items() if p.running}  # futures: never cancelled
+            if not waits:  # none left to watch: the fork server is gone, or every restart failed
+                return
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 index = waits[task]
                 self._ready.discard(index)
@@ -662,24 +756,31 @@ class Fronts:
         """Front 0, as it starts to drain: the other fronts drain at the same time (SIGTERM); :meth:`close`
         waits for them."""
         self._stopping = True
-        for proc in self._procs.values():
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
+        for process in self._processes.values():
+            process.signal(signal.SIGTERM)
 
     async def _stop_fronts(self) -> None:
         self.stop_others()
-        waits = [asyncio.ensure_future(proc.wait()) for proc in self._procs.values()]
-        if not waits:
-            return
-        _, pending = await asyncio.wait(waits, timeout=self.core.config.drain_secs + STOP_TIMEOUT_S)
-        for index, proc in self._procs.items():
-            if proc.returncode is None:
-                log.warning("front did not stop on SIGTERM front=%d pid=%d; killing it", index, proc.pid)
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-        if pending:
-            await asyncio.wait(pending)
+        try:
+            if self._forking is not None:  # a fork in flight: its front is asked to stop once it is known
+                await asyncio.wait([self._forking])
+            waits = [p.exited for p in self._processes.values() if p.running]
+            if waits:
+                _, pending = await asyncio.wait(waits, timeout=self.core.config.drain_secs + STOP_TIMEOUT_S)
+                for index, process in self._processes.items():
+                    if process.running:
+                        log.warning("front did not stop on SIGTERM front=%d pid=%d; killing it", index, process.pid)
+                        process.signal(signal.SIGKILL)
+                if pending:
+                    await asyncio.wait(pending, timeout=STOP_TIMEOUT_S)
+        finally:
+            for process in self._processes.values():
+                process.close()
+            forks, self._forks = self._forks, None
+            if forks is not None:
+                with contextlib.suppress(ValueError, OSError):
+                    asyncio.get_running_loop().remove_reader(forks.reports.fileno())
+                await asyncio.to_thread(forks.close)  # the server sees its pipe close and leaves
 
     # -- another front ----------------------------------------------------------------------------
 

@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import time
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -31,7 +30,7 @@ from tests.service.test_up import (
     START_TIMEOUT_S,
     URL_LINE,
     a_matched_chain_outlives_a_newer_one,
-    descendants,
+    other_fronts,
     start_up,
     stop_and_check,
 )
@@ -210,7 +209,7 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
         # front 1 killed: started again, with the registry
         for client in fronts:
             client.close()
-        front_pids = [pid for pid, _ in descendants(up.proc.pid) if b"kvrouter.cli.front" in _cmdline(pid)]
+        front_pids = other_fronts(up.proc.pid)
         assert len(front_pids) == 1
         # the log is written once a second: a front killed sooner loses its last second, so wait for it
         # (8 reservations, then the split one)
@@ -248,13 +247,6 @@ def test_two_fronts_share_a_port_the_loads_and_the_registry(start_up, shm_entrie
     assert not folder.exists()
     with decisions_log.open("rb") as lines:  # both fronts appended theirs, none twice
         assert summarise(lines)["decisions"] == 9
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def test_a_match_on_another_front_feeds_the_index_cap(start_up, shm_entries, wait_until):

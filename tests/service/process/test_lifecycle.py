@@ -36,7 +36,14 @@ from kvrouter.plane.registry import WorkerSpec
 from kvrouter.service import Service, ServiceConfig
 from tests.conftest import ROOT, free_port
 from tests.service.conftest import BLOCK, start_mock, stop_mock
-from tests.service.test_up import EXIT_BOUND_S, START_TIMEOUT_S, descendants, kill_survivors, still_there
+from tests.service.test_up import (
+    EXIT_BOUND_S,
+    START_TIMEOUT_S,
+    descendants,
+    kill_survivors,
+    other_fronts,
+    still_there,
+)
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -335,11 +342,7 @@ def test_a_front_killed_mid_request_leaves_its_client_a_reset_and_the_next_reque
                 conn.sock.settimeout(1)
                 answer = conn.getresponse()
                 raise AssertionError(f"not booked; its answer: {answer.status} {answer.read()[:300]!r}") from None
-            fronts = [
-                pid
-                for pid, _ in descendants(run.proc.pid)
-                if b"kvrouter.cli.front" in Path(f"/proc/{pid}/cmdline").read_bytes()
-            ]
+            fronts = other_fronts(run.proc.pid)
             assert len(fronts) == 1
             os.kill(fronts[0], signal.SIGKILL)
             killed = time.monotonic()

@@ -26,7 +26,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from kvrouter.service.process.sharing import Serving, serving_name
-from tests.service.test_up import START_TIMEOUT_S, URL_LINE, descendants, start_up, stop_and_check
+from tests.service.test_up import START_TIMEOUT_S, URL_LINE, other_fronts, start_up, stop_and_check
 
 __all__ = ["start_up"]  # the fixture, shared with test_up
 
@@ -125,7 +125,7 @@ def test_every_front_serves_every_connection(start_up, shm_entries):
     up = start_up("--fronts", "2", "--mock-workers", "2", "--shards", "1", "--client-rate", "0")
     url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
     up.expect(re.compile(r"Ctrl-C stops everything"), START_TIMEOUT_S)
-    fronts = [up.proc.pid, *(pid for pid, _ in descendants(up.proc.pid) if b"kvrouter.cli.front" in _cmdline(pid))]
+    fronts = [up.proc.pid, *other_fronts(up.proc.pid)]
     assert len(fronts) == 2
 
     # one kept-alive connection, either front stopped in turn: the other answers on it
@@ -231,13 +231,6 @@ def test_every_front_serves_every_connection(start_up, shm_entries):
     stop_and_check(up, signal.SIGTERM, shm_entries)
 
 
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
 def _state(pid: int) -> bytes:
     try:
         text = Path(f"/proc/{pid}/stat").read_bytes()
@@ -256,7 +249,7 @@ def test_with_three_fronts_each_connection_is_served_by_two_and_front_0_holds_th
     up = start_up("--fronts", "3", "--mock-workers", "2", "--shards", "1", "--client-rate", "0")
     url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
     up.expect(re.compile(r"Ctrl-C stops everything"), START_TIMEOUT_S)
-    fronts = [up.proc.pid, *(pid for pid, _ in descendants(up.proc.pid) if b"kvrouter.cli.front" in _cmdline(pid))]
+    fronts = [up.proc.pid, *other_fronts(up.proc.pid)]
     assert len(fronts) == 3
     opened = [connect(url) for _ in range(12)]
     try:

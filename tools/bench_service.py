@@ -691,12 +691,13 @@ def serve(port: int, shards: int, zmq_port: int | None, fronts: int, model_paths
     """``_serve``: kvrouter's Service with ``/metrics`` and the fast path, until SIGTERM/SIGINT."""
     import asyncio
 
+    from kvrouter.cli import front
     from kvrouter.service.core.config import ServiceConfig
     from kvrouter.service.process.app import Service
 
     config = ServiceConfig(port=port, shards=shards, zmq_port=zmq_port, fronts=fronts, model_paths=tuple(model_paths))
-    service = Service(config)
-    service.start()  # forks the appliers: before any loop or thread
+    service = Service(config, front_main=front.run)  # the other fronts' life, as ``kvrouter up`` gives it
+    service.start()  # forks the appliers (and the fronts' fork server): before any loop or thread
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: service.stop())
     # asyncio's own loop, as ``kvrouter up`` runs: uvloop measured no faster here (14:27 UTC 2026-11-30,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from kvrouter.engine import Engine
 from kvrouter.events.model import EngineHash, LocalHash, Stored, StoredBlock
+from kvrouter.index.forkserver import ForkServer
 
 WaitUntil = Callable[..., None]
 
@@ -268,3 +270,51 @@ def test_a_server_closed_mid_compile_reaps_its_helper_before_it_exits(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"servers": 1, "helpers": 1, "left": []}
+
+
+def _prepared(path: str, marker: bytes) -> None:
+    """A ``prepare``: notes the process it runs in; fails when told to (the child is forked all the same)."""
+    with open(path, "a") as fh:
+        fh.write(f"{os.getpid()}\n")
+    if marker == b"fail":
+        raise RuntimeError("prepare failed on purpose")
+
+
+def _write_to(path: str, marker: bytes, fd: int) -> None:
+    """A child: writes ``marker`` to the descriptor it was forked with."""
+    os.write(fd, marker)
+
+
+def _read_to_end(fd: int, seconds: float) -> bytes:
+    """Everything written to ``fd`` until every copy of its write end is closed; fails after ``seconds``."""
+    got = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], seconds)
+        assert ready, f"a copy of the write end is still open after {seconds}s; read so far {got!r}"
+        chunk = os.read(fd, 64)
+        if not chunk:
+            return got
+        got += chunk
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("marker", [b"ok", b"fail"])
+def test_a_spawn_hands_the_child_its_descriptors_and_prepare_runs_in_the_server_first(tmp_path, marker: bytes):
+    """``spawn(args, fds)``: the child gets its own copy of each descriptor and the server keeps none (the
+    pipe reaches end of file once the child exits); ``prepare(*args)`` ran in the server before the fork, and
+    a failing one still forks the child."""
+    notes = tmp_path / "prepared"
+    server = ForkServer(_write_to, warm=None, prepare=_prepared)
+    read, write = os.pipe()
+    try:
+        pid = server.spawn((str(notes), marker), (write,))
+        os.close(write)
+        write = -1
+        assert _read_to_end(read, 10.0) == marker
+        assert server.reports.recv() == (pid, 0)
+        assert notes.read_text().split() == [str(server.pid)]
+    finally:
+        server.close()
+        os.close(read)
+        if write >= 0:
+            os.close(write)

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -25,6 +26,7 @@ from kvrouter.routing import RouterConfig
 from kvrouter.service.core.config import ServiceConfig
 from kvrouter.service.core.decisions import summarise
 from kvrouter.service.process.app import Service
+from kvrouter.service.process.fronts import RESTART_DELAY_S
 from kvrouter.stats import discovery
 from tests.service.test_up import (
     START_TIMEOUT_S,
@@ -278,3 +280,30 @@ def test_a_registration_taken_before_front_0s_bus_opens_reaches_the_fronts_that_
     joining.fronts.apply(first.fronts.registry())
     assert set(joining.core.registry.registrations) == {(7, 0)}
     assert joining.fronts.version == first.fronts.version == 1
+
+
+def test_fronts_are_forked_by_a_single_threaded_server_and_a_stop_sees_a_restart_through(start_up, shm_entries):
+    """Fronts 1..N-1 are children of one fork server, itself front 0's child with a single thread, and are
+    named for ``ps``. A SIGTERM about when front 0 forks a killed front again stops that front too (the
+    fork in flight is seen through) and leaves no process and no segment; the other fronts are still
+    watched and stopped, not forgotten."""
+    up = start_up("--fronts", "3", "--mock-workers", "2", "--shards", "1", "--client-rate", "0")
+    up.expect(URL_LINE, START_TIMEOUT_S)
+    up.expect(re.compile(r"Ctrl-C stops everything"), START_TIMEOUT_S)
+    fronts = other_fronts(up.proc.pid)
+    assert len(fronts) == 2
+    names = sorted(Path(f"/proc/{pid}/comm").read_text().strip() for pid in fronts)
+    assert names == ["kvrouter-front1", "kvrouter-front2"]
+    server = {_status(pid)["PPid"] for pid in fronts}
+    assert len(server) == 1
+    (server_pid,) = server
+    assert _status(int(server_pid))["PPid"] == str(up.proc.pid)
+    assert _status(int(server_pid))["Threads"] == "1"
+    os.kill(fronts[0], signal.SIGKILL)
+    time.sleep(RESTART_DELAY_S)  # front 0 forks it again about now
+    stop_and_check(up, signal.SIGTERM, shm_entries)
+
+
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as fh:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in fh if ":\t" in line)

@@ -8,7 +8,9 @@ before it makes any thread or ZMQ context of its own, and every applier is forke
 always from one thread, always from the same clean state. The server also compiles (or loads from
 numba's cache) the appliers' kernels before it forks any applier (``warm_up``, which forks one helper
 to compile half of them on the other core), so no applier compiles, and a restart is writing within
-milliseconds.
+milliseconds. Front 0 of ``kvrouter up --fronts N`` forks a second server the same way, for its other
+fronts (``service/process/fronts.py``): no applier warm-up there, a ``prepare`` that loads the fronts'
+kernels before the first fork instead, and each front's socketpair end passed with its spawn.
 
 Protocol, over two ``multiprocessing`` connections (pickled tuples on socketpairs):
 

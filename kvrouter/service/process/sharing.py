@@ -50,10 +50,10 @@ How:
 
 The cost, per request: the lock and unlock (about 1.4 µs together), two writes of a shared word, and each
 other front's wake for bytes it leaves (its epoll; a refused lock, 1.7 µs with its ``OSError``), against a
-request's 50-90 µs of CPU. Four fronts on two cores spend 2-23 % more CPU per ``/select`` than two; plain
-spawned processes that share no work spend about as much more in the same rounds, and forked ones little
-or nothing (``tools/bench_service.py``'s fronts' floors; ``docs/http-api.md``, "Several fronts"): four
-spawned interpreters, each with its own copy of what it runs, take turns on two cores' caches. Not
+request's 50-90 µs of CPU. Four fronts on two cores spend about 8 % more CPU per ``/select`` than two, forked
+from one server as they are; spawned, they spent 2-23 % more, as plain spawned processes that share no work
+do in the same rounds (``tools/bench_service.py``'s fronts' floors; ``docs/http-api.md``, "Several
+fronts"): four interpreters, each with its own copy of what it runs, take turns on two cores' caches. Not
 possible on a shared connection: TLS or HTTP/2 (the fronts would need one session state; a TLS-terminating
 proxy in front is the way). Rejected: a lock word in shared memory taken by compare-and-swap (Python has no
 atomic instruction, and a dead front's word would stay taken); serving each request by whichever front reads

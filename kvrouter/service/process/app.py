@@ -577,15 +577,12 @@ class Service:
         if engine is not None:
             view = EngineView(engine.reader_handle())
             try:
-                self._warm(view)
+                warm_kernels(view, self.config)
             finally:
                 view.close()
             engine.finish_start()
         else:
-            self._warm(self.engine)
-
-    def _warm(self, index: Engine | EngineView) -> None:
-        warm_kernels(index, self.config)
+            warm_kernels(self.engine, self.config)
 
     def _evicted(self) -> int:
         """Entries the index cap evicted so far, over every shard (0 when the engine cannot say)."""

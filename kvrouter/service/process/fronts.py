@@ -114,8 +114,8 @@ READY: Final = b"r"
 
 @dataclass(frozen=True, slots=True)
 class FrontSpec:
-    """What front ``index`` (1..N-1) is forked with: its parent's config (with the bound port),
-    the engine to map and the bus to join."""
+    """What front ``index`` (1..N-1) is forked with: its parent's config (with the bound port), the engine to
+    map and the bus to join (its logging is front 0's, inherited with the fork)."""
 
     config: ServiceConfig
     index: int
@@ -126,9 +126,7 @@ class FrontSpec:
     parent: int
     """The fronts' fork server's pid: a front whose parent changes stops (the server leaves with front 0)."""
     connections: int = -1
-    """The front's end of its socketpair with front 0 (a descriptor it inherits): its connections arrive there."""
-    log_level: int = logging.WARNING
-    """Front 0's ``kvrouter`` log level."""
+    """The front's end of its socketpair with front 0, given with its fork: its connections arrive there."""
     fastpath: str | None = None
     """Front 0's fast-path relay (``fastpath_relay.py``) this front serves, or None (no fast path)."""
     serving: str = ""
@@ -554,7 +552,6 @@ class Fronts:
 
     def _spec(self, index: int, port: int, parent: int) -> FrontSpec:
         config = replace(self.core.config, port=port, zmq_port=None, workers=())
-        level = logging.getLogger("kvrouter").getEffectiveLevel()
         engine = self.engine
         assert engine is not None  # front 0 owns it
         return FrontSpec(
@@ -565,7 +562,6 @@ class Fronts:
             self.endpoint,
             parent,
             -1,  # the front's own descriptor, given when it is forked
-            level,
             self.fastpath,
             self.serving.name if self.serving is not None else "",
         )

@@ -307,3 +307,25 @@ def test_fronts_are_forked_by_a_single_threaded_server_and_a_stop_sees_a_restart
 def _status(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/status") as fh:
         return dict(line.rstrip("\n").split(":\t", 1) for line in fh if ":\t" in line)
+
+
+def test_a_killed_fork_server_stops_its_fronts_and_front_0_serves_on_and_stops_cleanly(start_up, shm_entries):
+    """The fronts' fork server SIGKILLed: its fronts see their parent go and stop, front 0 logs that no front
+    can be forked again, answers on its own, and still stops with no process and no segment left."""
+    up = start_up("--fronts", "2", "--mock-workers", "2", "--shards", "1", "--client-rate", "0")
+    url = up.expect(URL_LINE, START_TIMEOUT_S)[1]
+    up.expect(re.compile(r"Ctrl-C stops everything"), START_TIMEOUT_S)
+    (front,) = other_fronts(up.proc.pid)
+    os.kill(int(_status(front)["PPid"]), signal.SIGKILL)
+    until(lambda: not Path(f"/proc/{front}").exists(), "front 1 to stop once its parent is gone")
+    until(lambda: "front not started again front=1" in up.stderr_path.read_text(), "front 0 to give up on it")
+    assert up.stderr_path.read_text().count("fronts' fork server exited") == 1
+    client = on_front(url, 0)
+    try:
+        status, ready = client.call("GET", "/ready")
+        assert status == 200, ready
+        status, _ = client.call("POST", "/select", {"model_name": "default", "token_ids": list(range(64))})
+        assert status == 200
+    finally:
+        client.close()
+    stop_and_check(up, signal.SIGTERM, shm_entries)

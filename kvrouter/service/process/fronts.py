@@ -198,8 +198,6 @@ class Fronts:
         self._spawning = asyncio.Lock()
         self._processes: dict[int, _FrontProcess] = {}
         """Front 0: each other front's process, the last one started for its index."""
-        self._by_pid: dict[int, _FrontProcess] = {}
-        """Front 0: the processes whose exit the fork server has not reported yet."""
         self._reaped: dict[int, int] = {}
         """Front 0: exits the fork server reported before its answer to their fork reached the loop."""
         self._forking: asyncio.Future[int] | None = None
@@ -576,8 +574,9 @@ class Fronts:
         Raises:
             EngineError: the server could not be forked.
         """
-        if self.primary and self.count > 1 and self._forks is None:
-            self._forks = ForkServer(target, warm=None, prepare=prepare)
+        assert self.primary  # Service.start, once, on front 0
+        assert self._forks is None
+        self._forks = ForkServer(target, warm=None, prepare=prepare)
 
     async def _start(self, index: int, port: int) -> None:
         forks = self._forks
@@ -628,8 +627,6 @@ class Fronts:
         process = self._processes[index] = _FrontProcess(pid, pidfd, asyncio.get_running_loop().create_future())
         if pid in self._reaped:
             process.ended(self._reaped.pop(pid))
-        else:
-            self._by_pid[pid] = process
         if self._stopping:
             process.signal(signal.SIGTERM)
 
@@ -640,7 +637,8 @@ class Fronts:
         try:
             while reports.poll():
                 pid, code = reports.recv()
-                if (process := self._by_pid.pop(pid, None)) is not None:
+                running = {p.pid: p for p in self._processes.values() if p.running}
+                if (process := running.get(pid)) is not None:
                     process.ended(code)
                 else:  # reaped before its fork's answer reached the loop: _forked takes it
                     self._reaped[pid] = code
@@ -648,9 +646,8 @@ class Fronts:
             asyncio.get_running_loop().remove_reader(reports.fileno())
             if not self._stopping:
                 log.error("fronts' fork server exited pid=%d: a front that exits is not started again", self._forks.pid)
-            for process in self._by_pid.values():  # they stop too: their parent, the server, is gone
+            for process in self._processes.values():  # they stop too: their parent, the server, is gone
                 process.ended(None)
-            self._by_pid.clear()
 
     def ready(self) -> None:
         """Another front, serving: front 0 is told on the socketpair (``_start`` waits for it)."""

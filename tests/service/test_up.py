@@ -130,14 +130,21 @@ def _stat(pid: int) -> tuple[int, str] | None:
     return int(fields[1]), fields[19]
 
 
+def _comm(pid: int) -> str:
+    """A process's name, as ``ps -o comm`` shows it ('' when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _name(pid: int) -> str:
     """What ``ps`` shows for a process: its name and command line ('' when it is gone)."""
     try:
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
         command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
-    return f"{pid} {comm}: {command[:200]}"
+    return f"{pid} {_comm(pid)}: {command[:200]}"
 
 
 def descendants(root: int) -> list[tuple[int, str]]:
@@ -159,15 +166,7 @@ def descendants(root: int) -> list[tuple[int, str]]:
 
 def other_fronts(root: int) -> list[int]:
     """The pids of fronts 1..N-1 of the ``kvrouter up`` ``root``: forked, so named by their process name."""
-    found = []
-    for pid, _ in descendants(root):
-        try:
-            name = Path(f"/proc/{pid}/comm").read_text()
-        except OSError:
-            continue
-        if name.startswith("kvrouter-front"):
-            found.append(pid)
-    return found
+    return [pid for pid, _ in descendants(root) if _comm(pid).startswith("kvrouter-front")]
 
 
 def still_there(tree: list[tuple[int, str]]) -> list[int]:
